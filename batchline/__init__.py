@@ -1,0 +1,1 @@
+"""batchline: a gRPC serving mesh for ONNX models."""

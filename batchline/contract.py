@@ -1,0 +1,118 @@
+"""The Redis contract: key layout, message schema and expiry.
+
+Redis is the only state the services share, so everything a restarted
+service needs lives here, and every key expires so that nothing leaks when
+a service dies (the TTLs below bound how long anything can outlive its use).
+
+Keys (all under the ``bl:`` prefix; messages are protobufs from
+``protos/batchline/protocol/internal.proto``):
+
+============================  ===========  ==================================================
+key                           type         holds
+============================  ===========  ==================================================
+bl:q:{model}:{version}        sorted set   QueueEntry, scored priority-major, deadline-minor
+bl:req:{request_id}           string       the ModelInferRequest (tensors); TTL = budget + grace
+bl:batch:{batch_id}           string       Batch while dispatched; TTL = latest deadline + grace
+bl:work:{executor_id}         list         Batch messages waiting for that executor
+bl:inflight:{executor_id}     set          batch ids dispatched to it and not yet answered
+bl:reply:{gateway_id}         list         Reply messages for that gateway's waiting clients
+bl:exec:{executor_id}         string       ExecutorInfo; TTL = heartbeat TTL (presence)
+bl:executors                  set          executor ids ever seen (members pruned when stale)
+bl:gateway:{gateway_id}       string       the gateway's address; TTL = heartbeat TTL
+bl:notify                     list         wake-up tokens for the scheduler (capped)
+bl:reports                    list         ExecutionReport messages for the scheduler (capped)
+bl:stats:{model}:{version}    hash         Triton-style statistics counters
+============================  ===========  ==================================================
+"""
+from __future__ import annotations
+
+PREFIX = "bl:"
+
+EXECUTORS = PREFIX + "executors"
+NOTIFY = PREFIX + "notify"
+REPORTS = PREFIX + "reports"
+
+# Ordering within a queue: priority level first (1 is highest), then the
+# earliest deadline. deadline_ms is ~1.8e12, so a 1e13 stride keeps both exact
+# in a double (the score type) for hundreds of priority levels.
+_PRIORITY_STRIDE = 10**13
+
+# Expiries, in seconds unless the name says ms.
+PAYLOAD_GRACE_MS = 5_000        # a payload outlives its deadline by this much
+QUEUE_TTL = 3_600               # an idle queue disappears after an hour
+REPLY_TTL = 60                  # a gateway that died leaves its replies this long
+WORK_TTL = 3_600
+STATS_TTL = 7 * 24 * 3_600
+REGISTRY_TTL = 24 * 3_600
+NOTIFY_CAP = 10_000             # tokens beyond this are dropped: one is enough to wake
+REPORTS_CAP = 100_000
+
+
+def queue(model: str, version: str) -> str:
+    return f"{PREFIX}q:{model}:{version}"
+
+
+def payload(request_id: str) -> str:
+    return f"{PREFIX}req:{request_id}"
+
+
+def batch(batch_id: str) -> str:
+    return f"{PREFIX}batch:{batch_id}"
+
+
+def work(executor_id: str) -> str:
+    return f"{PREFIX}work:{executor_id}"
+
+
+def inflight(executor_id: str) -> str:
+    return f"{PREFIX}inflight:{executor_id}"
+
+
+def reply(gateway_id: str) -> str:
+    return f"{PREFIX}reply:{gateway_id}"
+
+
+def executor(executor_id: str) -> str:
+    return f"{PREFIX}exec:{executor_id}"
+
+
+def gateway(gateway_id: str) -> str:
+    return f"{PREFIX}gateway:{gateway_id}"
+
+
+def stats(model: str, version: str) -> str:
+    return f"{PREFIX}stats:{model}:{version}"
+
+
+def queue_score(priority: int, deadline_us: int) -> int:
+    return priority * _PRIORITY_STRIDE + deadline_us // 1000
+
+
+def payload_ttl_ms(deadline_us: int, now_us: int) -> int:
+    return max(1, (deadline_us - now_us) // 1000) + PAYLOAD_GRACE_MS
+
+
+# Moves queue members into a dispatched batch atomically, so that a request is
+# either still queued or in exactly one batch, whatever crashes. Members that
+# vanished meanwhile (their gateway gave up and removed them) are not taken;
+# the executor skips them too, as their payloads are gone. The Batch goes
+# both to the executor's work list (what it runs) and under the batch key
+# (what recovery re-dispatches if that executor dies). Returns how many
+# members were taken; with none, nothing is dispatched.
+#
+# KEYS: queue, batch key, work list, inflight set
+# ARGV: batch_id, batch ttl ms, work ttl s, Batch bytes, member bytes...
+DISPATCH_LUA = """
+local n = 0
+for i = 5, #ARGV do
+  n = n + redis.call('ZREM', KEYS[1], ARGV[i])
+end
+if n > 0 then
+  redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[2])
+  redis.call('RPUSH', KEYS[3], ARGV[4])
+  redis.call('EXPIRE', KEYS[3], ARGV[3])
+  redis.call('SADD', KEYS[4], ARGV[1])
+  redis.call('EXPIRE', KEYS[4], ARGV[3])
+end
+return n
+"""

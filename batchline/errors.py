@@ -1,0 +1,64 @@
+"""Domain errors and the one table that maps them to gRPC status codes.
+
+Every rejection a client sees is raised as one of these, with a message a
+person can act on; servicers translate them with `grpc_status()` and nothing
+else decides status codes.
+"""
+from __future__ import annotations
+
+import grpc
+
+
+class BatchlineError(Exception):
+    """Base of every error that becomes a gRPC status."""
+
+
+class InvalidArgument(BatchlineError):
+    """The request itself is wrong: names, datatypes, shapes, sizes, values."""
+
+
+class NotFound(BatchlineError):
+    """The model or version is not served by any live executor."""
+
+
+class ResourceExhausted(BatchlineError):
+    """The request is too large or the queue is full."""
+
+
+class DeadlineExceeded(BatchlineError):
+    """The latency budget ran out (or cannot be met) before an answer."""
+
+
+class Unavailable(BatchlineError):
+    """A dependency (Redis, every executor of the model) cannot be reached."""
+
+
+class Internal(BatchlineError):
+    """A bug or an unexpected runtime failure."""
+
+
+_CODES: dict[type[BatchlineError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    Internal: grpc.StatusCode.INTERNAL,
+}
+_ERRORS_BY_CODE: dict[int, type[BatchlineError]] = {c.value[0]: e for e, c in _CODES.items()}
+
+
+def grpc_status(error: BaseException) -> grpc.StatusCode:
+    for cls in type(error).__mro__:
+        if cls in _CODES:
+            return _CODES[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def status_value(error: BaseException) -> int:
+    """The numeric gRPC code, as carried in a Reply through Redis."""
+    return grpc_status(error).value[0]
+
+
+def from_status_value(code: int, message: str) -> BatchlineError:
+    return _ERRORS_BY_CODE.get(code, Internal)(message)

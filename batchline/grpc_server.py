@@ -1,0 +1,53 @@
+"""gRPC server bootstrap shared by the services: health and reflection on every one."""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from batchline.protocol._pool import POOL
+
+
+class ServerHandle:
+    def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer, services: list[str]):
+        self.server = server
+        self.port = port
+        self.health = health_servicer
+        self.services = services
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.services]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+async def start_server(
+    host: str,
+    port: int,
+    register: Callable[[grpc.aio.Server], Iterable[str]],
+    options: list[tuple[str, int]] | None = None,
+) -> ServerHandle:
+    """Start a grpc.aio server on host:port (0 = any free port) with health and reflection.
+
+    `register` adds the service's servicers and returns their full service names.
+    """
+    server = grpc.aio.server(options=options or [])
+    services = list(register(server))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # Our stubs live in batchline's own descriptor pool, so reflection must be
+    # pointed at it; it then describes exactly the services batchline defines.
+    reflection.enable_server_reflection([*services, reflection.SERVICE_NAME], server, pool=POOL)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    await server.start()
+    handle = ServerHandle(server, bound, health_servicer, services)
+    await handle.set_serving(False)
+    return handle

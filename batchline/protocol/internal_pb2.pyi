@@ -1,0 +1,175 @@
+from batchline.protocol import inference_pb2 as _inference_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class QueueEntry(_message.Message):
+    __slots__ = ("request_id", "gateway_id", "model_version", "rows", "deadline_us", "enqueued_us", "priority", "traceparent", "tracestate")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_US_FIELD_NUMBER: _ClassVar[int]
+    ENQUEUED_US_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    gateway_id: str
+    model_version: str
+    rows: int
+    deadline_us: int
+    enqueued_us: int
+    priority: int
+    traceparent: str
+    tracestate: str
+    def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., model_version: _Optional[str] = ..., rows: _Optional[int] = ..., deadline_us: _Optional[int] = ..., enqueued_us: _Optional[int] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+
+class Batch(_message.Message):
+    __slots__ = ("batch_id", "model_name", "model_version", "members", "executor_id", "dispatched_us", "reason", "attempt", "traceparent")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_US_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    batch_id: str
+    model_name: str
+    model_version: str
+    members: _containers.RepeatedCompositeFieldContainer[QueueEntry]
+    executor_id: str
+    dispatched_us: int
+    reason: str
+    attempt: int
+    traceparent: str
+    def __init__(self, batch_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., members: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., executor_id: _Optional[str] = ..., dispatched_us: _Optional[int] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class Reply(_message.Message):
+    __slots__ = ("request_id", "code", "message", "response")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    response: _inference_pb2.ModelInferResponse
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[_inference_pb2.ModelInferResponse, _Mapping]] = ...) -> None: ...
+
+class ExecutionReport(_message.Message):
+    __slots__ = ("executor_id", "batch_id", "model_name", "model_version", "rows", "requests", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "failed")
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INPUT_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INFER_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_OUTPUT_NS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    executor_id: str
+    batch_id: str
+    model_name: str
+    model_version: str
+    rows: int
+    requests: int
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
+    failed: int
+    def __init__(self, executor_id: _Optional[str] = ..., batch_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., rows: _Optional[int] = ..., requests: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "datatype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATATYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    datatype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "version", "platform", "max_batch_size", "max_queue_delay_ms", "default_timeout_ms", "default_priority", "priority_levels", "preferred_batch_sizes", "inputs", "outputs", "providers", "padded_inputs", "max_queue_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_DELAY_MS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_LEVELS_FIELD_NUMBER: _ClassVar[int]
+    PREFERRED_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    PROVIDERS_FIELD_NUMBER: _ClassVar[int]
+    PADDED_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    platform: str
+    max_batch_size: int
+    max_queue_delay_ms: float
+    default_timeout_ms: float
+    default_priority: int
+    priority_levels: int
+    preferred_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    outputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    providers: _containers.RepeatedScalarFieldContainer[str]
+    padded_inputs: _containers.RepeatedScalarFieldContainer[str]
+    max_queue_size: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., default_timeout_ms: _Optional[float] = ..., default_priority: _Optional[int] = ..., priority_levels: _Optional[int] = ..., preferred_batch_sizes: _Optional[_Iterable[int]] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., padded_inputs: _Optional[_Iterable[str]] = ..., max_queue_size: _Optional[int] = ...) -> None: ...
+
+class ExecutorInfo(_message.Message):
+    __slots__ = ("executor_id", "address", "models", "started_us", "heartbeat_us", "busy_batches", "executed_batches")
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_US_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_US_FIELD_NUMBER: _ClassVar[int]
+    BUSY_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    EXECUTED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    executor_id: str
+    address: str
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    started_us: int
+    heartbeat_us: int
+    busy_batches: int
+    executed_batches: int
+    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SchedulerStatus(_message.Message):
+    __slots__ = ("scheduler_id", "queues", "executors", "dispatched_batches", "dispatched_requests", "shed_requests")
+    class ModelQueue(_message.Message):
+        __slots__ = ("model_name", "depth")
+        MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+        DEPTH_FIELD_NUMBER: _ClassVar[int]
+        model_name: str
+        depth: int
+        def __init__(self, model_name: _Optional[str] = ..., depth: _Optional[int] = ...) -> None: ...
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    scheduler_id: str
+    queues: _containers.RepeatedCompositeFieldContainer[SchedulerStatus.ModelQueue]
+    executors: _containers.RepeatedCompositeFieldContainer[ExecutorInfo]
+    dispatched_batches: int
+    dispatched_requests: int
+    shed_requests: int
+    def __init__(self, scheduler_id: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[SchedulerStatus.ModelQueue, _Mapping]]] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., dispatched_batches: _Optional[int] = ..., dispatched_requests: _Optional[int] = ..., shed_requests: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,72 @@
+"""Settings shared by the services, and a command line built from them.
+
+Each service has one pydantic-settings class with its own environment
+prefix (BATCHLINE_GATEWAY_, BATCHLINE_SCHEDULER_, BATCHLINE_EXECUTOR_); every
+field is documented, and `--help` is generated from those descriptions, so
+the flags, the environment variables and the docs cannot drift apart.
+Precedence: command-line flag > environment variable > default.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, Sequence, TypeVar, get_args, get_origin
+
+from pydantic import Field
+from pydantic_settings import BaseSettings
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+class CommonSettings(BaseSettings):
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis server holding the queues, payloads and registry (redis:// or unix://).",
+    )
+    host: str = Field("127.0.0.1", description="Interface the gRPC server binds to.")
+    log_level: str = Field("INFO", description="Python logging level: DEBUG, INFO, WARNING or ERROR.")
+    redis_timeout_s: float = Field(
+        1.0, description="Seconds a Redis command may take before the service treats Redis as unavailable."
+    )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def parse_settings(cls: type[S], argv: Sequence[str] | None, prog: str, description: str) -> S:
+    """Build `cls` from the environment, overridden by command-line flags."""
+    env_prefix = cls.model_config.get("env_prefix", "")
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=f"Every flag can also be set as an environment variable {env_prefix}<NAME> (e.g. {env_prefix}REDIS_URL).",
+    )
+    for name, info in cls.model_fields.items():
+        annotation = info.annotation
+        kwargs: dict[str, Any] = {"dest": name, "default": None}
+        default = info.get_default(call_default_factory=True)
+        help_text = f"{info.description} (default: {default!r})"
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif get_origin(annotation) in (list, tuple):
+            inner = get_args(annotation)[0] if get_args(annotation) else str
+            kwargs["type"] = inner
+            kwargs["nargs"] = "*"
+        elif annotation in (int, float, str):
+            kwargs["type"] = annotation
+        else:
+            # Optionals: take the first concrete type.
+            concrete = [a for a in get_args(annotation) if a is not type(None)]
+            kwargs["type"] = concrete[0] if concrete else str
+        parser.add_argument(_flag(name), help=help_text, **kwargs)
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    return cls(**overrides)
+
+
+def configure_logging(level: str, service: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
+    )

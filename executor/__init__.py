@@ -1,0 +1,1 @@
+"""The executor service: runs batches of a model repository on ONNX Runtime."""

@@ -1,0 +1,30 @@
+"""python -m executor: run one executor."""
+from __future__ import annotations
+
+import sys
+
+from batchline.lifecycle import run_service
+from batchline.settings import configure_logging, parse_settings
+from executor.app import ExecutorApp
+from executor.settings import ExecutorSettings
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_settings(
+        ExecutorSettings,
+        argv,
+        prog="python -m executor",
+        description="batchline executor: loads a model repository into ONNX Runtime "
+        "(TensorRT -> CUDA -> CPU, whichever the host has) and runs the batches the scheduler dispatches.",
+    )
+    configure_logging(settings.log_level, "executor")
+
+    async def start():
+        app = await ExecutorApp(settings).start()
+        return app.stop
+
+    run_service(start)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,213 @@
+"""The model repository: config files, ONNX Runtime sessions, and their metadata.
+
+Layout: ``<repo>/<model>/config.toml`` and ``<repo>/<model>/<version>/model.onnx``.
+config.toml keys (all optional):
+
+=========================  ==========================================================
+max_batch_size             rows per batch; 0 = the model has no batch dimension (8)
+max_queue_delay_ms         longest a request waits for company (2.0)
+default_timeout_ms         latency budget of a request that names none (10000)
+preferred_batch_sizes      batch sizes to send as soon as they are reached ([])
+default_priority           priority of a request that names none; 1 is highest (1)
+priority_levels            number of priority levels; 0 = any value is accepted (0)
+max_queue_size             queued requests beyond which new ones are refused; 0 = no cap (0)
+[padding]                  input name -> pad value: inputs whose non-batch dims may be
+                           padded so that requests of different lengths share a batch
+providers                  execution providers for this model, overriding the executor's
+[provider_options.<EP>]    options for one provider, e.g. trt_fp16_enable = true
+=========================  ==========================================================
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from batchline.codec import DATATYPES, onnx_datatype
+from batchline.protocol import internal_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_CONFIG_DEFAULTS: dict[str, Any] = {
+    "max_batch_size": 8,
+    "max_queue_delay_ms": 2.0,
+    "default_timeout_ms": 10_000.0,
+    "preferred_batch_sizes": [],
+    "default_priority": 1,
+    "priority_levels": 0,
+    "max_queue_size": 0,
+    "padding": {},
+    "providers": None,
+    "provider_options": {},
+}
+
+
+class RepositoryError(Exception):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    info: pb.ModelInfo
+    session: ort.InferenceSession
+    padding: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def version(self) -> str:
+        return self.info.version
+
+
+def read_config(model_dir: pathlib.Path) -> dict[str, Any]:
+    path = model_dir / "config.toml"
+    config = dict(_CONFIG_DEFAULTS)
+    if path.exists():
+        with path.open("rb") as f:
+            loaded = tomllib.load(f)
+        unknown = set(loaded) - set(_CONFIG_DEFAULTS)
+        if unknown:
+            raise RepositoryError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(_CONFIG_DEFAULTS)}")
+        config.update(loaded)
+    if config["max_batch_size"] < 0:
+        raise RepositoryError(f"{path}: max_batch_size must be >= 0")
+    return config
+
+
+def choose_providers(
+    preferred: list[str], options: dict[str, dict[str, Any]], available: list[str]
+) -> list[tuple[str, dict[str, Any]]]:
+    """Providers to ask ONNX Runtime for, in order, keeping only those this build has."""
+    chosen = [(p, dict(options.get(p, {}))) for p in preferred if p in available]
+    if not any(p == "CPUExecutionProvider" for p, _ in chosen):
+        chosen.append(("CPUExecutionProvider", {}))
+    return chosen
+
+
+def create_session(
+    path: pathlib.Path, providers: list[tuple[str, dict[str, Any]]], intra_op_threads: int
+) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    if intra_op_threads:
+        opts.intra_op_num_threads = intra_op_threads
+    try:
+        return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+    except Exception as exc:  # noqa: BLE001 - GPU provider libraries missing or broken
+        if [p for p, _ in providers] == ["CPUExecutionProvider"]:
+            raise
+        log.warning("%s: providers %s failed (%s); falling back to CPU", path, [p for p, _ in providers], exc)
+        return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def _tensor_specs(args, batched: bool) -> list[pb.TensorSpec]:
+    specs = []
+    for a in args:
+        shape = [d if isinstance(d, int) and d >= 0 else -1 for d in a.shape]
+        if batched and shape:
+            shape[0] = -1
+        specs.append(pb.TensorSpec(name=a.name, datatype=onnx_datatype(a.type), shape=shape))
+    return specs
+
+
+def load_model(
+    model_dir: pathlib.Path,
+    version_dir: pathlib.Path,
+    config: dict[str, Any],
+    providers: list[str],
+    trt_cache_dir: str,
+    intra_op_threads: int,
+) -> LoadedModel:
+    name, version = model_dir.name, version_dir.name
+    path = version_dir / "model.onnx"
+    options = {k: dict(v) for k, v in config["provider_options"].items()}
+    trt = options.setdefault("TensorrtExecutionProvider", {})
+    trt.setdefault("trt_fp16_enable", True)
+    trt.setdefault("trt_engine_cache_enable", True)
+    trt.setdefault("trt_engine_cache_path", trt_cache_dir or str(version_dir / "trt_cache"))
+    chosen = choose_providers(config["providers"] or providers, options, ort.get_available_providers())
+    session = create_session(path, chosen, intra_op_threads)
+    batched = config["max_batch_size"] > 0
+    inputs = _tensor_specs(session.get_inputs(), batched)
+    outputs = _tensor_specs(session.get_outputs(), batched)
+    if batched:
+        for spec in [*inputs, *outputs]:
+            if not spec.shape:
+                raise RepositoryError(f"{path}: max_batch_size > 0 but '{spec.name}' has no batch dimension")
+    padding = dict(config["padding"])
+    unknown_pad = set(padding) - {s.name for s in inputs}
+    if unknown_pad:
+        raise RepositoryError(f"{model_dir}/config.toml: [padding] names unknown inputs {sorted(unknown_pad)}")
+    info = pb.ModelInfo(
+        name=name,
+        version=version,
+        platform="onnxruntime_onnx",
+        max_batch_size=config["max_batch_size"],
+        max_queue_delay_ms=float(config["max_queue_delay_ms"]),
+        default_timeout_ms=float(config["default_timeout_ms"]),
+        default_priority=int(config["default_priority"]),
+        priority_levels=int(config["priority_levels"]),
+        preferred_batch_sizes=list(config["preferred_batch_sizes"]),
+        inputs=inputs,
+        outputs=outputs,
+        # What the session really runs on: onnxruntime-gpu lists CUDA/TensorRT
+        # as available on hosts without CUDA and silently falls back.
+        providers=session.get_providers(),
+        padded_inputs=sorted(padding),
+        max_queue_size=int(config["max_queue_size"]),
+    )
+    return LoadedModel(info=info, session=session, padding=padding)
+
+
+def load_repository(
+    root: str | pathlib.Path,
+    only: list[str] | None = None,
+    providers: list[str] | None = None,
+    trt_cache_dir: str = "",
+    intra_op_threads: int = 0,
+) -> list[LoadedModel]:
+    root = pathlib.Path(root)
+    if not root.is_dir():
+        raise RepositoryError(f"model repository {root} does not exist")
+    models = []
+    for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        if only and model_dir.name not in only:
+            continue
+        versions = sorted(p for p in model_dir.iterdir() if p.is_dir() and (p / "model.onnx").exists())
+        if not versions:
+            continue
+        config = read_config(model_dir)
+        for version_dir in versions:
+            model = load_model(
+                model_dir, version_dir, config, providers or ["CPUExecutionProvider"], trt_cache_dir, intra_op_threads
+            )
+            log.info(
+                "loaded %s version %s on %s (max_batch_size %d)",
+                model.name, model.version, list(model.info.providers), model.info.max_batch_size,
+            )
+            models.append(model)
+    if only:
+        missing = set(only) - {m.name for m in models}
+        if missing:
+            raise RepositoryError(f"models {sorted(missing)} not found in {root}")
+    if not models:
+        raise RepositoryError(f"no models found in {root} (expected <model>/<version>/model.onnx)")
+    return models
+
+
+def warmup_inputs(model: LoadedModel, rows: int = 1) -> dict[str, np.ndarray]:
+    """Zero-filled inputs with every free dimension set small, for a warm-up run."""
+    feeds = {}
+    for spec in model.info.inputs:
+        shape = [d if d >= 0 else 8 for d in spec.shape]
+        if model.info.max_batch_size > 0:
+            shape[0] = rows
+        dtype = DATATYPES[spec.datatype]
+        feeds[spec.name] = np.zeros(shape, dtype=dtype if spec.datatype != "BYTES" else object)
+    return feeds

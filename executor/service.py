@@ -1,0 +1,303 @@
+"""The executor: takes dispatched batches from Redis, runs them, writes the answers back.
+
+Per batch: one MGET for every member's payload, one model run per shape
+group (off the event loop), one pipelined write of all replies, statistics
+and the execution report. A member that cannot be decoded or that makes the
+model fail is answered alone; its neighbours still get their results.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import redis.exceptions
+
+from batchline import contract
+from batchline.clock import now_us
+from batchline.codec import decode_inputs, encode_array
+from batchline.errors import BatchlineError, InvalidArgument, NotFound, status_value
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import internal_pb2 as pb
+from batchline.protocol import internal_pb2_grpc
+from batchline.redis_client import connect, connect_blocking
+from executor.batching import assemble, split
+from executor.repository import LoadedModel, warmup_inputs
+from executor.settings import ExecutorSettings
+
+log = logging.getLogger(__name__)
+
+REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+
+@dataclass
+class _Member:
+    entry: pb.QueueEntry
+    request: ipb.ModelInferRequest | None = None
+    inputs: dict[str, np.ndarray] | None = None
+    outputs: dict[str, np.ndarray] | None = None
+    error: BatchlineError | None = None
+
+
+class Executor:
+    def __init__(self, settings: ExecutorSettings, models: list[LoadedModel]):
+        self.settings = settings
+        self.executor_id = settings.executor_id or f"exec-{uuid.uuid4().hex[:12]}"
+        self.models = {(m.name, m.version): m for m in models}
+        self.redis = connect(settings.redis_url, settings.redis_timeout_s)
+        self.blocking = connect_blocking(settings.redis_url, settings.redis_timeout_s)
+        self.address = ""
+        self.started_us = now_us()
+        self.executed_batches = 0
+        self.busy_batches = 0
+        # ONNX Runtime already spreads one run over every core: running two
+        # at once only adds contention, so runs are serialised while fetching
+        # and answering overlap with them.
+        self._compute = asyncio.Lock()
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def warmup(self) -> None:
+        for model in self.models.values():
+            feeds = warmup_inputs(model)
+            t = time.perf_counter()
+            model.session.run(None, feeds)
+            log.info("warmed up %s:%s in %.1f ms", model.name, model.version, (time.perf_counter() - t) * 1e3)
+
+    def info(self) -> pb.ExecutorInfo:
+        return pb.ExecutorInfo(
+            executor_id=self.executor_id,
+            address=self.address,
+            models=[m.info for m in self.models.values()],
+            started_us=self.started_us,
+            heartbeat_us=now_us(),
+            busy_batches=self.busy_batches,
+            executed_batches=self.executed_batches,
+        )
+
+    async def register(self) -> None:
+        ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(contract.executor(self.executor_id), self.info().SerializeToString(), px=ttl_ms)
+            pipe.sadd(contract.EXECUTORS, self.executor_id)
+            pipe.expire(contract.EXECUTORS, contract.REGISTRY_TTL)
+            await pipe.execute()
+
+    async def start(self, address: str) -> None:
+        self.address = address
+        await self.register()
+        self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
+        for i in range(max(1, self.settings.concurrent_batches)):
+            self._tasks.append(asyncio.create_task(self._work_loop(), name=f"worker-{i}"))
+        log.info("executor %s serving %s", self.executor_id, sorted(f"{n}:{v}" for n, v in self.models))
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.delete(contract.executor(self.executor_id))
+                pipe.srem(contract.EXECUTORS, self.executor_id)
+                await pipe.execute()
+        except REDIS_ERRORS:
+            pass
+        await self.redis.aclose()
+        await self.blocking.aclose()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                await self.register()
+            except REDIS_ERRORS as exc:
+                log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def _work_loop(self) -> None:
+        key = contract.work(self.executor_id)
+        while True:
+            try:
+                item = await self.blocking.blpop([key], timeout=1)
+            except REDIS_ERRORS as exc:
+                log.warning("waiting for work failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            if item is None:
+                continue
+            batch = pb.Batch.FromString(item[1])
+            try:
+                await self.process(batch)
+            except REDIS_ERRORS as exc:
+                # The batch stays in our inflight set; recovery hands it on.
+                log.error("batch %s: Redis failed while processing: %s", batch.batch_id, exc)
+            except Exception:  # noqa: BLE001 - one bad batch must not kill the worker
+                log.exception("batch %s failed", batch.batch_id)
+
+    # -- one batch ---------------------------------------------------------
+
+    async def process(self, batch: pb.Batch) -> None:
+        self.busy_batches += 1
+        try:
+            await self._process(batch)
+        finally:
+            self.busy_batches -= 1
+            self.executed_batches += 1
+
+    async def _process(self, batch: pb.Batch) -> None:
+        start_us = now_us()
+        t0 = time.perf_counter_ns()
+        payloads = await self.redis.mget([contract.payload(m.request_id) for m in batch.members])
+        model = self.models.get((batch.model_name, batch.model_version))
+        members: list[_Member] = []
+        for entry, blob in zip(batch.members, payloads):
+            if blob is None:
+                continue  # answered or abandoned meanwhile: nobody is waiting
+            m = _Member(entry)
+            members.append(m)
+            if model is None:
+                m.error = NotFound(f"executor {self.executor_id} does not hold {batch.model_name}:{batch.model_version}")
+                continue
+            try:
+                m.request = ipb.ModelInferRequest.FromString(blob)
+                m.inputs = decode_inputs(m.request)
+            except BatchlineError as exc:
+                m.error = exc
+            except Exception as exc:  # noqa: BLE001 - a corrupt payload fails alone
+                m.error = InvalidArgument(f"request could not be decoded: {exc}")
+        runnable = [m for m in members if m.error is None]
+        t1 = time.perf_counter_ns()
+        if runnable:
+            async with self._compute:
+                await self._run(model, runnable)
+        t2 = time.perf_counter_ns()
+        replies: dict[str, list[bytes]] = defaultdict(list)
+        for m in members:
+            replies[m.entry.gateway_id].append(self._reply(model, m).SerializeToString())
+        t3 = time.perf_counter_ns()
+        await self._write(batch, model, members, replies, start_us, (t1 - t0, t2 - t1, t3 - t2))
+
+    async def _run(self, model: LoadedModel, members: list[_Member]) -> None:
+        batched = model.info.max_batch_size > 0
+        groups = assemble([m.inputs for m in members], model.padding, batched)
+        for group in groups:
+            group_members = [members[i] for i in group.members]
+            try:
+                outputs = await asyncio.to_thread(self._session_run, model, group.inputs)
+            except Exception as exc:  # noqa: BLE001
+                if len(group_members) == 1:
+                    group_members[0].error = InvalidArgument(f"model '{model.name}' failed on this request: {exc}")
+                    continue
+                # Someone in the group poisons the run: retry each alone so
+                # only the culprit fails.
+                log.warning("%s: batch of %d failed (%s); retrying members one by one", model.name, len(group_members), exc)
+                await self._run_singly(model, group_members)
+                continue
+            for m, out in zip(group_members, split(outputs, group.rows, batched)):
+                m.outputs = out
+
+    async def _run_singly(self, model: LoadedModel, members: list[_Member]) -> None:
+        for m in members:
+            try:
+                m.outputs = await asyncio.to_thread(self._session_run, model, m.inputs)
+            except Exception as exc:  # noqa: BLE001
+                m.error = InvalidArgument(f"model '{model.name}' failed on this request: {exc}")
+
+    @staticmethod
+    def _session_run(model: LoadedModel, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = [o.name for o in model.info.outputs]
+        return dict(zip(names, model.session.run(names, feeds)))
+
+    @staticmethod
+    def _reply(model: LoadedModel | None, m: _Member) -> pb.Reply:
+        if m.error is not None or m.outputs is None:
+            error = m.error or InvalidArgument("request produced no output")
+            return pb.Reply(request_id=m.entry.request_id, code=status_value(error), message=str(error))
+        req = m.request
+        response = ipb.ModelInferResponse(model_name=model.name, model_version=model.version, id=req.id)
+        wanted = [o.name for o in req.outputs] or [o.name for o in model.info.outputs]
+        for name in wanted:
+            datatype, shape, raw = encode_array(m.outputs[name])
+            response.outputs.add(name=name, datatype=datatype, shape=shape)
+            response.raw_output_contents.append(raw)
+        return pb.Reply(request_id=m.entry.request_id, code=0, response=response)
+
+    async def _write(self, batch, model, members, replies, start_us, phases) -> None:
+        input_ns, infer_ns, output_ns = phases
+        done_us = now_us()
+        ok = [m for m in members if m.error is None and m.outputs is not None]
+        rows = sum(m.entry.rows for m in ok)
+        report = pb.ExecutionReport(
+            executor_id=self.executor_id,
+            batch_id=batch.batch_id,
+            model_name=batch.model_name,
+            model_version=batch.model_version,
+            rows=rows,
+            requests=len(members),
+            compute_input_ns=input_ns,
+            compute_infer_ns=infer_ns,
+            compute_output_ns=output_ns,
+            failed=len(members) - len(ok),
+        )
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for gateway_id, items in replies.items():
+                key = contract.reply(gateway_id)
+                pipe.rpush(key, *items)
+                pipe.expire(key, contract.REPLY_TTL)
+            keys = [contract.payload(m.request_id) for m in batch.members]
+            pipe.delete(*keys, contract.batch(batch.batch_id))
+            pipe.srem(contract.inflight(self.executor_id), batch.batch_id)
+            pipe.rpush(contract.REPORTS, report.SerializeToString())
+            pipe.ltrim(contract.REPORTS, -contract.REPORTS_CAP, -1)
+            pipe.expire(contract.REPORTS, contract.QUEUE_TTL)
+            if model is not None and ok:
+                self._count_stats(pipe, model, ok, rows, start_us, done_us, phases)
+            if len(ok) < len(members):
+                skey = contract.stats(batch.model_name, batch.model_version)
+                failed = [m for m in members if m not in ok]
+                pipe.hincrby(skey, "fail_count", len(failed))
+                pipe.hincrby(skey, "fail_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in failed))
+                pipe.expire(skey, contract.STATS_TTL)
+            await pipe.execute()
+
+    @staticmethod
+    def _count_stats(pipe, model, ok, rows, start_us, done_us, phases) -> None:
+        input_ns, infer_ns, output_ns = phases
+        key = contract.stats(model.name, model.version)
+        n = len(ok)
+        for field, value in (
+            ("success_count", n),
+            ("success_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in ok)),
+            ("queue_count", n),
+            ("queue_ns", sum(max(0, start_us - m.entry.enqueued_us) * 1000 for m in ok)),
+            ("compute_input_count", n),
+            ("compute_input_ns", input_ns * n),
+            ("compute_infer_count", n),
+            ("compute_infer_ns", infer_ns * n),
+            ("compute_output_count", n),
+            ("compute_output_ns", output_ns * n),
+            ("inference_count", rows),
+            ("execution_count", 1),
+            (f"batch:{rows}:count", 1),
+            (f"batch:{rows}:compute_input_ns", input_ns),
+            (f"batch:{rows}:compute_infer_ns", infer_ns),
+            (f"batch:{rows}:compute_output_ns", output_ns),
+        ):
+            pipe.hincrby(key, field, value)
+        pipe.hset(key, "last_inference_ms", done_us // 1000)
+        pipe.expire(key, contract.STATS_TTL)
+
+
+class ExecutorControl(internal_pb2_grpc.ExecutorServicer):
+    def __init__(self, executor: Executor):
+        self.executor = executor
+
+    async def Status(self, request, context):
+        return self.executor.info()

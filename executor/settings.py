@@ -1,0 +1,38 @@
+"""Executor settings (environment prefix BATCHLINE_EXECUTOR_)."""
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from batchline.settings import CommonSettings
+
+DEFAULT_PROVIDERS = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+class ExecutorSettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="BATCHLINE_EXECUTOR_")
+
+    model_repository: str = Field(
+        "model_repository", description="Model repository: <repo>/<model>/<version>/model.onnx plus <repo>/<model>/config.toml."
+    )
+    models: list[str] = Field(
+        default_factory=list, description="Only load these models (default: every model in the repository)."
+    )
+    port: int = Field(0, description="Port of the executor's control gRPC server (0 = any free port).")
+    executor_id: str = Field("", description="Stable id of this executor (default: a random one per process).")
+    providers: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_PROVIDERS),
+        description="ONNX Runtime execution providers in order of preference; those the host lacks are skipped.",
+    )
+    trt_engine_cache_dir: str = Field(
+        "", description="TensorRT engine cache directory (default: <repo>/<model>/<version>/trt_cache)."
+    )
+    intra_op_threads: int = Field(0, description="ONNX Runtime intra-op threads per session (0 = ONNX Runtime's default).")
+    concurrent_batches: int = Field(
+        2, description="Batches in progress at once: one computes while the next is fetched and the last is answered."
+    )
+    heartbeat_interval_s: float = Field(1.0, description="Seconds between registrations in Redis.")
+    heartbeat_ttl_s: float = Field(
+        3.0, description="Seconds without a heartbeat after which the executor is considered dead."
+    )
+    warmup: bool = Field(True, description="Run each model once at load so the first request does not pay for it.")

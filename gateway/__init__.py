@@ -1,0 +1,1 @@
+"""The gateway service: the public KServe v2 gRPC endpoint."""

@@ -1,0 +1,33 @@
+"""python -m gateway: run the public KServe v2 gRPC endpoint."""
+from __future__ import annotations
+
+import logging
+import sys
+
+from batchline.lifecycle import run_service
+from batchline.settings import configure_logging, parse_settings
+from gateway.app import GatewayApp
+from gateway.settings import GatewaySettings
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_settings(
+        GatewaySettings,
+        argv,
+        prog="python -m gateway",
+        description="batchline gateway: the KServe v2 / Open Inference Protocol gRPC endpoint "
+        "(inference.GRPCInferenceService). Validates requests, stamps their latency budget and "
+        "priority, queues them in Redis and answers when the result comes back.",
+    )
+    configure_logging(settings.log_level, "gateway")
+
+    async def start():
+        app = await GatewayApp(settings).start()
+        logging.getLogger("gateway").info("gateway %s listening on %s", app.gateway.gateway_id, app.address)
+        return app.stop
+
+    run_service(start)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,45 @@
+"""Wiring of the gateway service: the public gRPC server around the Gateway."""
+from __future__ import annotations
+
+from batchline.grpc_server import ServerHandle, start_server
+from batchline.protocol import inference_pb2, inference_pb2_grpc
+from gateway.core import Gateway
+from gateway.servicer import InferenceServicer
+from gateway.settings import GatewaySettings
+
+
+class GatewayApp:
+    def __init__(self, settings: GatewaySettings):
+        self.settings = settings
+        self.gateway = Gateway(settings)
+        self.server: ServerHandle | None = None
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.host}:{self.server.port}"
+
+    async def start(self) -> "GatewayApp":
+        s = self.settings
+
+        def register(server):
+            inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.gateway), server)
+            return [inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name]
+
+        options = [
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+        ]
+        self.server = await start_server(s.host, s.port, register, options)
+        await self.gateway.start(self.address)
+        await self.server.set_serving(True)
+        return self
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self.server.set_serving(False)
+        # Stop taking new calls first, let in-flight ones finish, then let go of Redis.
+        await self.server.stop(grace)
+        await self.gateway.stop()

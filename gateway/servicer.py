@@ -1,0 +1,132 @@
+"""inference.GRPCInferenceService: protobuf and status codes in, Gateway calls out."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from batchline.errors import BatchlineError, grpc_status
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import inference_pb2_grpc
+from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
+
+log = logging.getLogger(__name__)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BatchlineError):
+    await context.abort(grpc_status(exc), str(exc))
+
+
+def _duration(stats: dict[str, int], prefix: str) -> ipb.StatisticDuration:
+    return ipb.StatisticDuration(count=stats.get(f"{prefix}_count", 0), ns=stats.get(f"{prefix}_ns", 0))
+
+
+def model_statistics(info, stats: dict[str, int]) -> ipb.ModelStatistics:
+    batch_sizes = sorted({int(k.split(":")[1]) for k in stats if k.startswith("batch:")})
+    return ipb.ModelStatistics(
+        name=info.name,
+        version=info.version,
+        last_inference=stats.get("last_inference_ms", 0),
+        inference_count=stats.get("inference_count", 0),
+        execution_count=stats.get("execution_count", 0),
+        inference_stats=ipb.InferStatistics(
+            success=_duration(stats, "success"),
+            fail=_duration(stats, "fail"),
+            queue=_duration(stats, "queue"),
+            compute_input=_duration(stats, "compute_input"),
+            compute_infer=_duration(stats, "compute_infer"),
+            compute_output=_duration(stats, "compute_output"),
+        ),
+        batch_stats=[
+            ipb.InferBatchStatistics(
+                batch_size=n,
+                compute_input=ipb.StatisticDuration(count=stats[f"batch:{n}:count"], ns=stats.get(f"batch:{n}:compute_input_ns", 0)),
+                compute_infer=ipb.StatisticDuration(count=stats[f"batch:{n}:count"], ns=stats.get(f"batch:{n}:compute_infer_ns", 0)),
+                compute_output=ipb.StatisticDuration(count=stats[f"batch:{n}:count"], ns=stats.get(f"batch:{n}:compute_output_ns", 0)),
+            )
+            for n in batch_sizes
+        ],
+    )
+
+
+class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    async def ServerLive(self, request, context):
+        return ipb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return ipb.ServerReadyResponse(ready=await self.gateway.ready())
+
+    async def ModelReady(self, request, context):
+        return ipb.ModelReadyResponse(ready=await self.gateway.model_ready(request.name, request.version))
+
+    async def ServerMetadata(self, request, context):
+        return ipb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS)
+
+    async def ModelMetadata(self, request, context):
+        try:
+            info = await self.gateway.model(request.name, request.version)
+        except BatchlineError as exc:
+            await _abort(context, exc)
+        tensor = ipb.ModelMetadataResponse.TensorMetadata
+        return ipb.ModelMetadataResponse(
+            name=info.name,
+            versions=self.gateway.registry.versions(info.name),
+            platform=info.platform,
+            inputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in info.inputs],
+            outputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in info.outputs],
+        )
+
+    async def ModelInfer(self, request, context):
+        try:
+            return await self.gateway.infer(request, context.time_remaining())
+        except BatchlineError as exc:
+            await _abort(context, exc)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        # Requests on a stream run concurrently and are answered as they
+        # finish; clients match answers to requests by id.
+        answers: asyncio.Queue = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+
+        async def one(request: ipb.ModelInferRequest) -> None:
+            try:
+                response = await self.gateway.infer(request, context.time_remaining())
+                await answers.put(ipb.ModelStreamInferResponse(infer_response=response))
+            except BatchlineError as exc:
+                await answers.put(
+                    ipb.ModelStreamInferResponse(
+                        error_message=f"[{grpc_status(exc).name}] {exc}",
+                        infer_response=ipb.ModelInferResponse(
+                            id=request.id, model_name=request.model_name, model_version=request.model_version
+                        ),
+                    )
+                )
+
+        async def read() -> None:
+            async for request in request_iterator:
+                task = asyncio.create_task(one(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            while tasks:
+                await asyncio.gather(*list(tasks))
+            await answers.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await answers.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+            for t in list(tasks):
+                t.cancel()
+
+    async def ModelStatistics(self, request, context):
+        try:
+            entries = await self.gateway.statistics(request.name, request.version)
+        except BatchlineError as exc:
+            await _abort(context, exc)
+        return ipb.ModelStatisticsResponse(model_stats=[model_statistics(info, s) for info, s in entries])

@@ -1,0 +1,105 @@
+"""Checking a ModelInferRequest against the model's metadata before it is queued.
+
+Everything that can be known to be wrong at the door is refused here with
+INVALID_ARGUMENT and a message that names the input and what was expected,
+so a bad request never reaches a batch.
+"""
+from __future__ import annotations
+
+from batchline.codec import decode_inputs
+from batchline.errors import InvalidArgument
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import internal_pb2 as pb
+
+# Request-level parameters batchline understands; others are passed along untouched.
+_UNSUPPORTED_REQUEST_PARAMS = {
+    "sequence_id": "sequence batching is not supported; send each request on its own",
+}
+_SHM_PARAM = "shared_memory_region"
+
+def _param_int(param: ipb.InferParameter, name: str) -> int:
+    kind = param.WhichOneof("parameter_choice")
+    if kind in ("int64_param", "uint64_param"):
+        return getattr(param, kind)
+    raise InvalidArgument(f"parameter '{name}' must be an integer, got {kind or 'nothing'}")
+
+def request_timeout_us(request: ipb.ModelInferRequest) -> int | None:
+    """The `timeout` parameter (microseconds, Triton's convention); None or 0 = not set."""
+    if "timeout" not in request.parameters:
+        return None
+    value = _param_int(request.parameters["timeout"], "timeout")
+    if value < 0:
+        raise InvalidArgument(f"parameter 'timeout' must be >= 0 microseconds, got {value}")
+    return value or None
+
+def request_priority(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
+    """Priority level, 1 highest; 0 or absent means the model's default."""
+    value = 0
+    if "priority" in request.parameters:
+        value = _param_int(request.parameters["priority"], "priority")
+    if value < 0:
+        raise InvalidArgument(f"parameter 'priority' must be >= 0, got {value}")
+    if value == 0:
+        return max(1, model.default_priority)
+    if model.priority_levels and value > model.priority_levels:
+        raise InvalidArgument(
+            f"priority {value} is out of range for model '{model.name}': levels are 1 (highest) to {model.priority_levels}"
+        )
+    return value
+
+def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
+    """Check the request against `model`; return its batch size (rows)."""
+    for name, reason in _UNSUPPORTED_REQUEST_PARAMS.items():
+        if name in request.parameters:
+            param = request.parameters[name]
+            kind = param.WhichOneof("parameter_choice")
+            if kind and getattr(param, kind):
+                raise InvalidArgument(f"parameter '{name}': {reason}")
+
+    specs = {s.name: s for s in model.inputs}
+    given = [t.name for t in request.inputs]
+    missing = [n for n in specs if n not in given]
+    if missing:
+        raise InvalidArgument(
+            f"model '{model.name}' expects inputs {list(specs)}; missing {missing}"
+        )
+    unknown = [n for n in given if n not in specs]
+    if unknown:
+        raise InvalidArgument(f"model '{model.name}' has no input(s) {unknown}; its inputs are {list(specs)}")
+
+    batched = model.max_batch_size > 0
+    rows = None
+    for tensor in request.inputs:
+        spec = specs[tensor.name]
+        if _SHM_PARAM in tensor.parameters:
+            raise InvalidArgument(f"input '{tensor.name}': shared memory is not supported; send the data in the request")
+        if tensor.datatype != spec.datatype:
+            raise InvalidArgument(
+                f"input '{tensor.name}' of model '{model.name}' must be {spec.datatype}, got {tensor.datatype or 'no datatype'}"
+            )
+        shape = list(tensor.shape)
+        if len(shape) != len(spec.shape) or any(s != -1 and s != d for s, d in zip(spec.shape, shape)):
+            expected = ["batch" if (batched and i == 0) else (d if d != -1 else "any") for i, d in enumerate(spec.shape)]
+            raise InvalidArgument(f"input '{tensor.name}' must have shape {expected}, got {shape}")
+        if batched:
+            n = shape[0]
+            if n < 1 or n > model.max_batch_size:
+                raise InvalidArgument(
+                    f"input '{tensor.name}': batch size {n} is outside 1..{model.max_batch_size} (max_batch_size of model '{model.name}')"
+                )
+            if rows is not None and n != rows:
+                raise InvalidArgument(f"inputs disagree on the batch size: '{tensor.name}' has {n}, others {rows}")
+            rows = n
+
+    for out in request.outputs:
+        if out.name not in {s.name for s in model.outputs}:
+            raise InvalidArgument(
+                f"model '{model.name}' has no output '{out.name}'; its outputs are {[s.name for s in model.outputs]}"
+            )
+        if _SHM_PARAM in out.parameters:
+            raise InvalidArgument(f"output '{out.name}': shared memory is not supported")
+
+    # Sizes: decoding checks byte counts against shapes without copying the data.
+    decode_inputs(request)
+    return rows if rows is not None else 1
+

@@ -1,0 +1,1 @@
+"""The scheduler service: forms dynamic batches from the Redis queues and dispatches them."""

@@ -1,0 +1,31 @@
+"""python -m scheduler: run the scheduler."""
+from __future__ import annotations
+
+import sys
+
+from batchline.lifecycle import run_service
+from batchline.settings import configure_logging, parse_settings
+from scheduler.app import SchedulerApp
+from scheduler.settings import SchedulerSettings
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_settings(
+        SchedulerSettings,
+        argv,
+        prog="python -m scheduler",
+        description="batchline scheduler: watches the Redis queues, forms dynamic batches "
+        "(earliest deadline first within a priority, max_batch_size, max_queue_delay, deadlines) "
+        "and dispatches them to the least-loaded executor holding the model.",
+    )
+    configure_logging(settings.log_level, "scheduler")
+
+    async def start():
+        app = await SchedulerApp(settings).start()
+        return app.stop
+
+    run_service(start)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,88 @@
+"""An in-process mesh for tests: real gateway, scheduler and executors on port 0.
+
+The services run on their own event loop in a background thread, so tests
+can drive them with the synchronous tritonclient as well as the aio one.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+
+import redis
+
+from executor.app import ExecutorApp
+from executor.settings import ExecutorSettings
+from gateway.app import GatewayApp
+from gateway.settings import GatewaySettings
+from scheduler.app import SchedulerApp
+from scheduler.settings import SchedulerSettings
+
+
+class Mesh:
+    def __init__(self, redis_url: str, model_repository: str, executors: int = 1, models: list[str] | None = None,
+                 **scheduler_overrides):
+        self.redis_url = redis_url
+        self.repo = model_repository
+        self.n_executors = executors
+        self.models = models or []
+        self.scheduler_overrides = scheduler_overrides
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="mesh")
+        self.gateway: GatewayApp | None = None
+        self.scheduler: SchedulerApp | None = None
+        self.executors: list[ExecutorApp] = []
+
+    def call(self, coro, timeout: float = 120):
+        fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gateway.port}"
+
+    def start(self) -> "Mesh":
+        redis.Redis.from_url(self.redis_url).flushdb()
+        self.thread.start()
+        self.call(self._start())
+        return self
+
+    async def _start(self) -> None:
+        for i in range(self.n_executors):
+            self.executors.append(await self._start_executor(i))
+        self.scheduler = await SchedulerApp(
+            SchedulerSettings(redis_url=self.redis_url, port=0, **self.scheduler_overrides)
+        ).start()
+        self.gateway = await GatewayApp(GatewaySettings(redis_url=self.redis_url, port=0)).start()
+
+    async def _start_executor(self, i: int) -> ExecutorApp:
+        settings = ExecutorSettings(
+            redis_url=self.redis_url,
+            model_repository=self.repo,
+            models=self.models,
+            port=0,
+            executor_id=f"test-exec-{i}",
+            intra_op_threads=1,
+        )
+        return await ExecutorApp(settings).start()
+
+    def stop(self) -> None:
+        async def _stop():
+            if self.gateway:
+                await self.gateway.stop(0)
+            if self.scheduler:
+                await self.scheduler.stop(0)
+            for e in self.executors:
+                await e.stop(0)
+
+        try:
+            self.call(_stop(), timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+    def __enter__(self) -> "Mesh":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
