@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 
 import pytest
 
@@ -9,6 +10,7 @@ from batchline.demo_models import build_repository
 from batchline.embedded_redis import EmbeddedRedis
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # tests/mesh.py
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +25,29 @@ def model_repository() -> pathlib.Path:
     """The demo repository, built once and cached across runs (the build is deterministic)."""
     path = pathlib.Path(os.environ.get("BATCHLINE_TEST_REPOSITORY", ROOT / ".cache" / "model_repository"))
     return build_repository(path)
+
+
+@pytest.fixture(scope="module")
+def mesh(redis_server, model_repository):
+    """One gateway, one scheduler and one executor serving the demo models (shared by a test module)."""
+    from mesh import Mesh
+
+    with Mesh(redis_server.url, str(model_repository)) as m:
+        yield m
+
+
+@pytest.fixture
+def mesh_factory(redis_server, model_repository):
+    """Start meshes with other shapes (more executors, scheduler overrides); stopped after the test."""
+    from mesh import Mesh
+
+    started = []
+
+    def make(**kwargs) -> "Mesh":
+        m = Mesh(redis_server.url, str(model_repository), **kwargs).start()
+        started.append(m)
+        return m
+
+    yield make
+    for m in started:
+        m.stop()
