@@ -204,8 +204,12 @@ class Gateway:
     # -- metadata and statistics ------------------------------------------
 
     async def ready(self) -> bool:
+        """Ready when Redis answers and at least one live executor serves a model."""
         try:
-            await self.redis.ping()
+            if not self.registry.models:
+                await self.refresh_registry()
+            else:
+                await self.redis.ping()
         except REDIS_ERRORS:
             return False
         return bool(self.registry.models)

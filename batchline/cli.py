@@ -1,0 +1,181 @@
+"""The `batchline` command: run the whole mesh locally, or build the demo models.
+
+    batchline up                 Redis + executor(s) + scheduler + gateway, demo models by default
+    batchline build-models PATH  build the demo model repository (minilm, mlp) into PATH
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import redis
+
+from batchline import contract
+from batchline.embedded_redis import EmbeddedRedis
+
+DEFAULT_REPOSITORY = "model_repository"
+
+
+def _build_demo(path: pathlib.Path) -> None:
+    try:
+        from batchline.demo_models import build_repository
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise SystemExit(f"cannot build the demo models ({exc}); install them with: pip install -e '.[demo]'")
+    print(f"batchline: building the demo model repository in {path} ...", flush=True)
+    build_repository(path)
+
+
+def _server_ready(address: str) -> bool:
+    """ServerReady through the gateway's own gRPC endpoint, as a client would see it."""
+    import grpc
+
+    from batchline.protocol import inference_pb2, inference_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+            return stub.ServerReady(inference_pb2.ServerReadyRequest(), timeout=2).ready
+        except grpc.RpcError:
+            return False
+
+
+class Mesh:
+    """The processes of a local mesh, started in dependency order and stopped in reverse."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.redis: EmbeddedRedis | None = None
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def _spawn(self, name: str, module: str, *flags: str) -> None:
+        cmd = [sys.executable, "-m", module, "--redis-url", self.redis_url, "--host", self.args.host,
+               "--log-level", self.args.log_level, *flags]
+        proc = subprocess.Popen(cmd)
+        self.procs.append((name, proc))
+        print(f"batchline: started {name} (pid {proc.pid})", flush=True)
+
+    def start(self) -> str:
+        a = self.args
+        repo = pathlib.Path(a.model_repository).resolve()
+        if not repo.exists():
+            _build_demo(repo)
+        if a.redis_url:
+            self.redis_url = a.redis_url
+        else:
+            self.redis = EmbeddedRedis(host="127.0.0.1").start()
+            self.redis_url = self.redis.url
+            print(f"batchline: started Redis {self.redis.binary} at {self.redis_url}", flush=True)
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
+        client.ping()
+        for i in range(a.executors):
+            self._spawn(f"executor-{i}", "executor", "--model-repository", str(repo), "--executor-id", f"executor-{i}")
+        self._spawn("scheduler", "scheduler")
+        self._spawn("gateway", "gateway", "--port", str(a.gateway_port), "--gateway-id", "gateway-0")
+        return self._wait_ready(client)
+
+    def _wait_ready(self, client: redis.Redis) -> str:
+        deadline = time.monotonic() + self.args.startup_timeout
+        while time.monotonic() < deadline:
+            self.check_children()
+            address = client.get(contract.gateway("gateway-0"))
+            live = [e for e in client.smembers(contract.EXECUTORS) if client.exists(contract.executor(e.decode()))]
+            if address and len(live) >= self.args.executors and _server_ready(address.decode()):
+                return address.decode()
+            time.sleep(0.1)
+        raise SystemExit(f"batchline: the mesh did not come up within {self.args.startup_timeout} s")
+
+    def check_children(self) -> None:
+        for name, proc in self.procs:
+            code = proc.poll()
+            if code is not None:
+                raise SystemExit(f"batchline: {name} (pid {proc.pid}) exited with code {code}")
+
+    def stop(self) -> None:
+        # Gateway first (stop admitting), then scheduler, then executors.
+        for name, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for name, proc in reversed(self.procs):
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                print(f"batchline: {name} did not stop in 10 s; killing it", flush=True)
+                proc.kill()
+                proc.wait()
+        if self.redis:
+            self.redis.stop()
+        print("batchline: stopped", flush=True)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    mesh = Mesh(args)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = 0
+    try:
+        address = mesh.start()
+        print(
+            f"batchline: up. Gateway (KServe v2 gRPC) listening on {address}; Redis at {mesh.redis_url}. "
+            "Press Ctrl-C to stop.",
+            flush=True,
+        )
+        while not stopping:
+            mesh.check_children()
+            time.sleep(0.2)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            print(exc.code, file=sys.stderr, flush=True)
+            code = 1
+    finally:
+        mesh.stop()
+    return code
+
+
+def cmd_build_models(args: argparse.Namespace) -> int:
+    _build_demo(pathlib.Path(args.path))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="batchline", description="batchline: a gRPC serving mesh for ONNX models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser(
+        "up",
+        help="run Redis, executors, the scheduler and the gateway locally",
+        description="Start a local mesh: a private Redis (unless --redis-url), N executors, the scheduler "
+        "and the gateway. Builds the demo model repository (minilm, mlp) first if the repository "
+        "path does not exist. Ctrl-C stops every process it started.",
+    )
+    up.add_argument("--model-repository", default=DEFAULT_REPOSITORY,
+                    help=f"model repository to serve; the demo models are built there if it does not exist (default: {DEFAULT_REPOSITORY})")
+    up.add_argument("--redis-url", default="", help="use this Redis instead of starting a private one")
+    up.add_argument("--executors", type=int, default=1, help="number of executor processes (default: 1)")
+    up.add_argument("--gateway-port", type=int, default=8001, help="gateway gRPC port; 0 = any free port (default: 8001)")
+    up.add_argument("--host", default="127.0.0.1", help="interface the services bind to (default: 127.0.0.1)")
+    up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"), help="log level of the services (default: INFO)")
+    up.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the mesh to come up (default: 120)")
+    up.set_defaults(func=cmd_up)
+
+    build = sub.add_parser("build-models", help="build the demo model repository",
+                           description="Export the demo models (minilm, mlp) to ONNX into PATH (needs the [demo] extra).")
+    build.add_argument("path", nargs="?", default=DEFAULT_REPOSITORY, help=f"repository path (default: {DEFAULT_REPOSITORY})")
+    build.set_defaults(func=cmd_build_models)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

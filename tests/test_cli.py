@@ -1,0 +1,80 @@
+"""`batchline up` as a user runs it: a real subprocess tree, served to a stock client, stopped by Ctrl-C."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import tritonclient.grpc as tc
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes (its parent may not have reaped it yet).
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_up_serves_and_ctrl_c_stops_everything(model_repository):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchline.cli", "up", "--model-repository", str(model_repository),
+         "--gateway-port", "0", "--executors", "2", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+    address: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"listening on (\S+);", line)
+            if m:
+                address.append(m.group(1))
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(120), "".join(lines)
+        client = tc.InferenceServerClient(address[0])
+        assert client.is_server_ready()
+        x = np.zeros((1, 32), dtype=np.float32)
+        inp = tc.InferInput("features", [1, 32], "FP32")
+        inp.set_data_from_numpy(x)
+        assert client.infer("mlp", [inp]).as_numpy("probability").shape == (1, 1)
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(60)
+        reader.join(10)
+    output = "".join(lines)
+    assert code == 0, output
+    assert "batchline: stopped" in output
+    pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", output)]
+    assert len(pids) == 4, output  # two executors, scheduler, gateway
+    deadline = time.monotonic() + 10
+    while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_pid_alive(p) for p in pids), output
+
+
+def test_service_help_texts_list_their_settings():
+    for module, flag in (("gateway", "--max-message-bytes"), ("scheduler", "--max-batches-per-executor"), ("executor", "--model-repository")):
+        out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert flag in out.stdout and "--redis-url" in out.stdout
+        assert "BATCHLINE_" in out.stdout

@@ -1,0 +1,367 @@
+"""Unit tests for the batching decision (scheduler/policy.py) and the latency profile.
+
+Pure: time is passed in as floats (binary-exact values, so "at the instant"
+comparisons are exact), predictions are fixed functions, no I/O.
+"""
+from __future__ import annotations
+
+import pytest
+
+from scheduler.policy import DEADLINE, DELAY, FULL, PREFERRED, ModelPolicy, Pending, PlannedBatch, plan
+from scheduler.profile import LatencyProfile
+
+FAR = 1000.0  # a deadline far enough never to matter
+
+
+def req(rid: str, rows: int = 1, *, deadline: float = FAR, enqueued: float = 0.0, priority: int = 1) -> Pending:
+    return Pending(rid, rows, priority, deadline, enqueued, member=rid.encode())
+
+
+def fixed(cost: float):
+    return lambda rows: cost
+
+
+def ids(batch: PlannedBatch) -> list[str]:
+    return [m.request_id for m in batch.members]
+
+
+class RecordingPredict:
+    """A predict() that records the batch sizes it was asked about."""
+
+    def __init__(self, per_row: float) -> None:
+        self.per_row = per_row
+        self.calls: list[int] = []
+
+    def __call__(self, rows: int) -> float:
+        self.calls.append(rows)
+        return self.per_row * rows
+
+
+# --- size-triggered ---------------------------------------------------------
+
+
+def test_full_queue_dispatches_immediately_with_reason_full():
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.0)
+    queue = [req(f"r{i}") for i in range(4)]
+    p = plan(0.0, queue, policy, free_slots=1, predict=fixed(0.25))
+    assert len(p.batches) == 1
+    b = p.batches[0]
+    assert b.reason == FULL
+    assert b.rows == 4
+    assert ids(b) == ["r0", "r1", "r2", "r3"]
+    assert [m.member for m in b.members] == [b"r0", b"r1", b"r2", b"r3"]
+    assert p.expired == []
+    assert p.wake_at is None  # nothing left waiting
+
+
+def test_multi_row_request_counts_its_rows():
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.0)
+    queue = [req("a", rows=3), req("b", rows=1)]
+    p = plan(0.0, queue, policy, free_slots=1, predict=fixed(0.25))
+    assert len(p.batches) == 1
+    assert p.batches[0].reason == FULL
+    assert p.batches[0].rows == 4
+    assert ids(p.batches[0]) == ["a", "b"]
+
+
+def test_request_that_does_not_fit_stays_queued():
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.0)
+    queue = [req("a", rows=3, deadline=50.0), req("b", rows=2, deadline=40.0)]
+    p = plan(0.0, queue, policy, free_slots=1, predict=fixed(0.25))
+    assert len(p.batches) == 1
+    # 'a' alone: the next request would overflow max_batch_size, so nothing more fits.
+    assert ids(p.batches[0]) == ["a"]
+    assert p.batches[0].rows == 3
+    assert p.batches[0].reason == FULL
+    # 'b' waits (no free slot left) and must be looked at again by its deadline.
+    assert p.wake_at == 40.0
+
+
+def test_second_batch_with_two_slots_follows_the_same_rules_and_waits():
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=0.5, overhead=0.0)
+    queue = [req("a", rows=3), req("b", rows=2, enqueued=0.25)]
+    p = plan(0.5, queue, policy, free_slots=2, predict=fixed(0.25))
+    # 'b' alone is not full, not preferred, far from its deadline, and has
+    # waited only 0.25 of its 0.5 s: it must not be sent just because a slot is free.
+    assert [ids(b) for b in p.batches] == [["a"]]
+    assert p.wake_at == 0.75  # b.enqueued + max_queue_delay
+
+
+def test_second_batch_with_two_slots_goes_out_when_its_own_rule_fires():
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=0.5, overhead=0.0)
+    queue = [req("a", rows=3), req("b", rows=2, enqueued=0.25)]
+    p = plan(0.75, queue, policy, free_slots=2, predict=fixed(0.25))
+    assert [(ids(b), b.rows, b.reason) for b in p.batches] == [(["a"], 3, FULL), (["b"], 2, DELAY)]
+    assert p.wake_at is None
+
+
+def test_second_batch_with_two_slots_can_be_full_too():
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.0)
+    queue = [req("a", rows=3), req("b", rows=2), req("c", rows=2), req("d", rows=1)]
+    p = plan(0.0, queue, policy, free_slots=3, predict=fixed(0.25))
+    assert [(ids(b), b.rows, b.reason) for b in p.batches] == [(["a"], 3, FULL), (["b", "c"], 4, FULL)]
+    # 'd' waits for company; wake when its delay is due
+    assert p.wake_at == 10.0
+
+
+# --- delay-triggered --------------------------------------------------------
+
+
+def test_delay_not_yet_due_waits_until_oldest_plus_delay():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0)
+    queue = [req("a", enqueued=0.125), req("b", enqueued=0.25)]
+    p = plan(0.5, queue, policy, free_slots=4, predict=fixed(0.25))
+    assert p.batches == []
+    assert p.expired == []
+    assert p.wake_at == 0.625  # oldest (0.125) + 0.5
+
+
+def test_delay_due_exactly_now_dispatches_with_reason_delay():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0)
+    queue = [req("a", enqueued=0.125), req("b", enqueued=0.25)]
+    p = plan(0.625, queue, policy, free_slots=4, predict=fixed(0.25))
+    assert len(p.batches) == 1
+    assert p.batches[0].reason == DELAY
+    assert ids(p.batches[0]) == ["a", "b"]
+    assert p.batches[0].rows == 2
+    assert p.wake_at is None
+
+
+def test_delay_past_dispatches_with_reason_delay():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0)
+    p = plan(3.0, [req("a", enqueued=0.125)], policy, free_slots=1, predict=fixed(0.25))
+    assert [(ids(b), b.reason) for b in p.batches] == [(["a"], DELAY)]
+
+
+def test_delay_is_measured_from_the_oldest_member_not_the_first():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0)
+    # Queue order is priority-major, so the oldest request need not come first.
+    queue = [req("new", enqueued=0.25, priority=1), req("old", enqueued=0.0, priority=2)]
+    before = plan(0.375, queue, policy, free_slots=1, predict=fixed(0.25))
+    assert before.batches == []
+    assert before.wake_at == 0.5
+    at = plan(0.5, queue, policy, free_slots=1, predict=fixed(0.25))
+    assert [b.reason for b in at.batches] == [DELAY]
+
+
+# --- deadline-triggered -----------------------------------------------------
+
+
+def test_deadline_not_yet_due_wakes_at_latest_dispatch_instant():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, overhead=0.125)
+    queue = [req("a", deadline=1.0)]
+    p = plan(0.5, queue, policy, free_slots=1, predict=fixed(0.25))
+    assert p.batches == []
+    assert p.wake_at == 0.625  # 1.0 - 0.25 - 0.125
+
+
+def test_deadline_due_dispatches_before_max_queue_delay():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, overhead=0.125)
+    queue = [req("a", deadline=1.0)]
+    p = plan(0.625, queue, policy, free_slots=1, predict=fixed(0.25))
+    assert len(p.batches) == 1
+    assert p.batches[0].reason == DEADLINE
+    assert p.batches[0].slack == 0.0
+    # later but still before the deadline: still DEADLINE, not DELAY
+    p2 = plan(0.875, queue, policy, free_slots=1, predict=fixed(0.25))
+    assert [b.reason for b in p2.batches] == [DEADLINE]
+
+
+def test_deadline_uses_earliest_deadline_member_even_when_not_first():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, overhead=0.125)
+    # The lower-priority request (second in queue order) has the earlier deadline.
+    queue = [req("hi", deadline=5.0, priority=1), req("lo", deadline=1.0, priority=2)]
+    before = plan(0.5, queue, policy, free_slots=1, predict=fixed(0.25))
+    assert before.batches == []
+    assert before.wake_at == 0.625
+    at = plan(0.625, queue, policy, free_slots=1, predict=fixed(0.25))
+    assert len(at.batches) == 1
+    assert at.batches[0].reason == DEADLINE
+    assert ids(at.batches[0]) == ["hi", "lo"]
+
+
+def test_deadline_prediction_is_for_the_batch_rows():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, overhead=0.0)
+    predict = RecordingPredict(per_row=0.125)
+    queue = [req("a", rows=2, deadline=1.0), req("b", rows=3, deadline=2.0)]
+    p = plan(0.25, queue, policy, free_slots=1, predict=predict)
+    assert predict.calls == [5]
+    assert p.batches == []
+    assert p.wake_at == 0.375  # 1.0 - 5 * 0.125
+
+
+# --- preferred --------------------------------------------------------------
+
+
+def test_preferred_size_when_everything_queued_is_taken():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, preferred_batch_sizes=(2, 4), overhead=0.0)
+    queue = [req("a", rows=1), req("b", rows=3)]
+    p = plan(0.0, queue, policy, free_slots=1, predict=fixed(0.25))
+    assert len(p.batches) == 1
+    assert p.batches[0].reason == PREFERRED
+    assert p.batches[0].rows == 4
+    assert ids(p.batches[0]) == ["a", "b"]
+
+
+def test_non_preferred_size_waits():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, preferred_batch_sizes=(2, 4), overhead=0.0)
+    queue = [req("a", rows=1), req("b", rows=2)]
+    p = plan(0.0, queue, policy, free_slots=1, predict=fixed(0.25))
+    assert p.batches == []
+    assert p.wake_at == 10.0
+
+
+# --- expiry -----------------------------------------------------------------
+
+
+def test_expired_requests_are_shed_and_the_rest_still_planned():
+    policy = ModelPolicy(max_batch_size=2, max_queue_delay=10.0, overhead=0.0)
+    queue = [
+        req("gone", deadline=0.5),
+        req("a", deadline=5.0),
+        req("at_now", deadline=1.0),  # deadline == now counts as expired
+        req("b", deadline=5.0),
+        req("c", deadline=6.0),
+    ]
+    p = plan(1.0, queue, policy, free_slots=4, predict=fixed(0.25))
+    assert [e.request_id for e in p.expired] == ["gone", "at_now"]
+    batched = [m.request_id for b in p.batches for m in b.members]
+    assert "gone" not in batched and "at_now" not in batched
+    assert [(ids(b), b.reason) for b in p.batches] == [(["a", "b"], FULL)]
+    assert p.wake_at == 6.0 - 0.25  # 'c' waits: its latest dispatch instant
+
+
+def test_all_expired_gives_no_batches_and_no_wake():
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.0)
+    p = plan(2.0, [req("a", deadline=1.0), req("b", deadline=2.0)], policy, free_slots=1, predict=fixed(0.25))
+    assert [e.request_id for e in p.expired] == ["a", "b"]
+    assert p.batches == []
+    assert p.wake_at is None
+
+
+# --- free slots -------------------------------------------------------------
+
+
+def test_no_free_slots_no_batches_but_wake_at_earliest_deadline():
+    policy = ModelPolicy(max_batch_size=2, max_queue_delay=0.5, overhead=0.0)
+    queue = [req("a", deadline=3.0), req("b", deadline=2.0), req("c", deadline=4.0)]
+    p = plan(1.0, queue, policy, free_slots=0, predict=fixed(0.25))
+    assert p.batches == []
+    assert p.expired == []
+    assert p.wake_at == 2.0
+
+
+def test_free_slots_limit_the_number_of_batches():
+    policy = ModelPolicy(max_batch_size=2, max_queue_delay=10.0, overhead=0.0)
+    queue = [req(f"r{i}", deadline=10.0 + i) for i in range(7)]
+    p = plan(0.0, queue, policy, free_slots=2, predict=fixed(0.25))
+    assert [ids(b) for b in p.batches] == [["r0", "r1"], ["r2", "r3"]]
+    assert all(b.reason == FULL for b in p.batches)
+    assert p.wake_at == 14.0  # earliest deadline among the three left waiting
+
+
+# --- no batch dimension ----------------------------------------------------
+
+
+def test_max_batch_size_zero_means_one_request_per_batch():
+    policy = ModelPolicy(max_batch_size=0, max_queue_delay=10.0, overhead=0.0)
+    queue = [req("a"), req("b"), req("c")]
+    p = plan(0.0, queue, policy, free_slots=2, predict=fixed(0.25))
+    assert [ids(b) for b in p.batches] == [["a"], ["b"]]
+    assert all(b.rows == 1 for b in p.batches)
+    assert p.wake_at == FAR  # 'c' waits for a slot, shed by its deadline
+
+
+# --- slack ------------------------------------------------------------------
+
+
+def test_slack_is_earliest_deadline_minus_now_minus_predicted_cost():
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.125)
+    predict = RecordingPredict(per_row=0.0625)
+    queue = [req("a", deadline=3.0), req("b", deadline=2.0), req("c", deadline=4.0), req("d", deadline=5.0)]
+    p = plan(0.5, queue, policy, free_slots=1, predict=predict)
+    assert len(p.batches) == 1
+    # earliest 2.0 - now 0.5 - (4 * 0.0625 + 0.125)
+    assert p.batches[0].slack == 2.0 - 0.5 - 0.375
+    assert p.batches[0].slack == 1.125
+
+
+# --- order ------------------------------------------------------------------
+
+
+def test_members_taken_in_given_queue_order():
+    policy = ModelPolicy(max_batch_size=3, max_queue_delay=10.0, overhead=0.0)
+    # Deliberately not sorted by id, enqueue time, or deadline: the caller's order wins.
+    queue = [
+        req("z", priority=1, deadline=9.0, enqueued=0.5),
+        req("m", priority=1, deadline=3.0, enqueued=0.25),
+        req("a", priority=2, deadline=2.0, enqueued=0.0),
+        req("q", priority=2, deadline=1.5, enqueued=0.0),
+    ]
+    p = plan(0.75, queue, policy, free_slots=1, predict=fixed(0.25))
+    assert len(p.batches) == 1
+    assert p.batches[0].members == tuple(queue[:3])
+    assert p.wake_at == 1.5  # 'q' left behind, shed by its deadline
+
+
+# --- LatencyProfile ---------------------------------------------------------
+
+
+def test_profile_default_before_samples():
+    prof = LatencyProfile(default=0.007)
+    assert prof.samples == 0
+    assert prof.predict(1) == 0.007
+    assert prof.predict(64) == 0.007
+
+
+def test_profile_learns_linear_cost_from_noiseless_samples():
+    a, b = 0.001, 0.002
+    prof = LatencyProfile(default=0.5)
+    for n in (1, 2, 4, 8) * 3:
+        prof.observe(n, a * n + b)
+    assert prof.samples == 12
+    for n in (1, 3, 8, 16, 32):
+        assert prof.predict(n) == pytest.approx(a * n + b, abs=1e-9)
+
+
+def test_profile_learns_from_exactly_two_batch_sizes():
+    prof = LatencyProfile()
+    prof.observe(2, 0.010)
+    prof.observe(6, 0.030)
+    assert prof.predict(4) == pytest.approx(0.020, abs=1e-9)
+    assert prof.predict(10) == pytest.approx(0.050, abs=1e-9)
+
+
+def test_profile_margin_grows_with_noise():
+    a, b, noise = 0.001, 0.002, 0.001
+    clean, noisy = LatencyProfile(), LatencyProfile()
+    for n in (1, 2, 4, 8):
+        for sign in (+1, -1):  # symmetric noise: same mean, same fit, residuals ±noise
+            clean.observe(n, a * n + b)
+            noisy.observe(n, a * n + b + sign * noise)
+    for n in (1, 8, 16):
+        assert noisy.predict(n) > clean.predict(n)
+        # margin = 2 sigmas of the residuals = 2 * noise
+        assert noisy.predict(n) - clean.predict(n) == pytest.approx(2 * noise, rel=1e-6)
+        # and the noisy prediction errs late: above the true cost
+        assert noisy.predict(n) > a * n + b
+
+
+def test_profile_single_batch_size_is_proportional():
+    prof = LatencyProfile()
+    for _ in range(3):
+        prof.observe(4, 0.008)
+    assert prof.predict(4) == pytest.approx(0.008)
+    assert prof.predict(8) == pytest.approx(0.016)
+    assert prof.predict(2) == pytest.approx(0.004)
+
+
+def test_profile_refits_after_new_observations():
+    prof = LatencyProfile(window=4)
+    for _ in range(4):
+        prof.observe(4, 0.008)
+    assert prof.predict(4) == pytest.approx(0.008)
+    for _ in range(4):  # the window forgets the old samples
+        prof.observe(4, 0.016)
+    assert prof.samples == 4
+    assert prof.predict(4) == pytest.approx(0.016)
