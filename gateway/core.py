@@ -15,7 +15,7 @@ import uuid
 
 import redis.exceptions
 
-from batchline import contract
+from batchline import contract, tracecontext
 from batchline.clock import now_us
 from batchline.errors import BatchlineError, DeadlineExceeded, NotFound, Unavailable, from_status_value
 from batchline.protocol import inference_pb2 as ipb
@@ -141,7 +141,13 @@ class Gateway:
             return model.default_timeout_ms / 1000
         return min(candidates)
 
-    async def infer(self, request: ipb.ModelInferRequest, grpc_remaining: float | None) -> ipb.ModelInferResponse:
+    async def infer(
+        self,
+        request: ipb.ModelInferRequest,
+        grpc_remaining: float | None,
+        traceparent: str = "",
+        tracestate: str = "",
+    ) -> ipb.ModelInferResponse:
         model = await self.model(request.model_name, request.model_version)
         rows = validate(request, model)
         priority = request_priority(request, model)
@@ -159,6 +165,9 @@ class Gateway:
             deadline_us=deadline,
             enqueued_us=enqueued,
             priority=priority,
+            # Continues the client's trace when it sent one.
+            traceparent=tracecontext.child(traceparent),
+            tracestate=tracestate if tracecontext.parse(traceparent) else "",
         )
         member = entry.SerializeToString()
         queue = contract.queue(model.name, model.version)

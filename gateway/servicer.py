@@ -14,6 +14,11 @@ from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
 log = logging.getLogger(__name__)
 
 
+def _trace_headers(context: grpc.aio.ServicerContext) -> tuple[str, str]:
+    md = dict(context.invocation_metadata() or ())
+    return md.get("traceparent", ""), md.get("tracestate", "")
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: BatchlineError):
     await context.abort(grpc_status(exc), str(exc))
 
@@ -82,7 +87,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         try:
-            return await self.gateway.infer(request, context.time_remaining())
+            return await self.gateway.infer(request, context.time_remaining(), *_trace_headers(context))
         except BatchlineError as exc:
             await _abort(context, exc)
 
@@ -90,11 +95,12 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         # Requests on a stream run concurrently and are answered as they
         # finish; clients match answers to requests by id.
         answers: asyncio.Queue = asyncio.Queue()
+        trace = _trace_headers(context)
         tasks: set[asyncio.Task] = set()
 
         async def one(request: ipb.ModelInferRequest) -> None:
             try:
-                response = await self.gateway.infer(request, context.time_remaining())
+                response = await self.gateway.infer(request, context.time_remaining(), *trace)
                 await answers.put(ipb.ModelStreamInferResponse(infer_response=response))
             except BatchlineError as exc:
                 await answers.put(

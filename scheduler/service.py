@@ -19,7 +19,7 @@ from collections import Counter
 import grpc
 import redis.exceptions
 
-from batchline import contract
+from batchline import contract, tracecontext
 from batchline.clock import now_us
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
@@ -199,6 +199,8 @@ class Scheduler:
             dispatched_us=now_us(),
             reason=planned.reason,
             attempt=1,
+            # The batch is its own trace, linked to its members' (#4 exports it).
+            traceparent=tracecontext.child(None),
         )
         latest = max(e.deadline_us for e in entries)
         ttl_ms = contract.payload_ttl_ms(latest, now_us())

@@ -1,0 +1,88 @@
+"""What the gateway writes to Redis: queue entries with trace context, payloads with expiry."""
+from __future__ import annotations
+
+import queue
+import time
+
+import numpy as np
+import redis
+import tritonclient.grpc as tc
+
+from batchline import contract, tracecontext
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import internal_pb2 as pb
+
+CLIENT_TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def _queued(r: redis.Redis, key: str, timeout: float = 10) -> list[bytes]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        members = r.zrange(key, 0, -1)
+        if members:
+            return members
+        time.sleep(0.01)
+    raise AssertionError(f"nothing was queued under {key}")
+
+
+def test_queue_entry_carries_trace_context_deadline_and_expiring_payload(mesh_factory):
+    # A scheduler that may give no executor any batch: requests stay queued for inspection.
+    m = mesh_factory(models=["mlp"], max_batches_per_executor=0)
+    r = redis.Redis.from_url(m.redis_url)
+    client = tc.InferenceServerClient(m.address)
+    answers: queue.Queue = queue.Queue()
+    x = np.zeros((3, 32), dtype=np.float32)
+    inp = tc.InferInput("features", [3, 32], "FP32")
+    inp.set_data_from_numpy(x)
+    sent = time.time()
+    client.async_infer("mlp", [inp], callback=lambda result, error: answers.put(error), request_id="traced",
+                       timeout=1_500_000, priority=2, headers={"traceparent": CLIENT_TRACE, "tracestate": "k=v"})
+    try:
+        members = _queued(r, contract.queue("mlp", "1"))
+        assert len(members) == 1
+        entry = pb.QueueEntry.FromString(members[0])
+        assert entry.rows == 3 and entry.priority == 2 and entry.model_version == "1"
+        assert abs(entry.deadline_us / 1e6 - (sent + 1.5)) < 0.5
+        # Same trace as the client's, a span of its own.
+        assert tracecontext.trace_id(entry.traceparent) == tracecontext.trace_id(CLIENT_TRACE)
+        assert entry.traceparent != CLIENT_TRACE and entry.tracestate == "k=v"
+        payload_key = contract.payload(entry.request_id)
+        payload = ipb.ModelInferRequest.FromString(r.get(payload_key))
+        assert payload.id == "traced" and payload.inputs[0].name == "features"
+        assert 0 < r.pttl(payload_key) <= 1_500 + contract.PAYLOAD_GRACE_MS
+        assert r.ttl(contract.queue("mlp", "1")) > 0
+        # The budget runs out; the answer says so and the request leaves Redis.
+        err = answers.get(timeout=10)
+        assert err is not None and err.status() == "StatusCode.DEADLINE_EXCEEDED", err
+        deadline = time.monotonic() + 5
+        while (r.exists(payload_key) or r.zcard(contract.queue("mlp", "1"))) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not r.exists(payload_key) and r.zcard(contract.queue("mlp", "1")) == 0
+    finally:
+        client.close()
+
+
+def test_request_without_trace_context_gets_a_new_trace(mesh_factory):
+    m = mesh_factory(models=["mlp"], max_batches_per_executor=0)
+    r = redis.Redis.from_url(m.redis_url)
+    client = tc.InferenceServerClient(m.address)
+    inp = tc.InferInput("features", [1, 32], "FP32")
+    inp.set_data_from_numpy(np.zeros((1, 32), dtype=np.float32))
+    done: queue.Queue = queue.Queue()
+    client.async_infer("mlp", [inp], callback=lambda result, error: done.put(error), timeout=500_000)
+    try:
+        entry = pb.QueueEntry.FromString(_queued(r, contract.queue("mlp", "1"))[0])
+        assert tracecontext.parse(entry.traceparent) is not None
+        assert entry.tracestate == ""
+        done.get(timeout=10)
+    finally:
+        client.close()
+
+
+def test_tracecontext_helpers():
+    assert tracecontext.parse("garbage") is None
+    assert tracecontext.parse("00-" + "0" * 32 + "-00f067aa0ba902b7-01") is None
+    child = tracecontext.child(CLIENT_TRACE)
+    assert child.endswith("-01") and tracecontext.trace_id(child) == tracecontext.trace_id(CLIENT_TRACE)
+    fresh = tracecontext.child(None)
+    assert tracecontext.trace_id(fresh) != tracecontext.trace_id(tracecontext.child(None))
