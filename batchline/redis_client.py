@@ -19,7 +19,8 @@ def connect(url: str, timeout: float) -> aioredis.Redis:
         max_connections=64,
         timeout=timeout,
     )
-    return aioredis.Redis(connection_pool=pool)
+    # from_pool: closing the client closes the pool's connections too.
+    return aioredis.Redis.from_pool(pool)
 
 
 def connect_blocking(url: str, timeout: float) -> aioredis.Redis:

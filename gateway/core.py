@@ -32,6 +32,13 @@ _DRAIN = 10_000
 SERVER_NAME = "batchline"
 SERVER_VERSION = "0.1.0"
 EXTENSIONS = ["statistics"]
+# Budgets are capped so that an absurd `timeout` (Triton's is a 64-bit µs
+# count) cannot overflow a deadline; nothing is served after a day anyway.
+MAX_BUDGET_S = 24 * 3600.0
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.0f} ms"
 
 
 class Gateway:
@@ -138,8 +145,8 @@ class Gateway:
         if timeout_us is not None:
             candidates.append(timeout_us / 1e6)
         if not candidates:
-            return model.default_timeout_ms / 1000
-        return min(candidates)
+            return min(model.default_timeout_ms / 1000, MAX_BUDGET_S)
+        return min(*candidates, MAX_BUDGET_S)
 
     async def infer(
         self,
@@ -153,7 +160,7 @@ class Gateway:
         priority = request_priority(request, model)
         budget = self.budget_s(request, model, grpc_remaining)
         if budget <= 0:
-            raise DeadlineExceeded(f"the request's deadline had already passed when it reached the gateway (budget {budget * 1e3:.1f} ms)")
+            raise DeadlineExceeded(f"the request's deadline had already passed when it reached the gateway (budget {_ms(budget)})")
         enqueued = now_us()
         deadline = enqueued + int(budget * 1e6)
         request_id = uuid.uuid4().hex
@@ -189,7 +196,7 @@ class Gateway:
                 reply: pb.Reply = await asyncio.wait_for(fut, timeout=max(0.0, deadline / 1e6 - time.time()))
             except asyncio.TimeoutError:
                 raise DeadlineExceeded(
-                    f"no answer from model '{model.name}' within the {budget * 1e3:.0f} ms budget"
+                    f"no answer from model '{model.name}' within the {_ms(budget)} budget"
                 ) from None
         except BaseException:
             # Timed out, cancelled by the client, or Redis failed: make sure no

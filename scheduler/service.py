@@ -222,7 +222,7 @@ class Scheduler:
                 reply = pb.Reply(
                     request_id=p.request_id,
                     code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
-                    message=f"deadline exceeded after {1e3 * (p.deadline - p.enqueued):.0f} ms in the queue of "
+                    message=f"deadline exceeded: its {1e3 * (p.deadline - p.enqueued):.1f} ms budget ran out in the queue of "
                     f"model '{key[0]}' (no executor could take it in time)",
                 )
                 pipe.rpush(contract.reply(entry.gateway_id), reply.SerializeToString())

@@ -37,14 +37,15 @@ def mesh(redis_server, model_repository):
 
 
 @pytest.fixture
-def mesh_factory(redis_server, model_repository):
-    """Start meshes with other shapes (more executors, scheduler overrides); stopped after the test."""
+def mesh_factory(model_repository):
+    """Start meshes with other shapes (more executors, scheduler or gateway overrides), each on a
+    private Redis so it cannot disturb (or be served by) any other mesh; stopped after the test."""
     from mesh import Mesh
 
     started = []
 
     def make(**kwargs) -> "Mesh":
-        m = Mesh(redis_server.url, str(model_repository), **kwargs).start()
+        m = Mesh(None, str(model_repository), **kwargs).start()
         started.append(m)
         return m
 

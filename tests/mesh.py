@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from concurrent.futures import Future
 
 import redis
 
+from batchline.embedded_redis import EmbeddedRedis
 from executor.app import ExecutorApp
 from executor.settings import ExecutorSettings
 from gateway.app import GatewayApp
@@ -20,9 +22,12 @@ from scheduler.settings import SchedulerSettings
 
 
 class Mesh:
-    def __init__(self, redis_url: str, model_repository: str, executors: int = 1, models: list[str] | None = None,
-                 **scheduler_overrides):
-        self.redis_url = redis_url
+    def __init__(self, redis_url: str | None, model_repository: str, executors: int = 1, models: list[str] | None = None,
+                 gateway_overrides: dict | None = None, **scheduler_overrides):
+        # Without a URL the mesh gets a Redis of its own, so meshes never see each other's queues.
+        self.own_redis = None if redis_url else EmbeddedRedis().start()
+        self.redis_url = redis_url or self.own_redis.url
+        self.gateway_overrides = gateway_overrides or {}
         self.repo = model_repository
         self.n_executors = executors
         self.models = models or []
@@ -53,7 +58,7 @@ class Mesh:
         self.scheduler = await SchedulerApp(
             SchedulerSettings(redis_url=self.redis_url, port=0, **self.scheduler_overrides)
         ).start()
-        self.gateway = await GatewayApp(GatewaySettings(redis_url=self.redis_url, port=0)).start()
+        self.gateway = await GatewayApp(GatewaySettings(redis_url=self.redis_url, port=0, **self.gateway_overrides)).start()
 
     async def _start_executor(self, i: int) -> ExecutorApp:
         settings = ExecutorSettings(
@@ -61,7 +66,7 @@ class Mesh:
             model_repository=self.repo,
             models=self.models,
             port=0,
-            executor_id=f"test-exec-{i}",
+            executor_id=f"test-exec-{i}-{uuid.uuid4().hex[:6]}",
             intra_op_threads=1,
         )
         return await ExecutorApp(settings).start()
@@ -80,6 +85,8 @@ class Mesh:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+            if self.own_redis:
+                self.own_redis.stop()
 
     def __enter__(self) -> "Mesh":
         return self.start()

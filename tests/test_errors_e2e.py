@@ -7,6 +7,7 @@ only act on the message. Waiting is always a poll with a deadline.
 from __future__ import annotations
 
 import functools
+import logging
 import queue
 import threading
 import time
@@ -20,7 +21,6 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from batchline import contract
-from batchline.embedded_redis import EmbeddedRedis
 from batchline.protocol import inference_pb2 as ipb
 from gateway.app import GatewayApp
 from gateway.settings import GatewaySettings
@@ -116,28 +116,20 @@ def mlp_session(model_repository) -> ort.InferenceSession:
     return ort.InferenceSession(str(model_repository / "mlp" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
 
 
+@pytest.fixture(scope="module")
+def minilm_session(model_repository) -> ort.InferenceSession:
+    return ort.InferenceSession(str(model_repository / "minilm" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+
+
 def reference(session: ort.InferenceSession, x: np.ndarray) -> np.ndarray:
     (out,) = session.run(["probability"], {"features": x})
     return out
 
 
 @pytest.fixture
-def stalled_mesh(model_repository):
-    """A mesh whose scheduler never dispatches (max_batches_per_executor=0).
-
-    It runs on its own Redis: `mesh_factory` shares the session Redis with the
-    module's `mesh` (and flushes it on start; both meshes name their executor
-    `test-exec-0`), so the module mesh's scheduler would serve this mesh's
-    queue and the test would depend on running before anything uses `mesh`.
-    """
-    from mesh import Mesh
-
-    with EmbeddedRedis() as server:
-        m = Mesh(server.url, str(model_repository), models=["mlp"], max_batches_per_executor=0).start()
-        try:
-            yield m
-        finally:
-            m.stop()
+def stalled_mesh(mesh_factory):
+    """A mesh (on a Redis of its own) whose scheduler never dispatches (max_batches_per_executor=0)."""
+    return mesh_factory(models=["mlp"], max_batches_per_executor=0)
 
 
 @pytest.fixture
@@ -212,9 +204,25 @@ def test_unknown_extra_input(client):
     expect_error(lambda: client.infer("mlp", inputs), INVALID_ARGUMENT, "bogus", "features")
 
 
-def test_batch_over_max(client):
-    rows = MLP_MAX_BATCH + 1
-    expect_error(lambda: client.infer("mlp", mlp_inputs(rows)), INVALID_ARGUMENT, "65", "64", "'features'")
+@pytest.mark.parametrize("rows", [MLP_MAX_BATCH + 1, 0], ids=["over_max", "empty"])
+def test_batch_size_out_of_range(client, rows):
+    expect_error(
+        lambda: client.infer("mlp", [tensor("features", np.zeros((rows, MLP_FEATURES), np.float32))]),
+        INVALID_ARGUMENT, "'features'", f"batch size {rows}", "1..64",
+    )
+
+
+def test_inputs_disagree_on_batch_size(client):
+    inputs = [tensor("input_ids", np.ones((2, 8), np.int64)), tensor("attention_mask", np.ones((1, 8), np.int64))]
+    expect_error(lambda: client.infer("minilm", inputs), INVALID_ARGUMENT, "batch size", "attention_mask")
+
+
+def test_duplicate_input(client):
+    expect_error(lambda: client.infer("mlp", mlp_inputs() + mlp_inputs()), INVALID_ARGUMENT, "'features'", "more than once")
+
+
+def test_sequence_id_is_refused(client):
+    expect_error(lambda: client.infer("mlp", mlp_inputs(), sequence_id=5), INVALID_ARGUMENT, "sequence_id")
 
 
 def test_byte_size_mismatch(mesh):
@@ -249,6 +257,18 @@ def test_unknown_requested_output(client):
 
 def test_negative_timeout(client):
     expect_error(lambda: client.infer("mlp", mlp_inputs(), timeout=-5), INVALID_ARGUMENT, "timeout", "-5")
+
+
+def test_huge_timeout_is_served_or_refused_cleanly(client, mlp_session):
+    # Triton's `timeout` is a uint64 of microseconds; the largest int64 must
+    # either be honoured (clamped) or refused as INVALID_ARGUMENT naming it.
+    x = features(1, seed=7)
+    try:
+        result = client.infer("mlp", [tensor("features", x)], timeout=2**63 - 1)
+    except InferenceServerException as exc:
+        assert exc.status() == INVALID_ARGUMENT and "timeout" in exc.message(), f"{exc.status()}: {exc.message()}"
+    else:
+        np.testing.assert_allclose(result.as_numpy("probability"), reference(mlp_session, x), rtol=1e-5, atol=1e-6)
 
 
 # -- deadlines -----------------------------------------------------------------
@@ -298,9 +318,22 @@ def test_message_over_gateway_limit_is_resource_exhausted(small_gateway, mlp_ses
         # ...over it the request is refused before anything else looks at it.
         rows = 2 * limit // (4 * MLP_FEATURES)
         exc = expect_error(lambda: c.infer("mlp", mlp_inputs(rows)), RESOURCE_EXHAUSTED)
-        assert str(limit) in exc.message() or "larger than max" in exc.message(), exc.message()
+        assert str(limit) in exc.message(), exc.message()
     finally:
         c.close()
+
+
+def test_message_over_default_limit_is_resource_exhausted(mesh):
+    # The stock gateway's limit (64 MiB): one raw request of 65 MiB.
+    limit = GatewaySettings.model_fields["max_message_bytes"].default
+    rows = (limit + 2**20) // (4 * MLP_FEATURES)
+    request = ipb.ModelInferRequest(model_name="mlp")
+    request.inputs.add(name="features", datatype="FP32", shape=[rows, MLP_FEATURES])
+    request.raw_input_contents.append(bytes(rows * 4 * MLP_FEATURES))
+    with pytest.raises(grpc.RpcError) as info:
+        raw_infer(mesh.address, request)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    assert str(limit) in info.value.details(), info.value.details()
 
 
 # -- isolation -----------------------------------------------------------------
@@ -347,6 +380,53 @@ def test_bad_requests_do_not_fail_their_batch_neighbours(client, mlp_session):
         assert "features" in error.message() or "bogus" in error.message(), error.message()
 
 
+def test_request_that_fails_in_the_model_fails_alone(client, minilm_session, caplog):
+    """Token ids past the vocabulary pass the gateway (right dtype and shape) but make
+    ONNX Runtime fail; the executor must retry its batch member by member so that only
+    the poisoned requests fail. Rounds repeat until a poisoned request has actually
+    shared a batch with valid ones (the executor logs the retry)."""
+    caplog.set_level(logging.WARNING, logger="executor.service")
+    rng = np.random.default_rng(5)
+    deadline = time.monotonic() + 10
+    rounds = 0
+    while True:
+        rounds += 1
+        valid = {}
+        for i in range(8):
+            seq = int(rng.integers(4, 13))
+            valid[i] = (rng.integers(1000, 30000, (1 + i % 2, seq)).astype(np.int64), np.ones((1 + i % 2, seq), np.int64))
+        poisoned = {i: (np.full((1, 6), 10**9, np.int64), np.ones((1, 6), np.int64)) for i in (8, 9)}
+        done: dict[int, tuple] = {}
+        lock = threading.Lock()
+        all_done = threading.Event()
+
+        def callback(i, result, error):
+            with lock:
+                done[i] = (result, error)
+                if len(done) == 10:
+                    all_done.set()
+
+        for i in (0, 8, 1, 2, 3, 9, 4, 5, 6, 7):
+            ids, mask = poisoned.get(i) or valid[i]
+            client.async_infer(
+                "minilm", [tensor("input_ids", ids), tensor("attention_mask", mask)], functools.partial(callback, i)
+            )
+        assert all_done.wait(10), f"only {len(done)} of 10 answered"
+        for i, (ids, mask) in valid.items():
+            result, error = done[i]
+            assert error is None, f"valid request {i} failed: {error}"
+            (expected,) = minilm_session.run(["sentence_embedding"], {"input_ids": ids, "attention_mask": mask})
+            np.testing.assert_allclose(result.as_numpy("sentence_embedding"), expected, rtol=1e-4, atol=1e-4)
+        for i in poisoned:
+            result, error = done[i]
+            assert result is None and error is not None, f"poisoned request {i} succeeded"
+            assert error.status() == INVALID_ARGUMENT, f"{error.status()}: {error.message()}"
+            assert "minilm" in error.message() and "out of data bounds" in error.message(), error.message()
+        if any("retrying members one by one" in r.getMessage() for r in caplog.records):
+            break
+        assert time.monotonic() < deadline, f"no poisoned request shared a batch with valid ones in {rounds} rounds"
+
+
 # -- streaming -----------------------------------------------------------------
 
 
@@ -356,11 +436,12 @@ def test_stream_error_and_success_on_one_stream(mesh, mlp_session):
     try:
         c.start_stream(callback=lambda result, error: answers.put((result, error)))
         c.async_stream_infer("mlp", [tensor("features", features(1, dtype=np.float64))], request_id="bad")
+        c.async_stream_infer("nope", mlp_inputs(), request_id="unknown")
         x = features(3, seed=42)
         c.async_stream_infer("mlp", [tensor("features", x)], request_id="good")
         got = []
         deadline = time.monotonic() + 10
-        while len(got) < 2:
+        while len(got) < 3:
             got.append(answers.get(timeout=max(0.01, deadline - time.monotonic())))
     finally:
         c.stop_stream()
@@ -368,10 +449,12 @@ def test_stream_error_and_success_on_one_stream(mesh, mlp_session):
 
     errors = [e for r, e in got if e is not None]
     results = [r for r, e in got if e is None]
-    assert len(errors) == 1 and len(results) == 1, got
-    message = errors[0].message()
+    assert len(errors) == 2 and len(results) == 1, got
+    messages = sorted((e.message() for e in errors), key=lambda m: "NOT_FOUND" in m)
     for fragment in ("INVALID_ARGUMENT", "'features'", "FP32", "FP64"):
-        assert fragment in message, message
+        assert fragment in messages[0], messages
+    for fragment in ("NOT_FOUND", "'nope'"):
+        assert fragment in messages[1], messages
     assert results[0].get_response().id == "good"
     np.testing.assert_allclose(results[0].as_numpy("probability"), reference(mlp_session, x), rtol=1e-5, atol=1e-6)
 
