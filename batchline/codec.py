@@ -119,6 +119,26 @@ def deserialize_bytes(buffer: bytes, count: int, name: str) -> np.ndarray:
     return out
 
 
+def onnx_strings(array: np.ndarray, name: str) -> np.ndarray:
+    """BYTES elements as the str objects ONNX Runtime string tensors need.
+
+    ONNX strings are UTF-8; ONNX Runtime would turn a bytes object into the
+    text of its repr (b'...') rather than refuse it.
+    """
+    out = np.empty(array.shape, dtype=object)
+    flat_in, flat_out = array.reshape(-1), out.reshape(-1)
+    for i, item in enumerate(flat_in):
+        if isinstance(item, (bytes, bytearray)):
+            try:
+                item = bytes(item).decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidArgument(
+                    f"input '{name}': BYTES element {i} is not valid UTF-8, which ONNX string tensors require"
+                ) from None
+        flat_out[i] = item
+    return out
+
+
 def decode_tensor(name: str, datatype: str, shape: Sequence[int], raw: bytes | None, contents) -> np.ndarray:
     """Decode one input tensor, checking that the data matches the shape.
 

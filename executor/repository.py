@@ -58,6 +58,10 @@ class LoadedModel:
     padding: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def string_inputs(self) -> list[str]:
+        return [s.name for s in self.info.inputs if s.datatype == "BYTES"]
+
+    @property
     def name(self) -> str:
         return self.info.name
 

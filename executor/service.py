@@ -20,7 +20,7 @@ import redis.exceptions
 
 from batchline import contract
 from batchline.clock import now_us
-from batchline.codec import decode_inputs, encode_array
+from batchline.codec import decode_inputs, encode_array, onnx_strings
 from batchline.errors import BatchlineError, InvalidArgument, NotFound, status_value
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
@@ -168,6 +168,8 @@ class Executor:
             try:
                 m.request = ipb.ModelInferRequest.FromString(blob)
                 m.inputs = decode_inputs(m.request)
+                for name in model.string_inputs:
+                    m.inputs[name] = onnx_strings(m.inputs[name], name)
             except BatchlineError as exc:
                 m.error = exc
             except Exception as exc:  # noqa: BLE001 - a corrupt payload fails alone

@@ -239,7 +239,10 @@ class Gateway:
 
     async def statistics(self, name: str, version: str) -> list[tuple[pb.ModelInfo, dict[str, int]]]:
         if name:
-            models = [await self.model(name, version)]
+            first = await self.model(name, version)
+            # Like Triton: no version means every served version.
+            versions = [version] if version else self.registry.versions(name)
+            models = [first] if version else [self.registry.models[(name, v)] for v in versions]
         else:
             await self._refresh_or_unavailable()
             models = [self.registry.models[k] for k in sorted(self.registry.models)]
