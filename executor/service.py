@@ -14,7 +14,6 @@ import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 import redis.exceptions
 

@@ -255,6 +255,3 @@ class Gateway:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
         return [(m, {k.decode(): int(v) for k, v in h.items()}) for m, h in zip(models, raw)]
 
-
-def error_message(exc: BatchlineError) -> str:
-    return str(exc)
