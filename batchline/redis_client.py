@@ -7,6 +7,10 @@ Blocking reads (BLPOP) get their own connection without a read timeout.
 from __future__ import annotations
 
 import redis.asyncio as aioredis
+import redis.exceptions
+
+# What a lost or stalled Redis raises: callers turn these into UNAVAILABLE or retry.
+REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 def connect(url: str, timeout: float) -> aioredis.Redis:

@@ -15,7 +15,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
-import redis.exceptions
 
 from batchline import contract
 from batchline.clock import now_us
@@ -24,14 +23,12 @@ from batchline.errors import BatchlineError, InvalidArgument, NotFound, status_v
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
-from batchline.redis_client import connect, connect_blocking
+from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from executor.batching import assemble, split
 from executor.repository import LoadedModel, warmup_inputs
 from executor.settings import ExecutorSettings
 
 log = logging.getLogger(__name__)
-
-REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 @dataclass

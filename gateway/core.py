@@ -13,21 +13,19 @@ import logging
 import time
 import uuid
 
-import redis.exceptions
 
 from batchline import contract, tracecontext
 from batchline.clock import now_us
-from batchline.errors import BatchlineError, DeadlineExceeded, NotFound, Unavailable, from_status_value
+from batchline.errors import DeadlineExceeded, NotFound, Unavailable, from_status_value
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
-from batchline.redis_client import connect, connect_blocking
+from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.registry import Registry
 from gateway.settings import GatewaySettings
 from gateway.validation import request_priority, request_timeout_us, validate
 
 log = logging.getLogger(__name__)
 
-REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 _DRAIN = 10_000
 SERVER_NAME = "batchline"
 SERVER_VERSION = "0.1.0"

@@ -17,13 +17,12 @@ import uuid
 from collections import Counter
 
 import grpc
-import redis.exceptions
 
 from batchline import contract, tracecontext
 from batchline.clock import now_us
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
-from batchline.redis_client import connect, connect_blocking
+from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.registry import Registry
 from scheduler.policy import ModelPolicy, Pending, plan
 from scheduler.profile import LatencyProfile
@@ -31,7 +30,6 @@ from scheduler.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
 
-REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 _DRAIN = 10_000
 
 
