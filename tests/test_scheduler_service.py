@@ -1,0 +1,81 @@
+"""The scheduler's I/O around the policy, against a real Redis and executor."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import redis
+
+from batchline import contract
+from batchline.clock import now_us
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import internal_pb2 as pb
+
+
+def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferRequest, rows: int = 1) -> str:
+    """What a gateway writes for one request (see gateway/core.py), done by hand."""
+    request_id = uuid.uuid4().hex
+    entry = pb.QueueEntry(request_id=request_id, gateway_id=gateway_id, model_version="1", rows=rows,
+                          deadline_us=deadline_us, enqueued_us=now_us(), priority=1)
+    r.set(contract.payload(request_id), request.SerializeToString(), px=60_000)
+    r.zadd(contract.queue("mlp", "1"), {entry.SerializeToString(): contract.queue_score(1, deadline_us)})
+    r.rpush(contract.NOTIFY, "test")
+    return request_id
+
+
+def _replies(r: redis.Redis, gateway_id: str, want: int, timeout: float = 10) -> dict[str, pb.Reply]:
+    got: dict[str, pb.Reply] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        item = r.blpop([contract.reply(gateway_id)], timeout=1)
+        if item:
+            reply = pb.Reply.FromString(item[1])
+            got[reply.request_id] = reply
+    return got
+
+
+def _mlp_request(x: np.ndarray) -> ipb.ModelInferRequest:
+    req = ipb.ModelInferRequest(model_name="mlp", id="by-hand")
+    req.inputs.add(name="features", datatype="FP32", shape=list(x.shape))
+    req.raw_input_contents.append(x.astype(np.float32).tobytes())
+    return req
+
+
+def test_expired_requests_are_answered_by_the_scheduler_and_never_executed(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = redis.Redis.from_url(m.redis_url)
+    gateway_id = "gw-test"
+    expired = _enqueue(r, gateway_id, now_us() - 1_000, _mlp_request(np.zeros((1, 32))))
+    live = _enqueue(r, gateway_id, now_us() + 5_000_000, _mlp_request(np.ones((1, 32))))
+    replies = _replies(r, gateway_id, 2)
+    assert replies[expired].code == 4  # DEADLINE_EXCEEDED
+    assert "deadline exceeded" in replies[expired].message and "'mlp'" in replies[expired].message
+    assert not r.exists(contract.payload(expired))
+    assert replies[live].code == 0 and replies[live].response.id == "by-hand"
+    stats = r.hgetall(contract.stats("mlp", "1"))
+    assert int(stats[b"inference_count"]) == 1  # only the live one ran
+    assert int(stats[b"fail_count"]) == 1
+    assert m.scheduler.scheduler.counts["shed"] == 1
+
+
+def test_a_full_batch_goes_out_at_once_and_records_why(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = redis.Redis.from_url(m.redis_url)
+    gateway_id = "gw-full"
+    # Queued atomically, so the scheduler sees all 64 rows (mlp's max_batch_size) in one step.
+    with r.pipeline(transaction=True) as pipe:
+        ids = [_enqueue(pipe, gateway_id, now_us() + 30_000_000, _mlp_request(np.full((16, 32), k)), rows=16) for k in range(4)]
+        pipe.execute()
+    replies = _replies(r, gateway_id, 4)
+    assert all(replies[i].code == 0 for i in ids)
+    firsts = []
+    for i in ids:
+        out = np.frombuffer(replies[i].response.raw_output_contents[0], dtype=np.float32)
+        assert out.shape == (16,) and np.all(out == out[0])  # its own 16 identical rows came back to it
+        firsts.append(float(out[0]))
+    assert len(set(firsts)) == 4  # and not a neighbour's
+    stats = r.hgetall(contract.stats("mlp", "1"))
+    assert int(stats[b"inference_count"]) == 64 and int(stats[b"execution_count"]) == 1
+    assert int(stats[b"batch:64:count"]) == 1
+    assert m.scheduler.scheduler.counts["reason:full"] == 1
