@@ -42,7 +42,9 @@ class Scheduler:
         self.registry = Registry()
         self._registry_at = 0.0
         self.profiles: dict[tuple[str, str], LatencyProfile] = {}
+        # Queue members parsed once, for as long as they stay queued.
         self._pending_cache: dict[bytes, Pending] = {}
+        self._entries: dict[bytes, pb.QueueEntry] = {}
         self._wake = asyncio.Event()
         self._reports: list[bytes] = []
         self._tasks: list[asyncio.Task] = []
@@ -142,6 +144,7 @@ class Scheduler:
         for member in list(self._pending_cache):
             if member not in seen:
                 del self._pending_cache[member]
+                del self._entries[member]
         return wake_at
 
     def _observe(self, reports: list[bytes]) -> None:
@@ -160,7 +163,7 @@ class Scheduler:
     def _pending(self, member: bytes) -> Pending:
         p = self._pending_cache.get(member)
         if p is None:
-            e = pb.QueueEntry.FromString(member)
+            e = self._entries[member] = pb.QueueEntry.FromString(member)
             p = Pending(e.request_id, e.rows, e.priority, e.deadline_us / 1e6, e.enqueued_us / 1e6, member)
             self._pending_cache[member] = p
         return p
@@ -187,7 +190,7 @@ class Scheduler:
 
     async def _send(self, key: tuple[str, str], executor_id: str, planned) -> None:
         batch_id = uuid.uuid4().hex
-        entries = [pb.QueueEntry.FromString(m.member) for m in planned.members]
+        entries = [self._entries[m.member] for m in planned.members]
         batch = pb.Batch(
             batch_id=batch_id,
             model_name=key[0],
@@ -216,7 +219,7 @@ class Scheduler:
             pipe.zrem(contract.queue(*key), *(p.member for p in expired))
             pipe.delete(*(contract.payload(p.request_id) for p in expired))
             for p in expired:
-                entry = pb.QueueEntry.FromString(p.member)
+                entry = self._entries[p.member]
                 reply = pb.Reply(
                     request_id=p.request_id,
                     code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
