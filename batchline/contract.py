@@ -22,6 +22,9 @@ bl:gateway:{gateway_id}       string       the gateway's address; TTL = heartbea
 bl:notify                     list         wake-up tokens for the scheduler (capped)
 bl:reports                    list         ExecutionReport messages for the scheduler (capped)
 bl:stats:{model}:{version}    hash         Triton-style statistics counters
+bl:leader                     string       id of the scheduler holding the lease; TTL = lease
+bl:load:{model}:{version}     string       ModelLoad, the scheduler's view for admission; short TTL
+bl:profile:{model}:{v}:{kind} string       latency-profile samples (rows, seconds) as float32 pairs
 ============================  ===========  ==================================================
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ PREFIX = "bl:"
 EXECUTORS = PREFIX + "executors"
 NOTIFY = PREFIX + "notify"
 REPORTS = PREFIX + "reports"
+LEADER = PREFIX + "leader"
 
 # Ordering within a queue: priority level first (1 is highest), then the
 # earliest deadline. deadline_ms is ~1.8e12, so a 1e13 stride keeps both exact
@@ -44,6 +48,8 @@ REPLY_TTL = 60                  # a gateway that died leaves its replies this lo
 WORK_TTL = 3_600
 STATS_TTL = 7 * 24 * 3_600
 REGISTRY_TTL = 24 * 3_600
+LOAD_TTL_MS = 2_000             # admission ignores a load view older than this
+PROFILE_TTL = 7 * 24 * 3_600
 NOTIFY_CAP = 10_000             # tokens beyond this are dropped: one is enough to wake
 REPORTS_CAP = 100_000
 
@@ -84,6 +90,14 @@ def stats(model: str, version: str) -> str:
     return f"{PREFIX}stats:{model}:{version}"
 
 
+def load(model: str, version: str) -> str:
+    return f"{PREFIX}load:{model}:{version}"
+
+
+def profile(model: str, version: str, kind: str) -> str:
+    return f"{PREFIX}profile:{model}:{version}:{kind}"
+
+
 def queue_score(priority: int, deadline_us: int) -> int:
     return priority * _PRIORITY_STRIDE + deadline_us // 1000
 
@@ -115,4 +129,40 @@ if n > 0 then
   redis.call('EXPIRE', KEYS[4], ARGV[3])
 end
 return n
+"""
+
+
+# The scheduler lease: renewed only by its holder, so a scheduler that lost
+# it (paused past the TTL) cannot extend another's.
+# KEYS: leader key; ARGV: scheduler id, ttl ms. Returns 1 when held.
+LEASE_LUA = """
+local holder = redis.call('GET', KEYS[1])
+if holder == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# Gives the lease up at shutdown so a standby takes over at once.
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# Queues a request unless its model's queue is full (max_queue_size).
+# KEYS: queue; ARGV: max size, score, member, queue ttl s. Returns 1 when queued.
+ENQUEUE_BOUNDED_LUA = """
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
 """

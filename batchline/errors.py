@@ -10,7 +10,15 @@ import grpc
 
 
 class BatchlineError(Exception):
-    """Base of every error that becomes a gRPC status."""
+    """Base of every error that becomes a gRPC status.
+
+    `retry_after_s`, when set, tells the client when trying again could
+    succeed (sent as `retry-after-ms` trailing metadata).
+    """
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class InvalidArgument(BatchlineError):

@@ -1,6 +1,8 @@
 """gRPC server bootstrap shared by the services: health and reflection on every one."""
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Callable, Iterable
 
 import grpc
@@ -8,6 +10,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from batchline.protocol._pool import POOL
+from batchline.redis_client import REDIS_ERRORS
+
+log = logging.getLogger(__name__)
 
 
 class ServerHandle:
@@ -16,11 +21,37 @@ class ServerHandle:
         self.port = port
         self.health = health_servicer
         self.services = services
+        self.draining = False  # set at shutdown: NOT_SERVING from then on, whatever Redis does
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self.services]:
             await self.health.set(name, status)
+
+    async def watch_redis(self, redis, interval: float = 0.5, on_change: Callable[[bool], None] | None = None) -> None:
+        """Report NOT_SERVING while Redis does not answer (a service without Redis can do nothing useful).
+
+        Run as a task for the service's lifetime; `on_change(up)` is told of each transition.
+        """
+        up: bool | None = None
+        while True:
+            try:
+                await redis.ping()
+                now_up = True
+            except REDIS_ERRORS:
+                now_up = False
+            if now_up != up:
+                if up is not None:
+                    log.warning("Redis %s", "is reachable again: serving" if now_up else "is unreachable: NOT_SERVING")
+                up = now_up
+                await self.set_serving(up and not self.draining)
+                if on_change:
+                    on_change(up)
+            await asyncio.sleep(interval)
+
+    async def start_draining(self) -> None:
+        self.draining = True
+        await self.set_serving(False)
 
     async def stop(self, grace: float | None) -> None:
         await self.health.enter_graceful_shutdown()

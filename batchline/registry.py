@@ -24,6 +24,9 @@ class Registry:
     executors: dict[str, pb.ExecutorInfo] = field(default_factory=dict)
     models: dict[tuple[str, str], pb.ModelInfo] = field(default_factory=dict)
     holders: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    # Registered but without a live heartbeat: dead, or stopped. The
+    # scheduler hands their batches back and then forgets them.
+    stale: list[str] = field(default_factory=list)
 
     @classmethod
     async def load(cls, redis: aioredis.Redis) -> "Registry":
@@ -32,14 +35,11 @@ class Registry:
         if not ids:
             return reg
         blobs = await redis.mget([contract.executor(i) for i in ids])
-        stale = []
         for eid, blob in zip(ids, blobs):
             if blob is None:
-                stale.append(eid)
+                reg.stale.append(eid)
                 continue
             reg.add(pb.ExecutorInfo.FromString(blob))
-        if stale:
-            await redis.srem(contract.EXECUTORS, *stale)
         return reg
 
     def add(self, info: pb.ExecutorInfo) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any, Sequence, TypeVar, get_args, get_origin
+from typing import Any, Literal, Sequence, TypeVar, get_args, get_origin
 
 from pydantic import Field
 from pydantic_settings import BaseSettings
@@ -49,6 +49,9 @@ def parse_settings(cls: type[S], argv: Sequence[str] | None, prog: str, descript
         help_text = f"{info.description} (default: {default!r})"
         if annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif get_origin(annotation) is Literal:
+            kwargs["choices"] = get_args(annotation)
+            kwargs["type"] = type(get_args(annotation)[0])
         elif get_origin(annotation) in (list, tuple):
             inner = get_args(annotation)[0] if get_args(annotation) else str
             kwargs["type"] = inner

@@ -18,6 +18,7 @@ class ExecutorApp:
         self.settings = settings
         self.executor: Executor | None = None
         self.server: ServerHandle | None = None
+        self._health: asyncio.Task | None = None
 
     @property
     def port(self) -> int:
@@ -38,13 +39,17 @@ class ExecutorApp:
 
         self.server = await start_server(s.host, s.port, register)
         await self.executor.start(f"{s.host}:{self.server.port}")
-        await self.server.set_serving(True)
+        self._health = asyncio.create_task(self.server.watch_redis(self.executor.redis))
         return self
 
     async def stop(self, grace: float = 2.0) -> None:
+        """Drain (finish or hand back the batches sent here), then deregister and stop."""
         if self.server:
-            await self.server.set_serving(False)
+            await self.server.start_draining()
+        if self._health:
+            self._health.cancel()
         if self.executor:
+            await self.executor.drain(self.settings.drain_timeout_s)
             await self.executor.stop()
         if self.server:
             await self.server.stop(grace)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchline import contract
+from batchline.recovery import requeue_held_batches
 from batchline.clock import now_us
 from batchline.codec import decode_inputs, encode_array, onnx_strings
 from batchline.errors import BatchlineError, InvalidArgument, NotFound, status_value
@@ -56,16 +57,36 @@ class Executor:
         # and answering overlap with them.
         self._compute = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
-        self._stopping = asyncio.Event()
+        self._workers: list[asyncio.Task] = []
+        self.draining = False
+        self._warmup_reports: list[pb.ExecutionReport] = []
 
     # -- lifecycle ---------------------------------------------------------
 
     def warmup(self) -> None:
+        """Run each model once per batch size (powers of two up to its maximum) before serving.
+
+        The first run pays for allocations and kernel selection; the timed
+        ones become the scheduler's first latency samples, so the first
+        requests are not scheduled blind.
+        """
         for model in self.models.values():
-            feeds = warmup_inputs(model)
             t = time.perf_counter()
-            model.session.run(None, feeds)
+            model.session.run(None, warmup_inputs(model))
             log.info("warmed up %s:%s in %.1f ms", model.name, model.version, (time.perf_counter() - t) * 1e3)
+            sizes = [1]
+            while sizes[-1] * 2 <= model.info.max_batch_size:
+                sizes.append(sizes[-1] * 2)
+            for rows in sizes:
+                feeds = warmup_inputs(model, rows)
+                for _ in range(2):
+                    t0 = time.perf_counter_ns()
+                    model.session.run(None, feeds)
+                    self._warmup_reports.append(pb.ExecutionReport(
+                        executor_id=self.executor_id, batch_id="warmup", model_name=model.name,
+                        model_version=model.version, rows=rows, requests=rows,
+                        compute_infer_ns=time.perf_counter_ns() - t0, warmup=True,
+                    ))
 
     def info(self) -> pb.ExecutorInfo:
         return pb.ExecutorInfo(
@@ -76,6 +97,7 @@ class Executor:
             heartbeat_us=now_us(),
             busy_batches=self.busy_batches,
             executed_batches=self.executed_batches,
+            draining=self.draining,
         )
 
     async def register(self) -> None:
@@ -88,17 +110,51 @@ class Executor:
 
     async def start(self, address: str) -> None:
         self.address = address
+        # A previous process with this id may have died holding batches it
+        # had taken off its work list: hand those back (the rest it runs now).
+        n = await requeue_held_batches(self.redis, self.executor_id, include_queued=False)
+        if n:
+            log.warning("requeued %d requests a previous %s had taken but not answered", n, self.executor_id)
         await self.register()
+        if self._warmup_reports:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.rpush(contract.REPORTS, *(r.SerializeToString() for r in self._warmup_reports))
+                pipe.ltrim(contract.REPORTS, -contract.REPORTS_CAP, -1)
+                pipe.expire(contract.REPORTS, contract.QUEUE_TTL)
+                await pipe.execute()
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         for i in range(max(1, self.settings.concurrent_batches)):
-            self._tasks.append(asyncio.create_task(self._work_loop(), name=f"worker-{i}"))
+            self._workers.append(asyncio.create_task(self._work_loop(), name=f"worker-{i}"))
         log.info("executor %s serving %s", self.executor_id, sorted(f"{n}:{v}" for n, v in self.models))
 
-    async def stop(self) -> None:
-        self._stopping.set()
-        for t in self._tasks:
+    async def drain(self, timeout: float) -> None:
+        """Take no new batches; finish the ones already sent here, or hand them back after `timeout`."""
+        self.draining = True
+        try:
+            await self.register()  # the scheduler stops sending us batches
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.busy_batches == 0 and not await self.redis.llen(contract.work(self.executor_id)):
+                    break
+                await asyncio.sleep(0.05)
+        except REDIS_ERRORS as exc:
+            log.warning("drain: Redis failed (%s); handing back what is left", exc)
+        await self._cancel(self._workers)
+        try:
+            n = await requeue_held_batches(self.redis, self.executor_id, include_queued=True)
+            if n:
+                log.info("drain: handed %d unstarted requests back to their queues", n)
+        except REDIS_ERRORS:
+            pass  # recovery by the scheduler hands them back once our heartbeat expires
+
+    @staticmethod
+    async def _cancel(tasks: list[asyncio.Task]) -> None:
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def stop(self) -> None:
+        await self._cancel(self._workers + self._tasks)
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.delete(contract.executor(self.executor_id))
@@ -150,12 +206,15 @@ class Executor:
     async def _process(self, batch: pb.Batch) -> None:
         start_us = now_us()
         t0 = time.perf_counter_ns()
-        payloads = await self.redis.mget([contract.payload(m.request_id) for m in batch.members])
+        gateways = sorted({m.gateway_id for m in batch.members})
+        found = await self.redis.mget([contract.payload(m.request_id) for m in batch.members]
+                                      + [contract.gateway(g) for g in gateways])
+        payloads, alive = found[: len(batch.members)], dict(zip(gateways, found[len(batch.members):]))
         model = self.models.get((batch.model_name, batch.model_version))
         members: list[_Member] = []
         for entry, blob in zip(batch.members, payloads):
-            if blob is None:
-                continue  # answered or abandoned meanwhile: nobody is waiting
+            if blob is None or alive[entry.gateway_id] is None:
+                continue  # answered, abandoned, or its gateway died: nobody is waiting
             m = _Member(entry)
             members.append(m)
             if model is None:

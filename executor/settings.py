@@ -18,6 +18,9 @@ class ExecutorSettings(CommonSettings):
     models: list[str] = Field(
         default_factory=list, description="Only load these models (default: every model in the repository)."
     )
+    metrics_port: int = Field(
+        8004, description="Port of the Prometheus endpoint (http://HOST:PORT/metrics); 0 = any free port, -1 = none."
+    )
     port: int = Field(0, description="Port of the executor's control gRPC server (0 = any free port).")
     executor_id: str = Field("", description="Stable id of this executor (default: a random one per process).")
     providers: list[str] = Field(
@@ -35,4 +38,10 @@ class ExecutorSettings(CommonSettings):
     heartbeat_ttl_s: float = Field(
         3.0, description="Seconds without a heartbeat after which the executor is considered dead."
     )
-    warmup: bool = Field(True, description="Run each model once at load so the first request does not pay for it.")
+    drain_timeout_s: float = Field(
+        30.0,
+        description="On SIGTERM: seconds to finish the batches already sent to this executor before handing the "
+        "rest back to their queues.",
+    )
+    warmup: bool = Field(True, description="Run each model at load (once, then timed at batch sizes 1, 2, 4, ... up to its maximum) so the "
+        "first request does not pay for it and the scheduler's latency profile starts from measurements.")

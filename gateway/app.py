@@ -1,6 +1,8 @@
 """Wiring of the gateway service: the public gRPC server around the Gateway."""
 from __future__ import annotations
 
+import asyncio
+
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import inference_pb2, inference_pb2_grpc
 from gateway.core import Gateway
@@ -13,6 +15,7 @@ class GatewayApp:
         self.settings = settings
         self.gateway = Gateway(settings)
         self.server: ServerHandle | None = None
+        self._health: asyncio.Task | None = None
 
     @property
     def port(self) -> int:
@@ -35,11 +38,14 @@ class GatewayApp:
         ]
         self.server = await start_server(s.host, s.port, register, options)
         await self.gateway.start(self.address)
-        await self.server.set_serving(True)
+        self._health = asyncio.create_task(self.server.watch_redis(self.gateway.redis, on_change=self.gateway.on_redis))
         return self
 
     async def stop(self, grace: float = 2.0) -> None:
-        await self.server.set_serving(False)
-        # Stop taking new calls first, let in-flight ones finish, then let go of Redis.
+        # NOT_SERVING and refuse new requests, let admitted ones be answered, then let go of Redis.
+        await self.server.start_draining()
+        if self._health:
+            self._health.cancel()
+        await self.gateway.drain(self.settings.drain_timeout_s)
         await self.server.stop(grace)
         await self.gateway.stop()

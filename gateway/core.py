@@ -2,9 +2,13 @@
 
 The gRPC servicer converts protobuf and status codes; everything else lives
 here. A request is validated against the model's metadata, stamped with its
-deadline and priority, written to Redis in one pipelined round trip (payload
-+ queue entry + scheduler wake-up), and answered when its Reply arrives on
-this gateway's reply list.
+deadline and priority, admitted or refused by the predicted finish time
+(gateway/admission.py), written to Redis (payload + queue entry), and
+answered when its Reply arrives on this gateway's reply list.
+
+Writes are group-committed: the requests that arrive while one pipeline is
+in flight go out together in the next, with a single scheduler wake-up, so
+Redis round trips grow with time, not with the request rate.
 """
 from __future__ import annotations
 
@@ -14,13 +18,17 @@ import time
 import uuid
 
 
+from collections import defaultdict
+from dataclasses import dataclass
+
 from batchline import contract, tracecontext
 from batchline.clock import now_us
-from batchline.errors import DeadlineExceeded, NotFound, Unavailable, from_status_value
+from batchline.errors import BatchlineError, DeadlineExceeded, NotFound, ResourceExhausted, Unavailable, from_status_value
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.registry import Registry
+from gateway.admission import admit
 from gateway.settings import GatewaySettings
 from gateway.validation import request_priority, request_timeout_us, validate
 
@@ -39,6 +47,19 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.0f} ms"
 
 
+@dataclass
+class _Write:
+    """One request's share of a group-committed pipeline."""
+    request_id: str
+    payload: bytes
+    payload_ttl_ms: int
+    queue: str
+    member: bytes
+    score: int
+    max_queue_size: int
+    done: asyncio.Future
+
+
 class Gateway:
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
@@ -49,6 +70,15 @@ class Gateway:
         self.address = ""
         self._pending: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
+        self._outbox: list[_Write] = []
+        self._abandoned: list[tuple[str, bytes, str]] = []
+        self._flusher: asyncio.Task | None = None
+        self._enqueue_bounded = None
+        self.draining = False
+        # Admission control: the scheduler's load view per model, and the rows
+        # this gateway has admitted and not yet answered, per priority level.
+        self.loads: dict[tuple[str, str], pb.ModelLoad] = {}
+        self._outstanding: dict[tuple[str, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
 
     async def start(self, address: str) -> None:
         self.address = address
@@ -56,19 +86,26 @@ class Gateway:
             await self.refresh_registry()
         except REDIS_ERRORS as exc:
             log.warning("Redis not reachable at start (%s); will keep trying", exc)
+        self._enqueue_bounded = self.redis.register_script(contract.ENQUEUE_BOUNDED_LUA)
         self._tasks = [
             asyncio.create_task(self._read_replies(), name="replies"),
             asyncio.create_task(self._refresh_loop(), name="registry"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            asyncio.create_task(self._load_loop(), name="load"),
         ]
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests; wait (up to `timeout`) for the admitted ones to be answered."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self._pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(Unavailable("the gateway is shutting down"))
+        self.fail_pending(Unavailable("the gateway is shutting down; the request may or may not have run"))
         try:
             await self.redis.delete(contract.gateway(self.gateway_id))
         except REDIS_ERRORS:
@@ -97,6 +134,32 @@ class Gateway:
             except REDIS_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    def fail_pending(self, error: BatchlineError) -> None:
+        """Answer every waiting request with `error` (shutdown, or Redis lost: its replies may never come)."""
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+
+    def on_redis(self, up: bool) -> None:
+        if not up:
+            self.fail_pending(Unavailable(
+                "lost contact with Redis while the request was queued; it may or may not have run: retry"
+            ))
+
+    async def _load_loop(self) -> None:
+        """Keep the scheduler's load views fresh for admission control (one MGET per period)."""
+        while True:
+            await asyncio.sleep(self.settings.load_refresh_s)
+            keys = sorted(self.registry.models)
+            if not keys or not self.settings.admission_control:
+                continue
+            try:
+                blobs = await self.redis.mget([contract.load(*k) for k in keys])
+            except REDIS_ERRORS:
+                self.loads = {}
+                continue
+            self.loads = {k: pb.ModelLoad.FromString(b) for k, b in zip(keys, blobs) if b}
 
     async def _read_replies(self) -> None:
         key = contract.reply(self.gateway_id)
@@ -159,6 +222,16 @@ class Gateway:
         budget = self.budget_s(request, model, grpc_remaining)
         if budget <= 0:
             raise DeadlineExceeded(f"the request's deadline had already passed when it reached the gateway (budget {_ms(budget)})")
+        key = (model.name, model.version)
+        if self.draining:
+            raise Unavailable("this gateway is shutting down: retry on another instance")
+        outstanding = self._outstanding[key]
+        load = self.loads.get(key)
+        if load is not None and load.policy == "deadline" and time.time() * 1e6 - load.updated_us < contract.LOAD_TTL_MS * 1000:
+            ahead = sum(n for p, n in outstanding.items() if p <= priority)
+            refusal = admit(load, model, priority, rows, budget, ahead, self.settings.admission_headroom)
+            if refusal is not None:
+                raise refusal
         enqueued = now_us()
         deadline = enqueued + int(budget * 1e6)
         request_id = uuid.uuid4().hex
@@ -176,20 +249,17 @@ class Gateway:
         )
         member = entry.SerializeToString()
         queue = contract.queue(model.name, model.version)
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._pending[request_id] = fut
+        outstanding[priority] += rows
         try:
-            try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.set(contract.payload(request_id), request.SerializeToString(), px=contract.payload_ttl_ms(deadline, enqueued))
-                    pipe.zadd(queue, {member: contract.queue_score(priority, deadline)})
-                    pipe.expire(queue, contract.QUEUE_TTL)
-                    pipe.rpush(contract.NOTIFY, queue)
-                    pipe.ltrim(contract.NOTIFY, -contract.NOTIFY_CAP, -1)
-                    pipe.expire(contract.NOTIFY, contract.QUEUE_TTL)
-                    await pipe.execute()
-            except REDIS_ERRORS as exc:
-                raise Unavailable(f"cannot queue the request: Redis is unreachable ({exc})") from None
+            write = _Write(request_id, request.SerializeToString(), contract.payload_ttl_ms(deadline, enqueued), queue,
+                           member, contract.queue_score(priority, deadline), model.max_queue_size, loop.create_future())
+            self._outbox.append(write)
+            if self._flusher is None or self._flusher.done():
+                self._flusher = loop.create_task(self._flush())
+            await write.done
             try:
                 reply: pb.Reply = await asyncio.wait_for(fut, timeout=max(0.0, deadline / 1e6 - time.time()))
             except asyncio.TimeoutError:
@@ -197,23 +267,64 @@ class Gateway:
                     f"no answer from model '{model.name}' within the {_ms(budget)} budget"
                 ) from None
         except BaseException:
-            # Timed out, cancelled by the client, or Redis failed: make sure no
-            # executor spends time on a request nobody waits for.
+            # Timed out, cancelled by the client, refused, or Redis failed: make
+            # sure no executor spends time on a request nobody waits for.
             self._pending.pop(request_id, None)
-            asyncio.get_running_loop().create_task(self._abandon(queue, member, request_id))
+            self._abandon(queue, member, request_id)
             raise
+        finally:
+            outstanding[priority] -= rows
         if reply.code != 0:
             raise from_status_value(reply.code, reply.message)
         return reply.response
 
-    async def _abandon(self, queue: str, member: bytes, request_id: str) -> None:
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zrem(queue, member)
-                pipe.delete(contract.payload(request_id))
-                await pipe.execute()
-        except REDIS_ERRORS:
-            pass  # the keys expire on their own
+    async def _flush(self) -> None:
+        """Group commit: write everything queued for Redis in one pipeline, until nothing is left."""
+        while self._outbox or self._abandoned:
+            writes, self._outbox = self._outbox, []
+            abandoned, self._abandoned = self._abandoned, []
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for w in writes:
+                        pipe.set(contract.payload(w.request_id), w.payload, px=w.payload_ttl_ms)
+                        if w.max_queue_size:
+                            await self._enqueue_bounded(
+                                keys=[w.queue], args=[w.max_queue_size, w.score, w.member, contract.QUEUE_TTL], client=pipe
+                            )
+                        else:
+                            pipe.zadd(w.queue, {w.member: w.score})
+                            pipe.expire(w.queue, contract.QUEUE_TTL)
+                    for queue, member, request_id in abandoned:
+                        pipe.zrem(queue, member)
+                        pipe.delete(contract.payload(request_id))
+                    if writes:
+                        pipe.rpush(contract.NOTIFY, "q")
+                        pipe.ltrim(contract.NOTIFY, -contract.NOTIFY_CAP, -1)
+                        pipe.expire(contract.NOTIFY, contract.QUEUE_TTL)
+                    results = await pipe.execute()
+            except REDIS_ERRORS as exc:
+                for w in writes:
+                    if not w.done.done():
+                        w.done.set_exception(Unavailable(f"cannot queue the request: Redis is unreachable ({exc})"))
+                continue
+            i = 0
+            for w in writes:
+                queued = results[i + 1]
+                i += 2 if w.max_queue_size else 3
+                if w.done.done():
+                    continue
+                if w.max_queue_size and not queued:
+                    w.done.set_exception(ResourceExhausted(
+                        f"the queue of model '{w.queue.split(':')[2]}' is full ({w.max_queue_size} requests, its "
+                        "max_queue_size): retry later", retry_after_s=0.1))
+                else:
+                    w.done.set_result(None)
+
+    def _abandon(self, queue: str, member: bytes, request_id: str) -> None:
+        # Written with the next group commit; if Redis is gone the keys expire on their own.
+        self._abandoned.append((queue, member, request_id))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
 
     # -- metadata and statistics ------------------------------------------
 

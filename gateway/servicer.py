@@ -19,7 +19,12 @@ def _trace_headers(context: grpc.aio.ServicerContext) -> tuple[str, str]:
     return md.get("traceparent", ""), md.get("tracestate", "")
 
 
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: BatchlineError):
+    if exc.retry_after_s is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(max(1, round(exc.retry_after_s * 1000)))),))
     await context.abort(grpc_status(exc), str(exc))
 
 

@@ -10,6 +10,9 @@ from batchline.settings import CommonSettings
 class GatewaySettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="BATCHLINE_GATEWAY_")
 
+    metrics_port: int = Field(
+        8002, description="Port of the Prometheus endpoint (http://HOST:PORT/metrics); 0 = any free port, -1 = none."
+    )
     port: int = Field(8001, description="Port of the KServe v2 gRPC endpoint (8001 is where Triton clients look; 0 = any free port).")
     gateway_id: str = Field("", description="Id of this gateway, the address of its reply list (default: a random one per process).")
     max_message_bytes: int = Field(
@@ -18,3 +21,17 @@ class GatewaySettings(CommonSettings):
     )
     registry_refresh_s: float = Field(0.5, description="Seconds between re-reads of the executor registry (served models).")
     heartbeat_interval_s: float = Field(1.0, description="Seconds between registrations of this gateway in Redis.")
+    admission_control: bool = Field(
+        True,
+        description="Refuse at once (RESOURCE_EXHAUSTED, or DEADLINE_EXCEEDED when the budget is below the model's "
+        "run time) a request predicted to finish after its budget; needs the scheduler's deadline policy.",
+    )
+    admission_headroom: float = Field(
+        1.0,
+        description="Admit a request when its predicted finish is within this fraction of its budget "
+        "(below 1 keeps room for prediction error).",
+    )
+    load_refresh_s: float = Field(0.05, description="Seconds between reads of the scheduler's per-model load view.")
+    drain_timeout_s: float = Field(
+        30.0, description="On SIGTERM: seconds to wait for admitted requests to be answered before stopping."
+    )

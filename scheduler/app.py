@@ -1,6 +1,8 @@
 """Wiring of the scheduler service: gRPC control server and the scheduling loop."""
 from __future__ import annotations
 
+import asyncio
+
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import internal_pb2, internal_pb2_grpc
 from scheduler.service import Scheduler, SchedulerControl
@@ -12,6 +14,7 @@ class SchedulerApp:
         self.settings = settings
         self.scheduler = Scheduler(settings)
         self.server: ServerHandle | None = None
+        self._health: asyncio.Task | None = None
 
     @property
     def port(self) -> int:
@@ -24,10 +27,12 @@ class SchedulerApp:
 
         self.server = await start_server(self.settings.host, self.settings.port, register)
         await self.scheduler.start()
-        await self.server.set_serving(True)
+        self._health = asyncio.create_task(self.server.watch_redis(self.scheduler.redis))
         return self
 
     async def stop(self, grace: float = 2.0) -> None:
-        await self.server.set_serving(False)
-        await self.scheduler.stop()
+        await self.server.start_draining()
+        if self._health:
+            self._health.cancel()
+        await self.scheduler.stop()  # gives the lease up: a standby takes over at once
         await self.server.stop(grace)

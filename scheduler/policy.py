@@ -1,10 +1,26 @@
 """The batching decision: pure, synchronous, with time passed in.
 
 Given a model's queue (already in priority-major, earliest-deadline-first
-order), how many executor slots are free, and a prediction of execution time
-per batch size, `plan()` says which batches to send now and why, which
-requests are already past their deadline, and when to look again. It does no
-I/O and reads no clock, so every rule is tested with an explicit clock.
+order), when each executor holding the model can take its next batch, and a
+prediction of execution time per batch size, `plan()` says which batches to
+send now, to which executor and why, which requests are shed, and when to
+look again. It does no I/O and reads no clock, so every rule is tested with
+an explicit clock.
+
+Two policies share the mechanics:
+
+- deadline-aware (the default): a batch goes out when it is full, reaches a
+  preferred size, when waiting longer would make its earliest deadline miss,
+  or when max_queue_delay passes; a request that cannot finish by its
+  deadline even if started on the first free executor is shed before it
+  wastes executor time.
+- FIFO (Triton-style max-delay batching, kept as the baseline): arrival
+  order within a priority level, no deadline rule, nothing shed until its
+  deadline has passed.
+
+Batches are handed to an executor only when it is about to be free (within
+`lead` seconds): while every executor is busy, requests keep queueing and
+form larger batches instead of waiting in an executor's private backlog.
 """
 from __future__ import annotations
 
@@ -16,6 +32,10 @@ FULL = "full"            # no more rows fit (max_batch_size reached)
 PREFERRED = "preferred"  # everything queued was taken and it is a preferred size
 DEADLINE = "deadline"    # waiting longer would make the earliest deadline miss
 DELAY = "delay"          # the oldest member waited max_queue_delay
+
+DEADLINE_AWARE = "deadline"
+FIFO = "fifo"
+POLICIES = (DEADLINE_AWARE, FIFO)
 
 
 @dataclass(frozen=True)
@@ -36,6 +56,7 @@ class ModelPolicy:
     # Time a batch spends outside the model (Redis round trips, decode,
     # encode), added to the predicted execution when judging slack.
     overhead: float = 0.002
+    kind: str = DEADLINE_AWARE
 
 
 @dataclass(frozen=True)
@@ -43,8 +64,11 @@ class PlannedBatch:
     members: tuple[Pending, ...]
     rows: int
     reason: str
-    # Least slack among members at dispatch: deadline - now - predicted run.
+    # Least slack among members: deadline - predicted finish.
     slack: float
+    executor: int = 0        # index into the `free_at` list given to plan()
+    start: float = 0.0       # predicted start on that executor
+    finish: float = 0.0      # predicted completion time
 
 
 @dataclass
@@ -62,42 +86,80 @@ def plan(
     now: float,
     queue: Sequence[Pending],
     policy: ModelPolicy,
-    free_slots: int,
+    free_at: Sequence[float],
     predict: Callable[[int], float],
+    expected: Callable[[int], float] | None = None,
+    lead: float = 0.0,
 ) -> Plan:
-    """Decide what to do with one model's queue at time `now`."""
+    """Decide what to do with one model's queue at time `now`.
+
+    `free_at[i]` is when executor i can start another batch (<= now: idle).
+    `predict(rows)` errs late (it carries a margin) and times dispatch;
+    `expected(rows)` is the central estimate used to decide that a request is
+    hopeless (default: `predict`).
+    """
+    expected = expected or predict
+    aware = policy.kind != FIFO
     out = Plan()
+    free = list(free_at)
+    first_start = max(now, min(free)) if free else None
     live: list[Pending] = []
     for p in queue:
         if p.deadline <= now:
             out.expired.append(p)
+        elif aware and first_start is not None and first_start + expected(p.rows) + policy.overhead > p.deadline:
+            # It cannot finish in time even alone on the first free executor.
+            out.expired.append(p)
         else:
             live.append(p)
+    if not aware:
+        live.sort(key=lambda p: (p.priority, p.enqueued))
 
     cap = policy.max_batch_size if policy.max_batch_size > 0 else None
-    while live and free_slots > 0:
+    while live and free:
+        i = min(range(len(free)), key=free.__getitem__)
+        start = max(now, free[i])
+        if start > now + lead:
+            out._wake(start - lead)  # no executor is ready: let the queue grow
+            break
         members, rows = _take(live, cap)
+        shrunk = False
+        if aware:
+            # A big batch runs longer: trim it until its most urgent member
+            # still makes its deadline; one that cannot even alone is shed.
+            while start + expected(rows) + policy.overhead > min(m.deadline for m in members):
+                if len(members) == 1:
+                    break
+                rows -= members.pop().rows
+                shrunk = True
+            if start + expected(rows) + policy.overhead > members[0].deadline and len(members) == 1:
+                out.expired.append(members[0])
+                live.remove(members[0])
+                continue
         cost = predict(rows) + policy.overhead
         earliest = min(m.deadline for m in members)
         oldest = min(m.enqueued for m in members)
-        send_by = earliest - cost           # latest dispatch that still meets the earliest deadline
+        send_by = earliest - cost - (start - now)  # latest dispatch that still meets the earliest deadline
         delay_due = oldest + policy.max_queue_delay
         everything_taken = len(members) == len(live)
 
-        if cap is None or rows >= cap or not everything_taken:
+        if shrunk:
+            reason = DEADLINE
+        elif cap is None or rows >= cap or not everything_taken:
             reason = FULL
         elif rows in policy.preferred_batch_sizes:
             reason = PREFERRED
-        elif now >= send_by:
+        elif aware and now >= send_by:
             reason = DEADLINE
         elif now >= delay_due:
             reason = DELAY
         else:
-            out._wake(min(send_by, delay_due))
+            out._wake(min(send_by, delay_due) if aware else delay_due)
             break
-        out.batches.append(PlannedBatch(tuple(members), rows, reason, earliest - now - cost))
+        finish = start + cost
+        out.batches.append(PlannedBatch(tuple(members), rows, reason, earliest - finish, i, start, finish))
+        free[i] = finish
         del live[: len(members)]
-        free_slots -= 1
 
     # Whatever waits (for a free executor, or for company) must still be shed
     # the moment its deadline passes.

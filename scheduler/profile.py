@@ -1,9 +1,12 @@
-"""Per-model latency profile: predicted execution time of a batch of n rows.
+"""Per-model latency profile: predicted service time of a batch of n rows.
 
-Learned online from executors' reports as a least-squares fit of
-``a·n + b`` over a sliding window, plus a margin of the residuals' spread so
-that a prediction errs late rather than early. Before any report it predicts
-from a default cost so a fresh model is not scheduled blind-optimistic.
+Learned online from executors' reports (and their warm-up runs at load) as a
+fit of ``a·n + b`` over a sliding window. The fit goes through the median
+time of each batch size seen, so that a few slow outliers (a noisy
+neighbour, a GC pause) do not tilt it; the margin added to a prediction is a
+high quantile of the residuals, so a prediction errs late rather than early.
+Before any sample it predicts a default cost so a fresh model is not
+scheduled blind-optimistic.
 """
 from __future__ import annotations
 
@@ -13,36 +16,53 @@ import numpy as np
 
 
 class LatencyProfile:
-    def __init__(self, window: int = 256, default: float = 0.005, margin_sigmas: float = 2.0) -> None:
+    def __init__(self, window: int = 512, default: float = 0.005, margin_quantile: float = 0.9) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._default = default
-        self._sigmas = margin_sigmas
+        self._quantile = margin_quantile
         self._fit: tuple[float, float, float] | None = None  # a, b, margin
 
     def observe(self, rows: int, seconds: float) -> None:
         self._samples.append((rows, seconds))
         self._fit = None
 
-    @property
-    def samples(self) -> int:
+    def samples(self) -> list[tuple[int, float]]:
+        return list(self._samples)
+
+    def __len__(self) -> int:
         return len(self._samples)
 
-    def predict(self, rows: int) -> float:
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, b, margin) of the current fit."""
         if not self._samples:
-            return self._default
+            return 0.0, self._default, 0.0
         if self._fit is None:
             self._fit = self._refit()
-        a, b, margin = self._fit
-        return max(0.0, a * rows + b) + margin
+        return self._fit
+
+    def expected(self, rows: int) -> float:
+        """The central estimate (no margin)."""
+        a, b, _ = self.coefficients()
+        return max(0.0, a * rows + b)
+
+    def predict(self, rows: int) -> float:
+        """The estimate plus the margin: late rather than early."""
+        return self.expected(rows) + self.coefficients()[2]
 
     def _refit(self) -> tuple[float, float, float]:
         n = np.array([s[0] for s in self._samples], dtype=float)
         t = np.array([s[1] for s in self._samples], dtype=float)
-        if len(set(n.tolist())) < 2:
-            # One batch size seen: assume cost proportional to rows through the mean.
-            mean = float(t.mean())
-            return mean / max(float(n.mean()), 1.0), 0.0, self._sigmas * float(t.std())
-        a, b = np.polyfit(n, t, 1)
-        a = max(float(a), 0.0)
+        sizes = np.unique(n)
+        medians = np.array([np.median(t[n == s]) for s in sizes])
+        if len(sizes) < 2:
+            # One batch size seen: assume cost proportional to rows through the median.
+            a, b = float(medians[0]) / max(float(sizes[0]), 1.0), 0.0
+        else:
+            weights = np.sqrt([np.count_nonzero(n == s) for s in sizes])
+            a, b = np.polyfit(sizes, medians, 1, w=weights)
+            a, b = float(a), float(b)
+            if a < 0:  # noise made bigger batches look cheaper: fall back to a flat cost
+                a, b = 0.0, float(np.median(t))
         resid = t - (a * n + b)
-        return a, float(b), self._sigmas * float(resid.std())
+        margin = max(0.0, float(np.quantile(resid, self._quantile)))
+        return a, b, margin

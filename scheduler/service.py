@@ -4,6 +4,13 @@ All decisions come from `scheduler.policy.plan`; this module only does I/O.
 It never touches tensors: it moves queue members (request metadata) into
 batches and tells executors which batches are theirs.
 
+Only the holder of the lease in Redis dispatches, so a second scheduler
+started by mistake (or as a standby) cannot double-dispatch. The leader also
+hands back the batches of executors whose heartbeat expired, keeps one
+latency profile per (model, version, executor kind) learned from execution
+reports and saved in Redis, and publishes per model the load view that
+gateways use for admission control.
+
 Wake-ups: a BLPOP task wakes the loop when a gateway enqueues or an executor
 reports; timers (a batch's delay or deadline) are kept locally because Redis
 only honours blocking timeouts to its cron tick (100 ms by default).
@@ -12,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 import uuid
 from collections import Counter
@@ -22,15 +30,18 @@ from batchline import contract, tracecontext
 from batchline.clock import now_us
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
+from batchline.recovery import requeue_held_batches
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.registry import Registry
-from scheduler.policy import ModelPolicy, Pending, plan
+from scheduler.policy import FIFO, ModelPolicy, Pending, PlannedBatch, plan
 from scheduler.profile import LatencyProfile
 from scheduler.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
 
 _DRAIN = 10_000
+_LOAD_EVERY_S = 0.05
+_UNKNOWN_KIND = "unknown"
 
 
 class Scheduler:
@@ -41,29 +52,48 @@ class Scheduler:
         self.blocking = connect_blocking(settings.redis_url, settings.redis_timeout_s)
         self.registry = Registry()
         self._registry_at = 0.0
-        self.profiles: dict[tuple[str, str], LatencyProfile] = {}
+        self.leader = False
+        self._lease_at = 0.0
+        self.profiles: dict[tuple[str, str, str], LatencyProfile] = {}
+        self._profiles_saved_at = time.monotonic()
         # Queue members parsed once, for as long as they stay queued.
         self._pending_cache: dict[bytes, Pending] = {}
         self._entries: dict[bytes, pb.QueueEntry] = {}
+        # What this scheduler sent each executor and has not seen answered:
+        # batch id -> (dispatched at, predicted cost); predicts when it is free.
+        self._ledger: dict[str, dict[str, tuple[float, float]]] = {}
+        self._load_at: dict[tuple[str, str], float] = {}
+        self._idle_at: dict[str, float] = {}  # when each executor is predicted to run out of work
         self._wake = asyncio.Event()
         self._reports: list[bytes] = []
         self._tasks: list[asyncio.Task] = []
         self._dispatch = None
+        self._lease = None
+        self._release = None
         self.depths: dict[tuple[str, str], int] = {}
         self.counts: Counter[str] = Counter()
 
     async def start(self) -> None:
         self._dispatch = self.redis.register_script(contract.DISPATCH_LUA)
+        self._lease = self.redis.register_script(contract.LEASE_LUA)
+        self._release = self.redis.register_script(contract.RELEASE_LUA)
         self._tasks = [
             asyncio.create_task(self._listen(), name="listen"),
             asyncio.create_task(self._loop(), name="loop"),
         ]
-        log.info("scheduler %s started", self.scheduler_id)
+        log.info("scheduler %s started (policy %s)", self.scheduler_id, self.settings.policy)
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            if self.leader:
+                await self._save_profiles()
+                await self._release(keys=[contract.LEADER], args=[self.scheduler_id])
+        except REDIS_ERRORS:
+            pass
+        self.leader = False
         await self.redis.aclose()
         await self.blocking.aclose()
 
@@ -85,7 +115,7 @@ class Scheduler:
     async def _loop(self) -> None:
         wake_at: float | None = None
         while True:
-            timeout = self.settings.registry_refresh_s
+            timeout = min(self.settings.registry_refresh_s, self.settings.lease_ttl_s / 3)
             if wake_at is not None:
                 timeout = min(timeout, max(0.0, wake_at - time.time()))
             try:
@@ -94,7 +124,7 @@ class Scheduler:
                 pass
             self._wake.clear()
             try:
-                wake_at = await self.step()
+                wake_at = await self.step() if await self._hold_lease() else None
             except REDIS_ERRORS as exc:
                 log.warning("scheduling step failed: %s", exc)
                 wake_at = None
@@ -104,6 +134,22 @@ class Scheduler:
                 wake_at = None
                 await asyncio.sleep(0.1)
 
+    async def _hold_lease(self) -> bool:
+        """Take or renew the lease (a third of its TTL apart); True while this scheduler leads."""
+        now = time.monotonic()
+        if now - self._lease_at < self.settings.lease_ttl_s / 3:
+            return self.leader
+        held = bool(await self._lease(keys=[contract.LEADER], args=[self.scheduler_id, int(self.settings.lease_ttl_s * 1000)]))
+        self._lease_at = now
+        if held != self.leader:
+            log.info("scheduler %s %s the lease", self.scheduler_id, "took" if held else "lost")
+            if held:
+                # Another scheduler dispatched meanwhile: forget what we knew.
+                self._ledger.clear()
+                self._registry_at = 0.0
+        self.leader = held
+        return held
+
     # -- one step ----------------------------------------------------------
 
     async def step(self) -> float | None:
@@ -111,6 +157,8 @@ class Scheduler:
         if time.monotonic() - self._registry_at >= self.settings.registry_refresh_s or not self.registry.models:
             self.registry = await Registry.load(self.redis)
             self._registry_at = time.monotonic()
+            if self.registry.stale:
+                await self._recover(self.registry.stale)
         queues = sorted(self.registry.models)
         executors = sorted(self.registry.executors)
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -120,24 +168,22 @@ class Scheduler:
                 pipe.zrange(contract.queue(name, version), 0, self.settings.queue_scan_limit - 1)
                 pipe.zcard(contract.queue(name, version))
             for eid in executors:
-                pipe.scard(contract.inflight(eid))
+                pipe.smembers(contract.inflight(eid))
             results = await pipe.execute()
         reports = self._reports + (results[1] or [])
         self._reports = []
         self._observe(reports)
 
-        busy = dict(zip(executors, results[2 + 2 * len(queues) :]))
-        free = {eid: max(0, self.settings.max_batches_per_executor - n) for eid, n in busy.items()}
         now = time.time()
+        inflight = dict(zip(executors, results[2 + 2 * len(queues) :]))
+        free_at = {eid: self._free_at(eid, {b.decode() for b in held}, now) for eid, held in inflight.items()}
         wake_at: float | None = None
         seen: set[bytes] = set()
         for i, key in enumerate(queues):
             members = results[2 + 2 * i]
             self.depths[key] = results[3 + 2 * i]
             seen.update(members)
-            if not members:
-                continue
-            wake = await self._schedule(key, members, free, now)
+            wake = await self._schedule(key, members, free_at, now)
             if wake is not None and (wake_at is None or wake < wake_at):
                 wake_at = wake
         # Forget parsed entries that left every queue.
@@ -145,20 +191,70 @@ class Scheduler:
             if member not in seen:
                 del self._pending_cache[member]
                 del self._entries[member]
+        if time.monotonic() - self._profiles_saved_at >= self.settings.profile_save_s:
+            await self._save_profiles()
         return wake_at
+
+    def _free_at(self, eid: str, held: set[str], now: float) -> float:
+        """When executor `eid` is predicted able to start another batch (inf: it holds its maximum)."""
+        ledger = self._ledger.setdefault(eid, {})
+        for bid in list(ledger):
+            if bid not in held:
+                del ledger[bid]  # answered
+        for bid in held - ledger.keys():
+            # Sent by an earlier leader: assume it just started.
+            ledger[bid] = (now, self.settings.default_execution_ms / 1000)
+        t = now
+        for dispatched, cost in sorted(ledger.values()):
+            t = max(t, dispatched) + cost
+        self._idle_at[eid] = t
+        return float("inf") if len(held) >= self.settings.max_batches_per_executor else t
 
     def _observe(self, reports: list[bytes]) -> None:
         for blob in reports:
             r = pb.ExecutionReport.FromString(blob)
             if r.rows:
-                seconds = r.compute_infer_ns / 1e9
-                self._profile((r.model_name, r.model_version)).observe(r.rows, seconds)
+                seconds = (r.compute_input_ns + r.compute_infer_ns + r.compute_output_ns) / 1e9
+                kind = self._kind(r.executor_id, (r.model_name, r.model_version))
+                self._profile((r.model_name, r.model_version, kind)).observe(r.rows, seconds)
 
-    def _profile(self, key: tuple[str, str]) -> LatencyProfile:
+    def _kind(self, executor_id: str, key: tuple[str, str]) -> str:
+        """The execution provider an executor runs a model on: executors of one kind share a profile."""
+        info = self.registry.executors.get(executor_id)
+        if info is not None:
+            for m in info.models:
+                if (m.name, m.version) == key and m.providers:
+                    return m.providers[0]
+        return _UNKNOWN_KIND
+
+    def _profile(self, key: tuple[str, str, str]) -> LatencyProfile:
         p = self.profiles.get(key)
         if p is None:
             p = self.profiles[key] = LatencyProfile(default=self.settings.default_execution_ms / 1000)
         return p
+
+    async def _load_profiles(self, keys: list[tuple[str, str, str]]) -> None:
+        """Adopt the samples a previous scheduler saved, for profiles this one has not seen yet."""
+        missing = [k for k in keys if k not in self.profiles]
+        if not missing:
+            return
+        blobs = await self.redis.mget([contract.profile(*k) for k in missing])
+        for key, blob in zip(missing, blobs):
+            profile = self._profile(key)
+            if blob:
+                for rows, seconds in struct.iter_unpack("<ff", blob):
+                    profile.observe(int(rows), float(seconds))
+
+    async def _save_profiles(self) -> None:
+        self._profiles_saved_at = time.monotonic()
+        if not self.profiles:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key, profile in self.profiles.items():
+                if len(profile):
+                    blob = b"".join(struct.pack("<ff", r, s) for r, s in profile.samples())
+                    pipe.set(contract.profile(*key), blob, ex=contract.PROFILE_TTL)
+            await pipe.execute()
 
     def _pending(self, member: bytes) -> Pending:
         p = self._pending_cache.get(member)
@@ -168,27 +264,59 @@ class Scheduler:
             self._pending_cache[member] = p
         return p
 
-    async def _schedule(self, key: tuple[str, str], members: list[bytes], free: dict[str, int], now: float) -> float | None:
+    def _model_profile(self, key: tuple[str, str], holders: list[str]) -> LatencyProfile:
+        """The profile to plan with: the slowest kind among the holders errs late, not early."""
+        profiles = [self._profile((*key, self._kind(e, key))) for e in holders] or [self._profile((*key, _UNKNOWN_KIND))]
+        return max(profiles, key=lambda p: p.predict(1))
+
+    async def _schedule(self, key: tuple[str, str], members: list[bytes], free_at: dict[str, float], now: float) -> float | None:
         info = self.registry.models[key]
-        holders = [e for e in self.registry.holders.get(key, []) if e in free]
+        holders = [e for e in self.registry.holders.get(key, []) if e in free_at and not self.registry.executors[e].draining]
+        await self._load_profiles([(*key, self._kind(e, key)) for e in holders])
+        profile = self._model_profile(key, holders)
+        queue = [self._pending(m) for m in members]
+        await self._publish_load(key, info, holders, free_at, profile, queue, now)
+        if not queue:
+            return None
         policy = ModelPolicy(
             max_batch_size=info.max_batch_size,
             max_queue_delay=info.max_queue_delay_ms / 1000,
             preferred_batch_sizes=tuple(info.preferred_batch_sizes),
             overhead=self.settings.overhead_ms / 1000,
+            kind=self.settings.policy,
         )
-        queue = [self._pending(m) for m in members]
-        decision = plan(now, queue, policy, sum(free[e] for e in holders), self._profile(key).predict)
+        ready = [e for e in holders if free_at[e] != float("inf")]
+        decision = plan(
+            now, queue, policy, [free_at[e] for e in ready], profile.predict, profile.expected,
+            lead=self.settings.dispatch_lead_ms / 1000,
+        )
         if decision.expired:
             await self._shed(key, decision.expired)
         for planned in decision.batches:
-            # Least-loaded executor holding the model.
-            eid = max(holders, key=lambda e: free[e])
-            free[eid] -= 1
-            await self._send(key, eid, planned)
+            eid = ready[planned.executor]
+            free_at[eid] = planned.finish
+            self._idle_at[eid] = max(self._idle_at.get(eid, now), planned.finish)
+            await self._send(key, eid, planned, now)
         return decision.wake_at
 
-    async def _send(self, key: tuple[str, str], executor_id: str, planned) -> None:
+    async def _publish_load(self, key, info, holders, free_at, profile, queue, now) -> None:
+        """The model's load view for the gateways' admission control (deadline policy only)."""
+        if self.settings.policy == FIFO or now - self._load_at.get(key, 0.0) < _LOAD_EVERY_S:
+            return
+        self._load_at[key] = now
+        a, b, margin = profile.coefficients()
+        rows = [0] * max(1, info.priority_levels)
+        for p in queue:
+            rows[min(max(p.priority, 1), len(rows)) - 1] += p.rows
+        load = pb.ModelLoad(
+            cost_per_row_s=a, cost_fixed_s=b, cost_margin_s=margin, overhead_s=self.settings.overhead_ms / 1000,
+            executors=len(holders),
+            backlog_s=sum(max(0.0, self._idle_at.get(e, now) - now) for e in holders),
+            queued_rows=rows, policy=self.settings.policy, updated_us=int(now * 1e6),
+        )
+        await self.redis.set(contract.load(*key), load.SerializeToString(), px=contract.LOAD_TTL_MS)
+
+    async def _send(self, key: tuple[str, str], executor_id: str, planned: PlannedBatch, now: float) -> None:
         batch_id = uuid.uuid4().hex
         entries = [self._entries[m.member] for m in planned.members]
         batch = pb.Batch(
@@ -209,22 +337,27 @@ class Scheduler:
             keys=[contract.queue(*key), contract.batch(batch_id), contract.work(executor_id), contract.inflight(executor_id)],
             args=[batch_id, ttl_ms, contract.WORK_TTL, batch.SerializeToString(), *(m.member for m in planned.members)],
         )
-        self.counts["batches"] += 1 if taken else 0
-        self.counts["requests"] += int(taken)
-        self.counts[f"reason:{planned.reason}"] += 1 if taken else 0
+        if taken:
+            self._ledger.setdefault(executor_id, {})[batch_id] = (planned.start, planned.finish - planned.start)
+            self.counts["batches"] += 1
+            self.counts["requests"] += int(taken)
+            self.counts[f"reason:{planned.reason}"] += 1
         log.debug("%s:%s batch of %d rows (%s) -> %s", key[0], key[1], planned.rows, planned.reason, executor_id)
 
     async def _shed(self, key: tuple[str, str], expired: list[Pending]) -> None:
+        now = time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrem(contract.queue(*key), *(p.member for p in expired))
             pipe.delete(*(contract.payload(p.request_id) for p in expired))
             for p in expired:
                 entry = self._entries[p.member]
+                budget = f"{1e3 * (p.deadline - p.enqueued):.1f} ms budget"
+                why = (f"its {budget} ran out in the queue of model '{key[0]}'" if p.deadline <= now else
+                       f"its {budget} cannot be met: model '{key[0]}' would finish it after its deadline")
                 reply = pb.Reply(
                     request_id=p.request_id,
                     code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
-                    message=f"deadline exceeded: its {1e3 * (p.deadline - p.enqueued):.1f} ms budget ran out in the queue of "
-                    f"model '{key[0]}' (no executor could take it in time)",
+                    message=f"deadline exceeded: {why} (shed before running; retry with a larger timeout or less load)",
                 )
                 pipe.rpush(contract.reply(entry.gateway_id), reply.SerializeToString())
                 pipe.expire(contract.reply(entry.gateway_id), contract.REPLY_TTL)
@@ -234,6 +367,16 @@ class Scheduler:
             await pipe.execute()
         self.counts["shed"] += len(expired)
 
+    async def _recover(self, stale: list[str]) -> None:
+        """Hand back the batches of executors whose heartbeat expired, then forget them."""
+        for eid in stale:
+            n = await requeue_held_batches(self.redis, eid, include_queued=True)
+            await self.redis.srem(contract.EXECUTORS, eid)
+            self._ledger.pop(eid, None)
+            if n:
+                self.counts["redispatched"] += n
+                log.warning("executor %s stopped heartbeating; requeued %d of its requests", eid, n)
+
     def status(self) -> pb.SchedulerStatus:
         return pb.SchedulerStatus(
             scheduler_id=self.scheduler_id,
@@ -242,6 +385,8 @@ class Scheduler:
             dispatched_batches=self.counts["batches"],
             dispatched_requests=self.counts["requests"],
             shed_requests=self.counts["shed"],
+            leader=self.leader,
+            redispatched_requests=self.counts["redispatched"],
         )
 
 

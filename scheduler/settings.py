@@ -1,6 +1,8 @@
 """Scheduler settings (environment prefix BATCHLINE_SCHEDULER_)."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -10,20 +12,44 @@ from batchline.settings import CommonSettings
 class SchedulerSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="BATCHLINE_SCHEDULER_")
 
+    metrics_port: int = Field(
+        8003, description="Port of the Prometheus endpoint (http://HOST:PORT/metrics); 0 = any free port, -1 = none."
+    )
     port: int = Field(0, description="Port of the scheduler's control gRPC server (0 = any free port).")
     scheduler_id: str = Field("", description="Id of this scheduler (default: a random one per process).")
+    policy: Literal["deadline", "fifo"] = Field(
+        "deadline",
+        description="deadline: earliest-deadline-first batching that dispatches by each batch's slack, sheds what "
+        "cannot make its deadline and publishes the load view gateways use for admission control. fifo: "
+        "Triton-style max-queue-delay batching in arrival order (the baseline; no admission control).",
+    )
     max_batches_per_executor: int = Field(
         2,
-        description="Batches an executor may hold at once (one running, one waiting). "
-        "While every executor is full, requests keep queueing and form larger batches.",
+        description="Batches an executor may hold at once (one running, one fetched ahead). A batch is only sent "
+        "when its executor is predicted free within dispatch_lead_ms; meanwhile requests queue and batch up.",
+    )
+    dispatch_lead_ms: float = Field(
+        3.0,
+        description="How long before an executor is predicted free its next batch is sent, so that fetching "
+        "the batch overlaps the end of the previous run.",
+    )
+    lease_ttl_s: float = Field(
+        3.0,
+        description="Leader lease in Redis: only the holder dispatches; a standby scheduler takes over this long "
+        "after the leader dies (at once when it stops cleanly).",
+    )
+    profile_save_s: float = Field(
+        5.0, description="Seconds between saves of the latency profiles to Redis (a restarted scheduler loads them)."
     )
     registry_refresh_s: float = Field(0.5, description="Seconds between re-reads of the executor registry.")
     queue_scan_limit: int = Field(
         1024, description="Queued requests per model examined each step (the head of the queue in dispatch order)."
     )
     default_execution_ms: float = Field(
-        5.0, description="Predicted execution time of a batch before any execution of that model was measured."
+        5.0, description="Predicted execution time of a batch before any run of that model was measured "
+        "(executors seed the profile with warm-up runs at load, so this rarely applies)."
     )
     overhead_ms: float = Field(
-        2.0, description="Time a batch spends outside the model (Redis, decode, encode), added to predictions."
+        2.0, description="Time a batch spends outside what executors measure (the Redis hops between "
+        "services), added to predictions."
     )

@@ -18,6 +18,7 @@ def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferReques
     request_id = uuid.uuid4().hex
     entry = pb.QueueEntry(request_id=request_id, gateway_id=gateway_id, model_version="1", rows=rows,
                           deadline_us=deadline_us, enqueued_us=now_us(), priority=1)
+    r.set(contract.gateway(gateway_id), "by-hand", px=60_000)  # the gateway is alive: executors skip orphans
     r.set(contract.payload(request_id), request.SerializeToString(), px=60_000)
     r.zadd(contract.queue("mlp", "1"), {entry.SerializeToString(): contract.queue_score(1, deadline_us)})
     r.rpush(contract.NOTIFY, "test")

@@ -64,7 +64,7 @@ class Reply(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[_inference_pb2.ModelInferResponse, _Mapping]] = ...) -> None: ...
 
 class ExecutionReport(_message.Message):
-    __slots__ = ("executor_id", "batch_id", "model_name", "model_version", "rows", "requests", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "failed")
+    __slots__ = ("executor_id", "batch_id", "model_name", "model_version", "rows", "requests", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "failed", "warmup")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class ExecutionReport(_message.Message):
     COMPUTE_INFER_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_OUTPUT_NS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     batch_id: str
     model_name: str
@@ -85,7 +86,8 @@ class ExecutionReport(_message.Message):
     compute_infer_ns: int
     compute_output_ns: int
     failed: int
-    def __init__(self, executor_id: _Optional[str] = ..., batch_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., rows: _Optional[int] = ..., requests: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
+    warmup: bool
+    def __init__(self, executor_id: _Optional[str] = ..., batch_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., rows: _Optional[int] = ..., requests: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., failed: _Optional[int] = ..., warmup: _Optional[bool] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "datatype", "shape")
@@ -130,7 +132,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., default_timeout_ms: _Optional[float] = ..., default_priority: _Optional[int] = ..., priority_levels: _Optional[int] = ..., preferred_batch_sizes: _Optional[_Iterable[int]] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., padded_inputs: _Optional[_Iterable[str]] = ..., max_queue_size: _Optional[int] = ...) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("executor_id", "address", "models", "started_us", "heartbeat_us", "busy_batches", "executed_batches")
+    __slots__ = ("executor_id", "address", "models", "started_us", "heartbeat_us", "busy_batches", "executed_batches", "draining")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +140,7 @@ class ExecutorInfo(_message.Message):
     HEARTBEAT_US_FIELD_NUMBER: _ClassVar[int]
     BUSY_BATCHES_FIELD_NUMBER: _ClassVar[int]
     EXECUTED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     address: str
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
@@ -145,14 +148,37 @@ class ExecutorInfo(_message.Message):
     heartbeat_us: int
     busy_batches: int
     executed_batches: int
-    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class ModelLoad(_message.Message):
+    __slots__ = ("cost_per_row_s", "cost_fixed_s", "cost_margin_s", "overhead_s", "executors", "backlog_s", "queued_rows", "policy", "updated_us")
+    COST_PER_ROW_S_FIELD_NUMBER: _ClassVar[int]
+    COST_FIXED_S_FIELD_NUMBER: _ClassVar[int]
+    COST_MARGIN_S_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    BACKLOG_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_US_FIELD_NUMBER: _ClassVar[int]
+    cost_per_row_s: float
+    cost_fixed_s: float
+    cost_margin_s: float
+    overhead_s: float
+    executors: int
+    backlog_s: float
+    queued_rows: _containers.RepeatedScalarFieldContainer[int]
+    policy: str
+    updated_us: int
+    def __init__(self, cost_per_row_s: _Optional[float] = ..., cost_fixed_s: _Optional[float] = ..., cost_margin_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., executors: _Optional[int] = ..., backlog_s: _Optional[float] = ..., queued_rows: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., updated_us: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SchedulerStatus(_message.Message):
-    __slots__ = ("scheduler_id", "queues", "executors", "dispatched_batches", "dispatched_requests", "shed_requests")
+    __slots__ = ("scheduler_id", "queues", "executors", "dispatched_batches", "dispatched_requests", "shed_requests", "leader", "redispatched_requests")
     class ModelQueue(_message.Message):
         __slots__ = ("model_name", "depth")
         MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -166,10 +192,14 @@ class SchedulerStatus(_message.Message):
     DISPATCHED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     DISPATCHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    REDISPATCHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     scheduler_id: str
     queues: _containers.RepeatedCompositeFieldContainer[SchedulerStatus.ModelQueue]
     executors: _containers.RepeatedCompositeFieldContainer[ExecutorInfo]
     dispatched_batches: int
     dispatched_requests: int
     shed_requests: int
-    def __init__(self, scheduler_id: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[SchedulerStatus.ModelQueue, _Mapping]]] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., dispatched_batches: _Optional[int] = ..., dispatched_requests: _Optional[int] = ..., shed_requests: _Optional[int] = ...) -> None: ...
+    leader: bool
+    redispatched_requests: int
+    def __init__(self, scheduler_id: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[SchedulerStatus.ModelQueue, _Mapping]]] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., dispatched_batches: _Optional[int] = ..., dispatched_requests: _Optional[int] = ..., shed_requests: _Optional[int] = ..., leader: _Optional[bool] = ..., redispatched_requests: _Optional[int] = ...) -> None: ...

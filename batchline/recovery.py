@@ -1,0 +1,59 @@
+"""Handing an executor's batches back to their queues.
+
+Used by the scheduler when an executor's heartbeat expires (it died), and by
+an executor at start-up for the batches a previous incarnation with the same
+id had taken but not answered. Members whose payload is gone were answered
+or abandoned meanwhile and are not requeued; the others go back with their
+original score (priority, deadline), so they are first in line again and
+the policy sheds those that can no longer make their deadline. Requeueing is
+idempotent (a queue is a set), so a recovery interrupted by a crash is
+simply done again.
+"""
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from batchline import contract
+from batchline.protocol import internal_pb2 as pb
+
+
+async def requeue_held_batches(redis: aioredis.Redis, executor_id: str, *, include_queued: bool) -> int:
+    """Requeue the live members of the batches `executor_id` holds; returns how many were requeued.
+
+    include_queued=False leaves the batches still waiting in its work list
+    alone (a restarted executor runs them itself).
+    """
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.smembers(contract.inflight(executor_id))
+        pipe.lrange(contract.work(executor_id), 0, -1)
+        held, queued = await pipe.execute()
+    ids = {b.decode() for b in held}
+    if not include_queued:
+        ids -= {pb.Batch.FromString(blob).batch_id for blob in queued}
+    if not ids and not (include_queued and queued):
+        return 0
+    ordered = sorted(ids)
+    blobs = await redis.mget([contract.batch(b) for b in ordered]) if ordered else []
+    batches = [pb.Batch.FromString(b) for b in blobs if b is not None]
+    entries = [(b, e) for b in batches for e in b.members]
+    alive = await redis.exists(*[contract.payload(e.request_id) for _, e in entries]) if entries else 0
+    # EXISTS counts; fetch per key only when some are gone.
+    if entries and alive != len(entries):
+        async with redis.pipeline(transaction=False) as pipe:
+            for _, e in entries:
+                pipe.exists(contract.payload(e.request_id))
+            flags = await pipe.execute()
+        entries = [pair for pair, flag in zip(entries, flags) if flag]
+    async with redis.pipeline(transaction=True) as pipe:
+        for b, e in entries:
+            key = contract.queue(b.model_name, b.model_version)
+            pipe.zadd(key, {e.SerializeToString(): contract.queue_score(e.priority, e.deadline_us)})
+            pipe.expire(key, contract.QUEUE_TTL)
+        if ordered:
+            pipe.delete(*[contract.batch(b) for b in ordered])
+            pipe.srem(contract.inflight(executor_id), *ordered)
+        if include_queued:
+            pipe.delete(contract.work(executor_id), contract.inflight(executor_id))
+        pipe.rpush(contract.NOTIFY, "recovered")
+        await pipe.execute()
+    return len(entries)
