@@ -2,6 +2,7 @@
 
     batchline up                 Redis + executor(s) + scheduler + gateway, demo models by default
     batchline build-models PATH  build the demo model repository (minilm, mlp) into PATH
+    batchline bench ...          load a KServe v2 gRPC endpoint, closed or open loop (see --help)
 """
 from __future__ import annotations
 
@@ -47,15 +48,22 @@ def _server_ready(address: str) -> bool:
 class Mesh:
     """The processes of a local mesh, started in dependency order and stopped in reverse."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, env: dict[str, str | None] | None = None):
         self.args = args
+        # Merged into os.environ for every child (None removes a variable), e.g. OTEL_* settings.
+        self.env = dict(env or {})
         self.redis: EmbeddedRedis | None = None
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def _spawn(self, name: str, module: str, *flags: str) -> None:
         cmd = [sys.executable, "-m", module, "--redis-url", self.redis_url, "--host", self.args.host,
                "--log-level", self.args.log_level, *flags]
-        proc = subprocess.Popen(cmd)
+        env = None
+        if self.env:
+            env = {**os.environ, **{k: v for k, v in self.env.items() if v is not None}}
+            for key in [k for k, v in self.env.items() if v is None]:
+                env.pop(key, None)
+        proc = subprocess.Popen(cmd, env=env)
         self.procs.append((name, proc))
         print(f"batchline: started {name} (pid {proc.pid})", flush=True)
 
@@ -72,10 +80,18 @@ class Mesh:
             print(f"batchline: started Redis {self.redis.binary} at {self.redis_url}", flush=True)
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
         client.ping()
+        base = getattr(a, "metrics_port", 0)
+
+        def metrics_port(offset: int) -> str:
+            # Consecutive ports from the base (gateway, scheduler, executors); 0 = any free, -1 = none.
+            return str(base + offset if base > 0 else base)
+
         for i in range(a.executors):
-            self._spawn(f"executor-{i}", "executor", "--model-repository", str(repo), "--executor-id", f"executor-{i}")
-        self._spawn("scheduler", "scheduler")
-        self._spawn("gateway", "gateway", "--port", str(a.gateway_port), "--gateway-id", "gateway-0")
+            self._spawn(f"executor-{i}", "executor", "--model-repository", str(repo), "--executor-id", f"executor-{i}",
+                        "--metrics-port", metrics_port(2 + i))
+        self._spawn("scheduler", "scheduler", "--metrics-port", metrics_port(1))
+        self._spawn("gateway", "gateway", "--port", str(a.gateway_port), "--gateway-id", "gateway-0",
+                    "--metrics-port", metrics_port(0))
         return self._wait_ready(client)
 
     def _wait_ready(self, client: redis.Redis) -> str:
@@ -164,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--executors", type=int, default=1, help="number of executor processes (default: 1)")
     up.add_argument("--gateway-port", type=int, default=8001, help="gateway gRPC port; 0 = any free port (default: 8001)")
     up.add_argument("--host", default="127.0.0.1", help="interface the services bind to (default: 127.0.0.1)")
+    up.add_argument("--metrics-port", type=int, default=8002,
+                    help="Prometheus endpoints on consecutive ports from this one: gateway, scheduler, executor-0, "
+                    "executor-1, ...; 0 = any free ports, -1 = none (default: 8002)")
     up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"), help="log level of the services (default: INFO)")
     up.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the mesh to come up (default: 120)")
     up.set_defaults(func=cmd_up)
@@ -172,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                            description="Export the demo models (minilm, mlp) to ONNX into PATH (needs the [demo] extra).")
     build.add_argument("path", nargs="?", default=DEFAULT_REPOSITORY, help=f"repository path (default: {DEFAULT_REPOSITORY})")
     build.set_defaults(func=cmd_build_models)
+
+    from batchline.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
 
     args = parser.parse_args(argv)
     return args.func(args)

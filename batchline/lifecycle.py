@@ -5,6 +5,8 @@ import asyncio
 import signal
 from typing import Awaitable, Callable
 
+from batchline import telemetry
+
 
 async def wait_for_signal() -> None:
     stop = asyncio.Event()
@@ -14,8 +16,12 @@ async def wait_for_signal() -> None:
     await stop.wait()
 
 
-def run_service(start: Callable[[], Awaitable[Callable[[], Awaitable[None]]]]) -> None:
-    """`start` brings the service up and returns the coroutine function that stops it."""
+def run_service(service: str, start: Callable[[], Awaitable[Callable[[], Awaitable[None]]]]) -> None:
+    """`start` brings the service up and returns the coroutine function that stops it.
+
+    Tracing is set up from the OTEL_* environment first (off unless an
+    exporter or endpoint is configured) and flushed on the way out.
+    """
 
     async def main() -> None:
         stop = await start()
@@ -24,4 +30,8 @@ def run_service(start: Callable[[], Awaitable[Callable[[], Awaitable[None]]]]) -
         finally:
             await stop()
 
-    asyncio.run(main())
+    telemetry.setup_tracing(service)
+    try:
+        asyncio.run(main())
+    finally:
+        telemetry.shutdown_tracing()

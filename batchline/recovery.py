@@ -11,14 +11,16 @@ simply done again.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import redis.asyncio as aioredis
 
 from batchline import contract
 from batchline.protocol import internal_pb2 as pb
 
 
-async def requeue_held_batches(redis: aioredis.Redis, executor_id: str, *, include_queued: bool) -> int:
-    """Requeue the live members of the batches `executor_id` holds; returns how many were requeued.
+async def requeue_held_batches(redis: aioredis.Redis, executor_id: str, *, include_queued: bool) -> Counter[tuple[str, str]]:
+    """Requeue the live members of the batches `executor_id` holds; returns how many, per (model, version).
 
     include_queued=False leaves the batches still waiting in its work list
     alone (a restarted executor runs them itself).
@@ -31,7 +33,7 @@ async def requeue_held_batches(redis: aioredis.Redis, executor_id: str, *, inclu
     if not include_queued:
         ids -= {pb.Batch.FromString(blob).batch_id for blob in queued}
     if not ids and not (include_queued and queued):
-        return 0
+        return Counter()
     ordered = sorted(ids)
     blobs = await redis.mget([contract.batch(b) for b in ordered]) if ordered else []
     batches = [pb.Batch.FromString(b) for b in blobs if b is not None]
@@ -56,4 +58,4 @@ async def requeue_held_batches(redis: aioredis.Redis, executor_id: str, *, inclu
             pipe.delete(contract.work(executor_id), contract.inflight(executor_id))
         pipe.rpush(contract.NOTIFY, "recovered")
         await pipe.execute()
-    return len(entries)
+    return Counter((b.model_name, b.model_version) for b, _ in entries)

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
         app = await ExecutorApp(settings).start()
         return app.stop
 
-    run_service(start)
+    run_service("executor", start)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from batchline import metrics
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import internal_pb2, internal_pb2_grpc
 from executor.repository import load_repository
@@ -19,6 +20,7 @@ class ExecutorApp:
         self.executor: Executor | None = None
         self.server: ServerHandle | None = None
         self._health: asyncio.Task | None = None
+        self.metrics_port = -1
 
     @property
     def port(self) -> int:
@@ -37,6 +39,7 @@ class ExecutorApp:
             internal_pb2_grpc.add_ExecutorServicer_to_server(ExecutorControl(self.executor), server)
             return [internal_pb2.DESCRIPTOR.services_by_name["Executor"].full_name]
 
+        self.metrics_port = metrics.start_metrics_server(self.settings.host, self.settings.metrics_port)
         self.server = await start_server(s.host, s.port, register)
         await self.executor.start(f"{s.host}:{self.server.port}")
         self._health = asyncio.create_task(self.server.watch_redis(self.executor.redis))
@@ -53,3 +56,4 @@ class ExecutorApp:
             await self.executor.stop()
         if self.server:
             await self.server.stop(grace)
+        metrics.stop_metrics_server(self.metrics_port)

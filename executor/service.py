@@ -8,6 +8,7 @@ model fail is answered alone; its neighbours still get their results.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchline import contract
+from batchline import contract, metrics, telemetry
 from batchline.recovery import requeue_held_batches
 from batchline.clock import now_us
 from batchline.codec import decode_inputs, encode_array, onnx_strings
@@ -30,6 +31,11 @@ from executor.repository import LoadedModel, warmup_inputs
 from executor.settings import ExecutorSettings
 
 log = logging.getLogger(__name__)
+_tracer = telemetry.tracer("batchline.executor")
+
+
+def _phase(name: str, traced: bool):
+    return _tracer.start_as_current_span(name) if traced else contextlib.nullcontext()
 
 
 @dataclass
@@ -112,7 +118,7 @@ class Executor:
         self.address = address
         # A previous process with this id may have died holding batches it
         # had taken off its work list: hand those back (the rest it runs now).
-        n = await requeue_held_batches(self.redis, self.executor_id, include_queued=False)
+        n = sum((await requeue_held_batches(self.redis, self.executor_id, include_queued=False)).values())
         if n:
             log.warning("requeued %d requests a previous %s had taken but not answered", n, self.executor_id)
         await self.register()
@@ -141,7 +147,7 @@ class Executor:
             log.warning("drain: Redis failed (%s); handing back what is left", exc)
         await self._cancel(self._workers)
         try:
-            n = await requeue_held_batches(self.redis, self.executor_id, include_queued=True)
+            n = sum((await requeue_held_batches(self.redis, self.executor_id, include_queued=True)).values())
             if n:
                 log.info("drain: handed %d unstarted requests back to their queues", n)
         except REDIS_ERRORS:
@@ -204,13 +210,27 @@ class Executor:
             self.executed_batches += 1
 
     async def _process(self, batch: pb.Batch) -> None:
+        model = self.models.get((batch.model_name, batch.model_version))
+        provider = model.info.providers[0] if model is not None and model.info.providers else ""
+        if not telemetry.enabled():
+            await self._run_batch(batch, model, provider, False)
+            return
+        with _tracer.start_as_current_span("run_batch", context=telemetry.extract(batch.traceparent), attributes={
+            "batchline.model": batch.model_name, "batchline.model_version": batch.model_version,
+            "batchline.provider": provider, "batchline.executor_id": self.executor_id,
+            "batchline.batch_id": batch.batch_id,
+        }):
+            await self._run_batch(batch, model, provider, True)
+
+    async def _run_batch(self, batch: pb.Batch, model: LoadedModel | None, provider: str, traced: bool) -> None:
         start_us = now_us()
         t0 = time.perf_counter_ns()
         gateways = sorted({m.gateway_id for m in batch.members})
-        found = await self.redis.mget([contract.payload(m.request_id) for m in batch.members]
-                                      + [contract.gateway(g) for g in gateways])
+        with _phase("fetch", traced):
+            async with metrics.redis_rtt("executor", "fetch"):
+                found = await self.redis.mget([contract.payload(m.request_id) for m in batch.members]
+                                              + [contract.gateway(g) for g in gateways])
         payloads, alive = found[: len(batch.members)], dict(zip(gateways, found[len(batch.members):]))
-        model = self.models.get((batch.model_name, batch.model_version))
         members: list[_Member] = []
         for entry, blob in zip(batch.members, payloads):
             if blob is None or alive[entry.gateway_id] is None:
@@ -230,16 +250,26 @@ class Executor:
             except Exception as exc:  # noqa: BLE001 - a corrupt payload fails alone
                 m.error = InvalidArgument(f"request could not be decoded: {exc}")
         runnable = [m for m in members if m.error is None]
-        t1 = time.perf_counter_ns()
+        t1 = t_run = t2 = time.perf_counter_ns()
         if runnable:
             async with self._compute:
-                await self._run(model, runnable)
-        t2 = time.perf_counter_ns()
+                # Waiting for the other batch's run is not this batch's cost.
+                t_run = time.perf_counter_ns()
+                with _phase("infer", traced):
+                    await self._run(model, runnable)
+            t2 = time.perf_counter_ns()
         replies: dict[str, list[bytes]] = defaultdict(list)
         for m in members:
             replies[m.entry.gateway_id].append(self._reply(model, m).SerializeToString())
         t3 = time.perf_counter_ns()
-        await self._write(batch, model, members, replies, start_us, (t1 - t0, t2 - t1, t3 - t2))
+        with _phase("write", traced):
+            await self._write(batch, model, members, replies, start_us, (t1 - t0, t2 - t_run, t3 - t2))
+        if traced:
+            rows = sum(m.rows for m in batch.members)
+            for e in batch.members:
+                telemetry.record_span(_tracer, "execute", start_us, now_us(), context=telemetry.extract(e.traceparent, e.tracestate),
+                                      attributes={"batchline.batch_id": batch.batch_id, "batchline.batch_size": rows,
+                                                  "batchline.executor_id": self.executor_id, "batchline.provider": provider})
 
     async def _run(self, model: LoadedModel, members: list[_Member]) -> None:
         batched = model.info.max_batch_size > 0
@@ -322,7 +352,19 @@ class Executor:
                 pipe.hincrby(skey, "fail_count", len(failed))
                 pipe.hincrby(skey, "fail_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in failed))
                 pipe.expire(skey, contract.STATS_TTL)
-            await pipe.execute()
+            async with metrics.redis_rtt("executor", "write"):
+                await pipe.execute()
+        metrics.EXECUTOR_BUSY.labels(self.executor_id).inc((now_us() - start_us) / 1e6)
+        if model is not None and ok:
+            labels = (model.name, model.version)
+            metrics.INFERENCE_COUNT.labels(*labels).inc(rows)
+            metrics.EXECUTION_COUNT.labels(*labels).inc()
+            metrics.COMPUTE_INPUT_DURATION.labels(*labels).observe(input_ns / 1e9)
+            metrics.COMPUTE_INFER_DURATION.labels(*labels).observe(infer_ns / 1e9)
+            metrics.COMPUTE_OUTPUT_DURATION.labels(*labels).observe(output_ns / 1e9)
+            queue = metrics.QUEUE_DURATION.labels(*labels)
+            for m in ok:
+                queue.observe(max(0, start_us - m.entry.enqueued_us) / 1e6)
 
     @staticmethod
     def _count_stats(pipe, model, ok, rows, start_us, done_us, phases) -> None:

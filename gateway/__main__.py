@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("gateway").info("gateway %s listening on %s", app.gateway.gateway_id, app.address)
         return app.stop
 
-    run_service(start)
+    run_service("gateway", start)
 
 
 if __name__ == "__main__":

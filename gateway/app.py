@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
+from batchline import metrics
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import inference_pb2, inference_pb2_grpc
 from gateway.core import Gateway
@@ -16,6 +17,7 @@ class GatewayApp:
         self.gateway = Gateway(settings)
         self.server: ServerHandle | None = None
         self._health: asyncio.Task | None = None
+        self.metrics_port = -1
 
     @property
     def port(self) -> int:
@@ -36,6 +38,7 @@ class GatewayApp:
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
         ]
+        self.metrics_port = metrics.start_metrics_server(self.settings.host, self.settings.metrics_port)
         self.server = await start_server(s.host, s.port, register, options)
         await self.gateway.start(self.address)
         self._health = asyncio.create_task(self.server.watch_redis(self.gateway.redis, on_change=self.gateway.on_redis))
@@ -48,4 +51,5 @@ class GatewayApp:
             self._health.cancel()
         await self.gateway.drain(self.settings.drain_timeout_s)
         await self.server.stop(grace)
+        metrics.stop_metrics_server(self.metrics_port)
         await self.gateway.stop()

@@ -21,7 +21,7 @@ import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 
-from batchline import contract, tracecontext
+from batchline import contract, metrics, telemetry, tracecontext
 from batchline.clock import now_us
 from batchline.errors import BatchlineError, DeadlineExceeded, NotFound, ResourceExhausted, Unavailable, from_status_value
 from batchline.protocol import inference_pb2 as ipb
@@ -231,10 +231,18 @@ class Gateway:
             ahead = sum(n for p, n in outstanding.items() if p <= priority)
             refusal = admit(load, model, priority, rows, budget, ahead, self.settings.admission_headroom)
             if refusal is not None:
+                reason = "deadline" if isinstance(refusal, DeadlineExceeded) else "overload"
+                metrics.REJECTED.labels(model.name, model.version, reason).inc()
                 raise refusal
         enqueued = now_us()
         deadline = enqueued + int(budget * 1e6)
         request_id = uuid.uuid4().hex
+        # The queue entry carries the gateway's ModelInfer span (or, with
+        # tracing off, a child of the client's traceparent) to the others.
+        span = telemetry.current_span()
+        span.set_attribute("batchline.model_version", model.version)
+        span.set_attribute("batchline.request_id", request_id)
+        span_parent, span_state = telemetry.inject(span)
         entry = pb.QueueEntry(
             request_id=request_id,
             gateway_id=self.gateway_id,
@@ -243,9 +251,8 @@ class Gateway:
             deadline_us=deadline,
             enqueued_us=enqueued,
             priority=priority,
-            # Continues the client's trace when it sent one.
-            traceparent=tracecontext.child(traceparent),
-            tracestate=tracestate if tracecontext.parse(traceparent) else "",
+            traceparent=span_parent or tracecontext.child(traceparent),
+            tracestate=span_state if span_parent else (tracestate if tracecontext.parse(traceparent) else ""),
         )
         member = entry.SerializeToString()
         queue = contract.queue(model.name, model.version)
@@ -259,7 +266,8 @@ class Gateway:
             self._outbox.append(write)
             if self._flusher is None or self._flusher.done():
                 self._flusher = loop.create_task(self._flush())
-            await write.done
+            with telemetry.tracer("batchline.gateway").start_as_current_span("enqueue"):
+                await write.done
             try:
                 reply: pb.Reply = await asyncio.wait_for(fut, timeout=max(0.0, deadline / 1e6 - time.time()))
             except asyncio.TimeoutError:
@@ -301,7 +309,8 @@ class Gateway:
                         pipe.rpush(contract.NOTIFY, "q")
                         pipe.ltrim(contract.NOTIFY, -contract.NOTIFY_CAP, -1)
                         pipe.expire(contract.NOTIFY, contract.QUEUE_TTL)
-                    results = await pipe.execute()
+                    async with metrics.redis_rtt("gateway", "enqueue"):
+                        results = await pipe.execute()
             except REDIS_ERRORS as exc:
                 for w in writes:
                     if not w.done.done():
@@ -314,6 +323,7 @@ class Gateway:
                 if w.done.done():
                     continue
                 if w.max_queue_size and not queued:
+                    metrics.REJECTED.labels(w.queue.split(":")[2], w.queue.split(":")[3], "queue_full").inc()
                     w.done.set_exception(ResourceExhausted(
                         f"the queue of model '{w.queue.split(':')[2]}' is full ({w.max_queue_size} requests, its "
                         "max_queue_size): retry later", retry_after_s=0.1))

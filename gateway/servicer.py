@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
+from batchline import metrics, telemetry
 from batchline.errors import BatchlineError, grpc_status
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
 
 log = logging.getLogger(__name__)
+_tracer = telemetry.tracer("batchline.gateway")
 
 
 def _trace_headers(context: grpc.aio.ServicerContext) -> tuple[str, str]:
@@ -90,9 +93,23 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             outputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in info.outputs],
         )
 
+    async def _infer(self, request, context, name: str = "ModelInfer") -> ipb.ModelInferResponse:
+        """One inference, traced (continuing the client's trace) and counted; raises BatchlineError."""
+        started = time.perf_counter()
+        with telemetry.server_span(_tracer, name, context.invocation_metadata(), {"batchline.model": request.model_name}) as span:
+            try:
+                response = await self.gateway.infer(request, context.time_remaining(), *_trace_headers(context))
+            except BatchlineError as exc:
+                metrics.REQUEST_FAILURE.labels(request.model_name, request.model_version or "", metrics.status_reason(grpc_status(exc))).inc()
+                telemetry.set_error(span, f"{grpc_status(exc).name}: {exc}")
+                raise
+        metrics.REQUEST_SUCCESS.labels(response.model_name, response.model_version).inc()
+        metrics.REQUEST_DURATION.labels(response.model_name, response.model_version).observe(time.perf_counter() - started)
+        return response
+
     async def ModelInfer(self, request, context):
         try:
-            return await self.gateway.infer(request, context.time_remaining(), *_trace_headers(context))
+            return await self._infer(request, context)
         except BatchlineError as exc:
             await _abort(context, exc)
 
@@ -100,12 +117,11 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         # Requests on a stream run concurrently and are answered as they
         # finish; clients match answers to requests by id.
         answers: asyncio.Queue = asyncio.Queue()
-        trace = _trace_headers(context)
         tasks: set[asyncio.Task] = set()
 
         async def one(request: ipb.ModelInferRequest) -> None:
             try:
-                response = await self.gateway.infer(request, context.time_remaining(), *trace)
+                response = await self._infer(request, context, "ModelStreamInfer")
                 await answers.put(ipb.ModelStreamInferResponse(infer_response=response))
             except BatchlineError as exc:
                 await answers.put(

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
         app = await SchedulerApp(settings).start()
         return app.stop
 
-    run_service(start)
+    run_service("scheduler", start)
 
 
 if __name__ == "__main__":

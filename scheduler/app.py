@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
+from batchline import metrics
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import internal_pb2, internal_pb2_grpc
 from scheduler.service import Scheduler, SchedulerControl
@@ -15,6 +16,7 @@ class SchedulerApp:
         self.scheduler = Scheduler(settings)
         self.server: ServerHandle | None = None
         self._health: asyncio.Task | None = None
+        self.metrics_port = -1
 
     @property
     def port(self) -> int:
@@ -25,6 +27,7 @@ class SchedulerApp:
             internal_pb2_grpc.add_SchedulerServicer_to_server(SchedulerControl(self.scheduler), server)
             return [internal_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name]
 
+        self.metrics_port = metrics.start_metrics_server(self.settings.host, self.settings.metrics_port)
         self.server = await start_server(self.settings.host, self.settings.port, register)
         await self.scheduler.start()
         self._health = asyncio.create_task(self.server.watch_redis(self.scheduler.redis))
@@ -36,3 +39,4 @@ class SchedulerApp:
             self._health.cancel()
         await self.scheduler.stop()  # gives the lease up: a standby takes over at once
         await self.server.stop(grace)
+        metrics.stop_metrics_server(self.metrics_port)

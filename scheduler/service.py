@@ -26,7 +26,7 @@ from collections import Counter
 
 import grpc
 
-from batchline import contract, tracecontext
+from batchline import contract, metrics, telemetry, tracecontext
 from batchline.clock import now_us
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 _DRAIN = 10_000
 _LOAD_EVERY_S = 0.05
 _UNKNOWN_KIND = "unknown"
+_tracer = telemetry.tracer("batchline.scheduler")
 
 
 class Scheduler:
@@ -148,6 +149,7 @@ class Scheduler:
                 self._ledger.clear()
                 self._registry_at = 0.0
         self.leader = held
+        metrics.SCHEDULER_LEADER.set(1 if held else 0)
         return held
 
     # -- one step ----------------------------------------------------------
@@ -169,7 +171,8 @@ class Scheduler:
                 pipe.zcard(contract.queue(name, version))
             for eid in executors:
                 pipe.smembers(contract.inflight(eid))
-            results = await pipe.execute()
+            async with metrics.redis_rtt("scheduler", "scan"):
+                results = await pipe.execute()
         reports = self._reports + (results[1] or [])
         self._reports = []
         self._observe(reports)
@@ -275,6 +278,9 @@ class Scheduler:
         await self._load_profiles([(*key, self._kind(e, key)) for e in holders])
         profile = self._model_profile(key, holders)
         queue = [self._pending(m) for m in members]
+        by_priority = Counter(p.priority for p in queue)
+        for level in range(1, max(1, info.priority_levels) + 1):
+            metrics.PENDING_REQUESTS.labels(key[0], key[1], str(level)).set(by_priority.get(level, 0))
         await self._publish_load(key, info, holders, free_at, profile, queue, now)
         if not queue:
             return None
@@ -319,29 +325,55 @@ class Scheduler:
     async def _send(self, key: tuple[str, str], executor_id: str, planned: PlannedBatch, now: float) -> None:
         batch_id = uuid.uuid4().hex
         entries = [self._entries[m.member] for m in planned.members]
+        dispatched_us = now_us()
+        traced = telemetry.enabled()
+        span = None
+        if traced:
+            # The batch is a trace of its own, linked to every member's request span.
+            links = [lk for lk in (telemetry.link(e.traceparent, e.tracestate) for e in entries) if lk]
+            span = _tracer.start_span("batch", context=telemetry.extract(""), links=links, attributes={
+                "batchline.model": key[0], "batchline.model_version": key[1], "batchline.batch_size": planned.rows,
+                "batchline.requests": len(entries), "batchline.dispatch_reason": planned.reason,
+                "batchline.min_slack_ms": planned.slack * 1e3, "batchline.executor_id": executor_id,
+            })
         batch = pb.Batch(
             batch_id=batch_id,
             model_name=key[0],
             model_version=key[1],
             members=entries,
             executor_id=executor_id,
-            dispatched_us=now_us(),
+            dispatched_us=dispatched_us,
             reason=planned.reason,
             attempt=1,
-            # The batch is its own trace, linked to its members' (#4 exports it).
-            traceparent=tracecontext.child(None),
+            traceparent=(telemetry.inject(span)[0] if span else "") or tracecontext.child(None),
         )
         latest = max(e.deadline_us for e in entries)
-        ttl_ms = contract.payload_ttl_ms(latest, now_us())
-        taken = await self._dispatch(
-            keys=[contract.queue(*key), contract.batch(batch_id), contract.work(executor_id), contract.inflight(executor_id)],
-            args=[batch_id, ttl_ms, contract.WORK_TTL, batch.SerializeToString(), *(m.member for m in planned.members)],
-        )
-        if taken:
-            self._ledger.setdefault(executor_id, {})[batch_id] = (planned.start, planned.finish - planned.start)
-            self.counts["batches"] += 1
-            self.counts["requests"] += int(taken)
-            self.counts[f"reason:{planned.reason}"] += 1
+        ttl_ms = contract.payload_ttl_ms(latest, dispatched_us)
+        try:
+            taken = await self._dispatch(
+                keys=[contract.queue(*key), contract.batch(batch_id), contract.work(executor_id), contract.inflight(executor_id)],
+                args=[batch_id, ttl_ms, contract.WORK_TTL, batch.SerializeToString(), *(m.member for m in planned.members)],
+            )
+        finally:
+            if span is not None:
+                span.end()
+        if not taken:
+            return
+        self._ledger.setdefault(executor_id, {})[batch_id] = (planned.start, planned.finish - planned.start)
+        self.counts["batches"] += 1
+        self.counts["requests"] += int(taken)
+        self.counts[f"reason:{planned.reason}"] += 1
+        metrics.BATCHES_DISPATCHED.labels(key[0], key[1], planned.reason).inc()
+        metrics.BATCH_SIZE.labels(key[0], key[1]).observe(planned.rows)
+        metrics.DISPATCH_SLACK.labels(key[0], key[1]).observe(max(0.0, planned.slack))
+        if traced:
+            for m, e in zip(planned.members, entries):
+                telemetry.record_span(
+                    _tracer, "queue_wait", e.enqueued_us, dispatched_us,
+                    context=telemetry.extract(e.traceparent, e.tracestate),
+                    attributes={"batchline.batch_id": batch_id, "batchline.dispatch_reason": planned.reason,
+                                "batchline.slack_ms": (m.deadline - planned.finish) * 1e3},
+                )
         log.debug("%s:%s batch of %d rows (%s) -> %s", key[0], key[1], planned.rows, planned.reason, executor_id)
 
     async def _shed(self, key: tuple[str, str], expired: list[Pending]) -> None:
@@ -366,13 +398,17 @@ class Scheduler:
             pipe.expire(skey, contract.STATS_TTL)
             await pipe.execute()
         self.counts["shed"] += len(expired)
+        metrics.SHED.labels(*key).inc(len(expired))
 
     async def _recover(self, stale: list[str]) -> None:
         """Hand back the batches of executors whose heartbeat expired, then forget them."""
         for eid in stale:
-            n = await requeue_held_batches(self.redis, eid, include_queued=True)
+            requeued = await requeue_held_batches(self.redis, eid, include_queued=True)
             await self.redis.srem(contract.EXECUTORS, eid)
             self._ledger.pop(eid, None)
+            for key, count in requeued.items():
+                metrics.REDISPATCHED.labels(*key).inc(count)
+            n = sum(requeued.values())
             if n:
                 self.counts["redispatched"] += n
                 log.warning("executor %s stopped heartbeating; requeued %d of its requests", eid, n)

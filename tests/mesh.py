@@ -56,9 +56,9 @@ class Mesh:
         for i in range(self.n_executors):
             self.executors.append(await self._start_executor(i))
         self.scheduler = await SchedulerApp(
-            SchedulerSettings(redis_url=self.redis_url, port=0, **self.scheduler_overrides)
+            SchedulerSettings(redis_url=self.redis_url, port=0, metrics_port=-1, **self.scheduler_overrides)
         ).start()
-        self.gateway = await GatewayApp(GatewaySettings(redis_url=self.redis_url, port=0, **self.gateway_overrides)).start()
+        self.gateway = await GatewayApp(GatewaySettings(redis_url=self.redis_url, port=0, metrics_port=-1, **self.gateway_overrides)).start()
 
     async def _start_executor(self, i: int) -> ExecutorApp:
         settings = ExecutorSettings(
@@ -66,6 +66,7 @@ class Mesh:
             model_repository=self.repo,
             models=self.models,
             port=0,
+            metrics_port=-1,
             executor_id=f"test-exec-{i}-{uuid.uuid4().hex[:6]}",
             intra_op_threads=1,
         )

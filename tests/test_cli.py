@@ -29,7 +29,7 @@ def _pid_alive(pid: int) -> bool:
 def test_up_serves_and_ctrl_c_stops_everything(model_repository):
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchline.cli", "up", "--model-repository", str(model_repository),
-         "--gateway-port", "0", "--executors", "2", "--log-level", "WARNING"],
+         "--gateway-port", "0", "--metrics-port", "0", "--executors", "2", "--log-level", "WARNING"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -1,0 +1,5 @@
+import sys
+
+from batchline.bench.cli import standalone
+
+sys.exit(standalone())

@@ -1,0 +1,361 @@
+"""Closed- and open-loop load against a KServe v2 gRPC endpoint.
+
+Control calls (liveness, metadata, statistics) go through
+``tritonclient.grpc.aio``; ModelInfer goes through a raw grpc.aio method on
+its own channel that takes the pool's pre-serialized bytes and returns the
+response bytes unparsed. tritonclient's ``infer()`` would rebuild, serialize
+and parse every request, CPU that on a shared 2-core machine the server under
+test needs; only the status code and the latency matter here.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as tca
+from tritonclient.utils import InferenceServerException
+
+from batchline.bench.inputs import RequestPool, TensorInfo
+
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+_MAX_MESSAGE = 2**31 - 1
+# Open loop: requests due while this many are outstanding are counted as not
+# sent rather than queued in the client, which would hide the server's behaviour.
+DEFAULT_MAX_OUTSTANDING = 10_000
+# Outcomes of requests that never got an answer from gRPC itself.
+NOT_SENT = "NOT_SENT"
+UNFINISHED = "UNFINISHED"
+
+
+class BenchError(Exception):
+    """The endpoint cannot be benchmarked (unreachable, unknown model, bad options)."""
+
+
+@dataclass
+class StepResult:
+    """One step of a sweep: a concurrency (closed loop) or an offered rate (open loop)."""
+
+    mode: str
+    concurrency: int | None = None
+    rate: float | None = None            # nominal Poisson rate, req/s (open loop)
+    burst: tuple[int, float] | None = None
+    budget_ms: float | None = None
+    duration_s: float = 0.0              # measured window
+    sent: int = 0                        # requests sent in the window
+    offered_rps: float | None = None     # scheduled arrivals (incl. bursts) / window (open loop)
+    throughput_rps: float = 0.0          # OK answers / s
+    goodput_rps: float = 0.0             # OK answers within the budget / s
+    good: int = 0                        # OK answers within the budget
+    latency_ms: dict[str, float] | None = None  # p50/p95/p99/max/mean of OK answers
+    # p50/p99/max of every answer except refusals at admission (RESOURCE_EXHAUSTED): what an
+    # admitted request experienced, including the ones that ran out of budget.
+    admitted_latency_ms: dict[str, float] | None = None
+    status_counts: dict[str, int] = field(default_factory=dict)
+    mean_batch_size: float | None = None  # ModelStatistics inference_count / execution_count deltas
+    inference_count: int | None = None
+    execution_count: int | None = None
+    send_lag_p99_ms: float | None = None  # open loop: how late sends left vs schedule (client health)
+    rows_per_request: int = 1
+
+    @property
+    def label(self) -> str:
+        if self.mode == "closed":
+            return f"concurrency {self.concurrency}"
+        burst = f" + burst {self.burst[0]}/{self.burst[1]:g}s" if self.burst else ""
+        return f"rate {self.rate:g}/s{burst}"
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.ok: list[float] = []
+        self.admitted: list[float] = []
+        self.codes: Counter[str] = Counter()
+        self.lags: list[float] = []
+
+    def add(self, code: str, latency: float) -> None:
+        self.codes[code] += 1
+        if code == "OK":
+            self.ok.append(latency)
+        if code != "RESOURCE_EXHAUSTED":
+            self.admitted.append(latency)
+
+    @property
+    def done(self) -> int:
+        return sum(self.codes.values())
+
+
+class Progress:
+    """A per-step progress callback: (step label, seconds elapsed, total seconds, answers so far)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._bar = None
+
+    def start(self, label: str, total_s: float) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        self.close()
+        self._bar = tqdm(total=round(total_s, 1), desc=label, unit="s", leave=False,
+                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} s{postfix}")
+
+    def update(self, elapsed: float, rec: _Recorder) -> None:
+        if self._bar is not None:
+            self._bar.n = round(min(elapsed, self._bar.total), 1)
+            self._bar.set_postfix_str(f"ok={len(rec.ok)} other={rec.done - len(rec.ok)}", refresh=False)
+            self._bar.refresh()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class Endpoint:
+    """A connection to one model of a KServe v2 gRPC server."""
+
+    def __init__(self, url: str, model: str, version: str = ""):
+        self.url, self.model, self.version = url, model, version
+        self.client: tca.InferenceServerClient | None = None
+        self.channel: grpc.aio.Channel | None = None
+
+    async def __aenter__(self) -> "Endpoint":
+        self.client = tca.InferenceServerClient(self.url)
+        self.channel = grpc.aio.insecure_channel(
+            self.url, options=[("grpc.max_send_message_length", _MAX_MESSAGE),
+                               ("grpc.max_receive_message_length", _MAX_MESSAGE)])
+        # No serializers: requests go out as the pool's bytes, replies stay bytes.
+        self._infer = self.channel.unary_unary(MODEL_INFER)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.channel.close()
+        await self.client.close()
+
+    async def inputs(self, timeout_s: float = 10.0) -> list[TensorInfo]:
+        """Check the endpoint is live and serves the model; return the model's inputs."""
+        try:
+            await self.client.is_server_live(client_timeout=timeout_s)
+        except InferenceServerException as exc:
+            raise BenchError(f"cannot reach a KServe v2 gRPC server at {self.url}: {exc.message()}") from None
+        try:
+            meta = await self.client.get_model_metadata(self.model, self.version, client_timeout=timeout_s)
+        except InferenceServerException as exc:
+            what = f"model {self.model!r}" + (f" version {self.version!r}" if self.version else "")
+            raise BenchError(f"{what} is not served by {self.url}: {exc.message()}") from None
+        return [TensorInfo(t.name, t.datatype, tuple(t.shape)) for t in meta.inputs]
+
+    async def counts(self) -> tuple[int, int] | None:
+        """(inference_count, execution_count) summed over the model's versions; None if not served."""
+        try:
+            stats = await self.client.get_inference_statistics(self.model, self.version, client_timeout=10)
+        except InferenceServerException:
+            return None
+        entries = [s for s in stats.model_stats if s.name == self.model]
+        return sum(s.inference_count for s in entries), sum(s.execution_count for s in entries)
+
+    async def infer(self, payload: bytes, timeout_s: float | None) -> tuple[str, float]:
+        """Send one pre-serialized request; (status code name, latency in s)."""
+        t = time.perf_counter()
+        try:
+            await self._infer(payload, timeout=timeout_s)
+            code = "OK"
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code().name
+        return code, time.perf_counter() - t
+
+
+def _summarize(step: StepResult, rec: _Recorder, window: float, before, after, budget_ms: float | None) -> StepResult:
+    step.duration_s = window
+    step.status_counts = dict(sorted(rec.codes.items()))
+    step.sent = sum(n for c, n in rec.codes.items() if c != NOT_SENT)
+    ok = np.asarray(rec.ok) * 1e3
+    step.throughput_rps = len(ok) / window if window > 0 else 0.0
+    step.good = len(ok) if budget_ms is None else int(np.count_nonzero(ok <= budget_ms))
+    step.goodput_rps = step.good / window if window > 0 else 0.0
+    if len(ok):
+        p50, p95, p99 = np.percentile(ok, [50, 95, 99])
+        step.latency_ms = {"p50": float(p50), "p95": float(p95), "p99": float(p99),
+                           "max": float(ok.max()), "mean": float(ok.mean())}
+    if rec.admitted:
+        admitted = np.asarray(rec.admitted) * 1e3
+        p50, p99 = np.percentile(admitted, [50, 99])
+        step.admitted_latency_ms = {"p50": float(p50), "p99": float(p99), "max": float(admitted.max())}
+    if rec.lags:
+        step.send_lag_p99_ms = float(np.percentile(np.asarray(rec.lags), 99) * 1e3)
+    if before is not None and after is not None:
+        step.inference_count = after[0] - before[0]
+        step.execution_count = after[1] - before[1]
+        if step.execution_count > 0:
+            step.mean_batch_size = step.inference_count / step.execution_count
+    return step
+
+
+def _drain_timeout(given: float | None, budget_ms: float | None) -> float:
+    """How long a step waits for its last answers before counting them UNFINISHED."""
+    return given if given is not None else max(30.0, 2 * (budget_ms or 0) / 1e3)
+
+
+async def _ticker(progress: Progress, start: float, rec: _Recorder) -> None:
+    while True:
+        progress.update(time.perf_counter() - start, rec)
+        await asyncio.sleep(0.25)
+
+
+async def _counts_at(ep: Endpoint, when: float):
+    await asyncio.sleep(max(0.0, when - time.perf_counter()))
+    return await ep.counts()
+
+
+async def closed_step(
+    ep: Endpoint,
+    pool: RequestPool,
+    concurrency: int,
+    duration: float,
+    warmup: float = 1.0,
+    budget_ms: float | None = None,
+    progress: Progress | None = None,
+    drain_timeout_s: float | None = None,
+) -> StepResult:
+    """`concurrency` workers each keep one request in flight; answers to requests sent in the
+    `duration` window after `warmup` are measured (the window ends when the last one is answered)."""
+    if concurrency < 1:
+        raise BenchError("concurrency must be >= 1")
+    timeout = budget_ms / 1e3 if budget_ms is not None else None
+    rec = _Recorder()
+    start = time.perf_counter()
+    t0, t_end = start + warmup, start + warmup + duration
+    n = len(pool.requests)
+    progress = progress or Progress(False)
+    progress.start(f"closed c={concurrency}", warmup + duration)
+    ticker = asyncio.create_task(_ticker(progress, start, rec))
+    before = asyncio.create_task(_counts_at(ep, t0))
+
+    async def worker(k: int) -> None:
+        i = k * max(1, n // concurrency)
+        while (sent_at := time.perf_counter()) < t_end:
+            try:
+                code, latency = await ep.infer(pool.requests[i % n], timeout)
+            except asyncio.CancelledError:
+                if sent_at >= t0:
+                    rec.codes[UNFINISHED] += 1
+                raise
+            if sent_at >= t0:
+                rec.add(code, latency)
+            i += 1
+
+    workers = [asyncio.create_task(worker(k)) for k in range(concurrency)]
+    try:
+        # A server that never answers (and no budget to stop waiting) must not hang the run.
+        _, stuck = await asyncio.wait(workers, timeout=warmup + duration + _drain_timeout(drain_timeout_s, budget_ms))
+        for task in stuck:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        window = time.perf_counter() - t0
+        after = await ep.counts()
+    finally:
+        ticker.cancel()
+        progress.close()
+    step = StepResult(mode="closed", concurrency=concurrency, budget_ms=budget_ms, rows_per_request=pool.rows)
+    return _summarize(step, rec, window, await before, after, budget_ms)
+
+
+def arrival_times(rate: float, total_s: float, burst: tuple[int, float] | None, rng: np.random.Generator) -> np.ndarray:
+    """Sorted send offsets (s) in [0, total_s): Poisson at `rate`, plus `burst` = (size, period)
+    requests at once every period seconds."""
+    times = np.empty(0)
+    if rate > 0:
+        # Draw a few sigma more gaps than expected, then cut at total_s.
+        expected = rate * total_s
+        n = int(expected + 6 * math.sqrt(expected) + 16)
+        times = np.cumsum(rng.exponential(1.0 / rate, size=n))
+        while times[-1] < total_s:  # pragma: no cover - astronomically unlikely
+            times = np.concatenate([times, times[-1] + np.cumsum(rng.exponential(1.0 / rate, size=n))])
+        times = times[times < total_s]
+    if burst:
+        size, period = burst
+        ticks = np.arange(period, total_s, period)
+        times = np.concatenate([times, np.repeat(ticks, size)])
+    return np.sort(times)
+
+
+async def open_step(
+    ep: Endpoint,
+    pool: RequestPool,
+    rate: float,
+    duration: float,
+    warmup: float = 1.0,
+    budget_ms: float | None = None,
+    burst: tuple[int, float] | None = None,
+    max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
+    drain_timeout_s: float | None = None,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> StepResult:
+    """Send on a pre-drawn schedule without waiting for answers; requests scheduled in the
+    `duration` window after `warmup` are measured, and the step waits for all their answers."""
+    if rate <= 0 and not burst:
+        raise BenchError("an open-loop step needs a rate > 0 or a burst")
+    timeout = budget_ms / 1e3 if budget_ms is not None else None
+    schedule = arrival_times(rate, warmup + duration, burst, np.random.default_rng(seed))
+    measured_from = int(np.searchsorted(schedule, warmup))
+    rec = _Recorder()
+    n = len(pool.requests)
+    pending: set[asyncio.Task] = set()
+    measured: set[asyncio.Task] = set()
+    progress = progress or Progress(False)
+    progress.start(f"open {rate:g}/s", warmup + duration)
+    start = time.perf_counter()
+    ticker = asyncio.create_task(_ticker(progress, start, rec))
+    before = asyncio.create_task(_counts_at(ep, start + warmup))
+
+    async def one(payload: bytes, record: bool) -> None:
+        code, latency = await ep.infer(payload, timeout)
+        if record:
+            rec.add(code, latency)
+
+    try:
+        i = 0
+        while i < len(schedule):
+            now = time.perf_counter() - start
+            # Everything already due goes out now, so a late wake-up does not lower the rate.
+            while i < len(schedule) and schedule[i] <= now:
+                record = i >= measured_from
+                if len(pending) >= max_outstanding:
+                    if record:
+                        rec.codes[NOT_SENT] += 1
+                else:
+                    task = asyncio.create_task(one(pool.requests[i % n], record))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                    if record:
+                        measured.add(task)
+                        rec.lags.append(now - schedule[i])
+                i += 1
+            if i < len(schedule):
+                await asyncio.sleep(max(0.0, schedule[i] - (time.perf_counter() - start)))
+        window = max(duration, time.perf_counter() - start - warmup)
+        if measured:
+            _, stuck = await asyncio.wait(measured, timeout=_drain_timeout(drain_timeout_s, budget_ms))
+            for task in stuck:
+                task.cancel()
+            if stuck:
+                rec.codes[UNFINISHED] += len(stuck)
+                await asyncio.gather(*stuck, return_exceptions=True)
+        after = await ep.counts()
+    finally:
+        ticker.cancel()
+        progress.close()
+        for task in pending:
+            task.cancel()
+    step = StepResult(mode="open", rate=rate, burst=burst, budget_ms=budget_ms, rows_per_request=pool.rows)
+    step = _summarize(step, rec, window, await before, after, budget_ms)
+    step.offered_rps = (len(schedule) - measured_from) / window
+    return step

@@ -1,0 +1,172 @@
+"""Prometheus metrics of every service, defined once in the default registry.
+
+Each service serves them at http://HOST:PORT/metrics (`start_metrics_server`).
+A service only ever touches its own metrics, so a process exposes the
+families of all three but fills in only its own; the in-process test mesh
+runs all three in one process and one endpoint shows everything.
+
+Label values: ``model``/``version`` are the resolved model name and version,
+``reason`` on failures is the lower-case gRPC status name (`status_reason`).
+Counters are declared without the ``_total`` suffix: prometheus_client adds it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from types import TracebackType
+
+import prometheus_client
+from prometheus_client import Counter, Gauge, Histogram
+
+# The *_created series double every counter's and histogram's output and no dashboard reads them.
+prometheus_client.disable_created_metrics()
+
+# 0.5 ms .. 30 s: an in-memory Redis round trip at the low end, a generous budget at the high end.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# Slack at dispatch can be negative (dispatched late): those land in the le="0" bucket.
+SLACK_BUCKETS = (0.0,) + LATENCY_BUCKETS
+BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(9))  # 1, 2, 4, ..., 256 rows
+
+_MV = ("model", "version")
+
+# -- gateway ------------------------------------------------------------------------------------
+REQUEST_SUCCESS = Counter("batchline_request_success", "Inference requests answered successfully.", _MV)
+REQUEST_FAILURE = Counter(
+    "batchline_request_failure", "Inference requests that failed, by lower-case gRPC status name.", _MV + ("reason",)
+)
+REQUEST_DURATION = Histogram(
+    "batchline_request_duration_seconds", "End-to-end duration of successful requests at the gateway.", _MV,
+    buckets=LATENCY_BUCKETS,
+)
+REJECTED = Counter(
+    "batchline_rejected", "Requests refused by admission control (reason: queue_full, overload, deadline).",
+    _MV + ("reason",),
+)
+REDIS_ROUNDTRIP = Histogram(
+    "batchline_redis_roundtrip_seconds", "Duration of a Redis round trip (command or pipeline), failed ones included.",
+    ("service", "op"), buckets=LATENCY_BUCKETS,
+)
+
+# -- scheduler ----------------------------------------------------------------------------------
+PENDING_REQUESTS = Gauge("batchline_pending_requests", "Requests waiting in a queue.", _MV + ("priority",))
+BATCHES_DISPATCHED = Counter(
+    "batchline_batches_dispatched", "Batches dispatched, by why they left (full, preferred, deadline, delay).",
+    _MV + ("reason",),
+)
+BATCH_SIZE = Histogram("batchline_batch_size", "Rows per dispatched batch.", _MV, buckets=BATCH_SIZE_BUCKETS)
+DISPATCH_SLACK = Histogram(
+    "batchline_dispatch_slack_seconds",
+    "Time left at dispatch before the batch's earliest deadline, less its expected execution time.", _MV,
+    buckets=SLACK_BUCKETS,
+)
+SHED = Counter(
+    "batchline_shed", "Requests the scheduler answered DEADLINE_EXCEEDED: past, or unable to make, their deadline.", _MV
+)
+REDISPATCHED = Counter("batchline_redispatched", "Requests requeued because their executor was lost.", _MV)
+SCHEDULER_LEADER = Gauge("batchline_scheduler_leader", "1 while this scheduler holds the scheduling lease.")
+
+# -- executor -----------------------------------------------------------------------------------
+INFERENCE_COUNT = Counter("batchline_inference_count", "Rows executed.", _MV)
+EXECUTION_COUNT = Counter("batchline_execution_count", "Batches executed (rows/batches = mean batch size).", _MV)
+QUEUE_DURATION = Histogram(
+    "batchline_queue_duration_seconds", "Time from enqueue to the start of execution.", _MV, buckets=LATENCY_BUCKETS
+)
+COMPUTE_INPUT_DURATION = Histogram(
+    "batchline_compute_input_duration_seconds", "Fetching and decoding a batch's inputs.", _MV, buckets=LATENCY_BUCKETS
+)
+COMPUTE_INFER_DURATION = Histogram(
+    "batchline_compute_infer_duration_seconds", "Running the model on a batch.", _MV, buckets=LATENCY_BUCKETS
+)
+COMPUTE_OUTPUT_DURATION = Histogram(
+    "batchline_compute_output_duration_seconds", "Splitting, encoding and writing a batch's outputs.", _MV,
+    buckets=LATENCY_BUCKETS,
+)
+EXECUTOR_BUSY = Counter(
+    "batchline_executor_busy_seconds", "Seconds spent executing batches (its rate is the busy fraction).", ("executor",)
+)
+
+METRIC_NAMES = (
+    "batchline_request_success_total",
+    "batchline_request_failure_total",
+    "batchline_request_duration_seconds",
+    "batchline_rejected_total",
+    "batchline_redis_roundtrip_seconds",
+    "batchline_pending_requests",
+    "batchline_batches_dispatched_total",
+    "batchline_batch_size",
+    "batchline_dispatch_slack_seconds",
+    "batchline_shed_total",
+    "batchline_redispatched_total",
+    "batchline_scheduler_leader",
+    "batchline_inference_count_total",
+    "batchline_execution_count_total",
+    "batchline_queue_duration_seconds",
+    "batchline_compute_input_duration_seconds",
+    "batchline_compute_infer_duration_seconds",
+    "batchline_compute_output_duration_seconds",
+    "batchline_executor_busy_seconds_total",
+)
+
+
+def status_reason(code) -> str:
+    """The `reason` label of a failure: a grpc.StatusCode (or its name) in lower case."""
+    return (code.name if hasattr(code, "name") else str(code)).lower()
+
+
+# -- endpoint -----------------------------------------------------------------------------------
+
+_servers: dict[int, object] = {}
+_servers_lock = threading.Lock()
+
+
+def start_metrics_server(host: str, port: int) -> int:
+    """Serve the default registry at http://host:port/metrics from a daemon thread.
+
+    port 0 binds any free port; -1 (or any negative) starts nothing. Returns the
+    bound port, or -1 when nothing was started.
+    """
+    if port < 0:
+        return -1
+    server, _thread = prometheus_client.start_http_server(port, addr=host)
+    bound = server.server_port
+    with _servers_lock:
+        _servers[bound] = server
+    return bound
+
+
+def stop_metrics_server(port: int) -> None:
+    """Stop an endpoint `start_metrics_server` started (a no-op for -1 or an unknown port)."""
+    with _servers_lock:
+        server = _servers.pop(port, None)
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+
+
+class redis_rtt:
+    """Times a Redis round trip into batchline_redis_roundtrip_seconds{service,op}.
+
+    Works as ``with`` and ``async with`` around the awaited call:
+
+        async with redis_rtt("gateway", "enqueue"):
+            await pipe.execute()
+    """
+
+    __slots__ = ("_child", "_start")
+
+    def __init__(self, service: str, op: str):
+        self._child = REDIS_ROUNDTRIP.labels(service, op)
+        self._start = 0.0
+
+    def __enter__(self) -> "redis_rtt":
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._child.observe(time.perf_counter() - self._start)
+
+    async def __aenter__(self) -> "redis_rtt":
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self.__exit__(exc_type, exc, tb)
