@@ -3,10 +3,25 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
+
+
+def _wait_health(address: str, want: int, timeout: float = 10) -> None:
+    """Poll the gRPC health service until it reports `want`."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+            if status == want:
+                return
+            assert time.monotonic() < deadline, f"{address} health stayed {status}, wanted {want}"
+            time.sleep(0.05)
 
 
 def _features() -> tc.InferInput:
@@ -28,6 +43,10 @@ def test_unavailable_while_redis_is_down_then_served_again(mesh_factory):
     assert "Redis" in info.value.message()
     assert time.monotonic() - started < 2.0, "the gateway hung instead of answering UNAVAILABLE"
     assert client.is_server_live() and not client.is_server_ready()
+    # Every service reports NOT_SERVING while Redis is gone ...
+    addresses = [m.address, f"127.0.0.1:{m.scheduler.port}", *(f"127.0.0.1:{e.port}" for e in m.executors)]
+    for address in addresses:
+        _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     m.own_redis.start()  # same port, empty: executors re-register on their next heartbeat
     deadline = time.monotonic() + 20
@@ -40,4 +59,38 @@ def test_unavailable_while_redis_is_down_then_served_again(mesh_factory):
             time.sleep(0.1)
     assert result.as_numpy("probability").shape == (1, 1)
     assert client.is_server_ready()
+    for address in addresses:  # ... and SERVING again once it is back
+        _wait_health(address, health_pb2.HealthCheckResponse.SERVING)
+    client.close()
+
+
+def test_a_request_waiting_when_redis_dies_is_answered_unavailable_at_once(mesh_factory):
+    import concurrent.futures
+
+    import redis
+
+    from batchline import contract
+
+    m = mesh_factory(models=["mlp"])
+    client = tc.InferenceServerClient(m.address)
+    client.infer("mlp", [_features()])
+    # Another "scheduler" holds the lease: the request stays queued, waiting for its answer.
+    redis.Redis.from_url(m.redis_url).set(contract.LEADER, "someone-else", px=60_000)
+    deadline = time.monotonic() + 10
+    while m.scheduler.scheduler.leader:  # it notices at its next renewal
+        assert time.monotonic() < deadline, "the scheduler kept dispatching without the lease"
+        time.sleep(0.02)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(client.infer, "mlp", [_features()], client_timeout=30)
+        deadline = time.monotonic() + 10
+        while not redis.Redis.from_url(m.redis_url).zcard(contract.queue("mlp", "1")):
+            assert time.monotonic() < deadline, "the request never reached the queue"
+            time.sleep(0.01)
+        m.own_redis.stop(kill=True)
+        killed = time.monotonic()
+        with pytest.raises(InferenceServerException) as info:
+            waiting.result(timeout=10)
+    assert info.value.status() == "StatusCode.UNAVAILABLE"
+    assert "lost contact with Redis" in info.value.message()
+    assert time.monotonic() - killed < 3.0, "a waiting request hung after Redis died"
     client.close()

@@ -1,0 +1,239 @@
+"""Scheduler lease, executor recovery, latency profiles, admission and drain against a real mesh and Redis.
+
+Where a test needs requests to stay queued, it makes a fake scheduler hold
+the lease, so the real one stands by and nothing is dispatched: no sleeps,
+no races with the scheduling loop.
+"""
+from __future__ import annotations
+
+import pathlib
+import shutil
+import time
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+import redis
+
+from batchline import contract
+from batchline.clock import now_us
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import inference_pb2_grpc
+from batchline.protocol import internal_pb2 as pb
+from scheduler.app import SchedulerApp
+from scheduler.settings import SchedulerSettings
+
+
+def _request(value: float = 0.0, timeout_us: int | None = None, priority: int | None = None) -> ipb.ModelInferRequest:
+    req = ipb.ModelInferRequest(model_name="mlp", id="t")
+    req.inputs.add(name="features", datatype="FP32", shape=[1, 32])
+    req.raw_input_contents.append(np.full((1, 32), value, np.float32).tobytes())
+    if timeout_us is not None:
+        req.parameters["timeout"].int64_param = timeout_us
+    if priority is not None:
+        req.parameters["priority"].uint64_param = priority
+    return req
+
+
+def _wait(predicate, what: str, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _hold_lease(m) -> redis.Redis:
+    """Make the mesh's scheduler a standby: nothing gets dispatched until the lease is released."""
+    r = redis.Redis.from_url(m.redis_url)
+    r.set(contract.LEADER, "someone-else", px=120_000)
+    _wait(lambda: not m.scheduler.scheduler.leader, "the scheduler to stand by")
+    return r
+
+
+def _stub(m):
+    channel = grpc.insecure_channel(m.address)
+    return channel, inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+def test_a_second_scheduler_stands_by_and_takes_over_when_the_leader_stops(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    first = m.scheduler
+    second = m.call(SchedulerApp(SchedulerSettings(redis_url=m.redis_url, port=0, metrics_port=-1)).start())
+    try:
+        _wait(lambda: first.scheduler.leader and second.scheduler._lease_at, "both schedulers to try the lease")
+        assert not second.scheduler.leader
+        channel, stub = _stub(m)
+        with channel:
+            for i in range(5):
+                stub.ModelInfer(_request(i), timeout=10)
+            assert second.scheduler.counts["batches"] == 0  # the standby dispatched nothing
+            assert first.scheduler.counts["requests"] == 5
+            m.call(first.stop(0))  # a clean stop gives the lease up at once
+            m.scheduler = second
+            _wait(lambda: second.scheduler.leader, "the standby to take the lease")
+            stub.ModelInfer(_request(7), timeout=10)
+        assert second.scheduler.counts["requests"] == 1
+    finally:
+        if m.scheduler is not second:
+            m.call(second.stop(0))
+
+
+def test_a_dead_executors_batch_is_requeued_and_answered_by_another(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = _hold_lease(m)
+    gateway_id = "gw-recovery"
+    r.set(contract.gateway(gateway_id), "by-hand", px=60_000)
+    # What a scheduler would have dispatched to an executor that then died:
+    # the batch under its key, in the dead executor's work list and inflight set.
+    entries = []
+    for i in range(3):
+        rid = uuid.uuid4().hex
+        r.set(contract.payload(rid), _request(float(i)).SerializeToString(), px=60_000)
+        entries.append(pb.QueueEntry(request_id=rid, gateway_id=gateway_id, model_version="1", rows=1,
+                                     deadline_us=now_us() + 30_000_000, enqueued_us=now_us(), priority=1))
+    batch = pb.Batch(batch_id="lost", model_name="mlp", model_version="1", members=entries, executor_id="dead", attempt=1)
+    r.set(contract.batch("lost"), batch.SerializeToString(), px=60_000)
+    r.rpush(contract.work("dead"), batch.SerializeToString())
+    r.sadd(contract.inflight("dead"), "lost")
+    r.sadd(contract.EXECUTORS, "dead")  # registered once, but its heartbeat key is gone
+    r.delete(contract.LEADER)
+
+    replies = {}
+    deadline = time.monotonic() + 15
+    while len(replies) < 3 and time.monotonic() < deadline:
+        item = r.blpop([contract.reply(gateway_id)], timeout=1)
+        if item:
+            reply = pb.Reply.FromString(item[1])
+            replies[reply.request_id] = reply
+    assert sorted(replies) == sorted(e.request_id for e in entries)
+    assert all(reply.code == 0 for reply in replies.values())
+    assert m.scheduler.scheduler.counts["redispatched"] == 3
+    # The dead executor's keys are gone and it is forgotten.
+    assert not r.exists(contract.work("dead"), contract.inflight("dead"), contract.batch("lost"))
+    assert not r.sismember(contract.EXECUTORS, "dead")
+
+
+def test_warm_up_seeds_the_profile_and_a_restarted_scheduler_loads_it(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    key = ("mlp", "1", "CPUExecutionProvider")
+    # Before any request, the executor's warm-up runs (batch sizes 1..64, twice each) are the profile.
+    profile = _wait(lambda: m.scheduler.scheduler.profiles.get(key), "the warm-up reports")
+    _wait(lambda: len(profile) >= 14, "all warm-up samples")
+    assert {rows for rows, _ in profile.samples()} == {1, 2, 4, 8, 16, 32, 64}
+    assert profile.predict(64) > profile.predict(1) > 0
+    m.call(m.scheduler.stop(0))  # saves the profile
+    r = redis.Redis.from_url(m.redis_url)
+    assert r.ttl(contract.profile(*key)) > 0
+    again = m.call(SchedulerApp(SchedulerSettings(redis_url=m.redis_url, port=0, metrics_port=-1)).start())
+    m.scheduler = again
+    channel, stub = _stub(m)
+    with channel:
+        stub.ModelInfer(_request(), timeout=10)
+    loaded = again.scheduler.profiles[key]
+    assert len(loaded) >= len(profile)  # it started from the saved samples, not from nothing
+
+
+def test_overload_is_refused_at_once_with_a_retry_hint(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = _hold_lease(m)
+    # The load view the (deadline-policy) scheduler would publish for a backed-up model.
+    view = pb.ModelLoad(cost_per_row_s=0.001, cost_fixed_s=0.01, executors=1, queued_rows=[5000, 0],
+                        policy="deadline", updated_us=now_us() + 60_000_000)
+    r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
+    _wait(lambda: ("mlp", "1") in m.gateway.gateway.loads, "the gateway to read the load view")
+    channel, stub = _stub(m)
+    with channel:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(_request(timeout_us=200_000), timeout=10)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "overloaded" in info.value.details() and "5000 rows ahead" in info.value.details()
+        retry = dict(info.value.trailing_metadata())["retry-after-ms"]
+        assert int(retry) > 0
+        assert time.monotonic() - started < 2.0
+        # A budget shorter than the model's run time alone: DEADLINE_EXCEEDED, not worth queueing.
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(_request(timeout_us=1_000), timeout=10)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "raise the timeout" in info.value.details()
+    # Refused requests left nothing behind.
+    assert r.zcard(contract.queue("mlp", "1")) == 0
+
+
+def test_max_queue_size_refuses_with_resource_exhausted(mesh_factory, model_repository, tmp_path):
+    repo = pathlib.Path(tmp_path) / "repo"
+    shutil.copytree(pathlib.Path(model_repository) / "mlp", repo / "mlp")
+    config = repo / "mlp" / "config.toml"
+    config.write_text(config.read_text() + "\nmax_queue_size = 2\n")
+    from mesh import Mesh
+
+    m = Mesh(None, str(repo), models=["mlp"]).start()
+    try:
+        r = _hold_lease(m)
+        channel = grpc.insecure_channel(m.address)
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+        waiting = [stub.ModelInfer.future(_request(i), timeout=30) for i in range(2)]
+        _wait(lambda: r.zcard(contract.queue("mlp", "1")) == 2, "two queued requests")
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(_request(9), timeout=10)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue of model 'mlp' is full" in info.value.details() and "max_queue_size" in info.value.details()
+        assert r.zcard(contract.queue("mlp", "1")) == 2  # the refused one was not queued
+        r.delete(contract.LEADER)  # the scheduler takes over and serves the two queued ones
+        assert all(f.result(timeout=15).id == "t" for f in waiting)
+        channel.close()
+    finally:
+        m.stop()
+
+
+def test_a_stopping_executor_finishes_the_batch_sent_to_it(mesh_factory):
+    m = mesh_factory(models=["mlp"], executors=2)
+    r = _hold_lease(m)
+    gateway_id = "gw-drain"
+    r.set(contract.gateway(gateway_id), "by-hand", px=60_000)
+    victim = m.executors[0]
+    eid = victim.executor.executor_id
+    rid = uuid.uuid4().hex
+    r.set(contract.payload(rid), _request(1.0).SerializeToString(), px=60_000)
+    entry = pb.QueueEntry(request_id=rid, gateway_id=gateway_id, model_version="1", rows=1,
+                          deadline_us=now_us() + 30_000_000, enqueued_us=now_us(), priority=1)
+    batch = pb.Batch(batch_id="b1", model_name="mlp", model_version="1", members=[entry], executor_id=eid, attempt=1)
+    # Dispatched to it in the same instant as it is told to stop.
+    r.set(contract.batch("b1"), batch.SerializeToString(), px=60_000)
+    r.sadd(contract.inflight(eid), "b1")
+    r.rpush(contract.work(eid), batch.SerializeToString())
+    m.call(victim.stop(0))
+    m.executors.remove(victim)
+    item = r.blpop([contract.reply(gateway_id)], timeout=10)
+    assert item is not None and pb.Reply.FromString(item[1]).code == 0
+    assert not r.exists(contract.executor(eid)) and not r.sismember(contract.EXECUTORS, eid)
+
+
+def test_an_executor_that_cannot_finish_in_time_hands_its_work_back(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = _hold_lease(m)
+    victim = m.executors[0]
+    eid = victim.executor.executor_id
+    victim.settings = victim.settings.model_copy(update={"drain_timeout_s": 0.0})
+    for task in victim.executor._workers:  # it is stuck: its workers never take the batch
+        task.cancel()
+    rid = uuid.uuid4().hex
+    r.set(contract.payload(rid), _request().SerializeToString(), px=60_000)
+    entry = pb.QueueEntry(request_id=rid, gateway_id="gw", model_version="1", rows=1,
+                          deadline_us=now_us() + 30_000_000, enqueued_us=now_us(), priority=1)
+    batch = pb.Batch(batch_id="b2", model_name="mlp", model_version="1", members=[entry], executor_id=eid, attempt=1)
+    r.set(contract.batch("b2"), batch.SerializeToString(), px=60_000)
+    r.sadd(contract.inflight(eid), "b2")
+    r.rpush(contract.work(eid), batch.SerializeToString())
+    m.call(victim.stop(0))
+    m.executors.remove(victim)
+    # Back in its queue, with its original score, for another executor.
+    queued = r.zrange(contract.queue("mlp", "1"), 0, -1, withscores=True)
+    assert [(pb.QueueEntry.FromString(member).request_id, score) for member, score in queued] == [
+        (rid, contract.queue_score(1, entry.deadline_us))
+    ]
+    assert not r.exists(contract.work(eid), contract.inflight(eid), contract.batch("b2"))
