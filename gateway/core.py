@@ -23,7 +23,15 @@ from dataclasses import dataclass
 
 from batchline import contract, metrics, telemetry, tracecontext
 from batchline.clock import now_us
-from batchline.errors import BatchlineError, DeadlineExceeded, NotFound, ResourceExhausted, Unavailable, from_status_value
+from batchline.errors import (
+    BatchlineError,
+    DeadlineExceeded,
+    Internal,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    from_status_value,
+)
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
@@ -105,7 +113,11 @@ class Gateway:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.fail_pending(Unavailable("the gateway is shutting down; the request may or may not have run"))
+        error = Unavailable("the gateway is shutting down; the request may or may not have run")
+        self.fail_pending(error)
+        for w in self._outbox:
+            if not w.done.done():
+                w.done.set_exception(error)
         try:
             await self.redis.delete(contract.gateway(self.gateway_id))
         except REDIS_ERRORS:
@@ -311,10 +323,14 @@ class Gateway:
                         pipe.expire(contract.NOTIFY, contract.QUEUE_TTL)
                     async with metrics.redis_rtt("gateway", "enqueue"):
                         results = await pipe.execute()
-            except REDIS_ERRORS as exc:
+            except Exception as exc:  # noqa: BLE001 - every writer must hear how its write ended
+                error = (Unavailable(f"cannot queue the request: Redis is unreachable ({exc})") if isinstance(exc, REDIS_ERRORS)
+                         else Internal(f"cannot queue the request: {exc}"))
+                if not isinstance(exc, REDIS_ERRORS):
+                    log.exception("group commit failed")
                 for w in writes:
                     if not w.done.done():
-                        w.done.set_exception(Unavailable(f"cannot queue the request: Redis is unreachable ({exc})"))
+                        w.done.set_exception(error)
                 continue
             i = 0
             for w in writes:
