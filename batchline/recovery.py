@@ -19,17 +19,26 @@ from batchline import contract
 from batchline.protocol import internal_pb2 as pb
 
 
-async def requeue_held_batches(redis: aioredis.Redis, executor_id: str, *, include_queued: bool) -> Counter[tuple[str, str]]:
+async def requeue_held_batches(
+    redis: aioredis.Redis,
+    executor_id: str,
+    *,
+    include_queued: bool,
+    skip: set[str] | frozenset[str] = frozenset(),
+    older_than_us: int | None = None,
+) -> Counter[tuple[str, str]]:
     """Requeue the live members of the batches `executor_id` holds; returns how many, per (model, version).
 
     include_queued=False leaves the batches still waiting in its work list
-    alone (a restarted executor runs them itself).
+    alone (a restarted executor runs them itself); `skip` leaves the batches
+    being run; `older_than_us` only takes batches dispatched before then (one
+    just popped from the work list may not have reached its worker yet).
     """
     async with redis.pipeline(transaction=False) as pipe:
         pipe.smembers(contract.inflight(executor_id))
         pipe.lrange(contract.work(executor_id), 0, -1)
         held, queued = await pipe.execute()
-    ids = {b.decode() for b in held}
+    ids = {b.decode() for b in held} - set(skip)
     if not include_queued:
         ids -= {pb.Batch.FromString(blob).batch_id for blob in queued}
     if not ids and not (include_queued and queued):
@@ -37,6 +46,13 @@ async def requeue_held_batches(redis: aioredis.Redis, executor_id: str, *, inclu
     ordered = sorted(ids)
     blobs = await redis.mget([contract.batch(b) for b in ordered]) if ordered else []
     batches = [pb.Batch.FromString(b) for b in blobs if b is not None]
+    # A batch whose key expired has nothing left to run: only its id is dropped.
+    expired = [bid for bid, blob in zip(ordered, blobs) if blob is None]
+    if older_than_us is not None:
+        batches = [b for b in batches if b.dispatched_us < older_than_us]
+        ordered = sorted(expired + [b.batch_id for b in batches])
+        if not ordered:
+            return Counter()
     entries = [(b, e) for b in batches for e in b.members]
     alive = await redis.exists(*[contract.payload(e.request_id) for _, e in entries]) if entries else 0
     # EXISTS counts; fetch per key only when some are gone.

@@ -32,6 +32,8 @@ from executor.settings import ExecutorSettings
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("batchline.executor")
+_REDIS_ATTEMPTS = 3
+_ORPHAN_SWEEP_S = 5.0
 
 
 def _phase(name: str, traced: bool):
@@ -64,6 +66,7 @@ class Executor:
         self._compute = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._workers: list[asyncio.Task] = []
+        self._in_progress: set[str] = set()
         self.draining = False
         self._warmup_reports: list[pb.ExecutionReport] = []
 
@@ -162,22 +165,34 @@ class Executor:
     async def stop(self) -> None:
         await self._cancel(self._workers + self._tasks)
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.delete(contract.executor(self.executor_id))
-                pipe.srem(contract.EXECUTORS, self.executor_id)
-                await pipe.execute()
+            # Deregistered, but left in the executor set: a batch the scheduler sent us
+            # after our last hand-back is recovered like a dead executor's, at once.
+            await self.redis.delete(contract.executor(self.executor_id))
         except REDIS_ERRORS:
             pass
         await self.redis.aclose()
         await self.blocking.aclose()
 
     async def _heartbeat(self) -> None:
+        swept = time.monotonic()
         while True:
             try:
                 await self.register()
+                if time.monotonic() - swept >= _ORPHAN_SWEEP_S:
+                    swept = time.monotonic()
+                    await self._sweep_orphans()
             except REDIS_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def _sweep_orphans(self) -> None:
+        """Hand back batches held here that no worker runs (their processing failed on Redis)."""
+        requeued = await requeue_held_batches(
+            self.redis, self.executor_id, include_queued=False,
+            skip=self._in_progress, older_than_us=now_us() - int(_ORPHAN_SWEEP_S * 1e6),
+        )
+        if requeued:
+            log.warning("requeued %d requests of batches this executor had dropped", sum(requeued.values()))
 
     async def _work_loop(self) -> None:
         key = contract.work(self.executor_id)
@@ -191,13 +206,21 @@ class Executor:
             if item is None:
                 continue
             batch = pb.Batch.FromString(item[1])
+            self._in_progress.add(batch.batch_id)
             try:
-                await self.process(batch)
-            except REDIS_ERRORS as exc:
-                # The batch stays in our inflight set; recovery hands it on.
-                log.error("batch %s: Redis failed while processing: %s", batch.batch_id, exc)
+                for attempt in range(1, _REDIS_ATTEMPTS + 1):
+                    try:
+                        await self.process(batch)
+                        break
+                    except REDIS_ERRORS as exc:
+                        # A dropped connection (Redis restarted or failed over) must not strand
+                        # the batch: try again; if Redis stays away, the orphan sweep hands it back.
+                        log.warning("batch %s: Redis failed while processing (attempt %d): %s", batch.batch_id, attempt, exc)
+                        await asyncio.sleep(0.2 * attempt)
             except Exception:  # noqa: BLE001 - one bad batch must not kill the worker
                 log.exception("batch %s failed", batch.batch_id)
+            finally:
+                self._in_progress.discard(batch.batch_id)
 
     # -- one batch ---------------------------------------------------------
 

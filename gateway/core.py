@@ -83,6 +83,7 @@ class Gateway:
         self._flusher: asyncio.Task | None = None
         self._enqueue_bounded = None
         self.draining = False
+        self._served: set[str] = set()  # model names ever served: their absence is UNAVAILABLE, not NOT_FOUND
         # Admission control: the scheduler's load view per model, and the rows
         # this gateway has admitted and not yet answered, per priority level.
         self.loads: dict[tuple[str, str], pb.ModelLoad] = {}
@@ -129,6 +130,7 @@ class Gateway:
 
     async def refresh_registry(self) -> None:
         self.registry = await Registry.load(self.redis)
+        self._served.update(self.registry.model_names())
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -201,7 +203,13 @@ class Gateway:
         except NotFound:
             # An executor may have registered since the last refresh.
             await self._refresh_or_unavailable()
-            return self.registry.resolve(name, version)
+            try:
+                return self.registry.resolve(name, version)
+            except NotFound:
+                if name in self._served and not self.registry.versions(name):
+                    # Served before: its executors are restarting or re-registering (e.g. Redis restarted).
+                    raise Unavailable(f"no live executor serves model '{name}' right now (it was served before): retry") from None
+                raise
 
     async def _refresh_or_unavailable(self) -> None:
         try:
@@ -290,6 +298,8 @@ class Gateway:
             # Timed out, cancelled by the client, refused, or Redis failed: make
             # sure no executor spends time on a request nobody waits for.
             self._pending.pop(request_id, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # failed by an outage while we were still queueing: already answered
             self._abandon(queue, member, request_id)
             raise
         finally:

@@ -32,6 +32,11 @@ def request_timeout_us(request: ipb.ModelInferRequest) -> int | None:
         raise InvalidArgument(f"parameter 'timeout' must be >= 0 microseconds, got {value}")
     return value or None
 
+# Queue scores keep priority and deadline exact in a double up to this many levels
+# (see batchline.contract.queue_score); a model without priority_levels accepts them all.
+MAX_PRIORITY_LEVELS = 900
+
+
 def request_priority(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
     """Priority level, 1 highest; 0 or absent means the model's default."""
     value = 0
@@ -41,9 +46,10 @@ def request_priority(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int
         raise InvalidArgument(f"parameter 'priority' must be >= 0, got {value}")
     if value == 0:
         return max(1, model.default_priority)
-    if model.priority_levels and value > model.priority_levels:
+    levels = model.priority_levels or MAX_PRIORITY_LEVELS
+    if value > levels:
         raise InvalidArgument(
-            f"priority {value} is out of range for model '{model.name}': levels are 1 (highest) to {model.priority_levels}"
+            f"priority {value} is out of range for model '{model.name}': levels are 1 (highest) to {levels}"
         )
     return value
 

