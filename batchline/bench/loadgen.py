@@ -14,7 +14,6 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
 
 import grpc
 import numpy as np

@@ -1,0 +1,100 @@
+"""How close the mesh gets to what ONNX Runtime alone can do with minilm on this machine.
+
+    python benchmarks/ceiling.py [--model-repository PATH]
+
+1. Ceiling: minilm in this process, in an ONNX Runtime session created exactly as the executor
+   creates it (executor.repository.create_session, CPU, default intra-op threads), at batch sizes
+   1, 2, 4, ..., 64 for 128 and 16 tokens (best of 3 interleaved rounds of 1 s each): the best
+   sequences/s and the batch size it needs.
+2. Mesh: `batchline up`-style subprocesses, driven closed-loop: 128 tokens at 32 in flight, and
+   16 tokens at 32, 64 and 128 in flight.
+3. Prints mesh / ceiling. The two phases run one after the other, never at the same time.
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+import _common
+from batchline.bench import InputOptions, run_closed
+
+BATCHES = [1, 2, 4, 8, 16, 32, 64]
+RUN_S = 1.0  # timed seconds per batch size and round
+# The machine is shared and other load only ever slows a run down, so each batch size is timed
+# in several rounds (interleaved, so a burst of outside load does not hit one size only) and the
+# best round counts: the ceiling is an upper bound.
+ROUNDS = 3
+
+
+def ort_ceiling(model_path: pathlib.Path, seq_len: int) -> tuple[float, int, dict[int, float]]:
+    import onnxruntime as ort
+
+    from executor.repository import create_session
+
+    session = create_session(model_path, [("CPUExecutionProvider", {})], intra_op_threads=0)
+    assert isinstance(session, ort.InferenceSession)
+    rng = np.random.default_rng(0)
+    feeds = {b: {"input_ids": rng.integers(1000, 29000, size=(b, seq_len), dtype=np.int64),
+                 "attention_mask": np.ones((b, seq_len), dtype=np.int64)} for b in BATCHES}
+    per_batch = dict.fromkeys(BATCHES, 0.0)
+    for _ in range(ROUNDS):
+        for b, feed in feeds.items():
+            session.run(None, feed)  # warm-up: allocations for this shape
+            runs, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < RUN_S or runs < 2:
+                session.run(None, feed)
+                runs += 1
+            per_batch[b] = max(per_batch[b], b * runs / elapsed)
+    best = max(per_batch, key=per_batch.get)
+    return per_batch[best], best, per_batch
+
+
+def main() -> int:
+    p = _common.arg_parser(__doc__.splitlines()[0])
+    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per mesh step (default: 10)")
+    p.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per mesh step (default: 3)")
+    args = p.parse_args()
+    repo = _common.ensure_repository(args.model_repository)
+    print(f"machine: {_common.machine()}")
+
+    ceilings = {}
+    for seq in (128, 16):
+        best, at, per_batch = ort_ceiling(repo / "minilm" / "1" / "model.onnx", seq)
+        ceilings[seq] = (best, at)
+        curve = "  ".join(f"b{b}={v:.0f}" for b, v in per_batch.items())
+        print(f"ONNX Runtime alone, minilm {seq} tokens (sequences/s): {curve}")
+        print(f"  ceiling {best:.0f} seq/s at batch {at}")
+
+    steps = [(128, 32), (16, 32), (16, 64), (16, 128)]
+    measured = []
+    with _common.mesh(repo, log_level=args.log_level) as address:
+        for seq, conc in steps:
+            s = run_closed(address, "minilm", conc, args.duration, warmup=args.warmup,
+                           budget_ms=_common.CAPACITY_BUDGET_MS,
+                           inputs=InputOptions(seq_len=seq, int_ranges={"input_ids": (1000, 29000)}),
+                           progress=args.progress)
+            measured.append((seq, conc, s))
+            print(f"mesh minilm {seq} tokens, {conc} in flight: {s.throughput_rps:.0f} seq/s, "
+                  f"p99 {_common.f((s.latency_ms or {}).get('p99'))} ms, batch {_common.f(s.mean_batch_size, '.1f')}, "
+                  f"{s.status_counts}", flush=True)
+
+    rows = [["tokens", "in flight", "mesh seq/s", "ceiling seq/s (batch)", "mesh/ceiling", "mean batch", "p99 ms"]]
+    best_by_seq: dict[int, float] = {}
+    for seq, conc, s in measured:
+        ceiling, at = ceilings[seq]
+        best_by_seq[seq] = max(best_by_seq.get(seq, 0.0), s.throughput_rps)
+        rows.append([str(seq), str(conc), f"{s.throughput_rps:.0f}", f"{ceiling:.0f} ({at})",
+                     f"{s.throughput_rps / ceiling:.2f}", _common.f(s.mean_batch_size),
+                     _common.f((s.latency_ms or {}).get("p99"))])
+    print()
+    print(_common.table(rows))
+    for seq, best in best_by_seq.items():
+        print(f"minilm {seq} tokens: best mesh/ceiling = {best / ceilings[seq][0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""`batchline bench`: input generation, closed/open loop against the real in-process mesh, CLI errors."""
+from __future__ import annotations
+
+import json
+import socket
+
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import deserialize_bytes_tensor
+
+from batchline import cli
+from batchline.bench import BenchResult, InputError, InputOptions, TensorInfo, build_pool, plot, read_json, run_open
+from batchline.bench.inputs import parse_int_range, parse_shape
+from batchline.bench.loadgen import arrival_times
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+TOKENS = [TensorInfo("input_ids", "INT64", (-1, -1)), TensorInfo("attention_mask", "INT64", (-1, -1))]
+
+
+def _decode(payload: bytes) -> dict[str, np.ndarray]:
+    req = service_pb2.ModelInferRequest.FromString(payload)
+    out = {}
+    for tensor, raw in zip(req.inputs, req.raw_input_contents):
+        shape = list(tensor.shape)
+        if tensor.datatype == "BYTES":
+            out[tensor.name] = deserialize_bytes_tensor(raw).reshape(shape)
+        else:
+            dtype = {"INT64": np.int64, "INT32": np.int32, "FP32": np.float32, "UINT8": np.uint8}[tensor.datatype]
+            out[tensor.name] = np.frombuffer(raw, dtype=dtype).reshape(shape)
+    return out
+
+
+def test_generator_honours_shape_and_int_range():
+    inputs = TOKENS + [TensorInfo("features", "FP32", (-1, 8)), TensorInfo("words", "BYTES", (-1, -1)),
+                       TensorInfo("pixels", "UINT8", (3, -1))]
+    opts = InputOptions(shapes=dict([parse_shape("input_ids=2,7"), parse_shape("attention_mask=2,7")]),
+                        int_ranges=dict([parse_int_range("input_ids=5:9"), parse_int_range("pixels=200:255")]),
+                        default_dim=4, pool_size=8)
+    pool = build_pool("m", inputs, opts, version="3", budget_ms=250, priority=2)
+    assert pool.shapes == {"input_ids": [2, 7], "attention_mask": [2, 7], "features": [1, 8], "words": [1, 4],
+                           "pixels": [3, 4]}
+    assert len(pool) == 8 and len(set(pool.requests)) == 8  # distinct requests
+    for payload in pool.requests:
+        req = service_pb2.ModelInferRequest.FromString(payload)
+        assert (req.model_name, req.model_version) == ("m", "3")
+        assert req.parameters["timeout"].int64_param == 250_000  # µs
+        assert req.parameters["priority"].uint64_param == 2
+        t = _decode(payload)
+        assert t["input_ids"].shape == (2, 7) and t["input_ids"].min() >= 5 and t["input_ids"].max() <= 9
+        assert (t["attention_mask"] == 1).all()  # masks default to all ones
+        assert t["features"].shape == (1, 8) and t["features"].dtype == np.float32
+        assert t["pixels"].shape == (3, 4) and t["pixels"].min() >= 200
+        words = [w.decode() for w in t["words"].ravel()]
+        assert len(words) == 4 and all(w.isascii() and w.isalpha() for w in words)
+
+
+def test_seq_len_sets_token_dims_and_no_budget_sends_no_timeout():
+    pool = build_pool("minilm", TOKENS, InputOptions(seq_len=128, default_dim=3, pool_size=2))
+    assert pool.shapes == {"input_ids": [1, 128], "attention_mask": [1, 128]}
+    req = service_pb2.ModelInferRequest.FromString(pool.requests[0])
+    assert "timeout" not in req.parameters and "priority" not in req.parameters
+    ids = _decode(pool.requests[0])["input_ids"]
+    assert 0 <= ids.min() and ids.max() <= 100
+
+
+@pytest.mark.parametrize("opts, message", [
+    (InputOptions(shapes={"input_ids": [1, 2, 3]}), "has 2 dims"),
+    (InputOptions(shapes={"nope": [1, 2]}), "no input nope"),
+    (InputOptions(int_ranges={"input_ids": (-1, 2**40)}), None),  # fits INT64: accepted
+])
+def test_generator_rejects_options_that_do_not_fit(opts, message):
+    if message is None:
+        build_pool("minilm", TOKENS, opts)
+        return
+    with pytest.raises(InputError, match=message):
+        build_pool("minilm", TOKENS, opts)
+
+
+def test_generator_rejects_fixed_dim_mismatch_and_bad_syntax():
+    with pytest.raises(InputError, match="fixed to 32"):
+        build_pool("mlp", [TensorInfo("features", "FP32", (-1, 32))], InputOptions(shapes={"features": [1, 31]}))
+    with pytest.raises(InputError, match="does not fit UINT8"):
+        build_pool("x", [TensorInfo("p", "UINT8", (-1,))], InputOptions(int_ranges={"p": (0, 300)}))
+    for bad in ("input_ids", "input_ids=1,x", "=1,2", "a=1,-1"):
+        with pytest.raises(InputError):
+            parse_shape(bad)
+    for bad in ("mask=1", "mask=2:1", "mask"):
+        with pytest.raises(InputError):
+            parse_int_range(bad)
+
+
+def test_arrival_schedule_poisson_plus_bursts():
+    rng = np.random.default_rng(1)
+    plain = arrival_times(1000, 2.0, None, rng)
+    assert (np.diff(plain) >= 0).all() and plain.min() >= 0 and plain.max() < 2.0
+    assert 1700 < len(plain) < 2300  # ~2000 expected; >6 sigma either side
+    with_bursts = arrival_times(1000, 2.0, (50, 0.5), np.random.default_rng(1))
+    # Bursts at 0.5, 1.0 and 1.5 s on top of the same Poisson draw.
+    assert len(with_bursts) == len(plain) + 150
+    values, counts = np.unique(with_bursts, return_counts=True)
+    assert sorted(values[counts >= 50].tolist()) == [0.5, 1.0, 1.5]
+
+
+def test_closed_loop_cli_on_mlp_writes_json_and_png(mesh, tmp_path, capsys):
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    code = cli.main(["bench", "--url", mesh.address, "--model", "mlp", "--concurrency", "4", "--duration", "1",
+                     "--warmup", "0.3", "--budget-ms", "5000", "--json", str(out_json), "--plot", str(out_png),
+                     "--quiet"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "concurrency 4" in printed and "OK=" in printed
+
+    json.loads(out_json.read_text())  # plain JSON
+    result = read_json(out_json)
+    assert isinstance(result, BenchResult) and result.target["model"] == "mlp"
+    assert result.config["input_shapes"] == {"features": [1, 32]}
+    [step] = result.steps
+    assert step.mode == "closed" and step.concurrency == 4
+    assert step.status_counts.get("OK", 0) > 0
+    assert step.goodput_rps <= step.throughput_rps
+    assert step.throughput_rps == pytest.approx(step.status_counts["OK"] / step.duration_s)
+    lat = step.latency_ms
+    assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["max"]
+    # Every answered request went through at least one execution; batches hold >= 1 request each.
+    assert step.inference_count >= step.status_counts["OK"]
+    assert step.mean_batch_size is not None and step.mean_batch_size >= 1
+    assert out_png.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_open_loop_tiny_budget_counts_failures_instead_of_crashing(mesh, tmp_path):
+    # minilm at 64 tokens cannot be answered within 1 ms, through Redis, on any machine.
+    step = run_open(mesh.address, "minilm", rate=40, duration=1.0, warmup=0.2, budget_ms=1,
+                    inputs=InputOptions(seq_len=64, pool_size=8))
+    counts = step.status_counts
+    assert step.sent > 0 and sum(counts.values()) == step.sent
+    assert set(counts) <= {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}
+    assert counts.get("DEADLINE_EXCEEDED", 0) + counts.get("RESOURCE_EXHAUSTED", 0) > 0
+    assert step.goodput_rps <= step.throughput_rps
+    assert step.offered_rps == pytest.approx(step.sent / step.duration_s)
+    assert step.send_lag_p99_ms is not None
+    out_png = tmp_path / "open.png"
+    plot(out_png, BenchResult(target={"url": mesh.address, "model": "minilm", "version": ""},
+                              config={"mode": "open"}, started_at="", steps=[step]))
+    assert out_png.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_cli_unknown_model_exits_non_zero_with_message(mesh, capsys):
+    assert cli.main(["bench", "--url", mesh.address, "--model", "no-such-model", "--quiet"]) != 0
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "not served" in err
+
+
+def test_cli_unreachable_endpoint_exits_non_zero_with_message(capsys):
+    with socket.socket() as s:  # a port nothing listens on (closed again before the run)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert cli.main(["bench", "--url", f"127.0.0.1:{port}", "--model", "mlp", "--quiet"]) != 0
+    assert "cannot reach" in capsys.readouterr().err
