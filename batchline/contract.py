@@ -166,3 +166,13 @@ redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return 1
 """
+
+# Adds to a model's statistics counters in one command (a batch updates ~16).
+# KEYS: stats key; ARGV: ttl s, last_inference_ms, then field, increment pairs.
+STATS_LUA = """
+for i = 3, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+redis.call('HSET', KEYS[1], 'last_inference_ms', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+"""

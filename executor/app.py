@@ -29,7 +29,8 @@ class ExecutorApp:
     async def start(self) -> "ExecutorApp":
         s = self.settings
         models = await asyncio.to_thread(
-            load_repository, s.model_repository, s.models or None, s.providers, s.trt_engine_cache_dir, s.intra_op_threads
+            load_repository, s.model_repository, s.models or None, s.providers, s.trt_engine_cache_dir, s.intra_op_threads,
+            s.allow_spinning,
         )
         self.executor = Executor(s, models)
         if s.warmup:

@@ -96,11 +96,16 @@ def choose_providers(
 
 
 def create_session(
-    path: pathlib.Path, providers: list[tuple[str, dict[str, Any]]], intra_op_threads: int
+    path: pathlib.Path, providers: list[tuple[str, dict[str, Any]]], intra_op_threads: int, allow_spinning: bool = True
 ) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     if intra_op_threads:
         opts.intra_op_num_threads = intra_op_threads
+    if not allow_spinning:
+        # ORT's worker threads otherwise busy-wait after every run, taking cores
+        # from the gateway and scheduler when they share a host.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
     except Exception as exc:  # noqa: BLE001 - GPU provider libraries missing or broken
@@ -127,6 +132,7 @@ def load_model(
     providers: list[str],
     trt_cache_dir: str,
     intra_op_threads: int,
+    allow_spinning: bool = True,
 ) -> LoadedModel:
     name, version = model_dir.name, version_dir.name
     path = version_dir / "model.onnx"
@@ -136,7 +142,7 @@ def load_model(
     trt.setdefault("trt_engine_cache_enable", True)
     trt.setdefault("trt_engine_cache_path", trt_cache_dir or str(version_dir / "trt_cache"))
     chosen = choose_providers(config["providers"] or providers, options, ort.get_available_providers())
-    session = create_session(path, chosen, intra_op_threads)
+    session = create_session(path, chosen, intra_op_threads, allow_spinning)
     batched = config["max_batch_size"] > 0
     inputs = _tensor_specs(session.get_inputs(), batched)
     outputs = _tensor_specs(session.get_outputs(), batched)
@@ -175,6 +181,7 @@ def load_repository(
     providers: list[str] | None = None,
     trt_cache_dir: str = "",
     intra_op_threads: int = 0,
+    allow_spinning: bool = True,
 ) -> list[LoadedModel]:
     root = pathlib.Path(root)
     if not root.is_dir():
@@ -189,7 +196,8 @@ def load_repository(
         config = read_config(model_dir)
         for version_dir in versions:
             model = load_model(
-                model_dir, version_dir, config, providers or ["CPUExecutionProvider"], trt_cache_dir, intra_op_threads
+                model_dir, version_dir, config, providers or ["CPUExecutionProvider"], trt_cache_dir, intra_op_threads,
+                allow_spinning,
             )
             log.info(
                 "loaded %s version %s on %s (max_batch_size %d)",

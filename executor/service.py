@@ -67,6 +67,7 @@ class Executor:
         self._tasks: list[asyncio.Task] = []
         self._workers: list[asyncio.Task] = []
         self._in_progress: set[str] = set()
+        self._add_stats = self.redis.register_script(contract.STATS_LUA)
         self.draining = False
         self._warmup_reports: list[pb.ExecutionReport] = []
 
@@ -368,7 +369,7 @@ class Executor:
             pipe.ltrim(contract.REPORTS, -contract.REPORTS_CAP, -1)
             pipe.expire(contract.REPORTS, contract.QUEUE_TTL)
             if model is not None and ok:
-                self._count_stats(pipe, model, ok, rows, start_us, done_us, phases)
+                await self._count_stats(pipe, model, ok, rows, start_us, done_us, phases)
             if len(ok) < len(members):
                 skey = contract.stats(batch.model_name, batch.model_version)
                 failed = [m for m in members if m not in ok]
@@ -389,12 +390,10 @@ class Executor:
             for m in ok:
                 queue.observe(max(0, start_us - m.entry.enqueued_us) / 1e6)
 
-    @staticmethod
-    def _count_stats(pipe, model, ok, rows, start_us, done_us, phases) -> None:
+    async def _count_stats(self, pipe, model, ok, rows, start_us, done_us, phases) -> None:
         input_ns, infer_ns, output_ns = phases
-        key = contract.stats(model.name, model.version)
         n = len(ok)
-        for field, value in (
+        counts = (
             ("success_count", n),
             ("success_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in ok)),
             ("queue_count", n),
@@ -411,10 +410,9 @@ class Executor:
             (f"batch:{rows}:compute_input_ns", input_ns),
             (f"batch:{rows}:compute_infer_ns", infer_ns),
             (f"batch:{rows}:compute_output_ns", output_ns),
-        ):
-            pipe.hincrby(key, field, value)
-        pipe.hset(key, "last_inference_ms", done_us // 1000)
-        pipe.expire(key, contract.STATS_TTL)
+        )
+        await self._add_stats(keys=[contract.stats(model.name, model.version)],
+                              args=[contract.STATS_TTL, done_us // 1000, *(x for pair in counts for x in pair)], client=pipe)
 
 
 class ExecutorControl(internal_pb2_grpc.ExecutorServicer):

@@ -31,6 +31,11 @@ class ExecutorSettings(CommonSettings):
         "", description="TensorRT engine cache directory (default: <repo>/<model>/<version>/trt_cache)."
     )
     intra_op_threads: int = Field(0, description="ONNX Runtime intra-op threads per session (0 = ONNX Runtime's default).")
+    allow_spinning: bool = Field(
+        False,
+        description="Let ONNX Runtime's worker threads busy-wait for work between runs (its own default). Off here: "
+        "spinning takes cores from the gateway and scheduler on a shared host; turn it on for a dedicated executor host.",
+    )
     concurrent_batches: int = Field(
         2, description="Batches in progress at once: one computes while the next is fetched and the last is answered."
     )

@@ -259,10 +259,13 @@ class Gateway:
         request_id = uuid.uuid4().hex
         # The queue entry carries the gateway's ModelInfer span (or, with
         # tracing off, a child of the client's traceparent) to the others.
-        span = telemetry.current_span()
-        span.set_attribute("batchline.model_version", model.version)
-        span.set_attribute("batchline.request_id", request_id)
-        span_parent, span_state = telemetry.inject(span)
+        traced = telemetry.enabled()
+        span_parent = span_state = ""
+        if traced:
+            span = telemetry.current_span()
+            span.set_attribute("batchline.model_version", model.version)
+            span.set_attribute("batchline.request_id", request_id)
+            span_parent, span_state = telemetry.inject(span)
         entry = pb.QueueEntry(
             request_id=request_id,
             gateway_id=self.gateway_id,
@@ -286,7 +289,10 @@ class Gateway:
             self._outbox.append(write)
             if self._flusher is None or self._flusher.done():
                 self._flusher = loop.create_task(self._flush())
-            with telemetry.tracer("batchline.gateway").start_as_current_span("enqueue"):
+            if traced:
+                with telemetry.tracer("batchline.gateway").start_as_current_span("enqueue"):
+                    await write.done
+            else:
                 await write.done
             try:
                 reply: pb.Reply = await asyncio.wait_for(fut, timeout=max(0.0, deadline / 1e6 - time.time()))
@@ -323,12 +329,14 @@ class Gateway:
                             )
                         else:
                             pipe.zadd(w.queue, {w.member: w.score})
-                            pipe.expire(w.queue, contract.QUEUE_TTL)
                     for queue, member, request_id in abandoned:
                         pipe.zrem(queue, member)
                         pipe.delete(contract.payload(request_id))
                     if writes:
-                        pipe.rpush(contract.NOTIFY, "q")
+                        queues = {w.queue for w in writes}
+                        for queue in queues:
+                            pipe.expire(queue, contract.QUEUE_TTL)
+                        pipe.rpush(contract.NOTIFY, *queues)
                         pipe.ltrim(contract.NOTIFY, -contract.NOTIFY_CAP, -1)
                         pipe.expire(contract.NOTIFY, contract.QUEUE_TTL)
                     async with metrics.redis_rtt("gateway", "enqueue"):
@@ -345,7 +353,7 @@ class Gateway:
             i = 0
             for w in writes:
                 queued = results[i + 1]
-                i += 2 if w.max_queue_size else 3
+                i += 2
                 if w.done.done():
                     continue
                 if w.max_queue_size and not queued:

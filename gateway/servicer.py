@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -96,12 +97,15 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
     async def _infer(self, request, context, name: str = "ModelInfer") -> ipb.ModelInferResponse:
         """One inference, traced (continuing the client's trace) and counted; raises BatchlineError."""
         started = time.perf_counter()
-        with telemetry.server_span(_tracer, name, context.invocation_metadata(), {"batchline.model": request.model_name}) as span:
+        traced = telemetry.enabled()
+        with (telemetry.server_span(_tracer, name, context.invocation_metadata(), {"batchline.model": request.model_name})
+              if traced else contextlib.nullcontext()) as span:
             try:
                 response = await self.gateway.infer(request, context.time_remaining(), *_trace_headers(context))
             except BatchlineError as exc:
                 metrics.REQUEST_FAILURE.labels(request.model_name, request.model_version or "", metrics.status_reason(grpc_status(exc))).inc()
-                telemetry.set_error(span, f"{grpc_status(exc).name}: {exc}")
+                if traced:
+                    telemetry.set_error(span, f"{grpc_status(exc).name}: {exc}")
                 raise
         metrics.REQUEST_SUCCESS.labels(response.model_name, response.model_version).inc()
         metrics.REQUEST_DURATION.labels(response.model_name, response.model_version).observe(time.perf_counter() - started)

@@ -76,6 +76,9 @@ class Plan:
     batches: list[PlannedBatch] = field(default_factory=list)
     expired: list[Pending] = field(default_factory=list)
     wake_at: float | None = None  # None: nothing to do until something new happens
+    # Requests are left waiting for an executor (not for company): a new arrival
+    # cannot change the plan before an executor frees up or wake_at.
+    blocked: bool = False
 
     def _wake(self, t: float) -> None:
         if self.wake_at is None or t < self.wake_at:
@@ -121,6 +124,7 @@ def plan(
         start = max(now, free[i])
         if start > now + lead:
             out._wake(start - lead)  # no executor is ready: let the queue grow
+            out.blocked = True
             break
         members, rows = _take(live, cap)
         shrunk = False
@@ -165,6 +169,7 @@ def plan(
     # the moment its deadline passes.
     if live:
         out._wake(min(p.deadline for p in live))
+        out.blocked = out.blocked or not free
     return out
 
 

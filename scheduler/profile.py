@@ -21,10 +21,15 @@ class LatencyProfile:
         self._default = default
         self._quantile = margin_quantile
         self._fit: tuple[float, float, float] | None = None  # a, b, margin
+        # Refitting costs a sort per batch size: on a busy model, refit every few samples, not each.
+        self._refit_every = max(1, min(16, window // 8))
+        self._unfitted = 0
 
     def observe(self, rows: int, seconds: float) -> None:
         self._samples.append((rows, seconds))
-        self._fit = None
+        self._unfitted += 1
+        if self._unfitted >= self._refit_every:
+            self._fit = None
 
     def samples(self) -> list[tuple[int, float]]:
         return list(self._samples)
@@ -38,6 +43,7 @@ class LatencyProfile:
             return 0.0, self._default, 0.0
         if self._fit is None:
             self._fit = self._refit()
+            self._unfitted = 0
         return self._fit
 
     def expected(self, rows: int) -> float:

@@ -25,6 +25,7 @@ import uuid
 from collections import Counter
 
 import grpc
+import redis.exceptions
 
 from batchline import contract, metrics, telemetry, tracecontext
 from batchline.clock import now_us
@@ -65,6 +66,7 @@ class Scheduler:
         self._ledger: dict[str, dict[str, tuple[float, float]]] = {}
         self._load_at: dict[tuple[str, str], float] = {}
         self._idle_at: dict[str, float] = {}  # when each executor is predicted to run out of work
+        self._blocked: set[str] = set()  # queues waiting for an executor, not for company
         self._wake = asyncio.Event()
         self._reports: list[bytes] = []
         self._tasks: list[asyncio.Task] = []
@@ -101,17 +103,31 @@ class Scheduler:
     # -- wake-ups ----------------------------------------------------------
 
     async def _listen(self) -> None:
+        many = True  # BLMPOP (Redis >= 7) takes every waiting event in one round trip
         while True:
             try:
-                item = await self.blocking.blpop([contract.NOTIFY, contract.REPORTS], timeout=1)
+                if many:
+                    item = await self.blocking.execute_command(
+                        "BLMPOP", 1, 2, contract.NOTIFY, contract.REPORTS, "LEFT", "COUNT", _DRAIN)
+                else:
+                    item = await self.blocking.blpop([contract.NOTIFY, contract.REPORTS], timeout=1)
+                    item = item and (item[0], [item[1]])
+            except redis.exceptions.ResponseError:
+                many = False  # an older Redis
+                continue
             except REDIS_ERRORS as exc:
                 log.warning("waiting for events failed: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
             if item is not None:
-                if item[0].decode() == contract.REPORTS:
-                    self._reports.append(item[1])
-                self._wake.set()
+                key, values = item
+                if key.decode() == contract.REPORTS:
+                    self._reports.extend(values)
+                    self._wake.set()
+                elif any(v.decode() not in self._blocked for v in values):
+                    # A queue whose requests wait for a busy executor needs no new
+                    # look before that executor reports or its timer fires.
+                    self._wake.set()
 
     async def _loop(self) -> None:
         wake_at: float | None = None
@@ -278,6 +294,8 @@ class Scheduler:
         await self._load_profiles([(*key, self._kind(e, key)) for e in holders])
         profile = self._model_profile(key, holders)
         queue = [self._pending(m) for m in members]
+        if not queue:
+            self._blocked.discard(contract.queue(*key))
         by_priority = Counter(p.priority for p in queue)
         for level in range(1, max(1, info.priority_levels) + 1):
             metrics.PENDING_REQUESTS.labels(key[0], key[1], str(level)).set(by_priority.get(level, 0))
@@ -296,6 +314,10 @@ class Scheduler:
             now, queue, policy, [free_at[e] for e in ready], profile.predict, profile.expected,
             lead=self.settings.dispatch_lead_ms / 1000,
         )
+        if decision.blocked:
+            self._blocked.add(contract.queue(*key))
+        else:
+            self._blocked.discard(contract.queue(*key))
         if decision.expired:
             await self._shed(key, decision.expired)
         for planned in decision.batches:

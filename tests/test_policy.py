@@ -485,3 +485,15 @@ def test_fifo_sheds_only_what_is_past_its_deadline():
     p = plan(1.0, queue, policy, free_at=IDLE, predict=fixed(0.5))
     assert [e.request_id for e in p.expired] == ["gone"]
     assert [ids(b) for b in p.batches] == [["doomed"]]  # runs although it will miss
+
+
+def test_plan_says_when_requests_wait_for_an_executor_rather_than_for_company():
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=1.0, overhead=0.0)
+    # Waiting for company (the executor is idle): a new arrival may fill the batch, look again.
+    assert not plan(0.0, [req("a")], policy, free_at=IDLE, predict=fixed(0.25)).blocked
+    # Waiting for the busy executor: nothing changes before it frees up.
+    assert plan(0.0, [req("a")], policy, free_at=[0.5], predict=fixed(0.25)).blocked
+    # Every executor holds its maximum.
+    assert plan(0.0, [req("a")], policy, free_at=[], predict=fixed(0.25)).blocked
+    # Nothing left waiting.
+    assert not plan(0.0, [req(f"r{i}") for i in range(4)], policy, free_at=IDLE, predict=fixed(0.25)).blocked
