@@ -87,8 +87,9 @@ class Mesh:
             return str(base + offset if base > 0 else base)
 
         for i in range(a.executors):
+            # Everything shares this host: model runs yield the CPU to ingress and scheduling.
             self._spawn(f"executor-{i}", "executor", "--model-repository", str(repo), "--executor-id", f"executor-{i}",
-                        "--metrics-port", metrics_port(2 + i))
+                        "--metrics-port", metrics_port(2 + i), "--nice", "5")
         self._spawn("scheduler", "scheduler", "--metrics-port", metrics_port(1))
         self._spawn("gateway", "gateway", "--port", str(a.gateway_port), "--gateway-id", "gateway-0",
                     "--metrics-port", metrics_port(0))

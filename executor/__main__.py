@@ -1,6 +1,7 @@
 """python -m executor: run one executor."""
 from __future__ import annotations
 
+import os
 import sys
 
 from batchline.lifecycle import run_service
@@ -18,6 +19,8 @@ def main(argv: list[str] | None = None) -> None:
         "(TensorRT -> CUDA -> CPU, whichever the host has) and runs the batches the scheduler dispatches.",
     )
     configure_logging(settings.log_level, "executor")
+    if settings.nice:
+        os.nice(settings.nice)  # before ONNX Runtime starts its threads, which inherit it
 
     async def start():
         app = await ExecutorApp(settings).start()

@@ -39,6 +39,11 @@ class ExecutorSettings(CommonSettings):
     concurrent_batches: int = Field(
         2, description="Batches in progress at once: one computes while the next is fetched and the last is answered."
     )
+    nice: int = Field(
+        0,
+        description="Raise this process's nice value by this much at start. On a host shared with the gateway "
+        "(batchline up sets 5), model runs then yield the CPU to request ingress and admission control.",
+    )
     heartbeat_interval_s: float = Field(1.0, description="Seconds between registrations in Redis.")
     heartbeat_ttl_s: float = Field(
         3.0, description="Seconds without a heartbeat after which the executor is considered dead."

@@ -18,7 +18,7 @@ import time
 import uuid
 
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from batchline import contract, metrics, telemetry, tracecontext
@@ -84,10 +84,10 @@ class Gateway:
         self._enqueue_bounded = None
         self.draining = False
         self._served: set[str] = set()  # model names ever served: their absence is UNAVAILABLE, not NOT_FOUND
-        # Admission control: the scheduler's load view per model, and the rows
-        # this gateway has admitted and not yet answered, per priority level.
+        # Admission control: the scheduler's load view per model, and what this
+        # gateway admitted since (which that view does not show yet).
         self.loads: dict[tuple[str, str], pb.ModelLoad] = {}
-        self._outstanding: dict[tuple[str, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self._admitted: dict[tuple[str, str], deque[tuple[int, int, int]]] = defaultdict(deque)  # (µs, priority, rows)
 
     async def start(self, address: str) -> None:
         self.address = address
@@ -245,17 +245,25 @@ class Gateway:
         key = (model.name, model.version)
         if self.draining:
             raise Unavailable("this gateway is shutting down: retry on another instance")
-        outstanding = self._outstanding[key]
+        # The scheduler plans to finish a little before the client's deadline,
+        # keeping time for the answer's way back.
+        plan_budget = budget - min(self.settings.answer_margin_ms / 1000, budget / 2)
         load = self.loads.get(key)
-        if load is not None and load.policy == "deadline" and time.time() * 1e6 - load.updated_us < contract.LOAD_TTL_MS * 1000:
-            ahead = sum(n for p, n in outstanding.items() if p <= priority)
-            refusal = admit(load, model, priority, rows, budget, ahead, self.settings.admission_headroom)
+        arrived_us = now_us()
+        admitted = None
+        if load is not None and load.policy == "deadline" and arrived_us - load.updated_us < contract.LOAD_TTL_MS * 1000:
+            admitted = self._admitted[key]
+            while admitted and admitted[0][0] <= load.updated_us:
+                admitted.popleft()  # the scheduler's view already counts these
+            since = sum(n for _, p, n in admitted if p <= priority)
+            refusal = admit(load, model, priority, rows, plan_budget, since, (arrived_us - load.updated_us) / 1e6,
+                            self.settings.admission_headroom)
             if refusal is not None:
                 reason = "deadline" if isinstance(refusal, DeadlineExceeded) else "overload"
                 metrics.REJECTED.labels(model.name, model.version, reason).inc()
                 raise refusal
         enqueued = now_us()
-        deadline = enqueued + int(budget * 1e6)
+        deadline = enqueued + int(plan_budget * 1e6)
         request_id = uuid.uuid4().hex
         # The queue entry carries the gateway's ModelInfer span (or, with
         # tracing off, a child of the client's traceparent) to the others.
@@ -282,7 +290,8 @@ class Gateway:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending[request_id] = fut
-        outstanding[priority] += rows
+        if admitted is not None:
+            admitted.append((arrived_us, priority, rows))
         try:
             write = _Write(request_id, request.SerializeToString(), contract.payload_ttl_ms(deadline, enqueued), queue,
                            member, contract.queue_score(priority, deadline), model.max_queue_size, loop.create_future())
@@ -295,7 +304,7 @@ class Gateway:
             else:
                 await write.done
             try:
-                reply: pb.Reply = await asyncio.wait_for(fut, timeout=max(0.0, deadline / 1e6 - time.time()))
+                reply: pb.Reply = await asyncio.wait_for(fut, timeout=max(0.0, enqueued / 1e6 + budget - time.time()))
             except asyncio.TimeoutError:
                 raise DeadlineExceeded(
                     f"no answer from model '{model.name}' within the {_ms(budget)} budget"
@@ -308,8 +317,6 @@ class Gateway:
                 fut.exception()  # failed by an outage while we were still queueing: already answered
             self._abandon(queue, member, request_id)
             raise
-        finally:
-            outstanding[priority] -= rows
         if reply.code != 0:
             raise from_status_value(reply.code, reply.message)
         return reply.response

@@ -27,6 +27,11 @@ RETRY_AFTER_KEY = "retry-after-ms"
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BatchlineError):
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0.002:
+        # The client's own deadline has passed (or is about to): its gRPC library
+        # answers it DEADLINE_EXCEEDED; sending a status now would only race that.
+        raise asyncio.CancelledError()
     if exc.retry_after_s is not None:
         context.set_trailing_metadata(((RETRY_AFTER_KEY, str(max(1, round(exc.retry_after_s * 1000)))),))
     await context.abort(grpc_status(exc), str(exc))

@@ -31,7 +31,12 @@ class GatewaySettings(CommonSettings):
         description="Admit a request when its predicted finish is within this fraction of its budget "
         "(below 1 keeps room for prediction error).",
     )
-    load_refresh_s: float = Field(0.05, description="Seconds between reads of the scheduler's per-model load view.")
+    load_refresh_s: float = Field(0.02, description="Seconds between reads of the scheduler's per-model load view.")
+    answer_margin_ms: float = Field(
+        10.0,
+        description="Time kept back from each request's budget for the answer's way back to the client: the "
+        "scheduler and admission control plan to finish this much before the deadline (at most half the budget).",
+    )
     drain_timeout_s: float = Field(
         30.0, description="On SIGTERM: seconds to wait for admitted requests to be answered before stopping."
     )

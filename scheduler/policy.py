@@ -128,18 +128,19 @@ def plan(
             break
         members, rows = _take(live, cap)
         shrunk = False
-        if aware:
-            # A big batch runs longer: trim it until its most urgent member
-            # still makes its deadline; one that cannot even alone is shed.
-            while start + expected(rows) + policy.overhead > min(m.deadline for m in members):
-                if len(members) == 1:
-                    break
-                rows -= members.pop().rows
-                shrunk = True
-            if start + expected(rows) + policy.overhead > members[0].deadline and len(members) == 1:
-                out.expired.append(members[0])
-                live.remove(members[0])
+        if aware and start + predict(rows) + policy.overhead > min(m.deadline for m in members):
+            # Someone would finish late. Send the batch size that gets the most
+            # members done in time; a member late even on a typical run of it
+            # cannot make any later batch either, so it is shed now.
+            taken = len(members)
+            members, late = _most_on_time(members, start, policy.overhead, predict, expected)
+            for m in late:
+                out.expired.append(m)
+                live.remove(m)
+            if not members:
                 continue
+            rows = sum(m.rows for m in members)
+            shrunk = len(members) < taken
         cost = predict(rows) + policy.overhead
         earliest = min(m.deadline for m in members)
         oldest = min(m.enqueued for m in members)
@@ -185,3 +186,21 @@ def _take(live: Sequence[Pending], cap: int | None) -> tuple[list[Pending], int]
         members.append(p)
         rows += p.rows
     return members, rows
+
+
+def _most_on_time(
+    members: list[Pending], start: float, overhead: float,
+    predict: Callable[[int], float], expected: Callable[[int], float],
+) -> tuple[list[Pending], list[Pending]]:
+    """The head of `members` that finishes the most of them by their deadlines (the shortest such),
+    split into those to send and those already hopeless in it."""
+    best_n, best_on_time, rows = 1, -1, 0
+    for n, m in enumerate(members, 1):
+        rows += m.rows
+        finish = start + predict(rows) + overhead
+        on_time = sum(1 for x in members[:n] if x.deadline >= finish)
+        if on_time > best_on_time:
+            best_n, best_on_time = n, on_time
+    chosen = members[:best_n]
+    finish = start + expected(sum(m.rows for m in chosen)) + overhead
+    return [m for m in chosen if m.deadline >= finish], [m for m in chosen if m.deadline < finish]

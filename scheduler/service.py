@@ -41,7 +41,7 @@ from scheduler.settings import SchedulerSettings
 log = logging.getLogger(__name__)
 
 _DRAIN = 10_000
-_LOAD_EVERY_S = 0.05
+_LOAD_EVERY_S = 0.02
 _UNKNOWN_KIND = "unknown"
 _tracer = telemetry.tracer("batchline.scheduler")
 
@@ -67,6 +67,7 @@ class Scheduler:
         self._load_at: dict[tuple[str, str], float] = {}
         self._idle_at: dict[str, float] = {}  # when each executor is predicted to run out of work
         self._blocked: set[str] = set()  # queues waiting for an executor, not for company
+        self._batch_rows: dict[tuple[str, str], float] = {}  # moving mean of rows per batch
         self._wake = asyncio.Event()
         self._reports: list[bytes] = []
         self._tasks: list[asyncio.Task] = []
@@ -341,6 +342,7 @@ class Scheduler:
             executors=len(holders),
             backlog_s=sum(max(0.0, self._idle_at.get(e, now) - now) for e in holders),
             queued_rows=rows, policy=self.settings.policy, updated_us=int(now * 1e6),
+            batch_rows=self._batch_rows.get(key, 0.0),
         )
         await self.redis.set(contract.load(*key), load.SerializeToString(), px=contract.LOAD_TTL_MS)
 
@@ -385,6 +387,8 @@ class Scheduler:
         self.counts["batches"] += 1
         self.counts["requests"] += int(taken)
         self.counts[f"reason:{planned.reason}"] += 1
+        # Recent batch size, for admission control: what the deadlines let through, not the maximum.
+        self._batch_rows[key] = 0.9 * self._batch_rows.get(key, planned.rows) + 0.1 * planned.rows
         metrics.BATCHES_DISPATCHED.labels(key[0], key[1], planned.reason).inc()
         metrics.BATCH_SIZE.labels(key[0], key[1]).observe(planned.rows)
         metrics.DISPATCH_SLACK.labels(key[0], key[1]).observe(max(0.0, planned.slack))

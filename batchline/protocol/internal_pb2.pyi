@@ -152,7 +152,7 @@ class ExecutorInfo(_message.Message):
     def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ModelLoad(_message.Message):
-    __slots__ = ("cost_per_row_s", "cost_fixed_s", "cost_margin_s", "overhead_s", "executors", "backlog_s", "queued_rows", "policy", "updated_us")
+    __slots__ = ("cost_per_row_s", "cost_fixed_s", "cost_margin_s", "overhead_s", "executors", "backlog_s", "queued_rows", "policy", "updated_us", "batch_rows")
     COST_PER_ROW_S_FIELD_NUMBER: _ClassVar[int]
     COST_FIXED_S_FIELD_NUMBER: _ClassVar[int]
     COST_MARGIN_S_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class ModelLoad(_message.Message):
     QUEUED_ROWS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     UPDATED_US_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     cost_per_row_s: float
     cost_fixed_s: float
     cost_margin_s: float
@@ -171,7 +172,8 @@ class ModelLoad(_message.Message):
     queued_rows: _containers.RepeatedScalarFieldContainer[int]
     policy: str
     updated_us: int
-    def __init__(self, cost_per_row_s: _Optional[float] = ..., cost_fixed_s: _Optional[float] = ..., cost_margin_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., executors: _Optional[int] = ..., backlog_s: _Optional[float] = ..., queued_rows: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., updated_us: _Optional[int] = ...) -> None: ...
+    batch_rows: float
+    def __init__(self, cost_per_row_s: _Optional[float] = ..., cost_fixed_s: _Optional[float] = ..., cost_margin_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., executors: _Optional[int] = ..., backlog_s: _Optional[float] = ..., queued_rows: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., updated_us: _Optional[int] = ..., batch_rows: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
