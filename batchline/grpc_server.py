@@ -55,7 +55,11 @@ class ServerHandle:
 
     async def stop(self, grace: float | None) -> None:
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        try:
+            # Calls still running after `grace` are cancelled; never wait on them forever.
+            await asyncio.wait_for(self.server.stop(grace), (grace or 0) + 5)
+        except asyncio.TimeoutError:
+            log.warning("gRPC server did not stop within %.1f s of its grace period", 5.0)
 
 
 async def start_server(

@@ -109,6 +109,9 @@ class Gateway:
         deadline = time.monotonic() + timeout
         while self._pending and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self._pending:
+            log.warning("drain: %d requests still unanswered after %.1f s; answering them UNAVAILABLE",
+                        len(self._pending), timeout)
 
     async def stop(self) -> None:
         for t in self._tasks:

@@ -40,7 +40,18 @@ class Mesh:
 
     def call(self, coro, timeout: float = 120):
         fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return fut.result(timeout)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            # Say where the mesh is stuck: every task's stack on its loop.
+            for task in asyncio.all_tasks(self.loop):
+                chain, coro = [], task.get_coro()
+                while coro is not None and hasattr(coro, "cr_frame") and coro.cr_frame is not None:
+                    f = coro.cr_frame
+                    chain.append(f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno} {f.f_code.co_name}")
+                    coro = coro.cr_await
+                print(f"--- {task.get_name()}: {' -> '.join(chain) or task.get_coro()}")
+            raise
 
     @property
     def address(self) -> str:
@@ -58,7 +69,8 @@ class Mesh:
         self.scheduler = await SchedulerApp(
             SchedulerSettings(redis_url=self.redis_url, port=0, metrics_port=-1, **self.scheduler_overrides)
         ).start()
-        self.gateway = await GatewayApp(GatewaySettings(redis_url=self.redis_url, port=0, metrics_port=-1, **self.gateway_overrides)).start()
+        gateway = {"drain_timeout_s": 5.0, **self.gateway_overrides}
+        self.gateway = await GatewayApp(GatewaySettings(redis_url=self.redis_url, port=0, metrics_port=-1, **gateway)).start()
 
     async def _start_executor(self, i: int) -> ExecutorApp:
         settings = ExecutorSettings(
