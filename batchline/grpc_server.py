@@ -28,16 +28,29 @@ class ServerHandle:
         for name in ["", *self.services]:
             await self.health.set(name, status)
 
-    async def watch_redis(self, redis, interval: float = 0.5, on_change: Callable[[bool], None] | None = None) -> None:
+    async def watch_redis(
+        self,
+        redis,
+        interval: float = 0.5,
+        on_change: Callable[[bool], None] | None = None,
+        on_restart: Callable[[], None] | None = None,
+    ) -> None:
         """Report NOT_SERVING while Redis does not answer (a service without Redis can do nothing useful).
 
-        Run as a task for the service's lifetime; `on_change(up)` is told of each transition.
+        Run as a task for the service's lifetime; `on_change(up)` is told of each
+        transition, `on_restart()` when Redis came back as a new process (its
+        run_id changed: whatever it held is gone), even if no check saw it down.
         """
         up: bool | None = None
+        run_id = None
         while True:
             try:
-                await redis.ping()
+                current = (await redis.info("server")).get("run_id")
                 now_up = True
+                if run_id is not None and current != run_id and on_restart:
+                    log.warning("Redis restarted (run_id %s -> %s)", run_id, current)
+                    on_restart()
+                run_id = current
             except REDIS_ERRORS:
                 now_up = False
             if now_up != up:

@@ -32,7 +32,7 @@ from executor.settings import ExecutorSettings
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("batchline.executor")
-_REDIS_ATTEMPTS = 3
+_REDIS_ATTEMPTS = 4
 _ORPHAN_SWEEP_S = 5.0
 
 
@@ -217,7 +217,7 @@ class Executor:
                         # A dropped connection (Redis restarted or failed over) must not strand
                         # the batch: try again; if Redis stays away, the orphan sweep hands it back.
                         log.warning("batch %s: Redis failed while processing (attempt %d): %s", batch.batch_id, attempt, exc)
-                        await asyncio.sleep(0.2 * attempt)
+                        await asyncio.sleep(0.5 * attempt)
             except Exception:  # noqa: BLE001 - one bad batch must not kill the worker
                 log.exception("batch %s failed", batch.batch_id)
             finally:

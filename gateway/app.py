@@ -41,7 +41,8 @@ class GatewayApp:
         self.metrics_port = metrics.start_metrics_server(self.settings.host, self.settings.metrics_port)
         self.server = await start_server(s.host, s.port, register, options)
         await self.gateway.start(self.address)
-        self._health = asyncio.create_task(self.server.watch_redis(self.gateway.redis, on_change=self.gateway.on_redis))
+        self._health = asyncio.create_task(self.server.watch_redis(
+            self.gateway.redis, on_change=self.gateway.on_redis, on_restart=self.gateway.on_redis_restart))
         return self
 
     async def stop(self, grace: float = 2.0) -> None:

@@ -164,6 +164,9 @@ class Gateway:
                 "lost contact with Redis while the request was queued; it may or may not have run: retry"
             ))
 
+    def on_redis_restart(self) -> None:
+        self.fail_pending(Unavailable("Redis restarted and lost the queued request: retry"))
+
     async def _load_loop(self) -> None:
         """Keep the scheduler's load views fresh for admission control (one MGET per period)."""
         while True:

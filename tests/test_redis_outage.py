@@ -94,3 +94,32 @@ def test_a_request_waiting_when_redis_dies_is_answered_unavailable_at_once(mesh_
     assert "lost contact with Redis" in info.value.message()
     assert time.monotonic() - killed < 3.0, "a waiting request hung after Redis died"
     client.close()
+
+
+def test_a_request_lost_in_a_quick_redis_restart_is_answered_unavailable(mesh_factory):
+    import concurrent.futures
+
+    import redis
+
+    from batchline import contract
+
+    m = mesh_factory(models=["mlp"])
+    client = tc.InferenceServerClient(m.address)
+    r = redis.Redis.from_url(m.redis_url)
+    r.set(contract.LEADER, "someone-else", px=60_000)  # keep the request queued
+    deadline = time.monotonic() + 10
+    while m.scheduler.scheduler.leader:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(client.infer, "mlp", [_features()], client_timeout=30)
+        while not r.zcard(contract.queue("mlp", "1")):
+            assert time.monotonic() < deadline, "the request never reached the queue"
+            time.sleep(0.01)
+        # Gone and back between two health checks: only Redis's new run_id tells.
+        m.own_redis.restart()
+        with pytest.raises(InferenceServerException) as info:
+            waiting.result(timeout=15)
+    assert info.value.status() == "StatusCode.UNAVAILABLE"
+    assert "Redis restarted" in info.value.message() or "lost contact with Redis" in info.value.message()
+    client.close()
