@@ -144,7 +144,9 @@ def test_overload_is_refused_at_once_with_a_retry_hint(mesh_factory):
     view = pb.ModelLoad(cost_per_row_s=0.001, cost_fixed_s=0.01, executors=1, queued_rows=[5000, 0],
                         policy="deadline", updated_us=now_us() + 60_000_000)
     r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
-    _wait(lambda: ("mlp", "1") in m.gateway.gateway.loads, "the gateway to read the load view")
+    # (the real scheduler published a view of its own before standing by: wait for ours)
+    _wait(lambda: getattr(m.gateway.gateway.loads.get(("mlp", "1")), "queued_rows", [0])[0] == 5000,
+          "the gateway to read the load view")
     channel, stub = _stub(m)
     with channel:
         with pytest.raises(grpc.RpcError) as info:
