@@ -2,10 +2,31 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from typing import Awaitable, Callable
 
 from batchline import telemetry
+
+log = logging.getLogger(__name__)
+
+
+async def stop_tasks(tasks, timeout: float = 5.0) -> None:
+    """Cancel background tasks and wait for them to end.
+
+    A cancellation can be swallowed (redis-py turns one that lands mid-read
+    into a connection error, which a retry loop then survives), so pending
+    tasks are cancelled again until they end or `timeout` passes.
+    """
+    pending = {t for t in tasks if not t.done()}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while pending and loop.time() < deadline:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.1)
+    if pending:
+        log.warning("tasks did not stop: %s", sorted(t.get_name() for t in pending))
 
 
 async def wait_for_signal() -> None:

@@ -5,6 +5,7 @@ import asyncio
 import logging
 
 from batchline import metrics
+from batchline.lifecycle import stop_tasks
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import internal_pb2, internal_pb2_grpc
 from executor.repository import load_repository
@@ -51,7 +52,7 @@ class ExecutorApp:
         if self.server:
             await self.server.start_draining()
         if self._health:
-            self._health.cancel()
+            await stop_tasks([self._health])
         if self.executor:
             await self.executor.drain(self.settings.drain_timeout_s)
             await self.executor.stop()

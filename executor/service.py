@@ -20,6 +20,7 @@ import numpy as np
 from batchline import contract, metrics, telemetry
 from batchline.recovery import requeue_held_batches
 from batchline.clock import now_us
+from batchline.lifecycle import stop_tasks
 from batchline.codec import decode_inputs, encode_array, onnx_strings
 from batchline.errors import BatchlineError, InvalidArgument, NotFound, status_value
 from batchline.protocol import inference_pb2 as ipb
@@ -149,7 +150,7 @@ class Executor:
                 await asyncio.sleep(0.05)
         except REDIS_ERRORS as exc:
             log.warning("drain: Redis failed (%s); handing back what is left", exc)
-        await self._cancel(self._workers)
+        await stop_tasks(self._workers)
         try:
             n = sum((await requeue_held_batches(self.redis, self.executor_id, include_queued=True)).values())
             if n:
@@ -157,14 +158,8 @@ class Executor:
         except REDIS_ERRORS:
             pass  # recovery by the scheduler hands them back once our heartbeat expires
 
-    @staticmethod
-    async def _cancel(tasks: list[asyncio.Task]) -> None:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
     async def stop(self) -> None:
-        await self._cancel(self._workers + self._tasks)
+        await stop_tasks(self._workers + self._tasks)
         try:
             # Deregistered, but left in the executor set: a batch the scheduler sent us
             # after our last hand-back is recovered like a dead executor's, at once.

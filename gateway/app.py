@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from batchline import metrics
+from batchline.lifecycle import stop_tasks
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import inference_pb2, inference_pb2_grpc
 from gateway.core import Gateway
@@ -49,7 +50,7 @@ class GatewayApp:
         # NOT_SERVING and refuse new requests, let admitted ones be answered, then let go of Redis.
         await self.server.start_draining()
         if self._health:
-            self._health.cancel()
+            await stop_tasks([self._health])
         await self.gateway.drain(self.settings.drain_timeout_s)
         await self.server.stop(grace)
         metrics.stop_metrics_server(self.metrics_port)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from batchline import contract, metrics, telemetry, tracecontext
 from batchline.clock import now_us
+from batchline.lifecycle import stop_tasks
 from batchline.errors import (
     BatchlineError,
     DeadlineExceeded,
@@ -114,9 +115,7 @@ class Gateway:
                         len(self._pending), timeout)
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_tasks(self._tasks)
         error = Unavailable("the gateway is shutting down; the request may or may not have run")
         self.fail_pending(error)
         for w in self._outbox:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from batchline import metrics
+from batchline.lifecycle import stop_tasks
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import internal_pb2, internal_pb2_grpc
 from scheduler.service import Scheduler, SchedulerControl
@@ -36,7 +37,7 @@ class SchedulerApp:
     async def stop(self, grace: float = 2.0) -> None:
         await self.server.start_draining()
         if self._health:
-            self._health.cancel()
+            await stop_tasks([self._health])
         await self.scheduler.stop()  # gives the lease up: a standby takes over at once
         await self.server.stop(grace)
         metrics.stop_metrics_server(self.metrics_port)

@@ -29,6 +29,7 @@ import redis.exceptions
 
 from batchline import contract, metrics, telemetry, tracecontext
 from batchline.clock import now_us
+from batchline.lifecycle import stop_tasks
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
 from batchline.recovery import requeue_held_batches
@@ -88,9 +89,7 @@ class Scheduler:
         log.info("scheduler %s started (policy %s)", self.scheduler_id, self.settings.policy)
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_tasks(self._tasks)
         try:
             if self.leader:
                 await self._save_profiles()
