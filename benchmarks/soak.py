@@ -188,16 +188,21 @@ def print_row(row: dict, services: list[str]) -> None:
           f"{keys:>8}{mem:>9}", flush=True)
 
 
+SETTLE_S = 30.0
+
+
 def flatness(samples: list[dict], warmup_s: float, factor: float, services: list[str]) -> dict:
-    """Per series: the first sample after warm-up in the same process as the last sample,
-    against the last sample."""
+    """Per series: the first sample after warm-up in the same process as the last sample, and
+    at least SETTLE_S after that process appeared (a Redis restarted empty, or a service restarted
+    cold, is not a baseline until it has settled), against the last sample."""
 
     def judge(values: list[tuple[float, int | None, float | None]]) -> dict:
         values = [v for v in values if v[2] is not None]
         if not values:
             return {"verdict": "n/a (no samples)"}
         t_end, pid_end, end = values[-1]
-        base = next(((t, v) for t, pid, v in values if t >= warmup_s and pid == pid_end), None)
+        born = next(t for t, pid, _ in values if pid == pid_end)
+        base = next(((t, v) for t, pid, v in values if t >= max(warmup_s, born + SETTLE_S) and pid == pid_end), None)
         if base is None or base[0] == t_end:
             return {"end": end, "verdict": "n/a (restarted too late to judge)"}
         flat = end <= factor * base[1]

@@ -80,3 +80,23 @@ def test_a_full_batch_goes_out_at_once_and_records_why(mesh_factory):
     assert int(stats[b"inference_count"]) == 64 and int(stats[b"execution_count"]) == 1
     assert int(stats[b"batch:64:count"]) == 1
     assert m.scheduler.scheduler.counts["reason:full"] == 1
+
+
+def test_requests_of_a_dead_gateway_are_not_executed(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = redis.Redis.from_url(m.redis_url)
+    alive, dead = "gw-alive", "gw-dead"
+    with r.pipeline(transaction=True) as pipe:  # both queued at once, the dead gateway already gone
+        kept = _enqueue(pipe, alive, now_us() + 30_000_000, _mlp_request(np.ones((1, 32))))
+        orphan = _enqueue(pipe, dead, now_us() + 30_000_000, _mlp_request(np.zeros((1, 32))))
+        pipe.delete(contract.gateway(dead))  # its heartbeat key expired: nobody waits for its answers
+        pipe.execute()
+    replies = _replies(r, alive, 1)
+    assert replies[kept].code == 0
+    deadline = time.monotonic() + 10
+    while r.exists(contract.payload(orphan)):  # cleaned up with its batch ...
+        assert time.monotonic() < deadline, "the orphan's payload was never cleaned up"
+        time.sleep(0.02)
+    stats = r.hgetall(contract.stats("mlp", "1"))
+    assert int(stats[b"inference_count"]) == 1  # ... but never run
+    assert not r.exists(contract.reply(dead))
