@@ -8,20 +8,13 @@ import pytest
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
+from models import save_echo_model
+
 
 @pytest.fixture(scope="module")
 def string_repository(tmp_path_factory):
-    graph = oh.make_graph(
-        [oh.make_node("Identity", ["text"], ["echo"])],
-        "echo",
-        [oh.make_tensor_value_info("text", onnx.TensorProto.STRING, ["batch", 2])],
-        [oh.make_tensor_value_info("echo", onnx.TensorProto.STRING, ["batch", 2])],
-    )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
-    model.ir_version = 8
     repo = tmp_path_factory.mktemp("repo")
-    (repo / "echo" / "1").mkdir(parents=True)
-    onnx.save(model, repo / "echo" / "1" / "model.onnx")
+    save_echo_model(repo)
     (repo / "echo" / "config.toml").write_text("max_batch_size = 8\nmax_queue_delay_ms = 1.0\n")
     # A model without a batch dimension: every request runs on its own.
     graph = oh.make_graph(

@@ -22,14 +22,13 @@ import time
 
 import grpc
 import numpy as np
-import onnx
-import onnx.helper as oh
 import onnxruntime as ort
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from batchline.protocol import inference_pb2 as ipb
+from models import save_echo_model
 
 ALLOWED = {
     grpc.StatusCode.OK,
@@ -55,20 +54,6 @@ FUZZ_SETTINGS = dict(
 # -- the mesh --------------------------------------------------------------------------------
 
 
-def _echo_model(path) -> None:
-    graph = oh.make_graph(
-        [oh.make_node("Identity", ["text"], ["echo"])],
-        "echo",
-        [oh.make_tensor_value_info("text", onnx.TensorProto.STRING, ["batch", 2])],
-        [oh.make_tensor_value_info("echo", onnx.TensorProto.STRING, ["batch", 2])],
-    )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
-    model.ir_version = 8
-    (path / "echo" / "1").mkdir(parents=True)
-    onnx.save(model, path / "echo" / "1" / "model.onnx")
-    (path / "echo" / "config.toml").write_text("max_batch_size = 8\nmax_queue_delay_ms = 1.0\n")
-
-
 @pytest.fixture(scope="module")
 def fuzz_mesh(model_repository, tmp_path_factory):
     """The demo models (linked, not copied) plus the BYTES echo model, on a mesh of its own."""
@@ -77,7 +62,8 @@ def fuzz_mesh(model_repository, tmp_path_factory):
     repo = tmp_path_factory.mktemp("fuzz-repository")
     for name in ("mlp", "minilm"):
         (repo / name).symlink_to(model_repository / name, target_is_directory=True)
-    _echo_model(repo)
+    save_echo_model(repo)
+    (repo / "echo" / "config.toml").write_text("max_batch_size = 8\nmax_queue_delay_ms = 1.0\n")
     with Mesh(None, str(repo)) as m:
         yield m
 
