@@ -34,7 +34,7 @@ from executor.settings import ExecutorSettings
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("batchline.executor")
 _REDIS_ATTEMPTS = 4
-_ORPHAN_SWEEP_S = 5.0
+_ORPHAN_SWEEP_S = 2.0  # also the age below which a batch may still be on its way to a worker
 
 
 def _phase(name: str, traced: bool):

@@ -84,6 +84,7 @@ class Gateway:
         self._flusher: asyncio.Task | None = None
         self._enqueue_bounded = None
         self.draining = False
+        self._heartbeat_ttl_ms = int(settings.heartbeat_interval_s * 3000)
         self._served: set[str] = set()  # model names ever served: their absence is UNAVAILABLE, not NOT_FOUND
         # Admission control: the scheduler's load view per model, and what this
         # gateway admitted since (which that view does not show yet).
@@ -143,10 +144,9 @@ class Gateway:
                 log.warning("registry refresh failed: %s", exc)
 
     async def _heartbeat(self) -> None:
-        ttl_ms = int(self.settings.heartbeat_interval_s * 3000)
         while True:
             try:
-                await self.redis.set(contract.gateway(self.gateway_id), self.address, px=ttl_ms)
+                await self.redis.set(contract.gateway(self.gateway_id), self.address, px=self._heartbeat_ttl_ms)
             except REDIS_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
@@ -185,13 +185,18 @@ class Gateway:
         while True:
             try:
                 first = await self.blocking.blpop([key], timeout=1)
-                if first is None:
-                    continue
-                rest = await self.redis.lpop(key, _DRAIN) or []
             except REDIS_ERRORS as exc:
                 log.warning("reading replies failed: %s", exc)
                 await asyncio.sleep(0.2)
                 continue
+            if first is None:
+                continue
+            try:
+                rest = await self.redis.lpop(key, _DRAIN) or []
+            except REDIS_ERRORS as exc:
+                # `first` is already off the list: answer it whatever happens to the rest.
+                log.warning("reading replies failed: %s", exc)
+                rest = []
             for blob in [first[1], *rest]:
                 reply = pb.Reply.FromString(blob)
                 fut = self._pending.pop(reply.request_id, None)
@@ -345,6 +350,9 @@ class Gateway:
                         pipe.zrem(queue, member)
                         pipe.delete(contract.payload(request_id))
                     if writes:
+                        # Executors skip requests of a gateway without a heartbeat key: make
+                        # sure it exists with every write (a restarted Redis starts without it).
+                        pipe.set(contract.gateway(self.gateway_id), self.address, px=self._heartbeat_ttl_ms)
                         queues = {w.queue for w in writes}
                         for queue in queues:
                             pipe.expire(queue, contract.QUEUE_TTL)
