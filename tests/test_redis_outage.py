@@ -75,9 +75,11 @@ def test_a_request_waiting_when_redis_dies_is_answered_unavailable_at_once(mesh_
     client = tc.InferenceServerClient(m.address)
     client.infer("mlp", [_features()])
     # Another "scheduler" holds the lease: the request stays queued, waiting for its answer.
+    taken = time.monotonic()
     redis.Redis.from_url(m.redis_url).set(contract.LEADER, "someone-else", px=60_000)
     deadline = time.monotonic() + 10
-    while m.scheduler.scheduler.leader:  # it notices at its next renewal
+    scheduler = m.scheduler.scheduler
+    while scheduler.leader or scheduler._lease_at <= taken:  # it notices at its next renewal
         assert time.monotonic() < deadline, "the scheduler kept dispatching without the lease"
         time.sleep(0.02)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -106,9 +108,11 @@ def test_a_request_lost_in_a_quick_redis_restart_is_answered_unavailable(mesh_fa
     m = mesh_factory(models=["mlp"])
     client = tc.InferenceServerClient(m.address)
     r = redis.Redis.from_url(m.redis_url)
+    taken = time.monotonic()
     r.set(contract.LEADER, "someone-else", px=60_000)  # keep the request queued
     deadline = time.monotonic() + 10
-    while m.scheduler.scheduler.leader:
+    scheduler = m.scheduler.scheduler
+    while scheduler.leader or scheduler._lease_at <= taken:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -49,8 +49,11 @@ def _wait(predicate, what: str, timeout: float = 15.0):
 def _hold_lease(m) -> redis.Redis:
     """Make the mesh's scheduler a standby: nothing gets dispatched until the lease is released."""
     r = redis.Redis.from_url(m.redis_url)
+    taken = time.monotonic()
     r.set(contract.LEADER, "someone-else", px=120_000)
-    _wait(lambda: not m.scheduler.scheduler.leader, "the scheduler to stand by")
+    scheduler = m.scheduler.scheduler
+    # Only a lease attempt made after ours counts: one in flight may have taken it just before.
+    _wait(lambda: scheduler._lease_at > taken and not scheduler.leader, "the scheduler to stand by")
     return r
 
 
