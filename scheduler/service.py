@@ -69,6 +69,7 @@ class Scheduler:
         self._idle_at: dict[str, float] = {}  # when each executor is predicted to run out of work
         self._blocked: set[str] = set()  # queues waiting for an executor, not for company
         self._batch_rows: dict[tuple[str, str], float] = {}  # moving mean of rows per batch
+        self._levels_reported: dict[tuple[str, str], set[int]] = {}  # priority levels with a pending gauge
         self._wake = asyncio.Event()
         self._reports: list[bytes] = []
         self._tasks: list[asyncio.Task] = []
@@ -297,7 +298,10 @@ class Scheduler:
         if not queue:
             self._blocked.discard(contract.queue(*key))
         by_priority = Counter(p.priority for p in queue)
-        for level in range(1, max(1, info.priority_levels) + 1):
+        # Levels reported before are set back to 0 once they empty.
+        levels = self._levels_reported.setdefault(key, set(range(1, max(1, info.priority_levels) + 1)))
+        levels.update(by_priority)
+        for level in levels:
             metrics.PENDING_REQUESTS.labels(key[0], key[1], str(level)).set(by_priority.get(level, 0))
         await self._publish_load(key, info, holders, free_at, profile, queue, now)
         if not queue:
@@ -333,9 +337,11 @@ class Scheduler:
             return
         self._load_at[key] = now
         a, b, margin = profile.coefficients()
-        rows = [0] * max(1, info.priority_levels)
+        # One slot per level up to the lowest queued, so that a request is only
+        # counted behind rows of its own priority or higher.
+        rows = [0] * max([1, info.priority_levels, *(p.priority for p in queue)])
         for p in queue:
-            rows[min(max(p.priority, 1), len(rows)) - 1] += p.rows
+            rows[p.priority - 1] += p.rows
         load = pb.ModelLoad(
             cost_per_row_s=a, cost_fixed_s=b, cost_margin_s=margin, overhead_s=self.settings.overhead_ms / 1000,
             executors=len(holders),

@@ -243,3 +243,21 @@ def test_an_executor_that_cannot_finish_in_time_hands_its_work_back(mesh_factory
         (rid, contract.queue_score(1, entry.deadline_us))
     ]
     assert not r.exists(contract.work(eid), contract.inflight(eid), contract.batch("b2"))
+
+
+def test_the_load_view_counts_queued_rows_per_priority_level(mesh_factory):
+    from scheduler.policy import Pending
+
+    m = mesh_factory(models=["mlp"])
+    r = _hold_lease(m)  # no step publishes meanwhile
+    scheduler = m.scheduler.scheduler
+    key = ("mlp", "1")
+    info = m.gateway.gateway.registry.models[key]
+    assert info.priority_levels == 0  # levels not configured: any priority up to the cap
+    now = time.time()
+    queue = [Pending("a", 2, 1, now + 5, now), Pending("b", 3, 5, now + 5, now), Pending("c", 1, 5, now + 5, now)]
+    scheduler._load_at.clear()
+    m.call(scheduler._publish_load(key, info, [], {}, scheduler._profile((*key, "test")), queue, now))
+    view = pb.ModelLoad.FromString(r.get(contract.load(*key)))
+    # A priority-1 request is behind 2 rows only, not behind the priority-5 ones.
+    assert list(view.queued_rows) == [2, 0, 0, 0, 4]
