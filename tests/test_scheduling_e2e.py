@@ -62,6 +62,23 @@ def _stub(m):
     return channel, inference_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
+def _dispatch_by_hand(r: redis.Redis, executor_id: str, batch_id: str, gateway_id: str, values: list[float]) -> list[pb.QueueEntry]:
+    """What the scheduler's dispatch leaves in Redis: payloads, and the batch under its key, in the
+    executor's work list and in its inflight set. Returns the members."""
+    entries = []
+    for value in values:
+        rid = uuid.uuid4().hex
+        r.set(contract.payload(rid), _request(value).SerializeToString(), px=60_000)
+        entries.append(pb.QueueEntry(request_id=rid, gateway_id=gateway_id, model_version="1", rows=1,
+                                     deadline_us=now_us() + 30_000_000, enqueued_us=now_us(), priority=1))
+    batch = pb.Batch(batch_id=batch_id, model_name="mlp", model_version="1", members=entries, executor_id=executor_id,
+                     attempt=1)
+    r.set(contract.batch(batch_id), batch.SerializeToString(), px=60_000)
+    r.sadd(contract.inflight(executor_id), batch_id)
+    r.rpush(contract.work(executor_id), batch.SerializeToString())
+    return entries
+
+
 def test_a_second_scheduler_stands_by_and_takes_over_when_the_leader_stops(mesh_factory):
     m = mesh_factory(models=["mlp"])
     first = m.scheduler
@@ -90,18 +107,8 @@ def test_a_dead_executors_batch_is_requeued_and_answered_by_another(mesh_factory
     r = _hold_lease(m)
     gateway_id = "gw-recovery"
     r.set(contract.gateway(gateway_id), "by-hand", px=60_000)
-    # What a scheduler would have dispatched to an executor that then died:
-    # the batch under its key, in the dead executor's work list and inflight set.
-    entries = []
-    for i in range(3):
-        rid = uuid.uuid4().hex
-        r.set(contract.payload(rid), _request(float(i)).SerializeToString(), px=60_000)
-        entries.append(pb.QueueEntry(request_id=rid, gateway_id=gateway_id, model_version="1", rows=1,
-                                     deadline_us=now_us() + 30_000_000, enqueued_us=now_us(), priority=1))
-    batch = pb.Batch(batch_id="lost", model_name="mlp", model_version="1", members=entries, executor_id="dead", attempt=1)
-    r.set(contract.batch("lost"), batch.SerializeToString(), px=60_000)
-    r.rpush(contract.work("dead"), batch.SerializeToString())
-    r.sadd(contract.inflight("dead"), "lost")
+    # What a scheduler would have dispatched to an executor that then died.
+    entries = _dispatch_by_hand(r, "dead", "lost", gateway_id, [0.0, 1.0, 2.0])
     r.sadd(contract.EXECUTORS, "dead")  # registered once, but its heartbeat key is gone
     r.delete(contract.LEADER)
 
@@ -200,15 +207,7 @@ def test_a_stopping_executor_finishes_the_batch_sent_to_it(mesh_factory):
     r.set(contract.gateway(gateway_id), "by-hand", px=60_000)
     victim = m.executors[0]
     eid = victim.executor.executor_id
-    rid = uuid.uuid4().hex
-    r.set(contract.payload(rid), _request(1.0).SerializeToString(), px=60_000)
-    entry = pb.QueueEntry(request_id=rid, gateway_id=gateway_id, model_version="1", rows=1,
-                          deadline_us=now_us() + 30_000_000, enqueued_us=now_us(), priority=1)
-    batch = pb.Batch(batch_id="b1", model_name="mlp", model_version="1", members=[entry], executor_id=eid, attempt=1)
-    # Dispatched to it in the same instant as it is told to stop.
-    r.set(contract.batch("b1"), batch.SerializeToString(), px=60_000)
-    r.sadd(contract.inflight(eid), "b1")
-    r.rpush(contract.work(eid), batch.SerializeToString())
+    _dispatch_by_hand(r, eid, "b1", gateway_id, [1.0])  # in the same instant as it is told to stop
     m.call(victim.stop(0))
     m.executors.remove(victim)
     item = r.blpop([contract.reply(gateway_id)], timeout=10)
@@ -227,20 +226,13 @@ def test_an_executor_that_cannot_finish_in_time_hands_its_work_back(mesh_factory
     victim.settings = victim.settings.model_copy(update={"drain_timeout_s": 0.0})
     for task in victim.executor._workers:  # it is stuck: its workers never take the batch
         task.cancel()
-    rid = uuid.uuid4().hex
-    r.set(contract.payload(rid), _request().SerializeToString(), px=60_000)
-    entry = pb.QueueEntry(request_id=rid, gateway_id="gw", model_version="1", rows=1,
-                          deadline_us=now_us() + 30_000_000, enqueued_us=now_us(), priority=1)
-    batch = pb.Batch(batch_id="b2", model_name="mlp", model_version="1", members=[entry], executor_id=eid, attempt=1)
-    r.set(contract.batch("b2"), batch.SerializeToString(), px=60_000)
-    r.sadd(contract.inflight(eid), "b2")
-    r.rpush(contract.work(eid), batch.SerializeToString())
+    [entry] = _dispatch_by_hand(r, eid, "b2", "gw", [0.0])
     m.call(victim.stop(0))
     m.executors.remove(victim)
     # Back in its queue, with its original score, for another executor.
     queued = r.zrange(contract.queue("mlp", "1"), 0, -1, withscores=True)
     assert [(pb.QueueEntry.FromString(member).request_id, score) for member, score in queued] == [
-        (rid, contract.queue_score(1, entry.deadline_us))
+        (entry.request_id, contract.queue_score(1, entry.deadline_us))
     ]
     assert not r.exists(contract.work(eid), contract.inflight(eid), contract.batch("b2"))
 
