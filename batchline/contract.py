@@ -50,8 +50,14 @@ STATS_TTL = 7 * 24 * 3_600
 REGISTRY_TTL = 24 * 3_600
 LOAD_TTL_MS = 2_000             # admission ignores a load view older than this
 PROFILE_TTL = 7 * 24 * 3_600
+SCHEDULER_WAKE_TTL_MS = 10_000  # a scheduler's own wake list, should it die before reading it
 NOTIFY_CAP = 10_000             # tokens beyond this are dropped: one is enough to wake
 REPORTS_CAP = 100_000
+
+
+def scheduler_wake(scheduler_id: str) -> str:
+    """A list only this scheduler waits on: it pushes to it to stop its own blocking wait early."""
+    return f"{PREFIX}scheduler:{scheduler_id}:wake"
 
 
 def queue(model: str, version: str) -> str:

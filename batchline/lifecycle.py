@@ -6,7 +6,7 @@ import logging
 import signal
 from typing import Awaitable, Callable
 
-from batchline import telemetry
+from batchline import eventloop, telemetry
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,6 @@ def run_service(service: str, start: Callable[[], Awaitable[Callable[[], Awaitab
 
     telemetry.setup_tracing(service)
     try:
-        asyncio.run(main())
+        eventloop.run(main())
     finally:
         telemetry.shutdown_tracing()

@@ -76,8 +76,9 @@ class Plan:
     batches: list[PlannedBatch] = field(default_factory=list)
     expired: list[Pending] = field(default_factory=list)
     wake_at: float | None = None  # None: nothing to do until something new happens
-    # Requests are left waiting for an executor (not for company): a new arrival
-    # cannot change the plan before an executor frees up or wake_at.
+    # Nothing can go out before an executor frees up or wake_at (requests wait
+    # for an executor, not for company, or none wait and every executor is
+    # busy): a new arrival cannot change the plan before then.
     blocked: bool = False
 
     def _wake(self, t: float) -> None:
@@ -171,7 +172,26 @@ def plan(
     if live:
         out._wake(min(p.deadline for p in live))
         out.blocked = out.blocked or not free
+    else:
+        out.blocked, ready_at = busy_until(now, free, lead)
+        if ready_at is not None:
+            out._wake(ready_at)
     return out
+
+
+def busy_until(now: float, free_at: Sequence[float], lead: float = 0.0) -> tuple[bool, float | None]:
+    """For an empty queue: (blocked, when to plan again).
+
+    Blocked when no executor could start an arrival before `lead` ahead of its
+    free time (or none can take more at all): the arrival cannot change anything
+    before the plan is made again then.
+    """
+    if not free_at:
+        return True, None  # every executor holds its maximum: only a report can change that
+    first = min(free_at)
+    if first > now + lead:
+        return True, first - lead
+    return False, None
 
 
 def _take(live: Sequence[Pending], cap: int | None) -> tuple[list[Pending], int]:

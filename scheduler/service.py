@@ -35,7 +35,7 @@ from batchline.protocol import internal_pb2_grpc
 from batchline.recovery import requeue_held_batches
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.registry import Registry
-from scheduler.policy import FIFO, ModelPolicy, Pending, PlannedBatch, plan
+from scheduler.policy import FIFO, ModelPolicy, Pending, PlannedBatch, busy_until, plan
 from scheduler.profile import LatencyProfile
 from scheduler.settings import SchedulerSettings
 
@@ -71,6 +71,8 @@ class Scheduler:
         self._batch_rows: dict[tuple[str, str], float] = {}  # moving mean of rows per batch
         self._levels_reported: dict[tuple[str, str], set[int]] = {}  # priority levels with a pending gauge
         self._wake = asyncio.Event()
+        self._wake_key = contract.scheduler_wake(self.scheduler_id)
+        self._all_blocked = False
         self._reports: list[bytes] = []
         self._tasks: list[asyncio.Task] = []
         self._dispatch = None
@@ -103,15 +105,30 @@ class Scheduler:
 
     # -- wake-ups ----------------------------------------------------------
 
+    def _listen_keys(self) -> list[str]:
+        """What the blocking wait listens to.
+
+        A standby leaves the shared lists to the leader. While every queue is
+        blocked (waiting for an executor's report or a timer), arrivals cannot
+        change anything, so the leader leaves NOTIFY alone too: it is drained by
+        the next step anyway, and each token read would be a wasted round trip.
+        """
+        if not self.leader:
+            return [self._wake_key]
+        if self._all_blocked:
+            return [contract.REPORTS, self._wake_key]
+        return [contract.NOTIFY, contract.REPORTS]
+
     async def _listen(self) -> None:
         many = True  # BLMPOP (Redis >= 7) takes every waiting event in one round trip
         while True:
+            keys = self._listen_keys()
             try:
                 if many:
                     item = await self.blocking.execute_command(
-                        "BLMPOP", 1, 2, contract.NOTIFY, contract.REPORTS, "LEFT", "COUNT", _DRAIN)
+                        "BLMPOP", 1, len(keys), *keys, "LEFT", "COUNT", _DRAIN)
                 else:
-                    item = await self.blocking.blpop([contract.NOTIFY, contract.REPORTS], timeout=1)
+                    item = await self.blocking.blpop(keys, timeout=1)
                     item = item and (item[0], [item[1]])
             except redis.exceptions.ResponseError:
                 many = False  # an older Redis
@@ -122,13 +139,24 @@ class Scheduler:
                 continue
             if item is not None:
                 key, values = item
-                if key.decode() == contract.REPORTS:
+                key = key.decode()
+                if key == contract.REPORTS:
                     self._reports.extend(values)
                     self._wake.set()
-                elif any(v.decode() not in self._blocked for v in values):
+                elif key == contract.NOTIFY and any(v.decode() not in self._blocked for v in values):
                     # A queue whose requests wait for a busy executor needs no new
                     # look before that executor reports or its timer fires.
                     self._wake.set()
+
+    async def _set_blocked(self, all_blocked: bool) -> None:
+        """Record whether every queue is blocked; on leaving that state, interrupt
+        the blocking wait so that it listens to arrivals again."""
+        was, self._all_blocked = self._all_blocked, all_blocked
+        if was and not all_blocked:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.rpush(self._wake_key, 1)
+                pipe.pexpire(self._wake_key, contract.SCHEDULER_WAKE_TTL_MS)
+                await pipe.execute()
 
     async def _loop(self) -> None:
         wake_at: float | None = None
@@ -159,6 +187,7 @@ class Scheduler:
             return self.leader
         held = bool(await self._lease(keys=[contract.LEADER], args=[self.scheduler_id, int(self.settings.lease_ttl_s * 1000)]))
         self._lease_at = now
+        took = held and not self.leader
         if held != self.leader:
             log.info("scheduler %s %s the lease", self.scheduler_id, "took" if held else "lost")
             if held:
@@ -167,6 +196,10 @@ class Scheduler:
                 self._registry_at = 0.0
         self.leader = held
         metrics.SCHEDULER_LEADER.set(1 if held else 0)
+        if took:
+            # The blocking wait listens as a standby: make it take the shared lists now.
+            self._all_blocked = True
+            await self._set_blocked(False)
         return held
 
     # -- one step ----------------------------------------------------------
@@ -206,11 +239,22 @@ class Scheduler:
             wake = await self._schedule(key, members, free_at, now)
             if wake is not None and (wake_at is None or wake < wake_at):
                 wake_at = wake
+        # An empty queue planned before another queue's dispatch kept the shared
+        # executor busy: look again, so that arrivals to it need no wake-up either.
+        for key in queues:
+            if not self.depths[key] and contract.queue(*key) not in self._blocked:
+                ready = [free_at[e] for e in self._holders(key, free_at) if free_at[e] != float("inf")]
+                blocked, ready_at = busy_until(now, ready, self.settings.dispatch_lead_ms / 1000)
+                if blocked:
+                    self._blocked.add(contract.queue(*key))
+                    if ready_at is not None and (wake_at is None or ready_at < wake_at):
+                        wake_at = ready_at
         # Forget parsed entries that left every queue.
         for member in list(self._pending_cache):
             if member not in seen:
                 del self._pending_cache[member]
                 del self._entries[member]
+        await self._set_blocked(bool(queues) and all(contract.queue(*k) in self._blocked for k in queues))
         if time.monotonic() - self._profiles_saved_at >= self.settings.profile_save_s:
             await self._save_profiles()
         return wake_at
@@ -289,14 +333,16 @@ class Scheduler:
         profiles = [self._profile((*key, self._kind(e, key))) for e in holders] or [self._profile((*key, _UNKNOWN_KIND))]
         return max(profiles, key=lambda p: p.predict(1))
 
+    def _holders(self, key: tuple[str, str], free_at: dict[str, float]) -> list[str]:
+        """The executors that may take batches of this model."""
+        return [e for e in self.registry.holders.get(key, []) if e in free_at and not self.registry.executors[e].draining]
+
     async def _schedule(self, key: tuple[str, str], members: list[bytes], free_at: dict[str, float], now: float) -> float | None:
         info = self.registry.models[key]
-        holders = [e for e in self.registry.holders.get(key, []) if e in free_at and not self.registry.executors[e].draining]
+        holders = self._holders(key, free_at)
         await self._load_profiles([(*key, self._kind(e, key)) for e in holders])
         profile = self._model_profile(key, holders)
         queue = [self._pending(m) for m in members]
-        if not queue:
-            self._blocked.discard(contract.queue(*key))
         by_priority = Counter(p.priority for p in queue)
         # Levels reported before are set back to 0 once they empty.
         levels = self._levels_reported.setdefault(key, set(range(1, max(1, info.priority_levels) + 1)))
@@ -304,8 +350,6 @@ class Scheduler:
         for level in levels:
             metrics.PENDING_REQUESTS.labels(key[0], key[1], str(level)).set(by_priority.get(level, 0))
         await self._publish_load(key, info, holders, free_at, profile, queue, now)
-        if not queue:
-            return None
         policy = ModelPolicy(
             max_batch_size=info.max_batch_size,
             max_queue_delay=info.max_queue_delay_ms / 1000,

@@ -52,7 +52,8 @@ def test_full_queue_dispatches_immediately_with_reason_full():
     assert ids(b) == ["r0", "r1", "r2", "r3"]
     assert [m.member for m in b.members] == [b"r0", b"r1", b"r2", b"r3"]
     assert p.expired == []
-    assert p.wake_at is None  # nothing left waiting
+    # Nothing left waiting and the only executor now busy until 0.25: look again then.
+    assert p.blocked and p.wake_at == 0.25
 
 
 def test_multi_row_request_counts_its_rows():
@@ -93,7 +94,7 @@ def test_second_batch_with_two_slots_goes_out_when_its_own_rule_fires():
     queue = [req("a", rows=3), req("b", rows=2, enqueued=0.25)]
     p = plan(0.75, queue, policy, free_at=IDLE * 2, predict=fixed(0.25))
     assert [(ids(b), b.rows, b.reason) for b in p.batches] == [(["a"], 3, FULL), (["b"], 2, DELAY)]
-    assert p.wake_at is None
+    assert p.blocked and p.wake_at == 1.0  # both executors busy until then
 
 
 def test_second_batch_with_two_slots_can_be_full_too():
@@ -505,5 +506,14 @@ def test_plan_says_when_requests_wait_for_an_executor_rather_than_for_company():
     assert plan(0.0, [req("a")], policy, free_at=[0.5], predict=fixed(0.25)).blocked
     # Every executor holds its maximum.
     assert plan(0.0, [req("a")], policy, free_at=[], predict=fixed(0.25)).blocked
-    # Nothing left waiting.
-    assert not plan(0.0, [req(f"r{i}") for i in range(4)], policy, free_at=IDLE, predict=fixed(0.25)).blocked
+    # Nothing waits and an executor is idle: an arrival may go out at once, look at it.
+    assert not plan(0.0, [], policy, free_at=[0.5, 0.0], predict=fixed(0.25)).blocked
+    # Nothing left waiting, every executor busy: an arrival waits for the first to free up.
+    p = plan(0.0, [req(f"r{i}") for i in range(4)], policy, free_at=IDLE, predict=fixed(0.25), lead=0.05)
+    assert p.blocked and p.wake_at == 0.2
+    p = plan(0.0, [], policy, free_at=[0.5, 0.75], predict=fixed(0.25))
+    assert p.blocked and p.wake_at == 0.5
+    # ... unless it is ready within the dispatch lead.
+    assert not plan(0.0, [], policy, free_at=[0.04], predict=fixed(0.25), lead=0.05).blocked
+    # No executor can take more before a report.
+    assert plan(0.0, [], policy, free_at=[], predict=fixed(0.25)).blocked

@@ -102,6 +102,34 @@ def test_a_second_scheduler_stands_by_and_takes_over_when_the_leader_stops(mesh_
             m.call(second.stop(0))
 
 
+def test_a_standby_leaves_the_shared_event_lists_to_the_leader(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = _hold_lease(m)
+    scheduler = m.scheduler.scheduler
+
+    def next_lease_attempt():
+        # Attempts are a third of the lease TTL (1 s) apart, as long as a blocking wait at most.
+        attempt = scheduler._lease_at
+        _wait(lambda: scheduler._lease_at > attempt, "a lease attempt")
+
+    next_lease_attempt()  # the wait begun while it led has ended
+    report = pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1", rows=3,
+                                compute_infer_ns=3_000_000).SerializeToString()
+    r.rpush(contract.REPORTS, report)
+    r.rpush(contract.NOTIFY, contract.queue("mlp", "1"))
+    next_lease_attempt()
+    next_lease_attempt()
+    assert not scheduler.leader
+    assert report in r.lrange(contract.REPORTS, 0, -1)  # a leader's profile sample, not the standby's
+    assert contract.queue("mlp", "1").encode() in r.lrange(contract.NOTIFY, 0, -1)
+
+    r.delete(contract.LEADER)
+    _wait(lambda: scheduler.leader, "the scheduler to take the lease")
+    _wait(lambda: r.llen(contract.REPORTS) == 0 and r.llen(contract.NOTIFY) == 0, "the leader to take the events")
+    # An unregistered executor's report counts for its model's "unknown" kind.
+    _wait(lambda: (3, 0.003) in scheduler._profile(("mlp", "1", "unknown")).samples(), "the report in the profile")
+
+
 def test_a_dead_executors_batch_is_requeued_and_answered_by_another(mesh_factory):
     m = mesh_factory(models=["mlp"])
     r = _hold_lease(m)

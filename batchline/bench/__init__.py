@@ -15,10 +15,10 @@ Python API (what the benchmark scripts and tests use)::
 """
 from __future__ import annotations
 
-import asyncio
 import datetime
 from dataclasses import asdict, dataclass, field
 
+from batchline import eventloop
 from batchline.bench.inputs import InputError, InputOptions, RequestPool, TensorInfo, build_pool
 from batchline.bench.loadgen import (
     DEFAULT_MAX_OUTSTANDING,
@@ -91,7 +91,7 @@ async def run_bench_async(config: BenchConfig) -> BenchResult:
 
 def run_bench(config: BenchConfig) -> BenchResult:
     """Run a whole sweep (one step per concurrency or rate) in a fresh event loop."""
-    return asyncio.run(run_bench_async(config))
+    return eventloop.run(run_bench_async(config))
 
 
 def run_closed(url: str, model: str, concurrency: int, duration: float, *, warmup: float = 1.0,
