@@ -1,12 +1,15 @@
 """Admission control: refuse at once what the mesh cannot answer within its budget.
 
-Pure: given the scheduler's published load view of a model (its learned
-batch cost, executors, queued rows per priority level, work already
-dispatched) and what this gateway admitted since that view was taken,
-predict when a new request would finish and compare with its budget. Rejecting on arrival
-costs the client microseconds and keeps the queue short enough that every
-admitted request still makes its deadline; letting it in would only have it
-shed later, after it delayed others.
+Pure: the scheduler publishes, per model and priority level, where its plan
+for the queue ends (the last batch, its room, when each executor is free
+after it: `scheduler.policy.queue_tail`). The gateway adds to the end of that
+plan the rows it admitted since the view was taken and then the new request,
+the way the scheduler will serve them: into the last batch while it has room,
+then in batches of up to max_batch_size on whichever executor is free first.
+If that finishes past the budget, the request is refused now. Refusing on
+arrival costs the client microseconds and keeps the queue short enough that
+every admitted request still makes its deadline; letting it in would only
+have it shed later, after it delayed others.
 """
 from __future__ import annotations
 
@@ -21,32 +24,45 @@ def batch_cost_s(load: pb.ModelLoad, rows: int) -> float:
     return load.cost_per_row_s * rows + load.cost_fixed_s + load.cost_margin_s + load.overhead_s
 
 
-def drain_s(load: pb.ModelLoad, max_batch_size: int, rows: int) -> float:
-    """Time to serve `rows` queued rows: batches spread over the executors.
+# A plan's last batch that starts sooner than this (or should have started
+# already: the view is a few ms old) is on its way to an executor: too late to join.
+JOIN_LEAD_S = 0.005
 
-    Batches are as large as the scheduler has recently been sending (under
-    tight deadlines it sends smaller ones than max_batch_size), or full.
-    """
-    per_batch = max(1, max_batch_size)
-    if load.batch_rows >= 1:
-        per_batch = max(1, min(per_batch, int(load.batch_rows)))
+
+def _tail(load: pb.ModelLoad, priority: int, now_s: float) -> pb.QueueTail:
+    if load.tails:
+        return load.tails[min(max(1, priority), len(load.tails)) - 1]
+    # A view without a plan: executors free once the dispatched work is done.
     executors = max(1, load.executors)
-    return batch_cost_s(load, min(rows, per_batch)) * max(1.0, rows / (per_batch * executors))
+    return pb.QueueTail(free_s=[now_s + load.backlog_s / executors] * executors)
 
 
 def predicted_finish_s(load: pb.ModelLoad, max_batch_size: int, priority: int, rows: int,
-                       admitted_since: int = 0, elapsed_s: float = 0.0) -> float:
-    """Seconds from now until a new request of `rows` at `priority` is predicted answered.
+                       now_s: float, admitted_since: int = 0) -> float:
+    """Seconds from `now_s` until a new request of `rows` at `priority` is predicted answered.
 
-    The scheduler's view is `elapsed_s` old: its executors have worked that
-    long on their backlog since, and this gateway has admitted
-    `admitted_since` rows (at this priority or higher) that it does not show
-    yet. Ahead of the request: that backlog, then the queued rows at its
-    priority or higher, served in full batches spread over the executors.
+    Behind the plan's rows at its priority or higher come the `admitted_since`
+    rows this gateway let in after the view was taken, then the request. They
+    join the plan's last batch only while it has not left yet.
     """
-    queued = sum(load.queued_rows[: max(1, priority)]) + admitted_since
-    backlog = max(0.0, load.backlog_s / max(1, load.executors) - elapsed_s)
-    return backlog + drain_s(load, max_batch_size, queued + rows)
+    tail = _tail(load, priority, now_s)
+    cap = max_batch_size if max_batch_size > 0 else 0
+    free = [max(now_s, f) for f in tail.free_s] or [now_s]
+    left = admitted_since + rows
+    finish = now_s
+    if tail.rows and cap and tail.executor < len(free) and tail.start_s - now_s >= JOIN_LEAD_S:
+        join = min(left, max(0, tail.limit_rows - tail.rows))
+        if join:
+            finish = max(now_s, tail.start_s) + batch_cost_s(load, tail.rows + join)
+            free[tail.executor] = max(free[tail.executor], finish)
+            left -= join
+    while left > 0:
+        n = min(left, cap) if cap else 1  # without a batch dim, every request is a batch of its own
+        e = min(range(len(free)), key=free.__getitem__)
+        free[e] += batch_cost_s(load, n)
+        finish = free[e]
+        left -= n
+    return finish - now_s
 
 
 def admit(
@@ -55,8 +71,8 @@ def admit(
     priority: int,
     rows: int,
     budget_s: float,
+    now_s: float,
     admitted_since: int = 0,
-    elapsed_s: float = 0.0,
     headroom: float = 1.0,
 ) -> BatchlineError | None:
     """None to admit; else the error to answer with (carrying a retry-after hint)."""
@@ -66,7 +82,7 @@ def admit(
             f"the {budget_s * 1e3:.1f} ms budget is shorter than model '{model.name}' takes to run this request "
             f"alone (about {alone * 1e3:.1f} ms): raise the timeout"
         )
-    finish = predicted_finish_s(load, model.max_batch_size, priority, rows, admitted_since, elapsed_s)
+    finish = predicted_finish_s(load, model.max_batch_size, priority, rows, now_s, admitted_since)
     if finish <= budget_s * headroom:
         return None
     queued = sum(load.queued_rows[: max(1, priority)]) + admitted_since

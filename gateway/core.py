@@ -69,6 +69,15 @@ class _Write:
     done: asyncio.Future
 
 
+@dataclass(slots=True)
+class _Admitted:
+    """A request this gateway admitted, counted ahead of later arrivals until a load view
+    taken after its enqueue was confirmed shows it (or it is gone)."""
+    priority: int
+    rows: int
+    confirmed_us: int = 0  # when Redis confirmed the enqueue (0: not yet)
+
+
 class Gateway:
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
@@ -89,7 +98,7 @@ class Gateway:
         # Admission control: the scheduler's load view per model, and what this
         # gateway admitted since (which that view does not show yet).
         self.loads: dict[tuple[str, str], pb.ModelLoad] = {}
-        self._admitted: dict[tuple[str, str], deque[tuple[int, int, int]]] = defaultdict(deque)  # (µs, priority, rows)
+        self._admitted: dict[tuple[str, str], deque[_Admitted]] = defaultdict(deque)
 
     async def start(self, address: str) -> None:
         self.address = address
@@ -263,10 +272,10 @@ class Gateway:
         admitted = None
         if load is not None and load.policy == "deadline" and arrived_us - load.updated_us < contract.LOAD_TTL_MS * 1000:
             admitted = self._admitted[key]
-            while admitted and admitted[0][0] <= load.updated_us:
+            while admitted and 0 < admitted[0].confirmed_us <= load.updated_us:
                 admitted.popleft()  # the scheduler's view already counts these
-            since = sum(n for _, p, n in admitted if p <= priority)
-            refusal = admit(load, model, priority, rows, plan_budget, since, (arrived_us - load.updated_us) / 1e6,
+            since = sum(a.rows for a in admitted if a.priority <= priority)
+            refusal = admit(load, model, priority, rows, plan_budget, arrived_us / 1e6, since,
                             self.settings.admission_headroom)
             if refusal is not None:
                 reason = "deadline" if isinstance(refusal, DeadlineExceeded) else "overload"
@@ -300,8 +309,10 @@ class Gateway:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending[request_id] = fut
+        mine = None
         if admitted is not None:
-            admitted.append((arrived_us, priority, rows))
+            mine = _Admitted(priority, rows)
+            admitted.append(mine)
         try:
             write = _Write(request_id, request.SerializeToString(), contract.payload_ttl_ms(deadline, enqueued), queue,
                            member, contract.queue_score(priority, deadline), model.max_queue_size, loop.create_future())
@@ -313,6 +324,8 @@ class Gateway:
                     await write.done
             else:
                 await write.done
+            if mine is not None:
+                mine.confirmed_us = now_us()
             try:
                 reply: pb.Reply = await asyncio.wait_for(fut, timeout=max(0.0, enqueued / 1e6 + budget - time.time()))
             except asyncio.TimeoutError:
@@ -322,6 +335,8 @@ class Gateway:
         except BaseException:
             # Timed out, cancelled by the client, refused, or Redis failed: make
             # sure no executor spends time on a request nobody waits for.
+            if mine is not None and not mine.confirmed_us:
+                mine.confirmed_us = 1  # never queued: the next view lets it go
             self._pending.pop(request_id, None)
             if fut.done() and not fut.cancelled():
                 fut.exception()  # failed by an outage while we were still queueing: already answered

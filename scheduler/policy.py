@@ -224,3 +224,63 @@ def _most_on_time(
     chosen = members[:best_n]
     finish = start + expected(sum(m.rows for m in chosen)) + overhead
     return [m for m in chosen if m.deadline >= finish], [m for m in chosen if m.deadline < finish]
+
+
+@dataclass(frozen=True)
+class Tail:
+    """Where the plan for a queue ends: its last batch, and when each executor is free after it."""
+    rows: int = 0            # rows in the last batch (0: nothing queued)
+    limit: int = 0           # rows that batch could hold and still meet its earliest deadline
+    start: float = 0.0       # when it starts
+    executor: int = 0        # index into `free`
+    free: tuple[float, ...] = ()
+
+
+def queue_tail(
+    now: float, queue: Sequence[Pending], max_batch_size: int, free_at: Sequence[float], cost: Callable[[int], float],
+) -> Tail:
+    """Play the queue forward as `plan` would serve it, batch after batch, and say where it ends.
+
+    `queue` is in service order, `free_at[i]` when executor i can start
+    (finite: work already dispatched included), `cost(rows)` a batch's
+    predicted service time including overheads. Each batch takes the head of
+    what is left, up to `max_batch_size` rows, cut to the longest prefix that
+    meets its earliest deadline; a head that cannot make it even alone would
+    be shed and takes no executor time. Admission control adds a new
+    request's rows to the end of this plan (gateway/admission.py).
+    """
+    cap = max_batch_size if max_batch_size > 0 else None
+    if cap is not None:
+        table, base = [cost(n) for n in range(cap + 1)], cost
+        cost = lambda n: table[n] if n <= cap else base(n)  # noqa: E731 - hot loop: a table lookup
+    free = [max(now, f) for f in free_at] or [now]
+    last: tuple[int, float, int, float] | None = None  # rows, start, executor, earliest deadline
+    i = 0
+    while i < len(queue):
+        e = min(range(len(free)), key=free.__getitem__)
+        start = free[e]
+        earliest = float("inf")
+        j = rows = 0
+        for j in range(i, len(queue)):
+            m = queue[j]
+            if j > i and (cap is None or rows + m.rows > cap):
+                break
+            d = min(earliest, m.deadline)
+            if start + cost(rows + m.rows) > d:
+                break
+            earliest, rows = d, rows + m.rows
+        else:
+            j = len(queue)
+        if not rows:
+            i += 1  # hopeless even alone: shed, not served
+            continue
+        free[e] = start + cost(rows)
+        last = (rows, start, e, earliest)
+        i = j
+    if last is None:
+        return Tail(free=tuple(free))
+    rows, start, e, earliest = last
+    limit = rows
+    while cap is not None and limit < cap and start + cost(limit + 1) <= earliest:
+        limit += 1
+    return Tail(rows=rows, limit=limit, start=start, executor=e, free=tuple(free))

@@ -18,6 +18,10 @@ import numpy as np
 class LatencyProfile:
     def __init__(self, window: int = 512, default: float = 0.005, margin_quantile: float = 0.9) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        # Timed warm-up runs at load: what the profile goes by until real batches report. Their
+        # inputs are made up (e.g. 8-token sequences for a text model), so the first real
+        # report retires them rather than mixing with it.
+        self._warm_up: deque[tuple[int, float]] = deque(maxlen=window)
         self._default = default
         self._quantile = margin_quantile
         self._fit: tuple[float, float, float] | None = None  # a, b, margin
@@ -25,21 +29,30 @@ class LatencyProfile:
         self._refit_every = max(1, min(16, window // 8))
         self._unfitted = 0
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, warm_up: bool = False) -> None:
+        if warm_up:
+            self._warm_up.append((rows, seconds))
+            if not self._samples:
+                self._fit = None
+            return
         self._samples.append((rows, seconds))
         self._unfitted += 1
-        if self._unfitted >= self._refit_every:
+        if len(self._samples) == 1 or self._unfitted >= self._refit_every:
             self._fit = None
 
     def samples(self) -> list[tuple[int, float]]:
+        """Samples from real batches, oldest first."""
         return list(self._samples)
 
+    def warm_up_samples(self) -> list[tuple[int, float]]:
+        return list(self._warm_up)
+
     def __len__(self) -> int:
-        return len(self._samples)
+        return len(self._samples) + len(self._warm_up)
 
     def coefficients(self) -> tuple[float, float, float]:
         """(a, b, margin) of the current fit."""
-        if not self._samples:
+        if not self._samples and not self._warm_up:
             return 0.0, self._default, 0.0
         if self._fit is None:
             self._fit = self._refit()
@@ -56,8 +69,9 @@ class LatencyProfile:
         return self.expected(rows) + self.coefficients()[2]
 
     def _refit(self) -> tuple[float, float, float]:
-        n = np.array([s[0] for s in self._samples], dtype=float)
-        t = np.array([s[1] for s in self._samples], dtype=float)
+        samples = self._samples or self._warm_up
+        n = np.array([s[0] for s in samples], dtype=float)
+        t = np.array([s[1] for s in samples], dtype=float)
         sizes = np.unique(n)
         medians = np.array([np.median(t[n == s]) for s in sizes])
         if len(sizes) < 2:

@@ -35,7 +35,7 @@ from batchline.protocol import internal_pb2_grpc
 from batchline.recovery import requeue_held_batches
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.registry import Registry
-from scheduler.policy import FIFO, ModelPolicy, Pending, PlannedBatch, busy_until, plan
+from scheduler.policy import FIFO, ModelPolicy, Pending, PlannedBatch, busy_until, plan, queue_tail
 from scheduler.profile import LatencyProfile
 from scheduler.settings import SchedulerSettings
 
@@ -68,10 +68,10 @@ class Scheduler:
         self._load_at: dict[tuple[str, str], float] = {}
         self._idle_at: dict[str, float] = {}  # when each executor is predicted to run out of work
         self._blocked: set[str] = set()  # queues waiting for an executor, not for company
-        self._batch_rows: dict[tuple[str, str], float] = {}  # moving mean of rows per batch
         self._levels_reported: dict[tuple[str, str], set[int]] = {}  # priority levels with a pending gauge
         self._wake = asyncio.Event()
         self._wake_key = contract.scheduler_wake(self.scheduler_id)
+        self._scanned_at = 0.0  # when the last step began reading the queues
         self._all_blocked = False
         self._reports: list[bytes] = []
         self._tasks: list[asyncio.Task] = []
@@ -213,6 +213,9 @@ class Scheduler:
                 await self._recover(self.registry.stale)
         queues = sorted(self.registry.models)
         executors = sorted(self.registry.executors)
+        # The load view is "as of" before the read: a request whose enqueue a gateway saw
+        # confirmed by then is in it, any later one the gateway still counts itself.
+        self._scanned_at = time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.lpop(contract.NOTIFY, _DRAIN)
             pipe.lpop(contract.REPORTS, _DRAIN)
@@ -280,7 +283,7 @@ class Scheduler:
             if r.rows:
                 seconds = (r.compute_input_ns + r.compute_infer_ns + r.compute_output_ns) / 1e9
                 kind = self._kind(r.executor_id, (r.model_name, r.model_version))
-                self._profile((r.model_name, r.model_version, kind)).observe(r.rows, seconds)
+                self._profile((r.model_name, r.model_version, kind)).observe(r.rows, seconds, warm_up=r.warmup)
 
     def _kind(self, executor_id: str, key: tuple[str, str]) -> str:
         """The execution provider an executor runs a model on: executors of one kind share a profile."""
@@ -307,7 +310,8 @@ class Scheduler:
             profile = self._profile(key)
             if blob:
                 for rows, seconds in struct.iter_unpack("<ff", blob):
-                    profile.observe(int(rows), float(seconds))
+                    # Warm-up samples are saved with negative rows.
+                    profile.observe(abs(int(rows)), float(seconds), warm_up=rows < 0)
 
     async def _save_profiles(self) -> None:
         self._profiles_saved_at = time.monotonic()
@@ -316,7 +320,8 @@ class Scheduler:
         async with self.redis.pipeline(transaction=False) as pipe:
             for key, profile in self.profiles.items():
                 if len(profile):
-                    blob = b"".join(struct.pack("<ff", r, s) for r, s in profile.samples())
+                    blob = b"".join([*(struct.pack("<ff", -r, s) for r, s in profile.warm_up_samples()),
+                                     *(struct.pack("<ff", r, s) for r, s in profile.samples())])
                     pipe.set(contract.profile(*key), blob, ex=contract.PROFILE_TTL)
             await pipe.execute()
 
@@ -349,7 +354,6 @@ class Scheduler:
         levels.update(by_priority)
         for level in levels:
             metrics.PENDING_REQUESTS.labels(key[0], key[1], str(level)).set(by_priority.get(level, 0))
-        await self._publish_load(key, info, holders, free_at, profile, queue, now)
         policy = ModelPolicy(
             max_batch_size=info.max_batch_size,
             max_queue_delay=info.max_queue_delay_ms / 1000,
@@ -373,11 +377,17 @@ class Scheduler:
             free_at[eid] = planned.finish
             self._idle_at[eid] = max(self._idle_at.get(eid, now), planned.finish)
             await self._send(key, eid, planned, now)
+        # The view shows what is left after this step: a batch just sent must not
+        # look joinable to a request admitted against it.
+        gone = {m.request_id for b in decision.batches for m in b.members} | {p.request_id for p in decision.expired}
+        left = [p for p in queue if p.request_id not in gone] if gone else queue
+        await self._publish_load(key, info, holders, profile, left, now, changed=bool(gone))
         return decision.wake_at
 
-    async def _publish_load(self, key, info, holders, free_at, profile, queue, now) -> None:
-        """The model's load view for the gateways' admission control (deadline policy only)."""
-        if self.settings.policy == FIFO or now - self._load_at.get(key, 0.0) < _LOAD_EVERY_S:
+    async def _publish_load(self, key, info, holders, profile, queue, now, changed: bool = True) -> None:
+        """The model's load view for the gateways' admission control (deadline policy only): at
+        most every 20 ms, unless the step changed the queue."""
+        if self.settings.policy == FIFO or (not changed and now - self._load_at.get(key, 0.0) < _LOAD_EVERY_S):
             return
         self._load_at[key] = now
         a, b, margin = profile.coefficients()
@@ -386,12 +396,23 @@ class Scheduler:
         rows = [0] * max([1, info.priority_levels, *(p.priority for p in queue)])
         for p in queue:
             rows[p.priority - 1] += p.rows
+        overhead = self.settings.overhead_ms / 1000
+        idle_at = [max(now, self._idle_at.get(e, now)) for e in holders]
+        tails: list[pb.QueueTail] = []
+        for level in range(1, len(rows) + 1):
+            if level > 1 and not rows[level - 1]:
+                tails.append(tails[-1])  # nothing queued at this level: the same plan as the level above
+                continue
+            t = queue_tail(now, [p for p in queue if p.priority <= level], info.max_batch_size, idle_at,
+                           lambda n: profile.predict(n) + overhead)
+            tails.append(pb.QueueTail(rows=t.rows, limit_rows=t.limit, start_s=t.start, executor=t.executor,
+                                      free_s=t.free))
         load = pb.ModelLoad(
-            cost_per_row_s=a, cost_fixed_s=b, cost_margin_s=margin, overhead_s=self.settings.overhead_ms / 1000,
+            cost_per_row_s=a, cost_fixed_s=b, cost_margin_s=margin, overhead_s=overhead,
             executors=len(holders),
-            backlog_s=sum(max(0.0, self._idle_at.get(e, now) - now) for e in holders),
-            queued_rows=rows, policy=self.settings.policy, updated_us=int(now * 1e6),
-            batch_rows=self._batch_rows.get(key, 0.0),
+            backlog_s=sum(t - now for t in idle_at),
+            queued_rows=rows, policy=self.settings.policy, updated_us=int(min(now, self._scanned_at or now) * 1e6),
+            tails=tails,
         )
         await self.redis.set(contract.load(*key), load.SerializeToString(), px=contract.LOAD_TTL_MS)
 
@@ -436,8 +457,6 @@ class Scheduler:
         self.counts["batches"] += 1
         self.counts["requests"] += int(taken)
         self.counts[f"reason:{planned.reason}"] += 1
-        # Recent batch size, for admission control: what the deadlines let through, not the maximum.
-        self._batch_rows[key] = 0.9 * self._batch_rows.get(key, planned.rows) + 0.1 * planned.rows
         metrics.BATCHES_DISPATCHED.labels(key[0], key[1], planned.reason).inc()
         metrics.BATCH_SIZE.labels(key[0], key[1]).observe(planned.rows)
         metrics.DISPATCH_SLACK.labels(key[0], key[1]).observe(max(0.0, planned.slack))

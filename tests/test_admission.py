@@ -1,95 +1,132 @@
-"""Unit tests for admission control (gateway/admission.py): pure, no I/O, explicit numbers."""
+"""Unit tests for admission control (gateway/admission.py): pure, no I/O, explicit numbers.
+
+Cost model throughout: a batch of n rows takes 0.01·n + 0.02 s; max_batch_size 8.
+"""
 from __future__ import annotations
 
 import pytest
 
 from batchline.errors import DeadlineExceeded, ResourceExhausted
 from batchline.protocol import internal_pb2 as pb
-from gateway.admission import admit, batch_cost_s, drain_s, predicted_finish_s
+from gateway.admission import admit, batch_cost_s, predicted_finish_s
 
 MODEL = pb.ModelInfo(name="m", version="1", max_batch_size=8)
+NOW = 1000.0
 
 
-def load(*, per_row=0.01, fixed=0.02, margin=0.0, overhead=0.0, executors=1, backlog=0.0, queued=(0,)):
-    return pb.ModelLoad(cost_per_row_s=per_row, cost_fixed_s=fixed, cost_margin_s=margin, overhead_s=overhead,
-                        executors=executors, backlog_s=backlog, queued_rows=list(queued), policy="deadline")
+def cost(n: int) -> float:
+    return 0.01 * n + 0.02
+
+
+def tail(rows=0, limit=0, start=NOW, executor=0, free=(NOW,)):
+    return pb.QueueTail(rows=rows, limit_rows=limit, start_s=start, executor=executor, free_s=list(free))
+
+
+def load(*tails, margin=0.0, overhead=0.0, queued=(0,), executors=1, backlog=0.0):
+    return pb.ModelLoad(cost_per_row_s=0.01, cost_fixed_s=0.02, cost_margin_s=margin, overhead_s=overhead,
+                        executors=executors, backlog_s=backlog, queued_rows=list(queued), policy="deadline",
+                        tails=list(tails))
+
+
+def finish(view, rows=1, priority=1, since=0, max_batch_size=8):
+    return predicted_finish_s(view, max_batch_size, priority, rows, NOW, since)
 
 
 def test_batch_cost_is_the_profile_plus_margin_and_overhead():
     assert batch_cost_s(load(margin=0.005, overhead=0.001), 4) == pytest.approx(0.04 + 0.02 + 0.005 + 0.001)
 
 
-def test_drain_spreads_full_batches_over_executors():
-    one, two = load(executors=1), load(executors=2)
-    # 8 rows = one full batch: 0.1 s whatever the executors
-    assert drain_s(one, 8, 8) == pytest.approx(0.1)
-    # 32 rows = four full batches: one after another on one executor, two rounds on two
-    assert drain_s(one, 8, 32) == pytest.approx(0.4)
-    assert drain_s(two, 8, 32) == pytest.approx(0.2)
-    # fewer rows than a batch: one smaller batch
-    assert drain_s(one, 8, 2) == pytest.approx(0.04)
+def test_nothing_queued_and_an_idle_executor_is_the_run_time_alone():
+    assert finish(load(tail())) == pytest.approx(cost(1))
+    assert finish(load(tail()), rows=3) == pytest.approx(cost(3))
+    # busy for another 0.1 s: after that
+    assert finish(load(tail(free=(NOW + 0.1,)))) == pytest.approx(0.1 + cost(1))
 
 
-def test_prediction_counts_only_rows_at_this_priority_or_higher():
-    view = load(queued=(8, 24))  # 8 rows at priority 1, 24 at priority 2
-    assert predicted_finish_s(view, 8, 1, 1) == pytest.approx(drain_s(view, 8, 9))
-    assert predicted_finish_s(view, 8, 2, 1) == pytest.approx(drain_s(view, 8, 33))
+def test_a_request_joins_the_plans_last_batch_while_it_has_room():
+    # The plan's last batch: 4 rows starting in 0.1 s, room for 8.
+    view = load(tail(rows=4, limit=8, start=NOW + 0.1, free=(NOW + 0.1 + cost(4),)))
+    assert finish(view) == pytest.approx(0.1 + cost(5))
+    # Rows admitted since the view fill the room first: 3 more still fit, the request is the 8th row.
+    assert finish(view, since=3) == pytest.approx(0.1 + cost(8))
+    # One more and it starts a batch of its own after that one.
+    assert finish(view, since=4) == pytest.approx(0.1 + cost(8) + cost(1))
 
 
-def test_prediction_adds_what_was_admitted_since_the_view_and_subtracts_the_time_worked_since():
-    view = load(queued=(8,), backlog=0.3, executors=1)
-    assert predicted_finish_s(view, 8, 1, 1) == pytest.approx(0.3 + drain_s(view, 8, 9))
-    # 0.1 s later, with 16 more rows admitted meanwhile by this gateway:
-    assert predicted_finish_s(view, 8, 1, 1, admitted_since=16, elapsed_s=0.1) == pytest.approx(0.2 + drain_s(view, 8, 25))
-    # the backlog is spread over the executors, and never negative
-    two = load(backlog=0.3, executors=2)
-    assert predicted_finish_s(two, 8, 1, 1) == pytest.approx(0.15 + batch_cost_s(two, 1))
-    assert predicted_finish_s(two, 8, 1, 1, elapsed_s=1.0) == pytest.approx(batch_cost_s(two, 1))
+def test_no_room_means_a_new_batch_once_the_executor_is_free():
+    # The last batch's earliest deadline lets it hold no more than its 4 rows.
+    view = load(tail(rows=4, limit=4, start=NOW + 0.1, free=(NOW + 0.1 + cost(4),)))
+    assert finish(view) == pytest.approx(0.1 + cost(4) + cost(1))
+    # 20 rows admitted since: batches of 8, 8, then 4 + the request.
+    assert finish(view, since=20) == pytest.approx(0.1 + cost(4) + 2 * cost(8) + cost(5))
+
+
+def test_spilled_rows_go_to_the_executor_free_first():
+    view = load(tail(rows=8, limit=8, start=NOW, executor=0, free=(NOW + cost(8), NOW + 0.05)), executors=2)
+    assert finish(view) == pytest.approx(0.05 + cost(1))
+    # 8 rows since fill executor 1's next batch; the request goes to executor 0, free at cost(8) = 0.1 < 0.05 + 0.1
+    assert finish(view, since=8) == pytest.approx(cost(8) + cost(1))
+
+
+def test_each_priority_level_has_its_own_plan():
+    high = tail(free=(NOW + 0.05,))  # nothing at level 1: only the dispatched work ahead
+    low = tail(rows=8, limit=8, start=NOW + 0.5, free=(NOW + 0.5 + cost(8),))
+    view = load(high, low, queued=(0, 64))
+    assert finish(view, priority=1) == pytest.approx(0.05 + cost(1))
+    assert finish(view, priority=2) == pytest.approx(0.5 + cost(8) + cost(1))
+    # a level below the last published one has the plan of the last one
+    assert finish(view, priority=5) == finish(view, priority=2)
+
+
+def test_without_a_batch_dim_every_request_is_a_batch_of_its_own():
+    view = load(tail(rows=1, limit=1, start=NOW, free=(NOW + cost(1),)))
+    assert finish(view, since=2, max_batch_size=0) == pytest.approx(4 * cost(1))
+
+
+def test_a_view_without_a_plan_counts_the_dispatched_work():
+    assert finish(load(backlog=0.3, executors=2)) == pytest.approx(0.15 + cost(1))
 
 
 def test_admits_what_fits_in_the_budget():
-    assert admit(load(queued=(8,)), MODEL, 1, 1, budget_s=1.0) is None
+    assert admit(load(tail()), MODEL, 1, 1, budget_s=1.0, now_s=NOW) is None
 
 
 def test_overload_is_resource_exhausted_with_a_retry_hint():
-    view = load(queued=(64,))
-    finish = predicted_finish_s(view, 8, 1, 1)
-    err = admit(view, MODEL, 1, 1, budget_s=0.2)
+    view = load(tail(rows=8, limit=8, start=NOW + 0.6, free=(NOW + 0.6 + cost(8),)), queued=(64,))
+    err = admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW)
     assert isinstance(err, ResourceExhausted)
-    assert err.retry_after_s == pytest.approx(finish - 0.2)
+    assert err.retry_after_s == pytest.approx(finish(view) - 0.2)
     assert "overloaded" in str(err) and "64 rows queued ahead" in str(err) and "200 ms budget" in str(err)
 
 
 def test_rows_admitted_since_the_view_can_tip_the_balance():
-    view = load(queued=(8,))
-    assert admit(view, MODEL, 1, 1, budget_s=0.2) is None
-    assert isinstance(admit(view, MODEL, 1, 1, budget_s=0.2, admitted_since=64), ResourceExhausted)
+    view = load(tail(rows=4, limit=8, start=NOW, free=(NOW + cost(4),)))
+    assert admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW) is None
+    assert isinstance(admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW, admitted_since=16), ResourceExhausted)
 
 
 def test_a_budget_below_the_run_time_alone_is_deadline_exceeded():
-    err = admit(load(), MODEL, 1, 4, budget_s=0.05)  # alone: 0.06 s
+    err = admit(load(tail()), MODEL, 1, 4, budget_s=0.05, now_s=NOW)  # alone: 0.06 s
     assert isinstance(err, DeadlineExceeded)
     assert "raise the timeout" in str(err)
 
 
 def test_headroom_refuses_earlier():
-    view = load(queued=(8,))
-    finish = predicted_finish_s(view, 8, 1, 1)
-    assert admit(view, MODEL, 1, 1, budget_s=finish * 1.1) is None
-    assert isinstance(admit(view, MODEL, 1, 1, budget_s=finish * 1.1, headroom=0.8), ResourceExhausted)
+    view = load(tail(rows=4, limit=8, start=NOW + 0.1, free=(NOW + 0.1 + cost(4),)))
+    f = finish(view)
+    assert admit(view, MODEL, 1, 1, budget_s=f * 1.1, now_s=NOW) is None
+    assert isinstance(admit(view, MODEL, 1, 1, budget_s=f * 1.1, now_s=NOW, headroom=0.8), ResourceExhausted)
 
 
 def test_higher_priority_is_admitted_where_lower_is_refused():
-    view = load(queued=(0, 64))
-    assert admit(view, MODEL, 1, 1, budget_s=0.2) is None
-    assert isinstance(admit(view, MODEL, 2, 1, budget_s=0.2), ResourceExhausted)
+    view = load(tail(), tail(rows=8, limit=8, start=NOW + 0.7, free=(NOW + 0.7 + cost(8),)), queued=(0, 64))
+    assert admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW) is None
+    assert isinstance(admit(view, MODEL, 2, 1, budget_s=0.2, now_s=NOW), ResourceExhausted)
 
 
-def test_drain_uses_the_batch_size_the_scheduler_recently_sent():
-    small = load(executors=1)
-    small.batch_rows = 4.0
-    # Under tight deadlines the scheduler sends batches of ~4, not 8: 32 rows take 8 of them.
-    assert drain_s(small, 8, 32) == pytest.approx(batch_cost_s(small, 4) * 8)
-    # never more than max_batch_size
-    small.batch_rows = 100.0
-    assert drain_s(small, 8, 32) == pytest.approx(drain_s(load(), 8, 32))
+def test_a_last_batch_about_to_leave_cannot_be_joined():
+    # The view is a little old: the batch it planned to start 1 ms from now is on its way already.
+    view = load(tail(rows=4, limit=8, start=NOW + 0.001, free=(NOW + 0.001 + cost(4),)))
+    assert finish(view) == pytest.approx(0.001 + cost(4) + cost(1))
+    view = load(tail(rows=4, limit=8, start=NOW - 0.02, free=(NOW - 0.02 + cost(4),)))
+    assert finish(view) == pytest.approx(-0.02 + cost(4) + cost(1))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.policy import DEADLINE, DELAY, FIFO, FULL, PREFERRED, ModelPolicy, Pending, PlannedBatch, plan
+from scheduler.policy import DEADLINE, DELAY, FIFO, FULL, PREFERRED, ModelPolicy, Pending, PlannedBatch, plan, queue_tail
 from scheduler.profile import LatencyProfile
 
 FAR = 1000.0  # a deadline far enough never to matter
@@ -384,6 +384,23 @@ def test_profile_ignores_a_few_slow_outliers():
         assert prof.expected(n) == pytest.approx(a * n + b, rel=1e-6)
 
 
+def test_warm_up_samples_steer_the_profile_only_until_a_real_batch_reports():
+    prof = LatencyProfile(default=1.0)
+    # Warm-up on made-up short inputs: 1 ms per row.
+    for n in (1, 2, 4, 8, 16, 32):
+        prof.observe(n, 0.001 * n, warm_up=True)
+    assert prof.expected(16) == pytest.approx(0.016)
+    # Real traffic costs 5 ms per row: the first real report retires the warm-up runs at once.
+    prof.observe(2, 0.010)
+    assert prof.expected(16) == pytest.approx(0.080)
+    prof.observe(4, 0.020)
+    assert prof.coefficients()[:2] == pytest.approx((0.005, 0.0), abs=1e-9)
+    # A later warm-up (an executor restarting) changes nothing either.
+    prof.observe(32, 0.001, warm_up=True)
+    assert prof.expected(32) == pytest.approx(0.160)
+    assert len(prof.warm_up_samples()) == 7 and len(prof.samples()) == 2
+
+
 def test_profile_round_trips_its_samples():
     prof = LatencyProfile()
     for n in (1, 4, 8):
@@ -517,3 +534,62 @@ def test_plan_says_when_requests_wait_for_an_executor_rather_than_for_company():
     assert not plan(0.0, [], policy, free_at=[0.04], predict=fixed(0.25), lead=0.05).blocked
     # No executor can take more before a report.
     assert plan(0.0, [], policy, free_at=[], predict=fixed(0.25)).blocked
+
+
+# --- the plan's tail, for admission control -------------------------------------
+
+
+def linear(n: int) -> float:
+    return 0.1 + 0.01 * n
+
+
+def test_tail_of_an_empty_queue_is_when_each_executor_is_free():
+    t = queue_tail(1.0, [], 4, [0.5, 1.5], linear)
+    assert t.rows == 0 and t.free == (1.0, 1.5)
+
+
+def test_tail_plays_the_queue_in_full_batches():
+    queue = [req(f"r{i}") for i in range(10)]  # far deadlines
+    t = queue_tail(0.0, queue, 4, IDLE, linear)
+    # batches of 4, 4, 2: the last starts after two full ones and could take 2 more rows
+    assert (t.rows, t.limit, t.executor) == (2, 4, 0)
+    assert t.start == pytest.approx(2 * linear(4))
+    assert t.free == pytest.approx((2 * linear(4) + linear(2),))
+
+
+def test_tail_batches_are_cut_to_meet_their_earliest_deadline():
+    # The head must finish by 0.125: a batch of 2 (0.12) makes it, 3 (0.13) would not.
+    queue = [req("a", deadline=0.125), req("b"), req("c"), req("d")]
+    t = queue_tail(0.0, queue, 4, IDLE, linear)
+    assert t.rows == 2 and t.start == pytest.approx(linear(2))  # c, d after a, b
+    # The last batch's own earliest deadline bounds its room.
+    queue = [req("a", deadline=0.115), req("b", deadline=linear(1) + linear(3) + 0.001)]
+    t = queue_tail(0.0, queue, 8, IDLE, linear)
+    assert (t.rows, t.limit, t.start) == (1, 3, linear(1))  # a alone, then b with room for 2 more
+
+
+def test_tail_skips_what_would_be_shed():
+    queue = [req("late", deadline=0.05), req("a")]
+    t = queue_tail(0.0, queue, 4, IDLE, linear)
+    assert (t.rows, t.start) == (1, 0.0)  # the hopeless head takes no executor time
+
+
+def test_tail_spreads_batches_over_executors():
+    queue = [req(f"r{i}") for i in range(8)]
+    t = queue_tail(0.0, queue, 4, [0.0, 0.05], linear)
+    assert (t.rows, t.executor, t.start) == (4, 1, 0.05)
+    assert t.free == pytest.approx((linear(4), 0.05 + linear(4)))
+
+
+def test_tail_of_a_model_without_batch_dim_is_one_request_per_batch():
+    queue = [req("a", rows=1), req("b", rows=1)]
+    t = queue_tail(0.0, queue, 0, IDLE, linear)
+    assert (t.rows, t.limit, t.start) == (1, 1, linear(1))
+
+
+def test_tail_agrees_with_the_plans_first_batch():
+    queue = [req(f"r{i}", deadline=0.2 + 0.01 * i) for i in range(12)]
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0, overhead=0.0)
+    first = plan(0.0, queue, policy, IDLE, linear).batches[0]
+    t = queue_tail(0.0, queue[: len(first.members)], 8, IDLE, linear)
+    assert t.rows == first.rows and t.free[0] == pytest.approx(first.finish)

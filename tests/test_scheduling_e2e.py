@@ -161,7 +161,8 @@ def test_warm_up_seeds_the_profile_and_a_restarted_scheduler_loads_it(mesh_facto
     # Before any request, the executor's warm-up runs (batch sizes 1..64, twice each) are the profile.
     profile = _wait(lambda: m.scheduler.scheduler.profiles.get(key), "the warm-up reports")
     _wait(lambda: len(profile) >= 14, "all warm-up samples")
-    assert {rows for rows, _ in profile.samples()} == {1, 2, 4, 8, 16, 32, 64}
+    assert {rows for rows, _ in profile.warm_up_samples()} == {1, 2, 4, 8, 16, 32, 64}
+    assert profile.samples() == []  # no real batch yet
     assert profile.predict(64) >= profile.predict(1) > 0  # mlp is so cheap that noise may flatten the slope
     m.call(m.scheduler.stop(0))  # saves the profile
     r = redis.Redis.from_url(m.redis_url)
@@ -173,14 +174,20 @@ def test_warm_up_seeds_the_profile_and_a_restarted_scheduler_loads_it(mesh_facto
         stub.ModelInfer(_request(), timeout=10)
     loaded = again.scheduler.profiles[key]
     assert len(loaded) >= len(profile)  # it started from the saved samples, not from nothing
+    # ... still told apart: the warm-up runs, and the one real batch that now steers the fit.
+    assert {rows for rows, _ in loaded.warm_up_samples()} == {1, 2, 4, 8, 16, 32, 64}
+    _wait(lambda: len(loaded.samples()) >= 1, "the request's execution report")
+    assert {rows for rows, _ in loaded.samples()} == {1}
 
 
 def test_overload_is_refused_at_once_with_a_retry_hint(mesh_factory):
     m = mesh_factory(models=["mlp"])
     r = _hold_lease(m)
     # The load view the (deadline-policy) scheduler would publish for a backed-up model.
+    now = time.time()
+    backed_up = pb.QueueTail(rows=8, limit_rows=8, start_s=now + 5.0, free_s=[now + 5.02])
     view = pb.ModelLoad(cost_per_row_s=0.001, cost_fixed_s=0.01, executors=1, queued_rows=[5000, 0],
-                        policy="deadline", updated_us=now_us() + 60_000_000)
+                        policy="deadline", updated_us=now_us() + 60_000_000, tails=[backed_up, backed_up])
     r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
     # (the real scheduler published a view of its own before standing by: wait for ours)
     _wait(lambda: getattr(m.gateway.gateway.loads.get(("mlp", "1")), "queued_rows", [0])[0] == 5000,
@@ -277,7 +284,12 @@ def test_the_load_view_counts_queued_rows_per_priority_level(mesh_factory):
     now = time.time()
     queue = [Pending("a", 2, 1, now + 5, now), Pending("b", 3, 5, now + 5, now), Pending("c", 1, 5, now + 5, now)]
     scheduler._load_at.clear()
-    m.call(scheduler._publish_load(key, info, [], {}, scheduler._profile((*key, "test")), queue, now))
+    m.call(scheduler._publish_load(key, info, [], scheduler._profile((*key, "test")), queue, now))
     view = pb.ModelLoad.FromString(r.get(contract.load(*key)))
     # A priority-1 request is behind 2 rows only, not behind the priority-5 ones.
     assert list(view.queued_rows) == [2, 0, 0, 0, 4]
+    # The plan's tail per level (no executor holds it here, so one virtual one, idle now): levels 1-4
+    # end with a's batch of 2 rows, level 5 with one batch of all 6 (max_batch_size 64).
+    assert [t.rows for t in view.tails] == [2, 2, 2, 2, 6]
+    assert all(t.limit_rows == info.max_batch_size and t.start_s == pytest.approx(now) for t in view.tails)
+    assert all(t.free_s[0] > now for t in view.tails)

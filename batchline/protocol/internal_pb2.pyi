@@ -151,8 +151,22 @@ class ExecutorInfo(_message.Message):
     draining: bool
     def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
+class QueueTail(_message.Message):
+    __slots__ = ("rows", "limit_rows", "start_s", "executor", "free_s")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    START_S_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    FREE_S_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    limit_rows: int
+    start_s: float
+    executor: int
+    free_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, rows: _Optional[int] = ..., limit_rows: _Optional[int] = ..., start_s: _Optional[float] = ..., executor: _Optional[int] = ..., free_s: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class ModelLoad(_message.Message):
-    __slots__ = ("cost_per_row_s", "cost_fixed_s", "cost_margin_s", "overhead_s", "executors", "backlog_s", "queued_rows", "policy", "updated_us", "batch_rows")
+    __slots__ = ("cost_per_row_s", "cost_fixed_s", "cost_margin_s", "overhead_s", "executors", "backlog_s", "queued_rows", "policy", "updated_us", "tails")
     COST_PER_ROW_S_FIELD_NUMBER: _ClassVar[int]
     COST_FIXED_S_FIELD_NUMBER: _ClassVar[int]
     COST_MARGIN_S_FIELD_NUMBER: _ClassVar[int]
@@ -162,7 +176,7 @@ class ModelLoad(_message.Message):
     QUEUED_ROWS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     UPDATED_US_FIELD_NUMBER: _ClassVar[int]
-    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TAILS_FIELD_NUMBER: _ClassVar[int]
     cost_per_row_s: float
     cost_fixed_s: float
     cost_margin_s: float
@@ -172,8 +186,8 @@ class ModelLoad(_message.Message):
     queued_rows: _containers.RepeatedScalarFieldContainer[int]
     policy: str
     updated_us: int
-    batch_rows: float
-    def __init__(self, cost_per_row_s: _Optional[float] = ..., cost_fixed_s: _Optional[float] = ..., cost_margin_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., executors: _Optional[int] = ..., backlog_s: _Optional[float] = ..., queued_rows: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., updated_us: _Optional[int] = ..., batch_rows: _Optional[float] = ...) -> None: ...
+    tails: _containers.RepeatedCompositeFieldContainer[QueueTail]
+    def __init__(self, cost_per_row_s: _Optional[float] = ..., cost_fixed_s: _Optional[float] = ..., cost_margin_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., executors: _Optional[int] = ..., backlog_s: _Optional[float] = ..., queued_rows: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., updated_us: _Optional[int] = ..., tails: _Optional[_Iterable[_Union[QueueTail, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
