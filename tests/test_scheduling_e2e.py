@@ -209,6 +209,43 @@ def test_overload_is_refused_at_once_with_a_retry_hint(mesh_factory):
     assert r.zcard(contract.queue("mlp", "1")) == 0
 
 
+def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = _hold_lease(m)  # nothing is dispatched: admitted requests stay queued
+    gateway = m.gateway.gateway
+
+    def publish(queued_rows: int) -> int:
+        # 80 ms per row, an idle executor, `queued_rows` rows in the plan's one batch.
+        now = time.time()
+        tail = pb.QueueTail(rows=queued_rows, limit_rows=queued_rows, start_s=now, free_s=[now + 0.08 * queued_rows])
+        view = pb.ModelLoad(cost_per_row_s=0.08, executors=1, queued_rows=[queued_rows], policy="deadline",
+                            updated_us=now_us(), tails=[tail] if queued_rows else [pb.QueueTail(free_s=[now])])
+        r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
+        _wait(lambda: gateway.loads.get(("mlp", "1")) == view, "the gateway to read the view")
+        return view.updated_us
+
+    publish(0)
+    channel, stub = _stub(m)
+    with channel:
+        # Budget 300 ms, planned to 290, admitted up to 0.7 of that (203 ms): 2 rows of 80 ms fit, 3 do not.
+        first = stub.ModelInfer.future(_request(1.0), timeout=5)
+        _wait(lambda: r.zcard(contract.queue("mlp", "1")) == 1, "the first request queued")
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(_request(2.0), timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # admitted (1 row ahead), then timed out
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(_request(3.0), timeout=0.3)  # behind 1 + 1 queued since the view: refused
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "2 rows queued ahead" in info.value.details()
+        # A view read after those enqueues shows what is queued now (the first request): the gateway
+        # stops counting them itself, and 1 row ahead leaves room again.
+        publish(1)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(_request(4.0), timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        first.cancel()
+
+
 def test_max_queue_size_refuses_with_resource_exhausted(mesh_factory, model_repository, tmp_path):
     repo = pathlib.Path(tmp_path) / "repo"
     shutil.copytree(pathlib.Path(model_repository) / "mlp", repo / "mlp")
