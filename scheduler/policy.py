@@ -10,7 +10,7 @@ an explicit clock.
 Two policies share the mechanics:
 
 - deadline-aware (the default): a batch goes out when it is full, reaches a
-  preferred size, when waiting longer would make its earliest deadline miss,
+  preferred size (the largest one, when more is queued), when waiting longer would make its earliest deadline miss,
   or when max_queue_delay passes; a request that cannot finish by its
   deadline even if started on the first free executor is shed before it
   wastes executor time.
@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 # Why a batch went out; also the label of the dispatch-reason metric.
 FULL = "full"            # no more rows fit (max_batch_size reached)
-PREFERRED = "preferred"  # everything queued was taken and it is a preferred size
+PREFERRED = "preferred"  # a preferred size: all that is queued, or the largest the queue's head makes
 DEADLINE = "deadline"    # waiting longer would make the earliest deadline miss
 DELAY = "delay"          # the oldest member waited max_queue_delay
 
@@ -128,6 +128,13 @@ def plan(
             out.blocked = True
             break
         members, rows = _take(live, cap)
+        preferred = False
+        if policy.preferred_batch_sizes and rows not in policy.preferred_batch_sizes and (cap is None or rows < cap):
+            # Triton's rule: more is queued than a preferred size but not a full batch, so send the
+            # largest preferred size the queue's head makes exactly; the rest waits for company.
+            cut = _preferred_prefix(members, policy.preferred_batch_sizes)
+            if cut:
+                members, rows, preferred = members[:cut], sum(m.rows for m in members[:cut]), True
         shrunk = False
         if aware and start + predict(rows) + policy.overhead > min(m.deadline for m in members):
             # Someone would finish late. Send the batch size that gets the most
@@ -151,6 +158,8 @@ def plan(
 
         if shrunk:
             reason = DEADLINE
+        elif preferred:
+            reason = PREFERRED
         elif cap is None or rows >= cap or not everything_taken:
             reason = FULL
         elif rows in policy.preferred_batch_sizes:
@@ -192,6 +201,16 @@ def busy_until(now: float, free_at: Sequence[float], lead: float = 0.0) -> tuple
     if first > now + lead:
         return True, first - lead
     return False, None
+
+
+def _preferred_prefix(members: Sequence[Pending], preferred: Sequence[int]) -> int:
+    """How many of `members` make up the largest preferred size exactly (0: none does)."""
+    sizes = {}
+    rows = 0
+    for n, m in enumerate(members, 1):
+        rows += m.rows
+        sizes[rows] = n
+    return max(((p, sizes[p]) for p in preferred if p in sizes), default=(0, 0))[1]
 
 
 def _take(live: Sequence[Pending], cap: int | None) -> tuple[list[Pending], int]:

@@ -593,3 +593,21 @@ def test_tail_agrees_with_the_plans_first_batch():
     first = plan(0.0, queue, policy, IDLE, linear).batches[0]
     t = queue_tail(0.0, queue[: len(first.members)], 8, IDLE, linear)
     assert t.rows == first.rows and t.free[0] == pytest.approx(first.finish)
+
+
+def test_more_than_a_preferred_size_queued_sends_the_largest_preferred_size():
+    # Triton's rule: 31 queued, preferred 16 and 32, max 32: a batch of 16 now, 15 wait for company.
+    policy = ModelPolicy(max_batch_size=32, max_queue_delay=0.0, preferred_batch_sizes=(16, 32), overhead=0.0)
+    queue = [req(f"r{i}") for i in range(31)]
+    p = plan(0.0, queue, policy, free_at=IDLE, predict=fixed(0.25))
+    assert [(b.rows, b.reason) for b in p.batches] == [(16, PREFERRED)]
+    assert ids(p.batches[0]) == [f"r{i}" for i in range(16)]
+    # With a second executor free, the 15 left go too once their delay is due (0 here).
+    p = plan(0.0, queue, policy, free_at=IDLE * 2, predict=fixed(0.25))
+    assert [(b.rows, b.reason) for b in p.batches] == [(16, PREFERRED), (15, DELAY)]
+    # Whole requests only: no prefix of these makes 16 rows exactly, so all 20 rows go (delay due).
+    p = plan(0.0, [req("a", rows=10), req("b", rows=10)], policy, free_at=IDLE, predict=fixed(0.25))
+    assert [(b.rows, b.reason) for b in p.batches] == [(20, DELAY)]
+    # A full batch is full, preferred or not.
+    p = plan(0.0, [req(f"r{i}") for i in range(40)], policy, free_at=IDLE, predict=fixed(0.25))
+    assert [(b.rows, b.reason) for b in p.batches] == [(32, FULL)]
