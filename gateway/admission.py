@@ -59,6 +59,10 @@ def predicted_finish_s(load: pb.ModelLoad, max_batch_size: int, priority: int, r
     while left > 0:
         n = min(left, cap) if cap else 1  # without a batch dim, every request is a batch of its own
         e = min(range(len(free)), key=free.__getitem__)
+        if left - n < rows < left and free[e] - now_s < JOIN_LEAD_S:
+            # A batch leaving about now takes the requests admitted before this one, which are
+            # queued already; this one is not yet, and goes in the next batch.
+            n = left - rows
         free[e] += batch_cost_s(load, n)
         finish = free[e]
         left -= n

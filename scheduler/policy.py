@@ -25,7 +25,7 @@ form larger batches instead of waiting in an executor's private backlog.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 # Why a batch went out; also the label of the dispatch-reason metric.
 FULL = "full"            # no more rows fit (max_batch_size reached)
@@ -186,6 +186,18 @@ def plan(
         if ready_at is not None:
             out._wake(ready_at)
     return out
+
+
+def free_after(now: float, batches: Iterable[tuple[float, float]]) -> float:
+    """When an executor runs out of the work sent to it: `batches` are (planned start, predicted
+    cost), run one after another. The first is running; past its predicted end without a report
+    it is late, not starting over: taken to end now, the others after it."""
+    t = float("-inf")
+    for i, (start, cost) in enumerate(sorted(batches)):
+        t = max(t, start) + cost
+        if i == 0:
+            t = max(t, now)
+    return max(now, t)
 
 
 def busy_until(now: float, free_at: Sequence[float], lead: float = 0.0) -> tuple[bool, float | None]:

@@ -35,7 +35,7 @@ from batchline.protocol import internal_pb2_grpc
 from batchline.recovery import requeue_held_batches
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.registry import Registry
-from scheduler.policy import FIFO, ModelPolicy, Pending, PlannedBatch, busy_until, plan, queue_tail
+from scheduler.policy import FIFO, ModelPolicy, Pending, PlannedBatch, busy_until, free_after, plan, queue_tail
 from scheduler.profile import LatencyProfile
 from scheduler.settings import SchedulerSettings
 
@@ -271,9 +271,7 @@ class Scheduler:
         for bid in held - ledger.keys():
             # Sent by an earlier leader: assume it just started.
             ledger[bid] = (now, self.settings.default_execution_ms / 1000)
-        t = now
-        for dispatched, cost in sorted(ledger.values()):
-            t = max(t, dispatched) + cost
+        t = free_after(now, ledger.values())
         self._idle_at[eid] = t
         return float("inf") if len(held) >= self.settings.max_batches_per_executor else t
 

@@ -130,3 +130,15 @@ def test_a_last_batch_about_to_leave_cannot_be_joined():
     assert finish(view) == pytest.approx(0.001 + cost(4) + cost(1))
     view = load(tail(rows=4, limit=8, start=NOW - 0.02, free=(NOW - 0.02 + cost(4),)))
     assert finish(view) == pytest.approx(-0.02 + cost(4) + cost(1))
+
+
+def test_a_batch_leaving_now_takes_only_the_requests_admitted_before():
+    # The executor is (about to be) free: the next batch leaves now with the 3 rows admitted since
+    # the view, queued already; the new request, not queued yet, waits for the batch after.
+    view = load(tail(free=(NOW + 0.001,)))
+    assert finish(view, since=3) == pytest.approx(0.001 + cost(3) + cost(1))
+    # Alone, it is the batch that leaves now.
+    assert finish(view) == pytest.approx(0.001 + cost(1))
+    # Free later: everything admitted goes together.
+    view = load(tail(free=(NOW + 0.05,)))
+    assert finish(view, since=3) == pytest.approx(0.05 + cost(4))

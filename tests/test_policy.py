@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.policy import DEADLINE, DELAY, FIFO, FULL, PREFERRED, ModelPolicy, Pending, PlannedBatch, plan, queue_tail
+from scheduler.policy import DEADLINE, DELAY, FIFO, FULL, PREFERRED, ModelPolicy, Pending, PlannedBatch, plan, free_after, queue_tail
 from scheduler.profile import LatencyProfile
 
 FAR = 1000.0  # a deadline far enough never to matter
@@ -611,3 +611,13 @@ def test_more_than_a_preferred_size_queued_sends_the_largest_preferred_size():
     # A full batch is full, preferred or not.
     p = plan(0.0, [req(f"r{i}") for i in range(40)], policy, free_at=IDLE, predict=fixed(0.25))
     assert [(b.rows, b.reason) for b in p.batches] == [(32, FULL)]
+
+
+def test_an_executor_is_free_when_its_batches_are_predicted_done():
+    # Running since 1.0 for 0.5, then one planned at 1.4 for 0.25: after both, at 1.75.
+    assert free_after(1.2, [(1.4, 0.25), (1.0, 0.5)]) == 1.75
+    # A batch past its predicted end without a report is late, not starting over: free now.
+    assert free_after(2.0, [(1.0, 0.5)]) == 2.0
+    # ... and one queued behind it starts now.
+    assert free_after(2.0, [(1.0, 0.5), (1.5, 0.25)]) == 2.25
+    assert free_after(3.0, []) == 3.0
