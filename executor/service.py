@@ -22,7 +22,7 @@ from batchline.recovery import requeue_held_batches
 from batchline.clock import now_us
 from batchline.lifecycle import stop_tasks
 from batchline.codec import decode_inputs, encode_array, onnx_strings
-from batchline.errors import BatchlineError, InvalidArgument, NotFound, status_value
+from batchline.errors import BatchlineError, DeadlineExceeded, InvalidArgument, NotFound, status_value
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
@@ -274,8 +274,19 @@ class Executor:
             async with self._compute:
                 # Waiting for the other batch's run is not this batch's cost.
                 t_run = time.perf_counter_ns()
-                with _phase("infer", traced):
-                    await self._run(model, runnable)
+                # A member whose deadline passed while it waited (the batch ahead ran long) is
+                # answered now rather than run for nobody: its gateway gives up at the deadline.
+                now = now_us()
+                for m in runnable:
+                    if 0 < m.entry.deadline_us < now:
+                        m.error = DeadlineExceeded(
+                            f"deadline exceeded: its {(m.entry.deadline_us - m.entry.enqueued_us) / 1e3:.1f} ms budget ran out "
+                            f"while it waited for model '{batch.model_name}' on executor {self.executor_id} (it was not run; "
+                            "retry with a larger timeout or less load)")
+                runnable = [m for m in runnable if m.error is None]
+                if runnable:
+                    with _phase("infer", traced):
+                        await self._run(model, runnable)
             t2 = time.perf_counter_ns()
         replies: dict[str, list[bytes]] = defaultdict(list)
         for m in members:

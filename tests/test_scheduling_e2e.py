@@ -62,15 +62,17 @@ def _stub(m):
     return channel, inference_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
-def _dispatch_by_hand(r: redis.Redis, executor_id: str, batch_id: str, gateway_id: str, values: list[float]) -> list[pb.QueueEntry]:
+def _dispatch_by_hand(r: redis.Redis, executor_id: str, batch_id: str, gateway_id: str, values: list[float],
+                      deadlines_us: list[int] | None = None) -> list[pb.QueueEntry]:
     """What the scheduler's dispatch leaves in Redis: payloads, and the batch under its key, in the
-    executor's work list and in its inflight set. Returns the members."""
+    executor's work list and in its inflight set. Returns the members (deadlines: 30 s from now)."""
     entries = []
-    for value in values:
+    for i, value in enumerate(values):
         rid = uuid.uuid4().hex
         r.set(contract.payload(rid), _request(value).SerializeToString(), px=60_000)
+        deadline = deadlines_us[i] if deadlines_us else now_us() + 30_000_000
         entries.append(pb.QueueEntry(request_id=rid, gateway_id=gateway_id, model_version="1", rows=1,
-                                     deadline_us=now_us() + 30_000_000, enqueued_us=now_us(), priority=1))
+                                     deadline_us=deadline, enqueued_us=now_us() - 200_000, priority=1))
     batch = pb.Batch(batch_id=batch_id, model_name="mlp", model_version="1", members=entries, executor_id=executor_id,
                      attempt=1)
     r.set(contract.batch(batch_id), batch.SerializeToString(), px=60_000)
@@ -288,6 +290,29 @@ def test_a_stopping_executor_finishes_the_batch_sent_to_it(mesh_factory):
     # Left registered so that anything sent after its hand-back is recovered; the scheduler then forgets it.
     r.delete(contract.LEADER)
     _wait(lambda: not r.sismember(contract.EXECUTORS, eid), "the scheduler to forget the stopped executor")
+
+
+def test_an_executor_does_not_run_a_member_whose_deadline_passed_while_it_waited(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = _hold_lease(m)  # a standby leaves execution reports in their list
+    r.delete(contract.REPORTS)
+    gateway_id = "gw-late"
+    r.set(contract.gateway(gateway_id), "by-hand", px=60_000)
+    eid = m.executors[0].executor.executor_id
+    late, on_time = _dispatch_by_hand(r, eid, "late", gateway_id, [1.0, 2.0],
+                                      deadlines_us=[now_us() - 1_000, now_us() + 30_000_000])
+    replies = {}
+    while len(replies) < 2:
+        item = r.blpop([contract.reply(gateway_id)], timeout=10)
+        assert item is not None, "no reply"
+        reply = pb.Reply.FromString(item[1])
+        replies[reply.request_id] = reply
+    assert replies[on_time.request_id].code == 0
+    assert replies[late.request_id].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert "it was not run" in replies[late.request_id].message
+    # The batch ran one row: the late member was not executed.
+    reports = [pb.ExecutionReport.FromString(b) for b in r.lrange(contract.REPORTS, 0, -1)]
+    assert [x.rows for x in reports if x.batch_id == "late"] == [1]
 
 
 def test_an_executor_that_cannot_finish_in_time_hands_its_work_back(mesh_factory):
