@@ -10,10 +10,10 @@ an explicit clock.
 Two policies share the mechanics:
 
 - deadline-aware (the default): a batch goes out when it is full, reaches a
-  preferred size (the largest one, when more is queued), when waiting longer would make its earliest deadline miss,
-  or when max_queue_delay passes; a request that cannot finish by its
-  deadline even if started on the first free executor is shed before it
-  wastes executor time.
+  preferred size (the largest one, when more is queued), when waiting longer
+  would make its earliest deadline miss, or when max_queue_delay passes; a
+  request that cannot finish by its deadline even if started on the first
+  free executor is shed before it wastes executor time.
 - FIFO (Triton-style max-delay batching, kept as the baseline): arrival
   order within a priority level, no deadline rule, nothing shed until its
   deadline has passed.
