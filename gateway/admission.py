@@ -30,8 +30,13 @@ JOIN_LEAD_S = 0.005
 
 
 def _tail(load: pb.ModelLoad, priority: int, now_s: float) -> pb.QueueTail:
-    if load.tails:
-        return load.tails[min(max(1, priority), len(load.tails)) - 1]
+    # The plan of the lowest published level at or above this priority (1 is the highest).
+    chosen = None
+    for i, tail in enumerate(load.tails):
+        if (tail.level or i + 1) <= max(1, priority):
+            chosen = tail
+    if chosen is not None:
+        return chosen
     # A view without a plan: executors free once the dispatched work is done.
     executors = max(1, load.executors)
     return pb.QueueTail(free_s=[now_s + load.backlog_s / executors] * executors)

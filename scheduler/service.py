@@ -399,12 +399,11 @@ class Scheduler:
         tails: list[pb.QueueTail] = []
         for level in range(1, len(rows) + 1):
             if level > 1 and not rows[level - 1]:
-                tails.append(tails[-1])  # nothing queued at this level: the same plan as the level above
-                continue
+                continue  # nothing queued at this level: the plan of the level above holds for it
             t = queue_tail(now, [p for p in queue if p.priority <= level], info.max_batch_size, idle_at,
                            lambda n: profile.predict(n) + overhead)
             tails.append(pb.QueueTail(rows=t.rows, limit_rows=t.limit, start_s=t.start, executor=t.executor,
-                                      free_s=t.free))
+                                      free_s=t.free, level=level))
         load = pb.ModelLoad(
             cost_per_row_s=a, cost_fixed_s=b, cost_margin_s=margin, overhead_s=overhead,
             executors=len(holders),

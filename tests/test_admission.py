@@ -68,6 +68,17 @@ def test_spilled_rows_go_to_the_executor_free_first():
     assert finish(view, since=8) == pytest.approx(cost(8) + cost(1))
 
 
+def test_a_level_without_a_plan_of_its_own_has_the_plan_of_the_level_above():
+    # Published: level 1 and level 4 (the only lower level with rows queued).
+    high = tail(free=(NOW + 0.05,))
+    high.level = 1
+    low = tail(rows=8, limit=8, start=NOW + 0.5, free=(NOW + 0.5 + cost(8),))
+    low.level = 4
+    view = load(high, low, queued=(0, 0, 0, 8))
+    assert finish(view, priority=3) == finish(view, priority=1) == pytest.approx(0.05 + cost(1))
+    assert finish(view, priority=4) == finish(view, priority=900) == pytest.approx(0.5 + cost(8) + cost(1))
+
+
 def test_each_priority_level_has_its_own_plan():
     high = tail(free=(NOW + 0.05,))  # nothing at level 1: only the dispatched work ahead
     low = tail(rows=8, limit=8, start=NOW + 0.5, free=(NOW + 0.5 + cost(8),))

@@ -350,8 +350,9 @@ def test_the_load_view_counts_queued_rows_per_priority_level(mesh_factory):
     view = pb.ModelLoad.FromString(r.get(contract.load(*key)))
     # A priority-1 request is behind 2 rows only, not behind the priority-5 ones.
     assert list(view.queued_rows) == [2, 0, 0, 0, 4]
-    # The plan's tail per level (no executor holds it here, so one virtual one, idle now): levels 1-4
-    # end with a's batch of 2 rows, level 5 with one batch of all 6 (max_batch_size 64).
-    assert [t.rows for t in view.tails] == [2, 2, 2, 2, 6]
+    # The plan's tail for level 1 and each level with rows queued (no executor holds the model here,
+    # so one virtual one, idle now): level 1 (and 2-4, empty) ends with a's batch of 2 rows, level 5
+    # with one batch of all 6 (max_batch_size 64).
+    assert [(t.level, t.rows) for t in view.tails] == [(1, 2), (5, 6)]
     assert all(t.limit_rows == info.max_batch_size and t.start_s == pytest.approx(now) for t in view.tails)
     assert all(t.free_s[0] > now for t in view.tails)
