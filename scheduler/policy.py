@@ -269,6 +269,7 @@ class Tail:
 
 def queue_tail(
     now: float, queue: Sequence[Pending], max_batch_size: int, free_at: Sequence[float], cost: Callable[[int], float],
+    preferred_batch_sizes: Sequence[int] = (),
 ) -> Tail:
     """Play the queue forward as `plan` would serve it, batch after batch, and say where it ends.
 
@@ -276,9 +277,10 @@ def queue_tail(
     (finite: work already dispatched included), `cost(rows)` a batch's
     predicted service time including overheads. Each batch takes the head of
     what is left, up to `max_batch_size` rows, cut to the longest prefix that
-    meets its earliest deadline; a head that cannot make it even alone would
-    be shed and takes no executor time. Admission control adds a new
-    request's rows to the end of this plan (gateway/admission.py).
+    meets its earliest deadline and, like `plan`, to the largest preferred
+    size the head makes when it is short of full; a head that cannot make it
+    even alone would be shed and takes no executor time. Admission control
+    adds a new request's rows to the end of this plan (gateway/admission.py).
     """
     cap = max_batch_size if max_batch_size > 0 else None
     if cap is not None:
@@ -305,6 +307,11 @@ def queue_tail(
         if not rows:
             i += 1  # hopeless even alone: shed, not served
             continue
+        if preferred_batch_sizes and rows not in preferred_batch_sizes and (cap is None or rows < cap):
+            cut = _preferred_prefix(queue[i:j], preferred_batch_sizes)
+            if cut:
+                j = i + cut
+                rows = sum(m.rows for m in queue[i:j])
         free[e] = start + cost(rows)
         last = (rows, start, e, earliest)
         i = j

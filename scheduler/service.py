@@ -401,7 +401,7 @@ class Scheduler:
             if level > 1 and not rows[level - 1]:
                 continue  # nothing queued at this level: the plan of the level above holds for it
             t = queue_tail(now, [p for p in queue if p.priority <= level], info.max_batch_size, idle_at,
-                           lambda n: profile.predict(n) + overhead)
+                           lambda n: profile.predict(n) + overhead, info.preferred_batch_sizes)
             tails.append(pb.QueueTail(rows=t.rows, limit_rows=t.limit, start_s=t.start, executor=t.executor,
                                       free_s=t.free, level=level))
         load = pb.ModelLoad(

@@ -621,3 +621,12 @@ def test_an_executor_is_free_when_its_batches_are_predicted_done():
     # ... and one queued behind it starts now.
     assert free_after(2.0, [(1.0, 0.5), (1.5, 0.25)]) == 2.25
     assert free_after(3.0, []) == 3.0
+
+
+def test_tail_cuts_batches_to_preferred_sizes_like_the_plan():
+    queue = [req(f"r{i}") for i in range(20)]
+    # max 32, preferred 8 and 16: 20 queued go as 16, then 4.
+    t = queue_tail(0.0, queue, 32, IDLE, linear, preferred_batch_sizes=(8, 16))
+    assert (t.rows, t.start) == (4, linear(16))
+    policy = ModelPolicy(max_batch_size=32, max_queue_delay=10.0, preferred_batch_sizes=(8, 16), overhead=0.0)
+    assert [b.rows for b in plan(0.0, queue, policy, IDLE, linear).batches] == [16]
