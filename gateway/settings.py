@@ -29,8 +29,8 @@ class GatewaySettings(CommonSettings):
     admission_headroom: float = Field(
         0.7,
         description="Admit a request when its predicted finish is within this fraction of its budget. The rest "
-        "is room for prediction error: batches on a loaded shared host run up to a third slower than the "
-        "profile's 90th percentile (benchmarks/README.md); 1 admits whatever the plan says can make it.",
+        "is room for prediction error: on a loaded shared host batches overrun the profile's 90th percentile "
+        "(benchmarks/README.md); 1 admits whatever the plan says can make it.",
     )
     load_refresh_s: float = Field(0.02, description="Seconds between reads of the scheduler's per-model load view.")
     answer_margin_ms: float = Field(
