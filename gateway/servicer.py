@@ -27,14 +27,16 @@ RETRY_AFTER_KEY = "retry-after-ms"
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BatchlineError):
-    remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0.002:
-        # The client's own deadline has passed (or is about to): its gRPC library
-        # answers it DEADLINE_EXCEEDED; sending a status now would only race that.
-        raise asyncio.CancelledError()
+    # Answer with the status even at the client's deadline: cancelling instead would
+    # reach a client whose clock is a little behind as CANCELLED.
     if exc.retry_after_s is not None:
         context.set_trailing_metadata(((RETRY_AFTER_KEY, str(max(1, round(exc.retry_after_s * 1000)))),))
-    await context.abort(grpc_status(exc), str(exc))
+    try:
+        await context.abort(grpc_status(exc), str(exc))
+    except grpc.aio.InternalError:
+        # The call ended (its deadline passed) before the status could go out: the client
+        # has its DEADLINE_EXCEEDED already, and there is nothing left to send.
+        raise asyncio.CancelledError() from None
 
 
 def _duration(stats: dict[str, int], prefix: str) -> ipb.StatisticDuration:

@@ -10,9 +10,23 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import deserialize_bytes_tensor
 
 from batchline import cli
-from batchline.bench import BenchResult, InputError, InputOptions, TensorInfo, build_pool, plot, read_json, run_open
+from batchline.bench import (
+    BenchConfig,
+    BenchError,
+    BenchResult,
+    InputError,
+    InputOptions,
+    TensorInfo,
+    build_pool,
+    plot,
+    read_json,
+    run_bench,
+    run_closed,
+    run_open,
+)
 from batchline.bench.inputs import parse_int_range, parse_shape
-from batchline.bench.loadgen import arrival_times
+from batchline.bench.loadgen import STREAM_ERROR, arrival_times, stream_status
+from batchline.protocol import inference_pb2 as ipb
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -144,6 +158,39 @@ def test_open_loop_tiny_budget_counts_failures_instead_of_crashing(mesh, tmp_pat
     plot(out_png, BenchResult(target={"url": mesh.address, "model": "minilm", "version": ""},
                               config={"mode": "open"}, started_at="", steps=[step]))
     assert out_png.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_streaming_closed_loop_answers_on_streams_and_reads_each_answer_status(mesh, capsys):
+    code = cli.main(["bench", "--url", mesh.address, "--model", "mlp", "--concurrency", "4", "--duration", "1",
+                     "--warmup", "0.3", "--streaming", "--quiet"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "over ModelStreamInfer streams" in printed and "concurrency 4 (stream)" in printed
+
+    step = run_closed(mesh.address, "mlp", 4, 1.0, warmup=0.3, budget_ms=5000, streaming=True)
+    assert step.streaming and step.status_counts.get("OK", 0) > 0 and set(step.status_counts) == {"OK"}
+    assert step.inference_count >= step.status_counts["OK"]
+    # The gateway answers requests it cannot serve in their budget on the stream, which stays usable:
+    # minilm at 64 tokens is refused at 1 ms, every request is counted, none hangs or is lost.
+    tiny = run_closed(mesh.address, "minilm", 2, 1.0, warmup=0.1, budget_ms=1, streaming=True,
+                      inputs=InputOptions(seq_len=64, pool_size=4))
+    assert tiny.sent > 2 and set(tiny.status_counts) == {"DEADLINE_EXCEEDED"}
+
+
+def test_stream_status_reads_the_code_batchline_puts_in_error_message():
+    ok = ipb.ModelStreamInferResponse(infer_response=ipb.ModelInferResponse(model_name="m"))
+    assert stream_status(ok.SerializeToString()) == "OK"
+    refused = ipb.ModelStreamInferResponse(error_message="[RESOURCE_EXHAUSTED] model 'm' is overloaded: retry")
+    assert stream_status(refused.SerializeToString()) == "RESOURCE_EXHAUSTED"
+    # Another server's error (Triton's carry no code) or a bracket that is not a status name.
+    for message in ("Request for unknown model: 'm' is not found", "[not a code] x"):
+        blob = ipb.ModelStreamInferResponse(error_message=message).SerializeToString()
+        assert stream_status(blob) == STREAM_ERROR
+
+
+def test_streaming_is_refused_in_open_loop():
+    with pytest.raises(BenchError, match="closed-loop"):
+        run_bench(BenchConfig(url="127.0.0.1:1", model="mlp", mode="open", streaming=True))
 
 
 def test_cli_unknown_model_exits_non_zero_with_message(mesh, capsys):

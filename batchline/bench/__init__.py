@@ -54,6 +54,7 @@ class BenchConfig:
     inputs: InputOptions = field(default_factory=InputOptions)
     max_outstanding: int = DEFAULT_MAX_OUTSTANDING
     progress: bool = False
+    streaming: bool = False                   # closed loop over ModelStreamInfer streams
 
 
 async def _connect(config: BenchConfig, ep: Endpoint) -> RequestPool:
@@ -68,6 +69,8 @@ async def _connect(config: BenchConfig, ep: Endpoint) -> RequestPool:
 async def run_bench_async(config: BenchConfig) -> BenchResult:
     if config.mode not in ("closed", "open"):
         raise BenchError(f"unknown mode {config.mode!r} (closed or open)")
+    if config.streaming and config.mode != "closed":
+        raise BenchError("streaming is a closed-loop option (one request at a time per stream)")
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     progress = Progress(config.progress)
     async with Endpoint(config.url, config.model, config.version) as ep:
@@ -80,7 +83,7 @@ async def run_bench_async(config: BenchConfig) -> BenchResult:
         if config.mode == "closed":
             for c in config.concurrency:
                 result.steps.append(await closed_step(ep, pool, c, config.duration, config.warmup,
-                                                      config.budget_ms, progress))
+                                                      config.budget_ms, progress, streaming=config.streaming))
         else:
             for k, r in enumerate(config.rate):
                 result.steps.append(await open_step(
@@ -96,11 +99,12 @@ def run_bench(config: BenchConfig) -> BenchResult:
 
 def run_closed(url: str, model: str, concurrency: int, duration: float, *, warmup: float = 1.0,
                version: str = "", budget_ms: float | None = None, priority: int = 0,
-               inputs: InputOptions | None = None, progress: bool = False) -> StepResult:
-    """One closed-loop step: `concurrency` requests kept in flight for `duration` s after `warmup` s."""
+               inputs: InputOptions | None = None, progress: bool = False, streaming: bool = False) -> StepResult:
+    """One closed-loop step: `concurrency` requests kept in flight for `duration` s after `warmup` s
+    (with `streaming`, each on a ModelStreamInfer stream of its own)."""
     config = BenchConfig(url=url, model=model, version=version, mode="closed", concurrency=[concurrency],
                          duration=duration, warmup=warmup, budget_ms=budget_ms, priority=priority,
-                         inputs=inputs or InputOptions(), progress=progress)
+                         inputs=inputs or InputOptions(), progress=progress, streaming=streaming)
     return run_bench(config).steps[0]
 
 

@@ -11,7 +11,9 @@ metadata, and report per step: offered load, throughput (OK answers/s), goodput 
 batch size from ModelStatistics.
 
 Closed loop keeps N requests in flight (one step per --concurrency value); open loop sends Poisson
-arrivals at each --rate without waiting for answers (plus --burst SIZE:PERIOD_S bursts).
+arrivals at each --rate without waiting for answers (plus --burst SIZE:PERIOD_S bursts). Closed
+loop sends unary ModelInfer calls, or with --streaming one request at a time on a ModelStreamInfer
+stream per slot.
 
 Inputs: a dynamic first dim is the batch dim (1 row per request); other dynamic dims are
 --default-dim, or --seq-len for 2-D integer inputs, or exactly --shape NAME=d0,d1,... (full shape).
@@ -22,6 +24,7 @@ EPILOG = """\
 examples:
   batchline bench --url 127.0.0.1:8001 --model mlp --concurrency 1,8,32 --duration 10
   batchline bench --model minilm --seq-len 128 --int-range input_ids=1000:29000 --concurrency 32
+  batchline bench --url 127.0.0.1:8001 --model mlp --concurrency 32 --streaming
   batchline bench --model minilm --seq-len 16 --mode open --rate 100,200,400 --budget-ms 200 \\
       --burst 50:2 --json out.json --plot out.png"""
 
@@ -70,6 +73,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="per-request latency budget: the gRPC deadline and the KServe `timeout` parameter "
                         "(µs on the wire); goodput counts OK answers within it (default: none)")
     m.add_argument("--priority", type=int, default=0, help="KServe `priority` parameter, 1 = highest (default: unset)")
+    m.add_argument("--streaming", action="store_true",
+                   help="closed loop: each in-flight request slot keeps one ModelStreamInfer stream open and sends "
+                   "on it (like perf_analyzer --streaming); the budget travels only in the `timeout` parameter, "
+                   "and a request unanswered 1 s past it counts DEADLINE_EXCEEDED and its stream is replaced")
     m.add_argument("--max-outstanding", type=int, default=10_000,
                    help="open loop: requests due while this many are outstanding are counted as NOT_SENT (default: 10000)")
     g = p.add_argument_group("inputs")
@@ -122,7 +129,7 @@ def main(args: argparse.Namespace) -> int:
             url=args.url, model=args.model, version=args.model_version, mode=args.mode,
             concurrency=args.concurrency, rate=args.rate, burst=args.burst, duration=args.duration,
             warmup=args.warmup, budget_ms=args.budget_ms, priority=args.priority,
-            inputs=_input_options(args), max_outstanding=args.max_outstanding,
+            inputs=_input_options(args), max_outstanding=args.max_outstanding, streaming=args.streaming,
             progress=not args.quiet and sys.stderr.isatty(),
         )
         result = run_bench(config)
@@ -132,7 +139,8 @@ def main(args: argparse.Namespace) -> int:
         return fail("interrupted")
     shapes = ", ".join(f"{k}={v}" for k, v in result.config["input_shapes"].items())
     budget = f", budget {args.budget_ms:g} ms" if args.budget_ms is not None else ""
-    print(f"{args.model} @ {args.url}: {args.mode} loop, {args.duration:g} s per step{budget}; inputs {shapes}")
+    stream = " over ModelStreamInfer streams" if args.streaming else ""
+    print(f"{args.model} @ {args.url}: {args.mode} loop{stream}, {args.duration:g} s per step{budget}; inputs {shapes}")
     print(format_table(result.steps))
     if args.json:
         write_json(args.json, result)

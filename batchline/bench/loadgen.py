@@ -6,6 +6,11 @@ its own channel that takes the pool's pre-serialized bytes and returns the
 response bytes unparsed. tritonclient's ``infer()`` would rebuild, serialize
 and parse every request, CPU that on a shared 2-core machine the server under
 test needs; only the status code and the latency matter here.
+
+With ``streaming`` (closed loop), each worker keeps one ModelStreamInfer
+stream open and sends its requests on it one at a time, as perf_analyzer's
+``--streaming`` does: a message on an open HTTP/2 stream costs both ends much
+less than a unary call, which opens and closes a stream every time.
 """
 from __future__ import annotations
 
@@ -21,8 +26,15 @@ import tritonclient.grpc.aio as tca
 from tritonclient.utils import InferenceServerException
 
 from batchline.bench.inputs import RequestPool, TensorInfo
+from batchline.protocol import inference_pb2 as ipb
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+MODEL_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
+# A stream answer's error_message carries no status code; batchline starts it with
+# "[CODE] ". Errors of other servers (Triton's) count under this name.
+STREAM_ERROR = "STREAM_ERROR"
+STREAM_GRACE_S = 1.0
+_CODE_NAMES = frozenset(c.name for c in grpc.StatusCode)
 _MAX_MESSAGE = 2**31 - 1
 # Open loop: requests due while this many are outstanding are counted as not
 # sent rather than queued in the client, which would hide the server's behaviour.
@@ -61,11 +73,12 @@ class StepResult:
     execution_count: int | None = None
     send_lag_p99_ms: float | None = None  # open loop: how late sends left vs schedule (client health)
     rows_per_request: int = 1
+    streaming: bool = False              # closed loop over ModelStreamInfer streams
 
     @property
     def label(self) -> str:
         if self.mode == "closed":
-            return f"concurrency {self.concurrency}"
+            return f"concurrency {self.concurrency}" + (" (stream)" if self.streaming else "")
         burst = f" + burst {self.burst[0]}/{self.burst[1]:g}s" if self.burst else ""
         return f"rate {self.rate:g}/s{burst}"
 
@@ -132,6 +145,7 @@ class Endpoint:
                                ("grpc.max_receive_message_length", _MAX_MESSAGE)])
         # No serializers: requests go out as the pool's bytes, replies stay bytes.
         self._infer = self.channel.unary_unary(MODEL_INFER)
+        self._stream = self.channel.stream_stream(MODEL_STREAM_INFER)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -169,6 +183,63 @@ class Endpoint:
         except grpc.aio.AioRpcError as exc:
             code = exc.code().name
         return code, time.perf_counter() - t
+
+
+    def stream(self) -> "InferStream":
+        return InferStream(self._stream)
+
+
+def stream_status(blob: bytes) -> str:
+    """The status name of one ModelStreamInferResponse (serialized)."""
+    message = ipb.ModelStreamInferResponse.FromString(blob).error_message
+    if not message:
+        return "OK"
+    if message.startswith("["):
+        name = message[1:].partition("]")[0]
+        if name in _CODE_NAMES:
+            return name
+    return STREAM_ERROR
+
+
+class InferStream:
+    """One ModelStreamInfer stream carrying one request at a time.
+
+    A stream message has no gRPC deadline of its own: the budget travels in the
+    request's `timeout` parameter and the server answers DEADLINE_EXCEEDED by it.
+    The client waits STREAM_GRACE_S longer for that answer; past it, the request
+    counts DEADLINE_EXCEEDED and its stream is replaced, so that its late answer
+    cannot pass for the next request's.
+    """
+
+    def __init__(self, method):
+        self._method = method
+        self._call = None
+
+    async def infer(self, payload: bytes, timeout_s: float | None) -> tuple[str, float]:
+        t = time.perf_counter()
+        if self._call is None:
+            self._call = self._method()
+        blob = None
+        try:
+            await self._call.write(payload)
+            if timeout_s is None:
+                blob = await self._call.read()
+            else:
+                blob = await asyncio.wait_for(self._call.read(), timeout_s + STREAM_GRACE_S)
+            code = stream_status(blob) if isinstance(blob, bytes) else "UNAVAILABLE"  # EOF: the server hung up
+        except asyncio.TimeoutError:
+            code = "DEADLINE_EXCEEDED"
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code().name
+        latency = time.perf_counter() - t
+        if not isinstance(blob, bytes):
+            self.close()  # no answer on this stream: the next request goes on a new one
+        return code, latency
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
 
 
 def _summarize(step: StepResult, rec: _Recorder, window: float, before, after, budget_ms: float | None) -> StepResult:
@@ -222,9 +293,11 @@ async def closed_step(
     budget_ms: float | None = None,
     progress: Progress | None = None,
     drain_timeout_s: float | None = None,
+    streaming: bool = False,
 ) -> StepResult:
-    """`concurrency` workers each keep one request in flight; answers to requests sent in the
-    `duration` window after `warmup` are measured (the window ends when the last one is answered)."""
+    """`concurrency` workers each keep one request in flight (on a stream of their own with
+    `streaming`); answers to requests sent in the `duration` window after `warmup` are measured
+    (the window ends when the last one is answered)."""
     if concurrency < 1:
         raise BenchError("concurrency must be >= 1")
     timeout = budget_ms / 1e3 if budget_ms is not None else None
@@ -239,16 +312,22 @@ async def closed_step(
 
     async def worker(k: int) -> None:
         i = k * max(1, n // concurrency)
-        while (sent_at := time.perf_counter()) < t_end:
-            try:
-                code, latency = await ep.infer(pool.requests[i % n], timeout)
-            except asyncio.CancelledError:
+        stream = ep.stream() if streaming else None
+        infer = stream.infer if stream else ep.infer
+        try:
+            while (sent_at := time.perf_counter()) < t_end:
+                try:
+                    code, latency = await infer(pool.requests[i % n], timeout)
+                except asyncio.CancelledError:
+                    if sent_at >= t0:
+                        rec.codes[UNFINISHED] += 1
+                    raise
                 if sent_at >= t0:
-                    rec.codes[UNFINISHED] += 1
-                raise
-            if sent_at >= t0:
-                rec.add(code, latency)
-            i += 1
+                    rec.add(code, latency)
+                i += 1
+        finally:
+            if stream:
+                stream.close()
 
     workers = [asyncio.create_task(worker(k)) for k in range(concurrency)]
     try:
@@ -262,7 +341,8 @@ async def closed_step(
     finally:
         ticker.cancel()
         progress.close()
-    step = StepResult(mode="closed", concurrency=concurrency, budget_ms=budget_ms, rows_per_request=pool.rows)
+    step = StepResult(mode="closed", concurrency=concurrency, budget_ms=budget_ms, rows_per_request=pool.rows,
+                      streaming=streaming)
     return _summarize(step, rec, window, await before, after, budget_ms)
 
 
