@@ -32,7 +32,11 @@ class GatewaySettings(CommonSettings):
         "is room for prediction error: on a loaded shared host batches overrun the profile's 90th percentile "
         "(benchmarks/README.md); 1 admits whatever the plan says can make it.",
     )
-    load_refresh_s: float = Field(0.02, description="Seconds between reads of the scheduler's per-model load view.")
+    load_refresh_s: float = Field(
+        0.02,
+        description="Seconds between reads of the scheduler's per-model load views while requests arrive; after "
+        "1 s without one the gateway reads them every 0.5 s, and the next request wakes it.",
+    )
     answer_margin_ms: float = Field(
         10.0,
         description="Time kept back from each request's budget for the answer's way back to the client: the "

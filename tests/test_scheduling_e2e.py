@@ -211,6 +211,37 @@ def test_overload_is_refused_at_once_with_a_retry_hint(mesh_factory):
     assert r.zcard(contract.queue("mlp", "1")) == 0
 
 
+def test_an_idle_gateway_leaves_the_load_views_alone_until_a_request_arrives(mesh_factory, monkeypatch):
+    import gateway.core
+
+    monkeypatch.setattr(gateway.core, "LOAD_IDLE_REFRESH_S", 60.0)  # idle: no read within the test
+    m = mesh_factory(models=["mlp"])
+    r = _hold_lease(m)  # the scheduler stands by and publishes no view of its own
+    gw = m.gateway.gateway
+    reads: list[float] = []
+    real_mget = gw.redis.mget
+
+    async def counted_mget(keys, *args, **kwargs):
+        if contract.load("mlp", "1") in keys:
+            reads.append(time.monotonic())
+        return await real_mget(keys, *args, **kwargs)
+
+    gw.redis.mget = counted_mget
+    now = time.time()
+    view = pb.ModelLoad(cost_per_row_s=0.001, executors=1, queued_rows=[0], policy="deadline",
+                        updated_us=now_us(), tails=[pb.QueueTail(free_s=[now])])
+    r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
+    time.sleep(0.3)  # fifteen busy-rate periods
+    assert reads == [] and gw.loads.get(("mlp", "1")) != view
+    channel, stub = _stub(m)
+    with channel:
+        pending = stub.ModelInfer.future(_request(1.0), timeout=10)  # stays queued: nothing dispatches
+        # The request woke the loop: the view is read now, not a minute later.
+        _wait(lambda: gw.loads.get(("mlp", "1")) == view, "the gateway to read the view after a request", timeout=10)
+        assert reads
+        pending.cancel()
+
+
 def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(mesh_factory):
     m = mesh_factory(models=["mlp"])
     r = _hold_lease(m)  # nothing is dispatched: admitted requests stay queued
