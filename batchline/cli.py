@@ -75,7 +75,7 @@ class Mesh:
         if a.redis_url:
             self.redis_url = a.redis_url
         else:
-            self.redis = EmbeddedRedis(host="127.0.0.1").start()
+            self.redis = EmbeddedRedis(host="127.0.0.1", die_with_parent=True).start()
             self.redis_url = self.redis.url
             print(f"batchline: started Redis {self.redis.binary} at {self.redis_url}", flush=True)
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2)

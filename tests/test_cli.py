@@ -10,6 +10,7 @@ import threading
 import time
 
 import numpy as np
+import psutil
 import tritonclient.grpc as tc
 
 
@@ -26,13 +27,23 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _pid_alive(p)]
+
+
 def test_up_serves_and_ctrl_c_stops_everything(model_repository):
+    # In a process group of its own, so that the Ctrl-C below reaches every process in
+    # it the way a terminal's does.
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchline.cli", "up", "--model-repository", str(model_repository),
          "--gateway-port", "0", "--metrics-port", "0", "--executors", "2", "--log-level", "WARNING"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,
     )
     lines: list[str] = []
     ready = threading.Event()
@@ -57,19 +68,34 @@ def test_up_serves_and_ctrl_c_stops_everything(model_repository):
         inp.set_data_from_numpy(x)
         assert client.infer("mlp", [inp]).as_numpy("probability").shape == (1, 1)
         client.close()
+        redis_pids = [c.pid for c in psutil.Process(proc.pid).children() if "redis-server" in c.name()]
+        assert len(redis_pids) == 1
     finally:
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
         code = proc.wait(60)
         reader.join(10)
     output = "".join(lines)
     assert code == 0, output
     assert "batchline: stopped" in output
+    # Redis, in a session of its own, outlived the services' drain: they stopped without losing it.
+    assert "Redis failed" not in output and "Redis is unreachable" not in output, output
     pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", output)]
     assert len(pids) == 4, output  # two executors, scheduler, gateway
-    deadline = time.monotonic() + 10
-    while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_pid_alive(p) for p in pids), output
+    assert not _wait_dead(pids + redis_pids), output
+
+
+def test_embedded_redis_of_a_killed_owner_goes_with_it():
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom batchline.embedded_redis import EmbeddedRedis\n"
+         "r = EmbeddedRedis(die_with_parent=True).start()\nprint(r.proc.pid, flush=True)\ntime.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    redis_pid = int(owner.stdout.readline())
+    assert _pid_alive(redis_pid)
+    owner.kill()
+    owner.wait(10)
+    owner.stdout.close()
+    assert not _wait_dead([redis_pid]), "redis-server outlived its SIGKILLed owner"
 
 
 def test_service_help_texts_list_their_settings():
