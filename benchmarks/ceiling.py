@@ -7,8 +7,11 @@
    1, 2, 4, ..., 64 for 128 and 16 tokens (best of 3 interleaved rounds of 1 s each): the best
    sequences/s and the batch size it needs.
 2. Mesh: `batchline up`-style subprocesses, driven closed-loop: 128 tokens at 32 in flight, and
-   16 tokens at 32, 64 and 128 in flight.
-3. Prints mesh / ceiling. The two phases run one after the other, never at the same time.
+   16 tokens at 32, 64 and 128 in flight, as unary ModelInfer calls; then 128 tokens at 32 and
+   16 tokens at 128 in flight over ModelStreamInfer streams (one per slot, like perf_analyzer
+   --streaming), which spare gateway and client most of gRPC's per-call cost.
+3. Prints mesh / ceiling, per way of calling. The two phases run one after the other, never at
+   the same time.
 """
 from __future__ import annotations
 
@@ -68,31 +71,32 @@ def main() -> int:
         print(f"ONNX Runtime alone, minilm {seq} tokens (sequences/s): {curve}")
         print(f"  ceiling {best:.0f} seq/s at batch {at}")
 
-    steps = [(128, 32), (16, 32), (16, 64), (16, 128)]
+    steps = [(128, 32, False), (16, 32, False), (16, 64, False), (16, 128, False), (128, 32, True), (16, 128, True)]
     measured = []
     with _common.mesh(repo, log_level=args.log_level) as address:
-        for seq, conc in steps:
+        for seq, conc, streaming in steps:
             s = run_closed(address, "minilm", conc, args.duration, warmup=args.warmup,
                            budget_ms=_common.CAPACITY_BUDGET_MS,
                            inputs=InputOptions(seq_len=seq, int_ranges={"input_ids": (1000, 29000)}),
-                           progress=args.progress)
+                           progress=args.progress, streaming=streaming)
             measured.append((seq, conc, s))
-            print(f"mesh minilm {seq} tokens, {conc} in flight: {s.throughput_rps:.0f} seq/s, "
+            print(f"mesh minilm {seq} tokens, {conc} in flight{' (stream)' if streaming else ''}: {s.throughput_rps:.0f} seq/s, "
                   f"p99 {_common.f((s.latency_ms or {}).get('p99'))} ms, batch {_common.f(s.mean_batch_size, '.1f')}, "
                   f"{s.status_counts}", flush=True)
 
-    rows = [["tokens", "in flight", "mesh seq/s", "ceiling seq/s (batch)", "mesh/ceiling", "mean batch", "p99 ms"]]
-    best_by_seq: dict[int, float] = {}
+    rows = [["tokens", "in flight", "calls", "mesh seq/s", "ceiling seq/s (batch)", "mesh/ceiling", "mean batch", "p99 ms"]]
+    best: dict[tuple[int, str], float] = {}
     for seq, conc, s in measured:
         ceiling, at = ceilings[seq]
-        best_by_seq[seq] = max(best_by_seq.get(seq, 0.0), s.throughput_rps)
-        rows.append([str(seq), str(conc), f"{s.throughput_rps:.0f}", f"{ceiling:.0f} ({at})",
+        calls = "stream" if s.streaming else "unary"
+        best[seq, calls] = max(best.get((seq, calls), 0.0), s.throughput_rps)
+        rows.append([str(seq), str(conc), calls, f"{s.throughput_rps:.0f}", f"{ceiling:.0f} ({at})",
                      f"{s.throughput_rps / ceiling:.2f}", _common.f(s.mean_batch_size),
                      _common.f((s.latency_ms or {}).get("p99"))])
     print()
     print(_common.table(rows))
-    for seq, best in best_by_seq.items():
-        print(f"minilm {seq} tokens: best mesh/ceiling = {best / ceilings[seq][0]:.2f}")
+    for (seq, calls), rps in best.items():
+        print(f"minilm {seq} tokens, {calls} calls: best mesh/ceiling = {rps / ceilings[seq][0]:.2f}")
     return 0
 
 

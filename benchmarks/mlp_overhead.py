@@ -4,7 +4,9 @@
 
 Starts a mesh and drives mlp closed-loop with one request in flight (the round trip through
 gateway, Redis, scheduler and executor) and with --concurrency in flight (requests/s the mesh
-sustains when batching can amortise it); prints requests/s, latency percentiles, mean batch size.
+sustains when batching can amortise it), first as unary ModelInfer calls, then as messages on
+ModelStreamInfer streams (one per slot, like perf_analyzer --streaming: no HTTP/2 stream to open
+and close per request, on either side); prints requests/s, latency percentiles, mean batch size.
 """
 from __future__ import annotations
 
@@ -23,14 +25,16 @@ def main() -> int:
     print(f"machine: {_common.machine()}")
     with _common.mesh(_common.ensure_repository(args.model_repository), log_level=args.log_level) as address:
         steps = [run_closed(address, "mlp", c, args.duration, warmup=args.warmup,
-                            budget_ms=_common.CAPACITY_BUDGET_MS, progress=args.progress)
-                 for c in (1, args.concurrency)]
+                            budget_ms=_common.CAPACITY_BUDGET_MS, progress=args.progress, streaming=streaming)
+                 for c, streaming in ((1, False), (args.concurrency, False), (args.concurrency, True))]
     print()
     print(format_table(steps))
-    one, many = steps
+    one, many, streamed = steps
     print(f"mlp: {many.throughput_rps:.0f} req/s at {args.concurrency} in flight, "
           f"p99 {_common.f((many.latency_ms or {}).get('p99'))} ms; "
           f"one in flight: p50 {_common.f((one.latency_ms or {}).get('p50'))} ms round trip")
+    print(f"mlp over streams: {streamed.throughput_rps:.0f} req/s at {args.concurrency} in flight, "
+          f"p99 {_common.f((streamed.latency_ms or {}).get('p99'))} ms")
     return 0
 
 
