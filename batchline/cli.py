@@ -76,8 +76,10 @@ class Mesh:
             self.redis_url = a.redis_url
         else:
             self.redis = EmbeddedRedis(host="127.0.0.1", die_with_parent=True).start()
-            self.redis_url = self.redis.url
-            print(f"batchline: started Redis {self.redis.binary} at {self.redis_url}", flush=True)
+            # The services share this host with it: they talk over its Unix socket.
+            self.redis_url = self.redis.unix_url
+            print(f"batchline: started Redis {self.redis.binary} at {self.redis.url} "
+                  f"(the services use {self.redis_url})", flush=True)
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
         client.ping()
         base = getattr(a, "metrics_port", 0)
@@ -143,7 +145,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         address = mesh.start()
         print(
-            f"batchline: up. Gateway (KServe v2 gRPC) listening on {address}; Redis at {mesh.redis_url}. "
+            f"batchline: up. Gateway (KServe v2 gRPC) listening on {address}; "
+            f"Redis at {mesh.redis.url if mesh.redis else mesh.redis_url}. "
             "Press Ctrl-C to stop.",
             flush=True,
         )

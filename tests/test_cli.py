@@ -77,6 +77,7 @@ def test_up_serves_and_ctrl_c_stops_everything(model_repository):
     output = "".join(lines)
     assert code == 0, output
     assert "batchline: stopped" in output
+    assert "the services use unix://" in output  # they served the requests above through Redis's socket
     # Redis, in a session of its own, outlived the services' drain: they stopped without losing it.
     assert "Redis failed" not in output and "Redis is unreachable" not in output, output
     pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", output)]
