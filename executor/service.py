@@ -26,7 +26,7 @@ from batchline.errors import BatchlineError, DeadlineExceeded, InvalidArgument, 
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
-from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
+from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking, queue_script
 from executor.batching import assemble, split
 from executor.repository import LoadedModel, warmup_inputs
 from executor.settings import ExecutorSettings
@@ -68,7 +68,6 @@ class Executor:
         self._tasks: list[asyncio.Task] = []
         self._workers: list[asyncio.Task] = []
         self._in_progress: set[str] = set()
-        self._add_stats = self.redis.register_script(contract.STATS_LUA)
         self.draining = False
         self._warmup_reports: list[pb.ExecutionReport] = []
 
@@ -417,8 +416,8 @@ class Executor:
             (f"batch:{rows}:compute_infer_ns", infer_ns),
             (f"batch:{rows}:compute_output_ns", output_ns),
         )
-        await self._add_stats(keys=[contract.stats(model.name, model.version)],
-                              args=[contract.STATS_TTL, done_us // 1000, *(x for pair in counts for x in pair)], client=pipe)
+        queue_script(pipe, contract.STATS_LUA, [contract.stats(model.name, model.version)],
+                     [contract.STATS_TTL, done_us // 1000, *(x for pair in counts for x in pair)])
 
 
 class ExecutorControl(internal_pb2_grpc.ExecutorServicer):

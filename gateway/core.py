@@ -35,7 +35,7 @@ from batchline.errors import (
 )
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
-from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
+from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking, queue_script
 from batchline.registry import Registry
 from gateway.admission import admit
 from gateway.settings import GatewaySettings
@@ -95,7 +95,6 @@ class Gateway:
         self._outbox: list[_Write] = []
         self._abandoned: list[tuple[str, bytes, str]] = []
         self._flusher: asyncio.Task | None = None
-        self._enqueue_bounded = None
         self.draining = False
         self._heartbeat_ttl_ms = int(settings.heartbeat_interval_s * 3000)
         self._served: set[str] = set()  # model names ever served: their absence is UNAVAILABLE, not NOT_FOUND
@@ -112,7 +111,6 @@ class Gateway:
             await self.refresh_registry()
         except REDIS_ERRORS as exc:
             log.warning("Redis not reachable at start (%s); will keep trying", exc)
-        self._enqueue_bounded = self.redis.register_script(contract.ENQUEUE_BOUNDED_LUA)
         self._tasks = [
             asyncio.create_task(self._read_replies(), name="replies"),
             asyncio.create_task(self._refresh_loop(), name="registry"),
@@ -377,9 +375,8 @@ class Gateway:
                     for w in writes:
                         pipe.set(contract.payload(w.request_id), w.payload, px=w.payload_ttl_ms)
                         if w.max_queue_size:
-                            await self._enqueue_bounded(
-                                keys=[w.queue], args=[w.max_queue_size, w.score, w.member, contract.QUEUE_TTL], client=pipe
-                            )
+                            queue_script(pipe, contract.ENQUEUE_BOUNDED_LUA, [w.queue],
+                                         [w.max_queue_size, w.score, w.member, contract.QUEUE_TTL])
                         else:
                             pipe.zadd(w.queue, {w.member: w.score})
                     for queue, member, request_id in abandoned:
