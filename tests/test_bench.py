@@ -11,8 +11,6 @@ from tritonclient.utils import deserialize_bytes_tensor
 
 from batchline import cli
 from batchline.bench import (
-    BenchConfig,
-    BenchError,
     BenchResult,
     InputError,
     InputOptions,
@@ -20,12 +18,11 @@ from batchline.bench import (
     build_pool,
     plot,
     read_json,
-    run_bench,
     run_closed,
     run_open,
 )
 from batchline.bench.inputs import parse_int_range, parse_shape
-from batchline.bench.loadgen import STREAM_ERROR, arrival_times, stream_status
+from batchline.bench.loadgen import STREAM_ERROR, arrival_times, stream_status, with_id
 from batchline.protocol import inference_pb2 as ipb
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -188,9 +185,23 @@ def test_stream_status_reads_the_code_batchline_puts_in_error_message():
         assert stream_status(blob) == STREAM_ERROR
 
 
-def test_streaming_is_refused_in_open_loop():
-    with pytest.raises(BenchError, match="closed-loop"):
-        run_bench(BenchConfig(url="127.0.0.1:1", model="mlp", mode="open", streaming=True))
+def test_open_loop_over_streams_matches_every_answer_to_its_request(mesh):
+    step = run_open(mesh.address, "mlp", rate=200, duration=1.0, warmup=0.2, budget_ms=5000, streaming=True,
+                    inputs=InputOptions(pool_size=8))
+    assert step.streaming and "(stream)" in step.label
+    # Every request sent was answered on some stream and matched by its id: none left waiting.
+    assert step.sent > 50 and step.status_counts == {"OK": step.sent}
+    assert step.inference_count >= step.sent
+    tiny = run_open(mesh.address, "minilm", rate=40, duration=1.0, warmup=0.1, budget_ms=1, streaming=True,
+                    inputs=InputOptions(seq_len=64, pool_size=4))
+    assert tiny.sent > 10 and tiny.status_counts == {"DEADLINE_EXCEEDED": tiny.sent}
+
+
+def test_with_id_sets_the_request_id_without_reserializing():
+    req = ipb.ModelInferRequest(model_name="mlp", id="from-the-pool")
+    req.inputs.add(name="features", datatype="FP32", shape=[1, 32])
+    tagged = ipb.ModelInferRequest.FromString(with_id(req.SerializeToString(), "bench-7"))
+    assert tagged.id == "bench-7" and tagged.model_name == "mlp" and tagged.inputs[0].name == "features"
 
 
 def test_cli_unknown_model_exits_non_zero_with_message(mesh, capsys):

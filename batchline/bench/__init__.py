@@ -54,7 +54,7 @@ class BenchConfig:
     inputs: InputOptions = field(default_factory=InputOptions)
     max_outstanding: int = DEFAULT_MAX_OUTSTANDING
     progress: bool = False
-    streaming: bool = False                   # closed loop over ModelStreamInfer streams
+    streaming: bool = False                   # ModelStreamInfer streams instead of unary calls
 
 
 async def _connect(config: BenchConfig, ep: Endpoint) -> RequestPool:
@@ -69,8 +69,6 @@ async def _connect(config: BenchConfig, ep: Endpoint) -> RequestPool:
 async def run_bench_async(config: BenchConfig) -> BenchResult:
     if config.mode not in ("closed", "open"):
         raise BenchError(f"unknown mode {config.mode!r} (closed or open)")
-    if config.streaming and config.mode != "closed":
-        raise BenchError("streaming is a closed-loop option (one request at a time per stream)")
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     progress = Progress(config.progress)
     async with Endpoint(config.url, config.model, config.version) as ep:
@@ -88,7 +86,7 @@ async def run_bench_async(config: BenchConfig) -> BenchResult:
             for k, r in enumerate(config.rate):
                 result.steps.append(await open_step(
                     ep, pool, r, config.duration, config.warmup, config.budget_ms, config.burst,
-                    config.max_outstanding, seed=config.inputs.seed + k, progress=progress))
+                    config.max_outstanding, seed=config.inputs.seed + k, progress=progress, streaming=config.streaming))
     return result
 
 
@@ -111,9 +109,12 @@ def run_closed(url: str, model: str, concurrency: int, duration: float, *, warmu
 def run_open(url: str, model: str, rate: float, duration: float, *, warmup: float = 1.0,
              version: str = "", budget_ms: float | None = None, priority: int = 0,
              burst: tuple[int, float] | None = None, inputs: InputOptions | None = None,
-             max_outstanding: int = DEFAULT_MAX_OUTSTANDING, progress: bool = False) -> StepResult:
-    """One open-loop step: Poisson arrivals at `rate`/s (plus bursts) for `duration` s after `warmup` s."""
+             max_outstanding: int = DEFAULT_MAX_OUTSTANDING, progress: bool = False,
+             streaming: bool = False) -> StepResult:
+    """One open-loop step: Poisson arrivals at `rate`/s (plus bursts) for `duration` s after `warmup` s
+    (with `streaming`, over a few ModelStreamInfer streams)."""
     config = BenchConfig(url=url, model=model, version=version, mode="open", rate=[rate], burst=burst,
                          duration=duration, warmup=warmup, budget_ms=budget_ms, priority=priority,
-                         inputs=inputs or InputOptions(), max_outstanding=max_outstanding, progress=progress)
+                         inputs=inputs or InputOptions(), max_outstanding=max_outstanding, progress=progress,
+                         streaming=streaming)
     return run_bench(config).steps[0]

@@ -11,9 +11,8 @@ metadata, and report per step: offered load, throughput (OK answers/s), goodput 
 batch size from ModelStatistics.
 
 Closed loop keeps N requests in flight (one step per --concurrency value); open loop sends Poisson
-arrivals at each --rate without waiting for answers (plus --burst SIZE:PERIOD_S bursts). Closed
-loop sends unary ModelInfer calls, or with --streaming one request at a time on a ModelStreamInfer
-stream per slot.
+arrivals at each --rate without waiting for answers (plus --burst SIZE:PERIOD_S bursts). Requests
+are unary ModelInfer calls, or with --streaming messages on ModelStreamInfer streams.
 
 Inputs: a dynamic first dim is the batch dim (1 row per request); other dynamic dims are
 --default-dim, or --seq-len for 2-D integer inputs, or exactly --shape NAME=d0,d1,... (full shape).
@@ -74,9 +73,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "(µs on the wire); goodput counts OK answers within it (default: none)")
     m.add_argument("--priority", type=int, default=0, help="KServe `priority` parameter, 1 = highest (default: unset)")
     m.add_argument("--streaming", action="store_true",
-                   help="closed loop: each in-flight request slot keeps one ModelStreamInfer stream open and sends "
-                   "on it (like perf_analyzer --streaming); the budget travels only in the `timeout` parameter, "
-                   "and a request unanswered 1 s past it counts DEADLINE_EXCEEDED and its stream is replaced")
+                   help="send on ModelStreamInfer streams instead of unary calls (like perf_analyzer --streaming): "
+                   "closed loop, one stream per in-flight slot, one request at a time; open loop, 4 streams "
+                   "carrying every request, answers matched by id. The budget travels only in the `timeout` "
+                   "parameter; a request unanswered 1 s past it counts DEADLINE_EXCEEDED")
     m.add_argument("--max-outstanding", type=int, default=10_000,
                    help="open loop: requests due while this many are outstanding are counted as NOT_SENT (default: 10000)")
     g = p.add_argument_group("inputs")

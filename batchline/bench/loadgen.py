@@ -7,10 +7,11 @@ response bytes unparsed. tritonclient's ``infer()`` would rebuild, serialize
 and parse every request, CPU that on a shared 2-core machine the server under
 test needs; only the status code and the latency matter here.
 
-With ``streaming`` (closed loop), each worker keeps one ModelStreamInfer
-stream open and sends its requests on it one at a time, as perf_analyzer's
-``--streaming`` does: a message on an open HTTP/2 stream costs both ends much
-less than a unary call, which opens and closes a stream every time.
+With ``streaming``, requests travel on ModelStreamInfer streams, as with
+perf_analyzer's ``--streaming``: in closed loop each worker keeps a stream and
+sends on it one request at a time; in open loop a few streams carry every
+request, matched to its answer by id. A message on an open HTTP/2 stream costs
+both ends much less than a unary call, which opens and closes a stream each time.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ MODEL_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 # "[CODE] ". Errors of other servers (Triton's) count under this name.
 STREAM_ERROR = "STREAM_ERROR"
 STREAM_GRACE_S = 1.0
+OPEN_LOOP_STREAMS = 4  # streams an open-loop step spreads its requests over (with streaming)
 _CODE_NAMES = frozenset(c.name for c in grpc.StatusCode)
 _MAX_MESSAGE = 2**31 - 1
 # Open loop: requests due while this many are outstanding are counted as not
@@ -73,14 +75,14 @@ class StepResult:
     execution_count: int | None = None
     send_lag_p99_ms: float | None = None  # open loop: how late sends left vs schedule (client health)
     rows_per_request: int = 1
-    streaming: bool = False              # closed loop over ModelStreamInfer streams
+    streaming: bool = False              # over ModelStreamInfer streams instead of unary calls
 
     @property
     def label(self) -> str:
         if self.mode == "closed":
             return f"concurrency {self.concurrency}" + (" (stream)" if self.streaming else "")
         burst = f" + burst {self.burst[0]}/{self.burst[1]:g}s" if self.burst else ""
-        return f"rate {self.rate:g}/s{burst}"
+        return f"rate {self.rate:g}/s{burst}" + (" (stream)" if self.streaming else "")
 
 
 class _Recorder:
@@ -188,6 +190,9 @@ class Endpoint:
     def stream(self) -> "InferStream":
         return InferStream(self._stream)
 
+    def stream_mux(self, streams: int = OPEN_LOOP_STREAMS) -> "StreamMux":
+        return StreamMux(self._stream, streams)
+
 
 def stream_status(blob: bytes) -> str:
     """The status name of one ModelStreamInferResponse (serialized)."""
@@ -240,6 +245,95 @@ class InferStream:
         if self._call is not None:
             self._call.cancel()
             self._call = None
+
+
+def with_id(payload: bytes, request_id: str) -> bytes:
+    """A serialized ModelInferRequest with its `id` (field 3) set to `request_id`: a field
+    appended to a message overrides an earlier value, so the pool's bytes need no re-serializing."""
+    raw = request_id.encode()
+    if len(raw) > 127:
+        raise ValueError("request id too long for a one-byte length")
+    return payload + bytes((0x1A, len(raw))) + raw
+
+
+class _MuxStream:
+    """One stream of a StreamMux: its writes one at a time, its requests waiting for answers."""
+
+    def __init__(self, method):
+        self.call = method()
+        self.waiting: dict[str, asyncio.Future] = {}
+        self.write_lock = asyncio.Lock()
+        self.ended: str | None = None  # the status the stream ended with
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        code = "UNAVAILABLE"  # the server closed the stream
+        try:
+            while isinstance(blob := await self.call.read(), bytes):
+                answer = ipb.ModelStreamInferResponse.FromString(blob)
+                fut = self.waiting.pop(answer.infer_response.id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(stream_status(blob))
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code().name
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            self.ended = code
+            for fut in self.waiting.values():
+                if not fut.done():
+                    fut.set_result(code)
+            self.waiting.clear()
+
+    def close(self) -> None:
+        self.reader.cancel()
+        self.call.cancel()
+
+
+class StreamMux:
+    """Open loop over a few ModelStreamInfer streams.
+
+    Requests go out round-robin, each with an id of its own, without waiting for
+    earlier answers; answers come back as the server finishes them and are matched
+    by `id` (batchline echoes it on errors too). A stream that ends fails what
+    waits on it with its status and is replaced. As on InferStream, the budget
+    travels in `timeout` and the client waits STREAM_GRACE_S longer than it.
+    """
+
+    def __init__(self, method, streams: int):
+        self._method = method
+        self._streams: list[_MuxStream | None] = [None] * max(1, streams)
+        self._next = 0
+        self._seq = 0
+
+    async def infer(self, payload: bytes, timeout_s: float | None) -> tuple[str, float]:
+        t = time.perf_counter()
+        k = self._next
+        self._next = (k + 1) % len(self._streams)
+        stream = self._streams[k]
+        if stream is None or stream.ended:
+            stream = self._streams[k] = _MuxStream(self._method)
+        self._seq += 1
+        request_id = f"bench-{self._seq}"
+        fut = asyncio.get_running_loop().create_future()
+        stream.waiting[request_id] = fut
+        try:
+            async with stream.write_lock:
+                await stream.call.write(with_id(payload, request_id))
+            code = await (fut if timeout_s is None else asyncio.wait_for(fut, timeout_s + STREAM_GRACE_S))
+        except asyncio.TimeoutError:
+            code = "DEADLINE_EXCEEDED"
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code().name
+        finally:
+            stream.waiting.pop(request_id, None)
+        return code, time.perf_counter() - t
+
+    def close(self) -> None:
+        for stream in self._streams:
+            if stream is not None:
+                stream.close()
 
 
 def _summarize(step: StepResult, rec: _Recorder, window: float, before, after, budget_ms: float | None) -> StepResult:
@@ -377,8 +471,10 @@ async def open_step(
     drain_timeout_s: float | None = None,
     seed: int = 0,
     progress: Progress | None = None,
+    streaming: bool = False,
 ) -> StepResult:
-    """Send on a pre-drawn schedule without waiting for answers; requests scheduled in the
+    """Send on a pre-drawn schedule without waiting for answers (as unary calls, or with
+    `streaming` spread over a few ModelStreamInfer streams); requests scheduled in the
     `duration` window after `warmup` are measured, and the step waits for all their answers."""
     if rate <= 0 and not burst:
         raise BenchError("an open-loop step needs a rate > 0 or a burst")
@@ -395,8 +491,11 @@ async def open_step(
     ticker = asyncio.create_task(_ticker(progress, start, rec))
     before = asyncio.create_task(_counts_at(ep, start + warmup))
 
+    mux = ep.stream_mux() if streaming else None
+    infer = mux.infer if mux else ep.infer
+
     async def one(payload: bytes, record: bool) -> None:
-        code, latency = await ep.infer(payload, timeout)
+        code, latency = await infer(payload, timeout)
         if record:
             rec.add(code, latency)
 
@@ -434,7 +533,10 @@ async def open_step(
         progress.close()
         for task in pending:
             task.cancel()
-    step = StepResult(mode="open", rate=rate, burst=burst, budget_ms=budget_ms, rows_per_request=pool.rows)
+        if mux:
+            mux.close()
+    step = StepResult(mode="open", rate=rate, burst=burst, budget_ms=budget_ms, rows_per_request=pool.rows,
+                      streaming=streaming)
     step = _summarize(step, rec, window, await before, after, budget_ms)
     step.offered_rps = (len(schedule) - measured_from) / window
     return step
