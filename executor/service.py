@@ -291,8 +291,9 @@ class Executor:
         for m in members:
             replies[m.entry.gateway_id].append(self._reply(model, m).SerializeToString())
         t3 = time.perf_counter_ns()
+        ran_until_us = start_us + (t2 - t0) // 1000 if t2 > t1 else 0
         with _phase("write", traced):
-            await self._write(batch, model, members, replies, start_us, (t1 - t0, t2 - t_run, t3 - t2))
+            await self._write(batch, model, members, replies, start_us, (t1 - t0, t2 - t_run, t3 - t2), ran_until_us)
         if traced:
             rows = sum(m.rows for m in batch.members)
             for e in batch.members:
@@ -345,7 +346,7 @@ class Executor:
             response.raw_output_contents.append(raw)
         return pb.Reply(request_id=m.entry.request_id, code=0, response=response)
 
-    async def _write(self, batch, model, members, replies, start_us, phases) -> None:
+    async def _write(self, batch, model, members, replies, start_us, phases, ran_until_us: int = 0) -> None:
         input_ns, infer_ns, output_ns = phases
         done_us = now_us()
         ok = [m for m in members if m.error is None and m.outputs is not None]
@@ -361,6 +362,7 @@ class Executor:
             compute_infer_ns=infer_ns,
             compute_output_ns=output_ns,
             failed=len(members) - len(ok),
+            ran_until_us=ran_until_us,
         )
         async with self.redis.pipeline(transaction=False) as pipe:
             for gateway_id, items in replies.items():

@@ -188,13 +188,18 @@ def plan(
     return out
 
 
-def free_after(now: float, batches: Iterable[tuple[float, float]]) -> float:
+def free_after(now: float, batches: Iterable[tuple[float, float]], not_before: float = float("-inf")) -> float:
     """When an executor runs out of the work sent to it: `batches` are (planned start, predicted
     cost), run one after another. The first is running; past its predicted end without a report
-    it is late, not starting over: taken to end now, the others after it."""
+    it is late, not starting over: taken to end now, the others after it.
+
+    `not_before` is when the executor's last reported run ended: a batch fetched while an
+    earlier one overran waited for it, so the first cannot have started before then. Without
+    it, the lag of one overrun batch would carry over, unseen, to every batch planned after.
+    """
     t = float("-inf")
     for i, (start, cost) in enumerate(sorted(batches)):
-        t = max(t, start) + cost
+        t = max(t, start, not_before if i == 0 else t) + cost
         if i == 0:
             t = max(t, now)
     return max(now, t)

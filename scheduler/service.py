@@ -67,6 +67,7 @@ class Scheduler:
         self._ledger: dict[str, dict[str, tuple[float, float]]] = {}
         self._load_at: dict[tuple[str, str], float] = {}
         self._idle_at: dict[str, float] = {}  # when each executor is predicted to run out of work
+        self._ran_until: dict[str, float] = {}  # when each executor's last reported run ended
         self._blocked: set[str] = set()  # queues waiting for an executor, not for company
         self._levels_reported: dict[tuple[str, str], set[int]] = {}  # priority levels with a pending gauge
         self._wake = asyncio.Event()
@@ -271,13 +272,17 @@ class Scheduler:
         for bid in held - ledger.keys():
             # Sent by an earlier leader: assume it just started.
             ledger[bid] = (now, self.settings.default_execution_ms / 1000)
-        t = free_after(now, ledger.values())
+        t = free_after(now, ledger.values(), self._ran_until.get(eid, float("-inf")))
         self._idle_at[eid] = t
         return float("inf") if len(held) >= self.settings.max_batches_per_executor else t
 
     def _observe(self, reports: list[bytes]) -> None:
         for blob in reports:
             r = pb.ExecutionReport.FromString(blob)
+            if r.ran_until_us:
+                until = r.ran_until_us / 1e6
+                if until > self._ran_until.get(r.executor_id, 0.0):
+                    self._ran_until[r.executor_id] = until
             if r.rows:
                 seconds = (r.compute_input_ns + r.compute_infer_ns + r.compute_output_ns) / 1e9
                 kind = self._kind(r.executor_id, (r.model_name, r.model_version))

@@ -623,6 +623,16 @@ def test_an_executor_is_free_when_its_batches_are_predicted_done():
     assert free_after(3.0, []) == 3.0
 
 
+def test_a_batch_fetched_behind_an_overrun_starts_when_that_run_ended():
+    # Planned to start at 1.0 (the batch ahead's predicted end) for 0.5 s; the batch ahead
+    # reported its run ended at 1.3: this one started then, and frees the executor at 1.8.
+    assert free_after(1.1, [(1.0, 0.5)], not_before=1.3) == 1.8
+    # ... and pushes what is queued behind it too.
+    assert free_after(1.1, [(1.0, 0.5), (1.5, 0.25)], not_before=1.3) == 2.05
+    # A run that ended before the planned start changes nothing.
+    assert free_after(1.1, [(1.0, 0.5)], not_before=0.9) == 1.5
+
+
 def test_tail_cuts_batches_to_preferred_sizes_like_the_plan():
     queue = [req(f"r{i}") for i in range(20)]
     # max 32, preferred 8 and 16: 20 queued go as 16, then 4.

@@ -172,14 +172,19 @@ def test_warm_up_seeds_the_profile_and_a_restarted_scheduler_loads_it(mesh_facto
     again = m.call(SchedulerApp(SchedulerSettings(redis_url=m.redis_url, port=0, metrics_port=-1)).start())
     m.scheduler = again
     channel, stub = _stub(m)
+    before = time.time()
     with channel:
         stub.ModelInfer(_request(), timeout=10)
+    answered = time.time()
     loaded = again.scheduler.profiles[key]
     assert len(loaded) >= len(profile)  # it started from the saved samples, not from nothing
     # ... still told apart: the warm-up runs, and the one real batch that now steers the fit.
     assert {rows for rows, _ in loaded.warm_up_samples()} == {1, 2, 4, 8, 16, 32, 64}
     _wait(lambda: len(loaded.samples()) >= 1, "the request's execution report")
     assert {rows for rows, _ in loaded.samples()} == {1}
+    # The report said when the batch released the model: batches fetched behind it date their start from it.
+    [executor_id] = [e.settings.executor_id for e in m.executors]
+    assert before < again.scheduler._ran_until[executor_id] < answered
 
 
 def test_overload_is_refused_at_once_with_a_retry_hint(mesh_factory):

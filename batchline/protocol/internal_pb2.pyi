@@ -64,7 +64,7 @@ class Reply(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[_inference_pb2.ModelInferResponse, _Mapping]] = ...) -> None: ...
 
 class ExecutionReport(_message.Message):
-    __slots__ = ("executor_id", "batch_id", "model_name", "model_version", "rows", "requests", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "failed", "warmup")
+    __slots__ = ("executor_id", "batch_id", "model_name", "model_version", "rows", "requests", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "failed", "warmup", "ran_until_us")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class ExecutionReport(_message.Message):
     COMPUTE_OUTPUT_NS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     WARMUP_FIELD_NUMBER: _ClassVar[int]
+    RAN_UNTIL_US_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     batch_id: str
     model_name: str
@@ -87,7 +88,8 @@ class ExecutionReport(_message.Message):
     compute_output_ns: int
     failed: int
     warmup: bool
-    def __init__(self, executor_id: _Optional[str] = ..., batch_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., rows: _Optional[int] = ..., requests: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., failed: _Optional[int] = ..., warmup: _Optional[bool] = ...) -> None: ...
+    ran_until_us: int
+    def __init__(self, executor_id: _Optional[str] = ..., batch_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., rows: _Optional[int] = ..., requests: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., failed: _Optional[int] = ..., warmup: _Optional[bool] = ..., ran_until_us: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "datatype", "shape")
