@@ -197,9 +197,9 @@ def free_after(now: float, batches: Iterable[tuple[float, float]], not_before: f
     earlier one overran waited for it, so the first cannot have started before then. Without
     it, the lag of one overrun batch would carry over, unseen, to every batch planned after.
     """
-    t = float("-inf")
+    t = not_before
     for i, (start, cost) in enumerate(sorted(batches)):
-        t = max(t, start, not_before if i == 0 else t) + cost
+        t = max(t, start) + cost
         if i == 0:
             t = max(t, now)
     return max(now, t)
