@@ -196,7 +196,11 @@ class Endpoint:
 
 def stream_status(blob: bytes) -> str:
     """The status name of one ModelStreamInferResponse (serialized)."""
-    message = ipb.ModelStreamInferResponse.FromString(blob).error_message
+    return _answer_status(ipb.ModelStreamInferResponse.FromString(blob))
+
+
+def _answer_status(answer: ipb.ModelStreamInferResponse) -> str:
+    message = answer.error_message
     if not message:
         return "OK"
     if message.startswith("["):
@@ -273,7 +277,7 @@ class _MuxStream:
                 answer = ipb.ModelStreamInferResponse.FromString(blob)
                 fut = self.waiting.pop(answer.infer_response.id, None)
                 if fut is not None and not fut.done():
-                    fut.set_result(stream_status(blob))
+                    fut.set_result(_answer_status(answer))
         except grpc.aio.AioRpcError as exc:
             code = exc.code().name
         except asyncio.CancelledError:
