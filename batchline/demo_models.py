@@ -89,6 +89,9 @@ MINILM_CONFIG = """\
 max_batch_size = 32
 max_queue_delay_ms = 5.0
 default_timeout_ms = 5000
+# Two batches at once, each on half the cores: a run spread over every core stalls whenever
+# the gateway or Redis, on the same host, preempts one of its threads.
+instance_count = 2
 # Variable-length requests are padded with these values to batch them together;
 # padding is exact for this model because attention_mask masks the padded tokens.
 [padding]

@@ -3,22 +3,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 from batchline import metrics
 from batchline.lifecycle import stop_tasks
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import internal_pb2, internal_pb2_grpc
-from executor.repository import load_repository
+from executor.repository import LoadedModel, load_repository
 from executor.service import Executor, ExecutorControl
 from executor.settings import ExecutorSettings
 
 log = logging.getLogger(__name__)
 
 
+def lane_id(executor_id: str, lane: int) -> str:
+    return executor_id if lane == 0 else f"{executor_id}#{lane}"
+
+
+def executor_lanes(settings: ExecutorSettings, models: list[LoadedModel]) -> list[Executor]:
+    """One Executor per lane: lane i holds the models with more than i instances.
+
+    To the scheduler each lane is an executor of its own (its own id, work list and
+    registration), so a model with instance_count 2 gets two batches planned and run
+    at once, each predicted from the same latency profile. Lane 0 holds every model
+    and keeps the configured executor id.
+    """
+    base = settings.executor_id or f"exec-{uuid.uuid4().hex[:12]}"
+    lanes = max(m.instances for m in models)
+    return [Executor(settings, [m for m in models if m.instances > i], lane_id(base, i)) for i in range(lanes)]
+
+
 class ExecutorApp:
     def __init__(self, settings: ExecutorSettings):
         self.settings = settings
-        self.executor: Executor | None = None
+        self.executor: Executor | None = None  # the first lane: it holds every model
+        self.lanes: list[Executor] = []
         self.server: ServerHandle | None = None
         self._health: asyncio.Task | None = None
         self.metrics_port = -1
@@ -33,7 +52,8 @@ class ExecutorApp:
             load_repository, s.model_repository, s.models or None, s.providers, s.trt_engine_cache_dir, s.intra_op_threads,
             s.allow_spinning,
         )
-        self.executor = Executor(s, models)
+        self.lanes = executor_lanes(s, models)
+        self.executor = self.lanes[0]
         if s.warmup:
             await asyncio.to_thread(self.executor.warmup)
 
@@ -43,7 +63,8 @@ class ExecutorApp:
 
         self.metrics_port = metrics.start_metrics_server(self.settings.host, self.settings.metrics_port)
         self.server = await start_server(s.host, s.port, register)
-        await self.executor.start(f"{s.host}:{self.server.port}")
+        for lane in self.lanes:
+            await lane.start(f"{s.host}:{self.server.port}")
         self._health = asyncio.create_task(self.server.watch_redis(self.executor.redis))
         return self
 
@@ -53,9 +74,9 @@ class ExecutorApp:
             await self.server.start_draining()
         if self._health:
             await stop_tasks([self._health])
-        if self.executor:
-            await self.executor.drain(self.settings.drain_timeout_s)
-            await self.executor.stop()
+        if self.lanes:
+            await asyncio.gather(*(lane.drain(self.settings.drain_timeout_s) for lane in self.lanes))
+            await asyncio.gather(*(lane.stop() for lane in self.lanes))
         if self.server:
             await self.server.stop(grace)
         metrics.stop_metrics_server(self.metrics_port)

@@ -12,6 +12,9 @@ preferred_batch_sizes      batch sizes to send as soon as they are reached; with
 default_priority           priority of a request that names none; 1 is highest (1)
 priority_levels            number of priority levels; 0 = any value is accepted (0)
 max_queue_size             queued requests beyond which new ones are refused; 0 = no cap (0)
+instance_count             batches of this model an executor runs at once, like Triton's
+                           instance_group count; each run gets cores / instance_count
+                           intra-op threads unless the executor sets intra_op_threads (1)
 [padding]                  input name -> pad value: inputs whose non-batch dims may be
                            padded so that requests of different lengths share a batch
 providers                  execution providers for this model, overriding the executor's
@@ -21,6 +24,7 @@ providers                  execution providers for this model, overriding the ex
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 import tomllib
 from dataclasses import dataclass, field
@@ -42,6 +46,7 @@ _CONFIG_DEFAULTS: dict[str, Any] = {
     "default_priority": 1,
     "priority_levels": 0,
     "max_queue_size": 0,
+    "instance_count": 1,
     "padding": {},
     "providers": None,
     "provider_options": {},
@@ -57,6 +62,7 @@ class LoadedModel:
     info: pb.ModelInfo
     session: ort.InferenceSession
     padding: dict[str, Any] = field(default_factory=dict)
+    instances: int = 1  # batches run at once: each instance is a lane the scheduler dispatches to
 
     @property
     def string_inputs(self) -> list[str]:
@@ -83,6 +89,8 @@ def read_config(model_dir: pathlib.Path) -> dict[str, Any]:
         config.update(loaded)
     if config["max_batch_size"] < 0:
         raise RepositoryError(f"{path}: max_batch_size must be >= 0")
+    if not isinstance(config["instance_count"], int) or config["instance_count"] < 1:
+        raise RepositoryError(f"{path}: instance_count must be an integer >= 1")
     return config
 
 
@@ -94,6 +102,18 @@ def choose_providers(
     if not any(p == "CPUExecutionProvider" for p, _ in chosen):
         chosen.append(("CPUExecutionProvider", {}))
     return chosen
+
+
+def intra_op_threads_for(instances: int, configured: int = 0) -> int:
+    """Intra-op threads of one run when `instances` runs of the model go at once (0: ONNX Runtime's default).
+
+    Two runs that each spread over every core only contend; and one run spread over cores that
+    other processes also use stalls at each operator's barrier whenever one of its threads is
+    preempted. Runs on a share of the cores each avoid both.
+    """
+    if configured or instances <= 1:
+        return configured
+    return max(1, len(os.sched_getaffinity(0)) // instances)
 
 
 def create_session(
@@ -143,7 +163,8 @@ def load_model(
     trt.setdefault("trt_engine_cache_enable", True)
     trt.setdefault("trt_engine_cache_path", trt_cache_dir or str(version_dir / "trt_cache"))
     chosen = choose_providers(config["providers"] or providers, options, ort.get_available_providers())
-    session = create_session(path, chosen, intra_op_threads, allow_spinning)
+    instances = int(config["instance_count"])
+    session = create_session(path, chosen, intra_op_threads_for(instances, intra_op_threads), allow_spinning)
     batched = config["max_batch_size"] > 0
     inputs = _tensor_specs(session.get_inputs(), batched)
     outputs = _tensor_specs(session.get_outputs(), batched)
@@ -173,7 +194,7 @@ def load_model(
         padded_inputs=sorted(padding),
         max_queue_size=int(config["max_queue_size"]),
     )
-    return LoadedModel(info=info, session=session, padding=padding)
+    return LoadedModel(info=info, session=session, padding=padding, instances=instances)
 
 
 def load_repository(
@@ -201,8 +222,8 @@ def load_repository(
                 allow_spinning,
             )
             log.info(
-                "loaded %s version %s on %s (max_batch_size %d)",
-                model.name, model.version, list(model.info.providers), model.info.max_batch_size,
+                "loaded %s version %s on %s (max_batch_size %d, %d instance(s))",
+                model.name, model.version, list(model.info.providers), model.info.max_batch_size, model.instances,
             )
             models.append(model)
     if only:

@@ -51,9 +51,9 @@ class _Member:
 
 
 class Executor:
-    def __init__(self, settings: ExecutorSettings, models: list[LoadedModel]):
+    def __init__(self, settings: ExecutorSettings, models: list[LoadedModel], executor_id: str = ""):
         self.settings = settings
-        self.executor_id = settings.executor_id or f"exec-{uuid.uuid4().hex[:12]}"
+        self.executor_id = executor_id or settings.executor_id or f"exec-{uuid.uuid4().hex[:12]}"
         self.models = {(m.name, m.version): m for m in models}
         self.redis = connect(settings.redis_url, settings.redis_timeout_s)
         self.blocking = connect_blocking(settings.redis_url, settings.redis_timeout_s)
@@ -61,9 +61,9 @@ class Executor:
         self.started_us = now_us()
         self.executed_batches = 0
         self.busy_batches = 0
-        # ONNX Runtime already spreads one run over every core: running two
-        # at once only adds contention, so runs are serialised while fetching
-        # and answering overlap with them.
+        # One run at a time per executor id, while fetching and answering overlap with it: a
+        # model's runs use its share of the cores (all of them, unless instance_count splits
+        # them), and a model with more instances gets more ids (executor lanes, executor/app.py).
         self._compute = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._workers: list[asyncio.Task] = []

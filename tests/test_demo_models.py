@@ -161,6 +161,7 @@ def test_configs(repo):
         "max_batch_size": 32,
         "max_queue_delay_ms": 5.0,
         "default_timeout_ms": 5000,
+        "instance_count": 2,
         "padding": {"input_ids": 0, "attention_mask": 0},
     }
     mlp = tomllib.loads((repo / "mlp" / "config.toml").read_text())

@@ -1,12 +1,15 @@
 """Model repository loading and execution-provider selection (real ONNX Runtime sessions)."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import onnxruntime as ort
 import pytest
 
-from executor.repository import RepositoryError, choose_providers, create_session, load_repository, read_config
+from executor.repository import (
+    RepositoryError, choose_providers, create_session, intra_op_threads_for, load_repository, read_config,
+)
 from executor.settings import DEFAULT_PROVIDERS
 
 
@@ -63,3 +66,22 @@ def test_config_errors_name_the_problem(tmp_path, model_repository):
     (model / "config.toml").write_text("max_batch_size = 4\n")
     (loaded,) = load_repository(tmp_path)
     assert loaded.info.max_batch_size == 4 and loaded.info.default_timeout_ms == 10_000
+
+
+def test_instance_count_splits_the_cores_between_runs_unless_threads_are_configured(tmp_path, model_repository):
+    cores = len(os.sched_getaffinity(0))
+    assert intra_op_threads_for(1) == 0  # one run at a time: ONNX Runtime's own default
+    assert intra_op_threads_for(2) == max(1, cores // 2)
+    assert intra_op_threads_for(4 * cores) == 1
+    assert intra_op_threads_for(2, configured=3) == 3  # the executor's intra_op_threads wins
+    model = tmp_path / "m"
+    (model / "1").mkdir(parents=True)
+    shutil.copy(model_repository / "mlp" / "1" / "model.onnx", model / "1" / "model.onnx")
+    (model / "config.toml").write_text("instance_count = 0\n")
+    with pytest.raises(RepositoryError, match="instance_count must be an integer >= 1"):
+        read_config(model)
+    (model / "config.toml").write_text("instance_count = 3\n")
+    (loaded,) = load_repository(tmp_path)
+    assert loaded.instances == 3
+    (model / "config.toml").write_text("")
+    assert load_repository(tmp_path)[0].instances == 1

@@ -310,6 +310,37 @@ def test_max_queue_size_refuses_with_resource_exhausted(mesh_factory, model_repo
         m.stop()
 
 
+def test_a_model_with_two_instances_runs_on_two_lanes_of_one_executor(model_repository, tmp_path):
+    repo = pathlib.Path(tmp_path) / "repo"
+    shutil.copytree(pathlib.Path(model_repository) / "mlp", repo / "mlp")
+    shutil.copytree(pathlib.Path(model_repository) / "minilm", repo / "minilm")
+    config = repo / "mlp" / "config.toml"
+    # Batches of 2: 16 requests at once make more batches than one lane takes.
+    config.write_text(config.read_text().replace("max_batch_size = 64", "max_batch_size = 2") + "\ninstance_count = 2\n")
+    (repo / "minilm" / "config.toml").write_text(
+        (repo / "minilm" / "config.toml").read_text().replace("instance_count = 2", "instance_count = 1"))
+    from mesh import Mesh
+
+    m = Mesh(None, str(repo), models=["mlp", "minilm"]).start()
+    try:
+        r = redis.Redis.from_url(m.redis_url)
+        eid = m.executors[0].executor.executor_id
+        lanes = {e: pb.ExecutorInfo.FromString(r.get(contract.executor(e))) for e in (eid, f"{eid}#1")}
+        # One process, two ids to the scheduler; the second lane holds only the model with two instances.
+        assert {x.address for x in lanes.values()} == {lanes[eid].address}
+        assert [x.name for x in lanes[eid].models] == ["minilm", "mlp"]
+        assert [x.name for x in lanes[f"{eid}#1"].models] == ["mlp"]
+        channel, stub = _stub(m)
+        futures = [stub.ModelInfer.future(_request(i), timeout=30) for i in range(16)]
+        assert all(f.result().id == "t" for f in futures)
+        channel.close()
+        ran = {e: pb.ExecutorInfo.FromString(r.get(contract.executor(e))).executed_batches for e in lanes}
+        _wait(lambda: all(pb.ExecutorInfo.FromString(r.get(contract.executor(e))).executed_batches for e in lanes),
+              f"both lanes to report batches run (so far {ran})")
+    finally:
+        m.stop()
+
+
 def test_a_stopping_executor_finishes_the_batch_sent_to_it(mesh_factory):
     m = mesh_factory(models=["mlp"], executors=2)
     r = _hold_lease(m)
