@@ -50,7 +50,7 @@ class ExecutorApp:
         s = self.settings
         models = await asyncio.to_thread(
             load_repository, s.model_repository, s.models or None, s.providers, s.trt_engine_cache_dir, s.intra_op_threads,
-            s.allow_spinning,
+            s.allow_spinning, s.cpu_cores,
         )
         self.lanes = executor_lanes(s, models)
         self.executor = self.lanes[0]

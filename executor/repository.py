@@ -13,7 +13,7 @@ default_priority           priority of a request that names none; 1 is highest (
 priority_levels            number of priority levels; 0 = any value is accepted (0)
 max_queue_size             queued requests beyond which new ones are refused; 0 = no cap (0)
 instance_count             batches of this model an executor runs at once, like Triton's
-                           instance_group count; each run gets cores / instance_count
+                           instance_group count; each run gets cpu_cores / instance_count
                            intra-op threads unless the executor sets intra_op_threads (1)
 [padding]                  input name -> pad value: inputs whose non-batch dims may be
                            padded so that requests of different lengths share a batch
@@ -104,16 +104,20 @@ def choose_providers(
     return chosen
 
 
-def intra_op_threads_for(instances: int, configured: int = 0) -> int:
+def intra_op_threads_for(instances: int, configured: int = 0, cores: int = 0) -> int:
     """Intra-op threads of one run when `instances` runs of the model go at once (0: ONNX Runtime's default).
 
-    Two runs that each spread over every core only contend; and one run spread over cores that
-    other processes also use stalls at each operator's barrier whenever one of its threads is
-    preempted. Runs on a share of the cores each avoid both.
+    `configured` (the executor's intra_op_threads) wins; else the runs share `cores` (the
+    executor's cpu_cores; 0: the cores this process may run on). Two runs that each spread over
+    every core only contend; and one run spread over cores that other processes also use stalls
+    at each operator's barrier whenever one of its threads is preempted. Runs on a share of the
+    cores each avoid both.
     """
-    if configured or instances <= 1:
+    if configured:
         return configured
-    return max(1, len(os.sched_getaffinity(0)) // instances)
+    if not cores and instances <= 1:
+        return 0
+    return max(1, (cores or len(os.sched_getaffinity(0))) // instances)
 
 
 def create_session(
@@ -154,6 +158,7 @@ def load_model(
     trt_cache_dir: str,
     intra_op_threads: int,
     allow_spinning: bool = True,
+    cpu_cores: int = 0,
 ) -> LoadedModel:
     name, version = model_dir.name, version_dir.name
     path = version_dir / "model.onnx"
@@ -164,7 +169,7 @@ def load_model(
     trt.setdefault("trt_engine_cache_path", trt_cache_dir or str(version_dir / "trt_cache"))
     chosen = choose_providers(config["providers"] or providers, options, ort.get_available_providers())
     instances = int(config["instance_count"])
-    session = create_session(path, chosen, intra_op_threads_for(instances, intra_op_threads), allow_spinning)
+    session = create_session(path, chosen, intra_op_threads_for(instances, intra_op_threads, cpu_cores), allow_spinning)
     batched = config["max_batch_size"] > 0
     inputs = _tensor_specs(session.get_inputs(), batched)
     outputs = _tensor_specs(session.get_outputs(), batched)
@@ -204,6 +209,7 @@ def load_repository(
     trt_cache_dir: str = "",
     intra_op_threads: int = 0,
     allow_spinning: bool = True,
+    cpu_cores: int = 0,
 ) -> list[LoadedModel]:
     root = pathlib.Path(root)
     if not root.is_dir():
@@ -219,7 +225,7 @@ def load_repository(
         for version_dir in versions:
             model = load_model(
                 model_dir, version_dir, config, providers or ["CPUExecutionProvider"], trt_cache_dir, intra_op_threads,
-                allow_spinning,
+                allow_spinning, cpu_cores,
             )
             log.info(
                 "loaded %s version %s on %s (max_batch_size %d, %d instance(s))",

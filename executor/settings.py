@@ -30,7 +30,15 @@ class ExecutorSettings(CommonSettings):
     trt_engine_cache_dir: str = Field(
         "", description="TensorRT engine cache directory (default: <repo>/<model>/<version>/trt_cache)."
     )
-    intra_op_threads: int = Field(0, description="ONNX Runtime intra-op threads per session (0 = ONNX Runtime's default).")
+    intra_op_threads: int = Field(
+        0, description="ONNX Runtime intra-op threads of every run (0 = cpu_cores / the model's instance_count, or "
+        "ONNX Runtime's default when neither is set)."
+    )
+    cpu_cores: int = Field(
+        0, description="Cores the model runs share (0 = the cores this process may run on): a model with "
+        "instance_count N runs each batch on cpu_cores / N intra-op threads. Set it to a container's CPU limit, "
+        "which neither ONNX Runtime nor the affinity mask sees."
+    )
     allow_spinning: bool = Field(
         False,
         description="Let ONNX Runtime's worker threads busy-wait for work between runs (its own default). Off here: "

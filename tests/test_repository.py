@@ -74,6 +74,8 @@ def test_instance_count_splits_the_cores_between_runs_unless_threads_are_configu
     assert intra_op_threads_for(2) == max(1, cores // 2)
     assert intra_op_threads_for(4 * cores) == 1
     assert intra_op_threads_for(2, configured=3) == 3  # the executor's intra_op_threads wins
+    # cpu_cores (a container's CPU limit) is what the instances share, one instance included.
+    assert [intra_op_threads_for(n, cores=4) for n in (1, 2, 3, 8)] == [4, 2, 1, 1]
     model = tmp_path / "m"
     (model / "1").mkdir(parents=True)
     shutil.copy(model_repository / "mlp" / "1" / "model.onnx", model / "1" / "model.onnx")
