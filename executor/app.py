@@ -58,7 +58,7 @@ class ExecutorApp:
             await asyncio.to_thread(self.executor.warmup)
 
         def register(server):
-            internal_pb2_grpc.add_ExecutorServicer_to_server(ExecutorControl(self.executor), server)
+            internal_pb2_grpc.add_ExecutorServicer_to_server(ExecutorControl(self.lanes), server)
             return [internal_pb2.DESCRIPTOR.services_by_name["Executor"].full_name]
 
         self.metrics_port = metrics.start_metrics_server(self.settings.host, self.settings.metrics_port)

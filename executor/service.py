@@ -423,8 +423,13 @@ class Executor:
 
 
 class ExecutorControl(internal_pb2_grpc.ExecutorServicer):
-    def __init__(self, executor: Executor):
-        self.executor = executor
+    """The process's status: its first lane's (which holds every model), with the batch counts of all lanes."""
+
+    def __init__(self, lanes: list[Executor]):
+        self.lanes = lanes
 
     async def Status(self, request, context):
-        return self.executor.info()
+        info = self.lanes[0].info()
+        info.busy_batches = sum(lane.busy_batches for lane in self.lanes)
+        info.executed_batches = sum(lane.executed_batches for lane in self.lanes)
+        return info

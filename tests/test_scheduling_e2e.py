@@ -21,6 +21,7 @@ from batchline.clock import now_us
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
 from batchline.protocol import internal_pb2 as pb
+from batchline.protocol import internal_pb2_grpc
 from scheduler.app import SchedulerApp
 from scheduler.settings import SchedulerSettings
 
@@ -337,6 +338,12 @@ def test_a_model_with_two_instances_runs_on_two_lanes_of_one_executor(model_repo
         ran = {e: pb.ExecutorInfo.FromString(r.get(contract.executor(e))).executed_batches for e in lanes}
         _wait(lambda: all(pb.ExecutorInfo.FromString(r.get(contract.executor(e))).executed_batches for e in lanes),
               f"both lanes to report batches run (so far {ran})")
+        # The process's control endpoint counts the batches of both lanes.
+        app = m.executors[0]
+        with grpc.insecure_channel(f"127.0.0.1:{app.port}") as control:
+            status = internal_pb2_grpc.ExecutorStub(control).Status(pb.StatusRequest(), timeout=5)
+        assert status.executor_id == eid
+        assert status.executed_batches == sum(lane.executed_batches for lane in app.lanes) >= 8
     finally:
         m.stop()
 
