@@ -14,8 +14,8 @@
    --streaming), which spare gateway and client most of gRPC's per-call cost.
 3. Prints mesh / ceiling, per way of calling; and, for scale, mesh / the ceiling's batch size and
    way timed for --duration seconds at a stretch, as long as a mesh step (the ceiling itself is
-   the best of many 1 s rounds, an upper bound on a shared host). The two phases run one after the other, never at
-   the same time.
+   the best of many 1 s rounds, an upper bound on a shared host). The two phases run one after
+   the other, never at the same time.
 """
 from __future__ import annotations
 
@@ -42,63 +42,58 @@ ONE_RUN = "one run over all cores"
 PER_CORE = "one 1-thread run per core"
 
 
-def _timed(session, feed: dict, rows: int) -> float:
-    """Sequences/s of back-to-back runs for RUN_S seconds (at least 2 runs)."""
+def _timed(session, feed: dict, rows: int, seconds: float) -> float:
+    """Sequences/s of back-to-back runs for `seconds` (at least 2 runs)."""
     runs, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < RUN_S or runs < 2:
+    while (elapsed := time.perf_counter() - start) < seconds or runs < 2:
         session.run(None, feed)
         runs += 1
     return rows * runs / elapsed
 
 
-def ort_ceiling(model_path: pathlib.Path, seq_len: int) -> tuple[float, int, str, dict[str, dict[int, float]]]:
-    import onnxruntime as ort
+def _rate(way: str, session, feed: dict, rows: int, seconds: float, pool: ThreadPoolExecutor, cores: int) -> float:
+    if way == ONE_RUN:
+        return _timed(session, feed, rows, seconds)
+    # One session, `cores` runs at once: ONNX Runtime's runs are thread-safe.
+    return sum(pool.map(lambda _: _timed(session, feed, rows, seconds), range(cores)))
 
+
+def _session(model_path: pathlib.Path, way: str):
     from executor.repository import create_session
 
-    cores = len(os.sched_getaffinity(0))
-    cpu = [("CPUExecutionProvider", {})]
     # ONNX Runtime's own defaults otherwise (spinning on, unlike the executor), as in earlier sessions.
-    sessions = {ONE_RUN: create_session(model_path, cpu, intra_op_threads=0),
-                PER_CORE: create_session(model_path, cpu, intra_op_threads=1)}
-    assert all(isinstance(s, ort.InferenceSession) for s in sessions.values())
+    return create_session(model_path, [("CPUExecutionProvider", {})], intra_op_threads=0 if way == ONE_RUN else 1)
+
+
+def _feed(rng: np.random.Generator, rows: int, seq_len: int) -> dict:
+    return {"input_ids": rng.integers(1000, 29000, size=(rows, seq_len), dtype=np.int64),
+            "attention_mask": np.ones((rows, seq_len), dtype=np.int64)}
+
+
+def ort_ceiling(model_path: pathlib.Path, seq_len: int) -> tuple[float, int, str, dict[str, dict[int, float]]]:
+    cores = len(os.sched_getaffinity(0))
+    sessions = {way: _session(model_path, way) for way in (ONE_RUN, PER_CORE)}
     rng = np.random.default_rng(0)
-    feeds = {b: {"input_ids": rng.integers(1000, 29000, size=(b, seq_len), dtype=np.int64),
-                 "attention_mask": np.ones((b, seq_len), dtype=np.int64)} for b in BATCHES}
+    feeds = {b: _feed(rng, b, seq_len) for b in BATCHES}
     curves = {way: dict.fromkeys(BATCHES, 0.0) for way in sessions}
     with ThreadPoolExecutor(cores) as pool:
         for _ in range(ROUNDS):
             for b, feed in feeds.items():
                 for way, session in sessions.items():
                     session.run(None, feed)  # warm-up: allocations for this shape
-                    if way == ONE_RUN:
-                        rate = _timed(session, feed, b)
-                    else:  # one session, `cores` runs at once: ONNX Runtime runs are thread-safe
-                        rate = sum(pool.map(lambda _: _timed(session, feed, b), range(cores)))
-                    curves[way][b] = max(curves[way][b], rate)
+                    curves[way][b] = max(curves[way][b], _rate(way, session, feed, b, RUN_S, pool, cores))
     way, best = max(((w, b) for w in curves for b in BATCHES), key=lambda wb: curves[wb[0]][wb[1]])
     return curves[way][best], best, way, curves
 
 
 def ort_sustained(model_path: pathlib.Path, seq_len: int, batch: int, way: str, seconds: float) -> float:
     """Sequences/s of the ceiling's batch size and way over `seconds` at a stretch, like a mesh step."""
-    from executor.repository import create_session
-
     cores = len(os.sched_getaffinity(0))
-    session = create_session(model_path, [("CPUExecutionProvider", {})], intra_op_threads=0 if way == ONE_RUN else 1)
-    rng = np.random.default_rng(1)
-    feed = {"input_ids": rng.integers(1000, 29000, size=(batch, seq_len), dtype=np.int64),
-            "attention_mask": np.ones((batch, seq_len), dtype=np.int64)}
+    session = _session(model_path, way)
+    feed = _feed(np.random.default_rng(1), batch, seq_len)
     session.run(None, feed)
-    global RUN_S
-    saved, RUN_S = RUN_S, seconds
-    try:
-        if way == ONE_RUN:
-            return _timed(session, feed, batch)
-        with ThreadPoolExecutor(cores) as pool:
-            return sum(pool.map(lambda _: _timed(session, feed, batch), range(cores)))
-    finally:
-        RUN_S = saved
+    with ThreadPoolExecutor(cores) as pool:
+        return _rate(way, session, feed, batch, seconds, pool, cores)
 
 
 def main() -> int:

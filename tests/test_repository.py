@@ -49,14 +49,20 @@ def test_only_named_models_are_loaded_and_unknown_ones_refused(model_repository)
         load_repository(model_repository, only=["mlp", "nope"])
 
 
+def _one_model(root, model_repository):
+    """<root>/m/1/model.onnx (the demo mlp), for a config.toml of the test's own."""
+    model = root / "m"
+    (model / "1").mkdir(parents=True)
+    shutil.copy(model_repository / "mlp" / "1" / "model.onnx", model / "1" / "model.onnx")
+    return model
+
+
 def test_config_errors_name_the_problem(tmp_path, model_repository):
     with pytest.raises(RepositoryError, match="does not exist"):
         load_repository(tmp_path / "missing")
     with pytest.raises(RepositoryError, match="no models"):
         load_repository(tmp_path)
-    model = tmp_path / "m"
-    (model / "1").mkdir(parents=True)
-    shutil.copy(model_repository / "mlp" / "1" / "model.onnx", model / "1" / "model.onnx")
+    model = _one_model(tmp_path, model_repository)
     (model / "config.toml").write_text("max_batch_size = 4\nmax_batch = 3\n")
     with pytest.raises(RepositoryError, match="unknown keys.*max_batch"):
         read_config(model)
@@ -76,9 +82,7 @@ def test_instance_count_splits_the_cores_between_runs_unless_threads_are_configu
     assert intra_op_threads_for(2, configured=3) == 3  # the executor's intra_op_threads wins
     # cpu_cores (a container's CPU limit) is what the instances share, one instance included.
     assert [intra_op_threads_for(n, cores=4) for n in (1, 2, 3, 8)] == [4, 2, 1, 1]
-    model = tmp_path / "m"
-    (model / "1").mkdir(parents=True)
-    shutil.copy(model_repository / "mlp" / "1" / "model.onnx", model / "1" / "model.onnx")
+    model = _one_model(tmp_path, model_repository)
     (model / "config.toml").write_text("instance_count = 0\n")
     with pytest.raises(RepositoryError, match="instance_count must be an integer >= 1"):
         read_config(model)
