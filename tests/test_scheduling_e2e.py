@@ -331,8 +331,12 @@ def test_a_model_with_two_instances_runs_on_two_lanes_of_one_executor(model_repo
         assert {x.address for x in lanes.values()} == {lanes[eid].address}
         assert [x.name for x in lanes[eid].models] == ["minilm", "mlp"]
         assert [x.name for x in lanes[f"{eid}#1"].models] == ["mlp"]
+        # All 16 queue while the scheduler stands by, so that its first plan has 8 batches to place.
+        held = _hold_lease(m)
         channel, stub = _stub(m)
         futures = [stub.ModelInfer.future(_request(i), timeout=30) for i in range(16)]
+        _wait(lambda: held.zcard(contract.queue("mlp", "1")) == 16, "16 queued requests")
+        held.delete(contract.LEADER)
         assert all(f.result().id == "t" for f in futures)
         channel.close()
         ran = {e: pb.ExecutorInfo.FromString(r.get(contract.executor(e))).executed_batches for e in lanes}
