@@ -45,7 +45,8 @@ class ExecutorSettings(CommonSettings):
         "spinning takes cores from the gateway and scheduler on a shared host; turn it on for a dedicated executor host.",
     )
     concurrent_batches: int = Field(
-        2, description="Batches in progress at once: one computes while the next is fetched and the last is answered."
+        2, description="Batches in progress at once on each lane (a model instance): one computes while the next is fetched "
+        "and the last is answered."
     )
     nice: int = Field(
         0,
