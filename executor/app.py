@@ -36,11 +36,15 @@ def executor_lanes(settings: ExecutorSettings, models: list[LoadedModel]) -> lis
 class ExecutorApp:
     def __init__(self, settings: ExecutorSettings):
         self.settings = settings
-        self.executor: Executor | None = None  # the first lane: it holds every model
         self.lanes: list[Executor] = []
         self.server: ServerHandle | None = None
         self._health: asyncio.Task | None = None
         self.metrics_port = -1
+
+    @property
+    def executor(self) -> Executor | None:
+        """The first lane: it holds every model and keeps the configured id."""
+        return self.lanes[0] if self.lanes else None
 
     @property
     def port(self) -> int:
@@ -53,7 +57,6 @@ class ExecutorApp:
             s.allow_spinning, s.cpu_cores,
         )
         self.lanes = executor_lanes(s, models)
-        self.executor = self.lanes[0]
         if s.warmup:
             await asyncio.to_thread(self.executor.warmup)
 

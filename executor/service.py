@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -51,9 +50,9 @@ class _Member:
 
 
 class Executor:
-    def __init__(self, settings: ExecutorSettings, models: list[LoadedModel], executor_id: str = ""):
+    def __init__(self, settings: ExecutorSettings, models: list[LoadedModel], executor_id: str):
         self.settings = settings
-        self.executor_id = executor_id or settings.executor_id or f"exec-{uuid.uuid4().hex[:12]}"
+        self.executor_id = executor_id  # one lane's id (executor/app.py: executor_lanes)
         self.models = {(m.name, m.version): m for m in models}
         self.redis = connect(settings.redis_url, settings.redis_timeout_s)
         self.blocking = connect_blocking(settings.redis_url, settings.redis_timeout_s)
