@@ -42,6 +42,11 @@ REJECTED = Counter(
     "batchline_rejected", "Requests refused by admission control (reason: queue_full, overload, deadline).",
     _MV + ("reason",),
 )
+ADMISSION_HEADROOM = Gauge(
+    "batchline_admission_headroom",
+    "Share of a request's budget its predicted finish may fill to be admitted (learned from answers: admission_target).",
+    _MV,
+)
 REDIS_ROUNDTRIP = Histogram(
     "batchline_redis_roundtrip_seconds", "Duration of a Redis round trip (command or pipeline), failed ones included.",
     ("service", "op"), buckets=LATENCY_BUCKETS,

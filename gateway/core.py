@@ -16,8 +16,6 @@ import asyncio
 import logging
 import time
 import uuid
-
-
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
@@ -37,7 +35,7 @@ from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking, queue_script
 from batchline.registry import Registry
-from gateway.admission import admit
+from gateway.admission import Calibration, admit
 from gateway.settings import GatewaySettings
 from gateway.validation import request_priority, request_timeout_us, validate
 
@@ -102,6 +100,8 @@ class Gateway:
         # gateway admitted since (which that view does not show yet).
         self.loads: dict[tuple[str, str], pb.ModelLoad] = {}
         self._admitted: dict[tuple[str, str], deque[_Admitted]] = defaultdict(deque)
+        self.calibration: dict[tuple[str, str], Calibration] = defaultdict(
+            lambda: Calibration(settings.admission_target, settings.admission_headroom))
         self._last_arrival = 0.0  # time.monotonic() of the last inference request
         self._arrived = asyncio.Event()
 
@@ -289,13 +289,17 @@ class Gateway:
         if not self._arrived.is_set():
             self._arrived.set()  # wake an idle load-view loop
         admitted = None
+        calibration = None
+        predicted = limit = 0.0
         if load is not None and load.policy == "deadline" and arrived_us - load.updated_us < contract.LOAD_TTL_MS * 1000:
             admitted = self._admitted[key]
             while admitted and 0 < admitted[0].confirmed_us <= load.updated_us:
                 admitted.popleft()  # the scheduler's view already counts these
             since = sum(a.rows for a in admitted if a.priority <= priority)
-            refusal = admit(load, model, priority, rows, plan_budget, arrived_us / 1e6, since,
-                            self.settings.admission_headroom)
+            calibration = self.calibration[key] if self.settings.admission_target > 0 else None
+            headroom = calibration.headroom if calibration else self.settings.admission_headroom
+            limit = plan_budget * headroom
+            predicted, refusal = admit(load, model, priority, rows, plan_budget, arrived_us / 1e6, since, headroom)
             if refusal is not None:
                 reason = "deadline" if isinstance(refusal, DeadlineExceeded) else "overload"
                 metrics.REJECTED.labels(model.name, model.version, reason).inc()
@@ -348,6 +352,8 @@ class Gateway:
             try:
                 reply: pb.Reply = await asyncio.wait_for(fut, timeout=max(0.0, enqueued / 1e6 + budget - time.time()))
             except asyncio.TimeoutError:
+                if calibration:
+                    self._calibrate(key, calibration, predicted, limit, False)
                 raise DeadlineExceeded(
                     f"no answer from model '{model.name}' within the {_ms(budget)} budget"
                 ) from None
@@ -361,9 +367,18 @@ class Gateway:
                 fut.exception()  # failed by an outage while we were still queueing: already answered
             self._abandon(queue, member, request_id)
             raise
-        if reply.code != 0:
-            raise from_status_value(reply.code, reply.message)
+        error = from_status_value(reply.code, reply.message) if reply.code != 0 else None
+        if calibration and (error is None or isinstance(error, DeadlineExceeded)):
+            # In time: answered with room left for the way back (shed or not run: not in time).
+            self._calibrate(key, calibration, predicted, limit, error is None and now_us() - arrived_us <= plan_budget * 1e6)
+        if error is not None:
+            raise error
         return reply.response
+
+    @staticmethod
+    def _calibrate(key: tuple[str, str], calibration: Calibration, predicted: float, limit: float, in_time: bool) -> None:
+        if calibration.observe(predicted, limit, in_time):
+            metrics.ADMISSION_HEADROOM.labels(*key).set(calibration.headroom)
 
     async def _flush(self) -> None:
         """Group commit: write everything queued for Redis in one pipeline, until nothing is left."""

@@ -26,10 +26,18 @@ class GatewaySettings(CommonSettings):
         description="Refuse at once (RESOURCE_EXHAUSTED, or DEADLINE_EXCEEDED when the budget is below the model's "
         "run time) a request predicted to finish after its budget; needs the scheduler's deadline policy.",
     )
+    admission_target: float = Field(
+        0.99,
+        description="Share of admitted requests admission control aims to answer within their budget. Each "
+        "gateway moves, per model, the headroom (starting from admission_headroom) after each answer to a request "
+        "it admitted near the limit: up a little when it came in time, down more when it did not, so that it "
+        "settles where this share comes in time. 0 = a fixed admission_headroom.",
+    )
     admission_headroom: float = Field(
         0.7,
-        description="Admit a request when its predicted finish is within this fraction of its budget. The rest "
-        "is room for prediction error: on a loaded shared host batches overrun the profile's 90th percentile "
+        description="Admit a request when its predicted finish is within this fraction of its budget: where "
+        "the learned headroom starts (admission_target), or always when admission_target is 0. The rest is room "
+        "for prediction error: on a loaded shared host batches overrun the profile's 90th percentile "
         "(benchmarks/README.md); 1 admits whatever the plan says can make it.",
     )
     load_refresh_s: float = Field(

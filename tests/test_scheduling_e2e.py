@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import redis
 
-from batchline import contract
+from batchline import contract, metrics
 from batchline.clock import now_us
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
@@ -283,6 +283,34 @@ def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(me
             stub.ModelInfer(_request(4.0), timeout=0.3)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         first.cancel()
+
+
+def test_a_gateway_whose_admitted_requests_come_late_admits_less(mesh_factory):
+    from gateway.admission import Calibration
+
+    m = mesh_factory(models=["mlp"])
+    r = _hold_lease(m)  # nothing is dispatched: every admitted request times out
+    gateway = m.gateway.gateway
+    # A big step, so that one late answer shows.
+    calibration = gateway.calibration[("mlp", "1")] = Calibration(0.99, initial=0.7, step=0.2)
+    # An idle executor and 160 ms per row: a new request is predicted answered in 160 ms.
+    view = pb.ModelLoad(cost_per_row_s=0.16, executors=1, queued_rows=[0], policy="deadline",
+                        updated_us=now_us() + 60_000_000, tails=[pb.QueueTail(free_s=[time.time()])])
+    r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
+    _wait(lambda: gateway.loads.get(("mlp", "1")) == view, "the gateway to read the view")
+    channel, stub = _stub(m)
+    with channel:
+        # Budget 300 ms, planned to 290: 160 ms is within 0.7 of it, so the request is admitted, and comes late.
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(_request(1.0), timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert calibration.headroom == pytest.approx(0.7 - 0.2 * 0.99)
+        # The same request against the same view: 160 ms is past 0.5 of 290 now.
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(_request(2.0), timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "overloaded" in info.value.details()
+    assert metrics.ADMISSION_HEADROOM.labels("mlp", "1")._value.get() == pytest.approx(calibration.headroom)
 
 
 def test_max_queue_size_refuses_with_resource_exhausted(mesh_factory, model_repository, tmp_path):
