@@ -14,8 +14,8 @@ have it shed later, after it delayed others.
 How much of the budget a prediction may fill (the headroom) is learned: on a
 shared host batches overrun the profile when other processes take the CPU,
 and by how much depends on the host and the load. `Calibration` watches
-whether the requests a gateway admitted near the limit were answered in
-time and moves the headroom until the target share of them (e.g. 99%) is.
+whether the requests a gateway admitted were answered in time and moves the
+headroom until the target share of them (e.g. 99%) is.
 """
 from __future__ import annotations
 
@@ -89,21 +89,23 @@ def admit(
     now_s: float,
     admitted_since: int = 0,
     headroom: float = 1.0,
-) -> tuple[float, BatchlineError | None]:
-    """(predicted seconds to the answer, None) to admit; else (…, the error to answer with, carrying a
-    retry-after hint)."""
+) -> BatchlineError | None:
+    """None to admit; else the error to answer with (carrying a retry-after hint)."""
     alone = batch_cost_s(load, rows)
     if alone > budget_s:
-        return alone, DeadlineExceeded(
+        return DeadlineExceeded(
             f"the {budget_s * 1e3:.1f} ms budget is shorter than model '{model.name}' takes to run this request "
             f"alone (about {alone * 1e3:.1f} ms): raise the timeout"
         )
     finish = predicted_finish_s(load, model.max_batch_size, priority, rows, now_s, admitted_since)
-    if finish <= budget_s * headroom:
-        return finish, None
+    if finish <= budget_s * headroom or finish <= alone:
+        # (Predicted no later than alone: it starts at once on an idle executor, with no queue to
+        # mispredict. Were it refused, a learned headroom that fell too low would never hear of an
+        # answer again.)
+        return None
     queued = sum(load.queued_rows[: max(1, priority)]) + admitted_since
     wait = finish - budget_s * headroom
-    return finish, ResourceExhausted(
+    return ResourceExhausted(
         f"model '{model.name}' is overloaded: with {queued} rows queued ahead at priority <= {priority}, "
         f"this request would finish in about {finish * 1e3:.0f} ms, past its {budget_s * 1e3:.0f} ms budget; "
         f"retry in {math.ceil(wait * 1e3)} ms, with a larger timeout, or at a higher priority",
@@ -115,13 +117,11 @@ class Calibration:
     """The headroom admission leaves for prediction error, learned from one model's answers.
 
     Stochastic approximation of the headroom at which a `target` share of
-    admitted requests is answered within budget: each answer to a request whose
-    prediction filled at least half of what the headroom allowed (those decide
-    whether the limit is right; one admitted into an empty queue says little)
-    raises the headroom by `step`·(1 − target) when it came in time and lowers
-    it by `step`·target when it did not, so it settles where misses are
-    1 − target of those answers. It stays within [`floor`, 1]: never admitting
-    what the plan itself says will be late.
+    admitted requests is answered within budget: each answer raises it by
+    `step`·(1 − target) when it came in time and lowers it by `step`·target
+    when it did not, so it settles where 1 − target of the answers are late.
+    It stays within [`floor`, 1]: never admitting what the plan itself says
+    will be late, and never refusing everything on a run of bad luck.
     """
 
     def __init__(self, target: float, initial: float, floor: float = 0.25, step: float = 0.01) -> None:
@@ -130,11 +130,6 @@ class Calibration:
         self.step = step
         self.headroom = initial
 
-    def observe(self, predicted_s: float, limit_s: float, in_time: bool) -> bool:
-        """A request predicted to be answered in `predicted_s`, admitted while the limit was
-        `limit_s` (budget × headroom), was answered `in_time` or not. True when it counted."""
-        if predicted_s < 0.5 * limit_s:
-            return False
+    def observe(self, in_time: bool) -> None:
         change = self.step * ((1.0 - self.target) if in_time else -self.target)
         self.headroom = min(1.0, max(self.floor, self.headroom + change))
-        return True

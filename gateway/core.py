@@ -100,8 +100,7 @@ class Gateway:
         # gateway admitted since (which that view does not show yet).
         self.loads: dict[tuple[str, str], pb.ModelLoad] = {}
         self._admitted: dict[tuple[str, str], deque[_Admitted]] = defaultdict(deque)
-        self.calibration: dict[tuple[str, str], Calibration] = defaultdict(
-            lambda: Calibration(settings.admission_target, settings.admission_headroom))
+        self._calibrations: dict[tuple[str, str], Calibration] = {}
         self._last_arrival = 0.0  # time.monotonic() of the last inference request
         self._arrived = asyncio.Event()
 
@@ -290,16 +289,14 @@ class Gateway:
             self._arrived.set()  # wake an idle load-view loop
         admitted = None
         calibration = None
-        predicted = limit = 0.0
         if load is not None and load.policy == "deadline" and arrived_us - load.updated_us < contract.LOAD_TTL_MS * 1000:
             admitted = self._admitted[key]
             while admitted and 0 < admitted[0].confirmed_us <= load.updated_us:
                 admitted.popleft()  # the scheduler's view already counts these
             since = sum(a.rows for a in admitted if a.priority <= priority)
-            calibration = self.calibration[key] if self.settings.admission_target > 0 else None
+            calibration = self.calibration(key) if self.settings.admission_target > 0 else None
             headroom = calibration.headroom if calibration else self.settings.admission_headroom
-            limit = plan_budget * headroom
-            predicted, refusal = admit(load, model, priority, rows, plan_budget, arrived_us / 1e6, since, headroom)
+            refusal = admit(load, model, priority, rows, plan_budget, arrived_us / 1e6, since, headroom)
             if refusal is not None:
                 reason = "deadline" if isinstance(refusal, DeadlineExceeded) else "overload"
                 metrics.REJECTED.labels(model.name, model.version, reason).inc()
@@ -353,7 +350,7 @@ class Gateway:
                 reply: pb.Reply = await asyncio.wait_for(fut, timeout=max(0.0, enqueued / 1e6 + budget - time.time()))
             except asyncio.TimeoutError:
                 if calibration:
-                    self._calibrate(key, calibration, predicted, limit, False)
+                    calibration.observe(in_time=False)
                 raise DeadlineExceeded(
                     f"no answer from model '{model.name}' within the {_ms(budget)} budget"
                 ) from None
@@ -370,15 +367,19 @@ class Gateway:
         error = from_status_value(reply.code, reply.message) if reply.code != 0 else None
         if calibration and (error is None or isinstance(error, DeadlineExceeded)):
             # In time: answered with room left for the way back (shed or not run: not in time).
-            self._calibrate(key, calibration, predicted, limit, error is None and now_us() - arrived_us <= plan_budget * 1e6)
+            calibration.observe(in_time=error is None and now_us() - arrived_us <= plan_budget * 1e6)
         if error is not None:
             raise error
         return reply.response
 
-    @staticmethod
-    def _calibrate(key: tuple[str, str], calibration: Calibration, predicted: float, limit: float, in_time: bool) -> None:
-        if calibration.observe(predicted, limit, in_time):
-            metrics.ADMISSION_HEADROOM.labels(*key).set(calibration.headroom)
+    def calibration(self, key: tuple[str, str]) -> Calibration:
+        """Admission's learned headroom for a model (name, version)."""
+        calibration = self._calibrations.get(key)
+        if calibration is None:
+            calibration = self._calibrations[key] = Calibration(
+                self.settings.admission_target, self.settings.admission_headroom)
+            metrics.ADMISSION_HEADROOM.labels(*key).set_function(lambda: calibration.headroom)
+        return calibration
 
     async def _flush(self) -> None:
         """Group commit: write everything queued for Redis in one pipeline, until nothing is left."""

@@ -27,11 +27,11 @@ class GatewaySettings(CommonSettings):
         "run time) a request predicted to finish after its budget; needs the scheduler's deadline policy.",
     )
     admission_target: float = Field(
-        0.99,
+        0.0,
         description="Share of admitted requests admission control aims to answer within their budget. Each "
         "gateway moves, per model, the headroom (starting from admission_headroom) after each answer to a request "
-        "it admitted near the limit: up a little when it came in time, down more when it did not, so that it "
-        "settles where this share comes in time. 0 = a fixed admission_headroom.",
+        "it admitted: up a little when it came in time, down more when it did not, so that it settles where this "
+        "share comes in time (e.g. 0.99). 0 (the default) = a fixed admission_headroom.",
     )
     admission_headroom: float = Field(
         0.7,

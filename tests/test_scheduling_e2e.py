@@ -13,10 +13,11 @@ import uuid
 
 import grpc
 import numpy as np
+import prometheus_client
 import pytest
 import redis
 
-from batchline import contract, metrics
+from batchline import contract
 from batchline.clock import now_us
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
@@ -286,13 +287,11 @@ def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(me
 
 
 def test_a_gateway_whose_admitted_requests_come_late_admits_less(mesh_factory):
-    from gateway.admission import Calibration
-
-    m = mesh_factory(models=["mlp"])
+    m = mesh_factory(models=["mlp"], gateway_overrides={"admission_target": 0.99})
     r = _hold_lease(m)  # nothing is dispatched: every admitted request times out
     gateway = m.gateway.gateway
-    # A big step, so that one late answer shows.
-    calibration = gateway.calibration[("mlp", "1")] = Calibration(0.99, initial=0.7, step=0.2)
+    calibration = gateway.calibration(("mlp", "1"))
+    calibration.step = 0.2  # so that one late answer shows
     # An idle executor and 160 ms per row: a new request is predicted answered in 160 ms.
     view = pb.ModelLoad(cost_per_row_s=0.16, executors=1, queued_rows=[0], policy="deadline",
                         updated_us=now_us() + 60_000_000, tails=[pb.QueueTail(free_s=[time.time()])])
@@ -310,7 +309,8 @@ def test_a_gateway_whose_admitted_requests_come_late_admits_less(mesh_factory):
             stub.ModelInfer(_request(2.0), timeout=0.3)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "overloaded" in info.value.details()
-    assert metrics.ADMISSION_HEADROOM.labels("mlp", "1")._value.get() == pytest.approx(calibration.headroom)
+    exported = prometheus_client.REGISTRY.get_sample_value("batchline_admission_headroom", {"model": "mlp", "version": "1"})
+    assert exported == pytest.approx(0.7 - 0.2 * 0.99)
 
 
 def test_max_queue_size_refuses_with_resource_exhausted(mesh_factory, model_repository, tmp_path):
