@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import grpc
 
+# Trailing metadata that carries an error's retry_after_s to the client, in whole milliseconds.
+RETRY_AFTER_KEY = "retry-after-ms"
+
 
 class BatchlineError(Exception):
     """Base of every error that becomes a gRPC status.
 
     `retry_after_s`, when set, tells the client when trying again could
-    succeed (sent as `retry-after-ms` trailing metadata).
+    succeed (sent as RETRY_AFTER_KEY trailing metadata).
     """
 
     def __init__(self, message: str = "", retry_after_s: float | None = None):

@@ -9,7 +9,7 @@ import time
 import grpc
 
 from batchline import metrics, telemetry
-from batchline.errors import BatchlineError, grpc_status
+from batchline.errors import RETRY_AFTER_KEY, BatchlineError, grpc_status
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
@@ -21,9 +21,6 @@ _tracer = telemetry.tracer("batchline.gateway")
 def _trace_headers(context: grpc.aio.ServicerContext) -> tuple[str, str]:
     md = dict(context.invocation_metadata() or ())
     return md.get("traceparent", ""), md.get("tracestate", "")
-
-
-RETRY_AFTER_KEY = "retry-after-ms"
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BatchlineError):

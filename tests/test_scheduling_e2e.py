@@ -218,6 +218,26 @@ def test_overload_is_refused_at_once_with_a_retry_hint(mesh_factory):
     assert r.zcard(contract.queue("mlp", "1")) == 0
 
 
+def test_the_bench_closed_loop_waits_out_a_refusals_retry_after_hint(mesh_factory):
+    from batchline.bench import run_closed
+
+    m = mesh_factory(models=["mlp"])
+    r = _hold_lease(m)
+    # Backed up for 5 s: every request with a 200 ms budget is refused, with a hint of about 4.8 s.
+    now = time.time()
+    backed_up = pb.QueueTail(rows=8, limit_rows=8, start_s=now + 5.0, free_s=[now + 5.02])
+    view = pb.ModelLoad(cost_per_row_s=0.001, cost_fixed_s=0.01, executors=1, queued_rows=[5000],
+                        policy="deadline", updated_us=now_us() + 60_000_000, tails=[backed_up])
+    r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
+    _wait(lambda: getattr(m.gateway.gateway.loads.get(("mlp", "1")), "queued_rows", [0])[0] == 5000,
+          "the gateway to read the load view")
+    waits = run_closed(m.address, "mlp", 2, 1.0, warmup=0.0, budget_ms=200)
+    storm = run_closed(m.address, "mlp", 2, 1.0, warmup=0.0, budget_ms=200, retry_after=False)
+    # Each of the two workers is refused once and waits out the rest of the second.
+    assert waits.status_counts == {"RESOURCE_EXHAUSTED": 2}
+    assert set(storm.status_counts) == {"RESOURCE_EXHAUSTED"} and storm.status_counts["RESOURCE_EXHAUSTED"] > 20
+
+
 def test_an_idle_gateway_leaves_the_load_views_alone_until_a_request_arrives(mesh_factory, monkeypatch):
     import gateway.core
 

@@ -6,8 +6,8 @@ import asyncio
 import grpc
 import pytest
 
-from batchline.errors import ResourceExhausted
-from gateway.servicer import RETRY_AFTER_KEY, _abort
+from batchline.errors import RETRY_AFTER_KEY, ResourceExhausted
+from gateway.servicer import _abort
 
 
 class _EndedCall:

@@ -55,6 +55,7 @@ class BenchConfig:
     max_outstanding: int = DEFAULT_MAX_OUTSTANDING
     progress: bool = False
     streaming: bool = False                   # ModelStreamInfer streams instead of unary calls
+    retry_after: bool = True                  # closed loop: wait out a refusal's retry-after hint
 
 
 async def _connect(config: BenchConfig, ep: Endpoint) -> RequestPool:
@@ -81,7 +82,8 @@ async def run_bench_async(config: BenchConfig) -> BenchResult:
         if config.mode == "closed":
             for c in config.concurrency:
                 result.steps.append(await closed_step(ep, pool, c, config.duration, config.warmup,
-                                                      config.budget_ms, progress, streaming=config.streaming))
+                                                      config.budget_ms, progress, streaming=config.streaming,
+                                                      retry_after=config.retry_after))
         else:
             for k, r in enumerate(config.rate):
                 result.steps.append(await open_step(
@@ -97,12 +99,15 @@ def run_bench(config: BenchConfig) -> BenchResult:
 
 def run_closed(url: str, model: str, concurrency: int, duration: float, *, warmup: float = 1.0,
                version: str = "", budget_ms: float | None = None, priority: int = 0,
-               inputs: InputOptions | None = None, progress: bool = False, streaming: bool = False) -> StepResult:
+               inputs: InputOptions | None = None, progress: bool = False, streaming: bool = False,
+               retry_after: bool = True) -> StepResult:
     """One closed-loop step: `concurrency` requests kept in flight for `duration` s after `warmup` s
-    (with `streaming`, each on a ModelStreamInfer stream of its own)."""
+    (with `streaming`, each on a ModelStreamInfer stream of its own; with `retry_after`, a refused
+    unary request's retry-after hint is waited out before the next)."""
     config = BenchConfig(url=url, model=model, version=version, mode="closed", concurrency=[concurrency],
                          duration=duration, warmup=warmup, budget_ms=budget_ms, priority=priority,
-                         inputs=inputs or InputOptions(), progress=progress, streaming=streaming)
+                         inputs=inputs or InputOptions(), progress=progress, streaming=streaming,
+                         retry_after=retry_after)
     return run_bench(config).steps[0]
 
 

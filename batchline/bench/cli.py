@@ -77,6 +77,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "closed loop, one stream per in-flight slot, one request at a time; open loop, 4 streams "
                    "carrying every request, answers matched by id. The budget travels only in the `timeout` "
                    "parameter; a request unanswered 1 s past it counts DEADLINE_EXCEEDED")
+    m.add_argument("--no-retry-after", dest="retry_after", action="store_false",
+                   help="closed loop: resend a refused request at once, as perf_analyzer does (default: a worker "
+                   "whose unary request was refused with a `retry-after-ms` hint, as batchline's admission control "
+                   "sends, waits that long first)")
     m.add_argument("--max-outstanding", type=int, default=10_000,
                    help="open loop: requests due while this many are outstanding are counted as NOT_SENT (default: 10000)")
     g = p.add_argument_group("inputs")
@@ -130,6 +134,7 @@ def main(args: argparse.Namespace) -> int:
             concurrency=args.concurrency, rate=args.rate, burst=args.burst, duration=args.duration,
             warmup=args.warmup, budget_ms=args.budget_ms, priority=args.priority,
             inputs=_input_options(args), max_outstanding=args.max_outstanding, streaming=args.streaming,
+            retry_after=args.retry_after,
             progress=not args.quiet and sys.stderr.isatty(),
         )
         result = run_bench(config)

@@ -27,6 +27,7 @@ import tritonclient.grpc.aio as tca
 from tritonclient.utils import InferenceServerException
 
 from batchline.bench.inputs import RequestPool, TensorInfo
+from batchline.errors import RETRY_AFTER_KEY
 from batchline.protocol import inference_pb2 as ipb
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -178,13 +179,24 @@ class Endpoint:
 
     async def infer(self, payload: bytes, timeout_s: float | None) -> tuple[str, float]:
         """Send one pre-serialized request; (status code name, latency in s)."""
+        code, latency, _ = await self.infer_hinted(payload, timeout_s)
+        return code, latency
+
+    async def infer_hinted(self, payload: bytes, timeout_s: float | None) -> tuple[str, float, float | None]:
+        """`infer`, plus the server's retry-after hint in seconds (batchline's `retry-after-ms`
+        trailing metadata on a refusal), if any."""
         t = time.perf_counter()
         try:
             await self._infer(payload, timeout=timeout_s)
-            code = "OK"
+            return "OK", time.perf_counter() - t, None
         except grpc.aio.AioRpcError as exc:
-            code = exc.code().name
-        return code, time.perf_counter() - t
+            latency = time.perf_counter() - t
+            hint = dict(exc.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
+            try:
+                retry_after = int(hint) / 1e3 if hint is not None else None
+            except ValueError:
+                retry_after = None
+            return exc.code().name, latency, retry_after
 
 
     def stream(self) -> "InferStream":
@@ -392,10 +404,13 @@ async def closed_step(
     progress: Progress | None = None,
     drain_timeout_s: float | None = None,
     streaming: bool = False,
+    retry_after: bool = True,
 ) -> StepResult:
     """`concurrency` workers each keep one request in flight (on a stream of their own with
     `streaming`); answers to requests sent in the `duration` window after `warmup` are measured
-    (the window ends when the last one is answered)."""
+    (the window ends when the last one is answered). With `retry_after`, a worker whose unary
+    request was refused with a retry-after hint waits that long before it sends again, as a
+    well-behaved client would; else it resends at once, as perf_analyzer does."""
     if concurrency < 1:
         raise BenchError("concurrency must be >= 1")
     timeout = budget_ms / 1e3 if budget_ms is not None else None
@@ -411,11 +426,14 @@ async def closed_step(
     async def worker(k: int) -> None:
         i = k * max(1, n // concurrency)
         stream = ep.stream() if streaming else None
-        infer = stream.infer if stream else ep.infer
         try:
             while (sent_at := time.perf_counter()) < t_end:
+                wait = None
                 try:
-                    code, latency = await infer(pool.requests[i % n], timeout)
+                    if stream:
+                        code, latency = await stream.infer(pool.requests[i % n], timeout)
+                    else:
+                        code, latency, wait = await ep.infer_hinted(pool.requests[i % n], timeout)
                 except asyncio.CancelledError:
                     if sent_at >= t0:
                         rec.codes[UNFINISHED] += 1
@@ -423,6 +441,10 @@ async def closed_step(
                 if sent_at >= t0:
                     rec.add(code, latency)
                 i += 1
+                if wait and retry_after:
+                    if time.perf_counter() + wait >= t_end:
+                        break  # nothing more to send in this window
+                    await asyncio.sleep(wait)
         finally:
             if stream:
                 stream.close()
