@@ -94,18 +94,15 @@ def plan(
     predict: Callable[[int], float],
     expected: Callable[[int], float] | None = None,
     lead: float = 0.0,
-    tail: Callable[[int], float] | None = None,
 ) -> Plan:
     """Decide what to do with one model's queue at time `now`.
 
     `free_at[i]` is when executor i can start another batch (<= now: idle).
     `predict(rows)` errs late (it carries a margin) and times dispatch;
     `expected(rows)` is the central estimate used to decide that a request is
-    hopeless (default: `predict`); `tail(rows)` is how long a bad run takes,
-    what a batch is sized for when deadlines are close (default: `predict`).
+    hopeless (default: `predict`).
     """
     expected = expected or predict
-    tail = tail or predict
     aware = policy.kind != FIFO
     out = Plan()
     free = list(free_at)
@@ -139,13 +136,12 @@ def plan(
             if cut:
                 members, rows, preferred = members[:cut], sum(m.rows for m in members[:cut]), True
         shrunk = False
-        if aware and start + tail(rows) + policy.overhead > min(m.deadline for m in members):
-            # Someone would finish late on a bad run. Send the batch size that gets the most
-            # members done in time even then (else on a run as predicted): a shorter batch is
-            # less exposed to a run slowed by whatever else takes the CPU. A member late even
-            # on a typical run of it cannot make any later batch either, so it is shed now.
+        if aware and start + predict(rows) + policy.overhead > min(m.deadline for m in members):
+            # Someone would finish late. Send the batch size that gets the most
+            # members done in time; a member late even on a typical run of it
+            # cannot make any later batch either, so it is shed now.
             taken = len(members)
-            members, late = _most_on_time(members, start, policy.overhead, (tail, predict), expected)
+            members, late = _most_on_time(members, start, policy.overhead, predict, expected)
             for m in late:
                 out.expired.append(m)
                 live.remove(m)
@@ -250,21 +246,17 @@ def _take(live: Sequence[Pending], cap: int | None) -> tuple[list[Pending], int]
 
 def _most_on_time(
     members: list[Pending], start: float, overhead: float,
-    estimates: Sequence[Callable[[int], float]], expected: Callable[[int], float],
+    predict: Callable[[int], float], expected: Callable[[int], float],
 ) -> tuple[list[Pending], list[Pending]]:
     """The head of `members` that finishes the most of them by their deadlines (the shortest such),
-    by the first of `estimates` under which any finishes in time, split into those to send and
-    those already hopeless in it."""
-    for estimate in estimates:
-        best_n, best_on_time, rows = 1, 0, 0
-        for n, m in enumerate(members, 1):
-            rows += m.rows
-            finish = start + estimate(rows) + overhead
-            on_time = sum(1 for x in members[:n] if x.deadline >= finish)
-            if on_time > best_on_time:
-                best_n, best_on_time = n, on_time
-        if best_on_time:
-            break
+    split into those to send and those already hopeless in it."""
+    best_n, best_on_time, rows = 1, -1, 0
+    for n, m in enumerate(members, 1):
+        rows += m.rows
+        finish = start + predict(rows) + overhead
+        on_time = sum(1 for x in members[:n] if x.deadline >= finish)
+        if on_time > best_on_time:
+            best_n, best_on_time = n, on_time
     chosen = members[:best_n]
     finish = start + expected(sum(m.rows for m in chosen)) + overhead
     return [m for m in chosen if m.deadline >= finish], [m for m in chosen if m.deadline < finish]

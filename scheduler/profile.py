@@ -5,10 +5,6 @@ fit of ``a·n + b`` over a sliding window. The fit goes through the median
 time of each batch size seen, so that a few slow outliers (a noisy
 neighbour, a GC pause) do not tilt it; the margin added to a prediction is a
 high quantile of the residuals, so a prediction errs late rather than early.
-A run slowed by other processes taking the CPU takes longer in proportion
-to its length, so how long a batch may take on a bad run (`tail`) scales the
-estimate by a high quantile of the ratio of each sample to the fit: what
-deadline-driven batch sizing plans for.
 Before any sample it predicts a default cost so a fresh model is not
 scheduled blind-optimistic.
 """
@@ -20,16 +16,15 @@ import numpy as np
 
 
 class LatencyProfile:
-    def __init__(self, window: int = 512, default: float = 0.005, margin_quantile: float = 0.9,
-                 tail_quantile: float = 0.99) -> None:
+    def __init__(self, window: int = 512, default: float = 0.005, margin_quantile: float = 0.9) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         # Timed warm-up runs at load: what the profile goes by until real batches report. Their
         # inputs are made up (e.g. 8-token sequences for a text model), so the first real
         # report retires them rather than mixing with it.
         self._warm_up: deque[tuple[int, float]] = deque(maxlen=window)
         self._default = default
-        self._quantiles = (margin_quantile, max(margin_quantile, tail_quantile))
-        self._fit: tuple[float, float, float, float] | None = None  # a, b, margin, tail factor
+        self._quantile = margin_quantile
+        self._fit: tuple[float, float, float] | None = None  # a, b, margin
         # Refitting costs a sort per batch size: on a busy model, refit every few samples, not each.
         self._refit_every = max(1, min(16, window // 8))
         self._unfitted = 0
@@ -57,11 +52,8 @@ class LatencyProfile:
 
     def coefficients(self) -> tuple[float, float, float]:
         """(a, b, margin) of the current fit."""
-        return self._coefficients()[:3]
-
-    def _coefficients(self) -> tuple[float, float, float, float]:
         if not self._samples and not self._warm_up:
-            return 0.0, self._default, 0.0, 1.0
+            return 0.0, self._default, 0.0
         if self._fit is None:
             self._fit = self._refit()
             self._unfitted = 0
@@ -74,13 +66,9 @@ class LatencyProfile:
 
     def predict(self, rows: int) -> float:
         """The estimate plus the margin: late rather than early."""
-        return self.expected(rows) + self._coefficients()[2]
+        return self.expected(rows) + self.coefficients()[2]
 
-    def tail(self, rows: int) -> float:
-        """How long a bad run takes: the estimate times the tail factor (never below `predict`)."""
-        return max(self.predict(rows), self.expected(rows) * self._coefficients()[3])
-
-    def _refit(self) -> tuple[float, float, float, float]:
+    def _refit(self) -> tuple[float, float, float]:
         samples = self._samples or self._warm_up
         n = np.array([s[0] for s in samples], dtype=float)
         t = np.array([s[1] for s in samples], dtype=float)
@@ -95,8 +83,6 @@ class LatencyProfile:
             a, b = float(a), float(b)
             if a < 0:  # noise made bigger batches look cheaper: fall back to a flat cost
                 a, b = 0.0, float(np.median(t))
-        fit = a * n + b
-        margin = max(0.0, float(np.quantile(t - fit, self._quantiles[0])))
-        ratios = t[fit > 0] / fit[fit > 0]
-        tail = max(1.0, float(np.quantile(ratios, self._quantiles[1]))) if len(ratios) else 1.0
-        return a, b, margin, tail
+        resid = t - (a * n + b)
+        margin = max(0.0, float(np.quantile(resid, self._quantile)))
+        return a, b, margin

@@ -300,8 +300,7 @@ class Scheduler:
     def _profile(self, key: tuple[str, str, str]) -> LatencyProfile:
         p = self.profiles.get(key)
         if p is None:
-            p = self.profiles[key] = LatencyProfile(default=self.settings.default_execution_ms / 1000,
-                                                    tail_quantile=self.settings.batch_tail_quantile)
+            p = self.profiles[key] = LatencyProfile(default=self.settings.default_execution_ms / 1000)
         return p
 
     async def _load_profiles(self, keys: list[tuple[str, str, str]]) -> None:
@@ -368,7 +367,7 @@ class Scheduler:
         ready = [e for e in holders if free_at[e] != float("inf")]
         decision = plan(
             now, queue, policy, [free_at[e] for e in ready], profile.predict, profile.expected,
-            lead=self.settings.dispatch_lead_ms / 1000, tail=profile.tail,
+            lead=self.settings.dispatch_lead_ms / 1000,
         )
         if decision.blocked:
             self._blocked.add(contract.queue(*key))

@@ -49,14 +49,6 @@ class SchedulerSettings(CommonSettings):
         5.0, description="Predicted execution time of a batch before any run of that model was measured "
         "(executors seed the profile with warm-up runs at load, so this rarely applies)."
     )
-    batch_tail_quantile: float = Field(
-        0.99,
-        description="How slow a run deadline-driven batch sizing plans for, as a quantile of the ratio of each "
-        "run's time to the latency profile's fit: when a batch's earliest deadline would be missed on a run this "
-        "slow, the batch is cut to the size that gets the most members done in time even then (a shorter run is "
-        "less exposed to whatever else takes the CPU). Never below the profile's 90th-percentile margin, which "
-        "times dispatch.",
-    )
     overhead_ms: float = Field(
         2.0, description="Time a batch spends outside what executors measure (the Redis hops between "
         "services), added to predictions."

@@ -353,20 +353,6 @@ def test_profile_margin_grows_with_noise():
         assert noisy.predict(n) > a * n + b
 
 
-def test_profile_tail_scales_with_the_run_like_a_slowed_cpu():
-    a, b = 0.01, 0.002
-    profile = LatencyProfile(tail_quantile=0.99)
-    for n in (1, 2, 4, 8):
-        for k in range(20):  # one run in twenty takes twice as long
-            profile.observe(n, (a * n + b) * (2 if k == 0 else 1))
-    for n in (1, 8, 16):
-        assert profile.expected(n) == pytest.approx(a * n + b, rel=1e-6)
-        assert profile.tail(n) == pytest.approx(2 * (a * n + b), rel=0.05)
-        assert profile.tail(n) >= profile.predict(n)
-    # The margin of `predict` is absolute and, at the 0.9 quantile, blind to the one slow run in twenty.
-    assert profile.predict(16) == pytest.approx(a * 16 + b, rel=1e-6)
-
-
 def test_profile_single_batch_size_is_proportional():
     prof = LatencyProfile()
     for _ in range(3):
@@ -475,26 +461,6 @@ def test_a_batch_is_trimmed_when_that_gets_more_members_done_in_time():
     assert [(ids(b), b.reason) for b in p.batches] == [(["u1", "u2"], DEADLINE)]
     assert p.expired == []
     assert p.batches[0].slack == 0.3 - 0.25
-
-
-def test_a_batch_is_sized_for_a_bad_run_when_its_deadlines_are_close():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0, overhead=0.0)
-    queue = [req(f"r{i}", deadline=0.4375) for i in range(4)]
-    typical, bad = (lambda rows: 0.0625 * rows), (lambda rows: 0.125 * rows)
-    # On a typical run all four make it (0.25 s); on a bad one three do (0.375 s) but not four
-    # (0.5 s): three go, and the fourth takes the next batch.
-    assert [ids(b) for b in plan(0.0, queue, policy, free_at=IDLE, predict=typical).batches] == [["r0", "r1", "r2", "r3"]]
-    p = plan(0.0, queue, policy, free_at=IDLE, predict=typical, tail=bad)
-    assert [(ids(b), b.reason) for b in p.batches] == [(["r0", "r1", "r2"], DEADLINE)]
-    assert p.expired == []
-
-
-def test_a_batch_nobody_makes_on_a_bad_run_is_sized_for_a_typical_one():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0, overhead=0.0)
-    queue = [req(f"r{i}", deadline=0.25) for i in range(4)]
-    # A bad run of even one row misses; a typical run of all four makes it: no reason to send one alone.
-    p = plan(0.0, queue, policy, free_at=IDLE, predict=lambda rows: 0.0625 * rows, tail=lambda rows: 0.5)
-    assert [ids(b) for b in p.batches] == [["r0", "r1", "r2", "r3"]]
 
 
 def test_one_urgent_member_does_not_shrink_a_batch_it_would_cost_more_than_it_saves():
