@@ -11,11 +11,11 @@ arrival costs the client microseconds and keeps the queue short enough that
 every admitted request still makes its deadline; letting it in would only
 have it shed later, after it delayed others.
 
-How much of the budget a prediction may fill (the headroom) is learned: on a
-shared host batches overrun the profile when other processes take the CPU,
-and by how much depends on the host and the load. `Calibration` watches
-whether the requests a gateway admitted were answered in time and moves the
-headroom until the target share of them (e.g. 99%) is.
+How much of the budget a prediction may fill (the headroom) is a setting, or
+learned: on a shared host batches overrun the profile when other processes
+take the CPU, and by how much depends on the host and the load.
+`Calibration` watches whether the requests a gateway admitted were answered
+in time and moves the headroom until the target share of them (e.g. 99%) is.
 """
 from __future__ import annotations
 
@@ -99,9 +99,9 @@ def admit(
         )
     finish = predicted_finish_s(load, model.max_batch_size, priority, rows, now_s, admitted_since)
     if finish <= budget_s * headroom or finish <= alone:
-        # (Predicted no later than alone: it starts at once on an idle executor, with no queue to
-        # mispredict. Were it refused, a learned headroom that fell too low would never hear of an
-        # answer again.)
+        # No later than alone means it starts at once on an idle executor: there is no queue to
+        # mispredict. Refusing it would also leave a learned headroom that fell too low with no
+        # answer to learn from, ever again.
         return None
     queued = sum(load.queued_rows[: max(1, priority)]) + admitted_since
     wait = finish - budget_s * headroom
