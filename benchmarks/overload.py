@@ -6,9 +6,9 @@
    limit: closed loop with --budget-ms budgets at each --concurrency-sweep value; the capacity is
    the best goodput among the steps where at least 99% of the requests were answered OK within the
    budget (a refused request's worker waits out its retry-after hint before it sends again, so
-   refusals do not turn into a resend storm). For reference it also prints the throughput without a deadline (closed loop,
-   --concurrency in flight, 60 s budgets), which a --budget-ms budget cannot reach when one full
-   batch takes about as long as the budget.
+   refusals do not turn into a resend storm). For reference it also prints the throughput without
+   a deadline (closed loop, --concurrency in flight, 60 s budgets), which a --budget-ms budget
+   cannot reach when one full batch takes about as long as the budget.
 2. Open-loop Poisson arrivals at --factor x that capacity with --budget-ms budgets, on a fresh mesh
    per scheduler policy (BATCHLINE_SCHEDULER_POLICY=deadline, then fifo): goodput / capacity, the
    share of admitted requests (not refused at admission with RESOURCE_EXHAUSTED) answered OK within

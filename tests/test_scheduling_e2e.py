@@ -189,10 +189,10 @@ def test_warm_up_seeds_the_profile_and_a_restarted_scheduler_loads_it(mesh_facto
     assert before < again.scheduler._ran_until[executor_id] < answered
 
 
-def test_overload_is_refused_at_once_with_a_retry_hint(mesh_factory):
-    m = mesh_factory(models=["mlp"])
+def _backed_up(m) -> redis.Redis:
+    """Hold the scheduling lease and publish the load view the (deadline-policy) scheduler would
+    for an mlp queue backed up for 5 s (5000 rows queued at priority 1); returns the Redis client."""
     r = _hold_lease(m)
-    # The load view the (deadline-policy) scheduler would publish for a backed-up model.
     now = time.time()
     backed_up = pb.QueueTail(rows=8, limit_rows=8, start_s=now + 5.0, free_s=[now + 5.02])
     view = pb.ModelLoad(cost_per_row_s=0.001, cost_fixed_s=0.01, executors=1, queued_rows=[5000, 0],
@@ -201,6 +201,12 @@ def test_overload_is_refused_at_once_with_a_retry_hint(mesh_factory):
     # (the real scheduler published a view of its own before standing by: wait for ours)
     _wait(lambda: getattr(m.gateway.gateway.loads.get(("mlp", "1")), "queued_rows", [0])[0] == 5000,
           "the gateway to read the load view")
+    return r
+
+
+def test_overload_is_refused_at_once_with_a_retry_hint(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = _backed_up(m)
     channel, stub = _stub(m)
     with channel:
         with pytest.raises(grpc.RpcError) as info:
@@ -222,15 +228,7 @@ def test_the_bench_closed_loop_waits_out_a_refusals_retry_after_hint(mesh_factor
     from batchline.bench import run_closed
 
     m = mesh_factory(models=["mlp"])
-    r = _hold_lease(m)
-    # Backed up for 5 s: every request with a 200 ms budget is refused, with a hint of about 4.8 s.
-    now = time.time()
-    backed_up = pb.QueueTail(rows=8, limit_rows=8, start_s=now + 5.0, free_s=[now + 5.02])
-    view = pb.ModelLoad(cost_per_row_s=0.001, cost_fixed_s=0.01, executors=1, queued_rows=[5000],
-                        policy="deadline", updated_us=now_us() + 60_000_000, tails=[backed_up])
-    r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
-    _wait(lambda: getattr(m.gateway.gateway.loads.get(("mlp", "1")), "queued_rows", [0])[0] == 5000,
-          "the gateway to read the load view")
+    _backed_up(m)  # every request with a 200 ms budget is refused, with a hint of about 4.8 s
     waits = run_closed(m.address, "mlp", 2, 1.0, warmup=0.0, budget_ms=200)
     storm = run_closed(m.address, "mlp", 2, 1.0, warmup=0.0, budget_ms=200, retry_after=False)
     # Each of the two workers is refused once and waits out the rest of the second.
