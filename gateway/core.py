@@ -349,14 +349,15 @@ class Gateway:
             try:
                 reply: pb.Reply = await asyncio.wait_for(fut, timeout=max(0.0, enqueued / 1e6 + budget - time.time()))
             except asyncio.TimeoutError:
-                if calibration:
-                    calibration.observe(in_time=False)
                 raise DeadlineExceeded(
                     f"no answer from model '{model.name}' within the {_ms(budget)} budget"
                 ) from None
         except BaseException:
             # Timed out, cancelled by the client, refused, or Redis failed: make
             # sure no executor spends time on a request nobody waits for.
+            if calibration and now_us() >= deadline:
+                # Unanswered at its deadline, whether our timer or the client's (a cancellation) fired first.
+                calibration.observe(in_time=False)
             if mine is not None and not mine.confirmed_us:
                 mine.confirmed_us = 1  # never queued: the next view lets it go
             self._pending.pop(request_id, None)
