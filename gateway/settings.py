@@ -42,8 +42,8 @@ class GatewaySettings(CommonSettings):
     )
     load_refresh_s: float = Field(
         0.02,
-        description="Seconds between reads of the scheduler's per-model load views while requests arrive; after "
-        "1 s without one the gateway reads them every 0.5 s, and the next request wakes it.",
+        description="Shortest time between reads of the scheduler's per-model load views. A request that finds them "
+        "older than a tenth of its budget asks for a read; otherwise they are read every 0.5 s.",
     )
     answer_margin_ms: float = Field(
         10.0,

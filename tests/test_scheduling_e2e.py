@@ -267,6 +267,45 @@ def test_an_idle_gateway_leaves_the_load_views_alone_until_a_request_arrives(mes
         pending.cancel()
 
 
+def test_the_gateway_reads_the_load_views_as_often_as_the_budgets_in_play_need(mesh_factory, monkeypatch):
+    import gateway.core
+
+    monkeypatch.setattr(gateway.core, "LOAD_IDLE_REFRESH_S", 60.0)  # only requests ask for reads
+    m = mesh_factory(models=["mlp"])
+    _hold_lease(m)  # nothing is dispatched: requests stay queued until their deadlines
+    gw = m.gateway.gateway
+    reads: list[float] = []
+    real_mget = gw.redis.mget
+
+    async def counted_mget(keys, *args, **kwargs):
+        if contract.load("mlp", "1") in keys:
+            reads.append(time.monotonic())
+        return await real_mget(keys, *args, **kwargs)
+
+    gw.redis.mget = counted_mget
+    channel, stub = _stub(m)
+    with channel:
+        # 60 s budgets: a view up to 6 s old will do, so only the first request asks for one.
+        relaxed = []
+        for _ in range(10):
+            relaxed.append(stub.ModelInfer.future(_request(1.0), timeout=60))
+            time.sleep(0.05)
+        _wait(lambda: reads, "the first request's read")
+        time.sleep(0.1)
+        assert len(reads) == 1
+        for f in relaxed:
+            f.cancel()
+        # 200 ms budgets want views no older than 20 ms: nearly every request 50 ms apart asks again.
+        tight = []
+        for _ in range(10):
+            tight.append(stub.ModelInfer.future(_request(1.0), timeout=0.2))
+            time.sleep(0.05)
+        for f in tight:
+            with pytest.raises(grpc.RpcError):
+                f.result()
+        assert len(reads) >= 6
+
+
 def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(mesh_factory):
     m = mesh_factory(models=["mlp"])
     r = _hold_lease(m)  # nothing is dispatched: admitted requests stay queued
