@@ -295,15 +295,15 @@ def test_the_gateway_reads_the_load_views_as_often_as_the_budgets_in_play_need(m
         assert len(reads) == 1
         for f in relaxed:
             f.cancel()
-        # 200 ms budgets want views no older than 20 ms: nearly every request 50 ms apart asks again.
+        # 200 ms budgets want views no older than 20 ms: each request 100 ms apart asks again.
         tight = []
         for _ in range(10):
             tight.append(stub.ModelInfer.future(_request(1.0), timeout=0.2))
-            time.sleep(0.05)
+            time.sleep(0.1)
         for f in tight:
             with pytest.raises(grpc.RpcError):
                 f.result()
-        assert len(reads) >= 6
+        assert len(reads) >= 1 + 6  # a slow host may fold a few into one
 
 
 def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(mesh_factory):
