@@ -69,6 +69,7 @@ class Scheduler:
         self._idle_at: dict[str, float] = {}  # when each executor is predicted to run out of work
         self._ran_until: dict[str, float] = {}  # when each executor's last reported run ended
         self._blocked: set[str] = set()  # queues waiting for an executor, not for company
+        self._stepping = False  # a step is under way: its verdicts on _blocked are not in yet
         self._levels_reported: dict[tuple[str, str], set[int]] = {}  # priority levels with a pending gauge
         self._wake = asyncio.Event()
         self._wake_key = contract.scheduler_wake(self.scheduler_id)
@@ -144,9 +145,11 @@ class Scheduler:
                 if key == contract.REPORTS:
                     self._reports.extend(values)
                     self._wake.set()
-                elif key == contract.NOTIFY and any(v.decode() not in self._blocked for v in values):
-                    # A queue whose requests wait for a busy executor needs no new
-                    # look before that executor reports or its timer fires.
+                elif key == contract.NOTIFY and (self._stepping or any(v.decode() not in self._blocked for v in values)):
+                    # A queue whose requests wait for a busy executor needs no new look before
+                    # that executor reports or its timer fires. But a step under way may have
+                    # read the queues before this arrival, on the report that freed the
+                    # executor: ignored then, the arrival would wait for the loop's timeout.
                     self._wake.set()
 
     async def _set_blocked(self, all_blocked: bool) -> None:
@@ -170,6 +173,7 @@ class Scheduler:
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
+            self._stepping = True
             try:
                 wake_at = await self.step() if await self._hold_lease() else None
             except REDIS_ERRORS as exc:
@@ -180,6 +184,8 @@ class Scheduler:
                 log.exception("scheduling step failed")
                 wake_at = None
                 await asyncio.sleep(0.1)
+            finally:
+                self._stepping = False
 
     async def _hold_lease(self) -> bool:
         """Take or renew the lease (a third of its TTL apart); True while this scheduler leads."""

@@ -1,6 +1,7 @@
 """The scheduler's I/O around the policy, against a real Redis and executor."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -13,7 +14,8 @@ from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 
 
-def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferRequest, rows: int = 1) -> str:
+def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferRequest, rows: int = 1,
+             notice: str = "test") -> str:
     """What a gateway writes for one request (see gateway/core.py), done by hand."""
     request_id = uuid.uuid4().hex
     entry = pb.QueueEntry(request_id=request_id, gateway_id=gateway_id, model_version="1", rows=rows,
@@ -21,7 +23,7 @@ def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferReques
     r.set(contract.gateway(gateway_id), "by-hand", px=60_000)  # the gateway is alive: executors skip orphans
     r.set(contract.payload(request_id), request.SerializeToString(), px=60_000)
     r.zadd(contract.queue("mlp", "1"), {entry.SerializeToString(): contract.queue_score(1, deadline_us)})
-    r.rpush(contract.NOTIFY, "test")
+    r.rpush(contract.NOTIFY, notice)
     return request_id
 
 
@@ -100,3 +102,38 @@ def test_requests_of_a_dead_gateway_are_not_executed(mesh_factory):
     stats = r.hgetall(contract.stats("mlp", "1"))
     assert int(stats[b"inference_count"]) == 1  # ... but never run
     assert not r.exists(contract.reply(dead))
+
+
+def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mesh_factory):
+    # Long timers: an arrival whose notice were lost would wait 30 s for the next timed step.
+    m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
+    r = redis.Redis.from_url(m.redis_url)
+    s = m.scheduler.scheduler
+    gateway_id, queue = "gw-race", contract.queue("mlp", "1")
+    m.loop.call_soon_threadsafe(s._wake.set)  # the first step, which takes the lease, without waiting 30 s
+    deadline = time.monotonic() + 10
+    while not s.leader:
+        assert time.monotonic() < deadline, "the scheduler never took the lease"
+        time.sleep(0.02)
+    warm = _enqueue(r, gateway_id, now_us() + 30_000_000, _mlp_request(np.zeros((1, 32))))
+    assert _replies(r, gateway_id, 1)[warm].code == 0  # the executor is idle again
+    real_step, arrived = s.step, []
+
+    async def step_with_an_arrival():
+        wake = await real_step()
+        if not arrived:
+            # The race, made certain: this step has read the (empty) queue and, as a step that
+            # saw the executor still busy would, counts it as waiting for the executor; the next
+            # request arrives now, and the listener takes its notice before the step ends.
+            s._blocked.add(queue)
+            arrived.append(_enqueue(r, gateway_id, now_us() + 30_000_000, _mlp_request(np.ones((1, 32))), notice=queue))
+            for _ in range(500):
+                if not await s.redis.llen(contract.NOTIFY):
+                    break
+                await asyncio.sleep(0.01)
+        return wake
+
+    s.step = step_with_an_arrival
+    r.rpush(contract.NOTIFY, "some-other-queue")  # wakes the scheduler for a step
+    replies = _replies(r, gateway_id, 1)
+    assert arrived and replies.get(arrived[0]) is not None and replies[arrived[0]].code == 0
