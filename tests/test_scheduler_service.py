@@ -105,7 +105,7 @@ def test_requests_of_a_dead_gateway_are_not_executed(mesh_factory):
 
 
 def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mesh_factory):
-    # Long timers: an arrival whose notice were lost would wait 30 s for the next timed step.
+    # Long timers: an arrival whose notice was lost would wait 30 s for the next timed step.
     m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
     r = redis.Redis.from_url(m.redis_url)
     s = m.scheduler.scheduler

@@ -236,13 +236,8 @@ def test_the_bench_closed_loop_waits_out_a_refusals_retry_after_hint(mesh_factor
     assert set(storm.status_counts) == {"RESOURCE_EXHAUSTED"} and storm.status_counts["RESOURCE_EXHAUSTED"] > 20
 
 
-def test_an_idle_gateway_leaves_the_load_views_alone_until_a_request_arrives(mesh_factory, monkeypatch):
-    import gateway.core
-
-    monkeypatch.setattr(gateway.core, "LOAD_IDLE_REFRESH_S", 60.0)  # idle: no read within the test
-    m = mesh_factory(models=["mlp"])
-    r = _hold_lease(m)  # the scheduler stands by and publishes no view of its own
-    gw = m.gateway.gateway
+def _count_load_reads(gw) -> list[float]:
+    """Record when the gateway reads mlp's load view (time.monotonic() of each read)."""
     reads: list[float] = []
     real_mget = gw.redis.mget
 
@@ -252,6 +247,17 @@ def test_an_idle_gateway_leaves_the_load_views_alone_until_a_request_arrives(mes
         return await real_mget(keys, *args, **kwargs)
 
     gw.redis.mget = counted_mget
+    return reads
+
+
+def test_an_idle_gateway_leaves_the_load_views_alone_until_a_request_arrives(mesh_factory, monkeypatch):
+    import gateway.core
+
+    monkeypatch.setattr(gateway.core, "LOAD_IDLE_REFRESH_S", 60.0)  # idle: no read within the test
+    m = mesh_factory(models=["mlp"])
+    r = _hold_lease(m)  # the scheduler stands by and publishes no view of its own
+    gw = m.gateway.gateway
+    reads = _count_load_reads(gw)
     now = time.time()
     view = pb.ModelLoad(cost_per_row_s=0.001, executors=1, queued_rows=[0], policy="deadline",
                         updated_us=now_us(), tails=[pb.QueueTail(free_s=[now])])
@@ -274,15 +280,7 @@ def test_the_gateway_reads_the_load_views_as_often_as_the_budgets_in_play_need(m
     m = mesh_factory(models=["mlp"])
     _hold_lease(m)  # nothing is dispatched: requests stay queued until their deadlines
     gw = m.gateway.gateway
-    reads: list[float] = []
-    real_mget = gw.redis.mget
-
-    async def counted_mget(keys, *args, **kwargs):
-        if contract.load("mlp", "1") in keys:
-            reads.append(time.monotonic())
-        return await real_mget(keys, *args, **kwargs)
-
-    gw.redis.mget = counted_mget
+    reads = _count_load_reads(gw)
     channel, stub = _stub(m)
     with channel:
         # 60 s budgets: a view up to 6 s old will do, so only the first request asks for one.
