@@ -70,6 +70,7 @@ class Scheduler:
         self._ran_until: dict[str, float] = {}  # when each executor's last reported run ended
         self._blocked: set[str] = set()  # queues waiting for an executor, not for company
         self._stepping = False  # a step is under way: its verdicts on _blocked are not in yet
+        self._noticed: set[str] = set()  # queues counted as blocked whose arrivals were noticed during the step
         self._levels_reported: dict[tuple[str, str], set[int]] = {}  # priority levels with a pending gauge
         self._wake = asyncio.Event()
         self._wake_key = contract.scheduler_wake(self.scheduler_id)
@@ -145,12 +146,16 @@ class Scheduler:
                 if key == contract.REPORTS:
                     self._reports.extend(values)
                     self._wake.set()
-                elif key == contract.NOTIFY and (self._stepping or any(v.decode() not in self._blocked for v in values)):
-                    # A queue whose requests wait for a busy executor needs no new look before
-                    # that executor reports or its timer fires. But a step under way may have
-                    # read the queues before this arrival, on the report that freed the
-                    # executor: ignored then, the arrival would wait for the loop's timeout.
-                    self._wake.set()
+                elif key == contract.NOTIFY:
+                    queues = {v.decode() for v in values}
+                    if not queues <= self._blocked:
+                        self._wake.set()
+                    elif self._stepping:
+                        # A queue whose requests wait for a busy executor needs no new look before
+                        # that executor reports or its timer fires. But the step under way may
+                        # have read the queue before this arrival, woken by the report that frees
+                        # the executor: if it no longer counts the queue as waiting, look again.
+                        self._noticed |= queues
 
     async def _set_blocked(self, all_blocked: bool) -> None:
         """Record whether every queue is blocked; on leaving that state, interrupt
@@ -186,6 +191,9 @@ class Scheduler:
                 await asyncio.sleep(0.1)
             finally:
                 self._stepping = False
+                if self._noticed - self._blocked:
+                    self._wake.set()
+                self._noticed.clear()
 
     async def _hold_lease(self) -> bool:
         """Take or renew the lease (a third of its TTL apart); True while this scheduler leads."""

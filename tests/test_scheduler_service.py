@@ -117,23 +117,23 @@ def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mes
         time.sleep(0.02)
     warm = _enqueue(r, gateway_id, now_us() + 30_000_000, _mlp_request(np.zeros((1, 32))))
     assert _replies(r, gateway_id, 1)[warm].code == 0  # the executor is idle again
-    real_step, arrived = s.step, []
+    real_load_profiles, arrived = s._load_profiles, []
 
-    async def step_with_an_arrival():
-        wake = await real_step()
+    async def arrival_after_the_scan(keys):
+        # Called by the step once it has read the queues (still empty), before it decides on them.
         if not arrived:
-            # The race, made certain: this step has read the (empty) queue and, as a step that
-            # saw the executor still busy would, counts it as waiting for the executor; the next
-            # request arrives now, and the listener takes its notice before the step ends.
+            # The race, made certain: the step before counted the queue as waiting for a busy
+            # executor; the next request arrives now, and the listener takes its notice while
+            # this step, which will find the executor free, is still under way.
             s._blocked.add(queue)
             arrived.append(_enqueue(r, gateway_id, now_us() + 30_000_000, _mlp_request(np.ones((1, 32))), notice=queue))
             for _ in range(500):
                 if not await s.redis.llen(contract.NOTIFY):
                     break
                 await asyncio.sleep(0.01)
-        return wake
+        return await real_load_profiles(keys)
 
-    s.step = step_with_an_arrival
+    s._load_profiles = arrival_after_the_scan
     r.rpush(contract.NOTIFY, "some-other-queue")  # wakes the scheduler for a step
     replies = _replies(r, gateway_id, 1)
     assert arrived and replies.get(arrived[0]) is not None and replies[arrived[0]].code == 0
