@@ -40,6 +40,8 @@ from scheduler.profile import LatencyProfile
 from scheduler.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
+# How soon an arrival noticed during a step, after the step had read its queue, gets a look.
+_NOTICE_RECHECK_S = 0.002
 
 _DRAIN = 10_000
 _LOAD_EVERY_S = 0.02
@@ -192,7 +194,10 @@ class Scheduler:
             finally:
                 self._stepping = False
                 if self._noticed - self._blocked:
-                    self._wake.set()
+                    # Looked at shortly, not at once: under load the next arrival's notice wakes
+                    # the loop sooner anyway, and a step per arrival would cost more than it saves.
+                    recheck = time.time() + _NOTICE_RECHECK_S
+                    wake_at = recheck if wake_at is None else min(wake_at, recheck)
                 self._noticed.clear()
 
     async def _hold_lease(self) -> bool:
