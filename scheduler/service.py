@@ -40,11 +40,11 @@ from scheduler.profile import LatencyProfile
 from scheduler.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
-# How soon an arrival noticed during a step, after the step had read its queue, gets a look.
-_NOTICE_RECHECK_S = 0.002
 
 _DRAIN = 10_000
 _LOAD_EVERY_S = 0.02
+# How soon an arrival noticed during a step, after the step had read its queue, gets a look.
+_NOTICE_RECHECK_S = 0.002
 _UNKNOWN_KIND = "unknown"
 _tracer = telemetry.tracer("batchline.scheduler")
 
