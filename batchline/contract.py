@@ -24,7 +24,7 @@ bl:reports                    list         ExecutionReport messages for the sche
 bl:stats:{model}:{version}    hash         Triton-style statistics counters
 bl:leader                     string       id of the scheduler holding the lease; TTL = lease
 bl:load:{model}:{version}     string       ModelLoad, the scheduler's view for admission; short TTL
-bl:profile:{model}:{v}:{kind} string       latency-profile samples (rows, seconds) as float32 pairs
+bl:profile-units:{m}:{v}:{k}  string       latency-profile samples (units, seconds) as float32 pairs
 ============================  ===========  ==================================================
 """
 from __future__ import annotations
@@ -101,7 +101,8 @@ def load(model: str, version: str) -> str:
 
 
 def profile(model: str, version: str, kind: str) -> str:
-    return f"{PREFIX}profile:{model}:{version}:{kind}"
+    # Not "profile:": samples saved under that name counted rows, whatever the sequence length.
+    return f"{PREFIX}profile-units:{model}:{version}:{kind}"
 
 
 def queue_score(priority: int, deadline_us: int) -> int:

@@ -26,6 +26,7 @@ from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking, queue_script
+from batchline.sizing import row_length
 from executor.batching import assemble, split
 from executor.repository import LoadedModel, warmup_inputs
 from executor.settings import ExecutorSettings
@@ -88,12 +89,13 @@ class Executor:
                 sizes.append(sizes[-1] * 2)
             for rows in sizes:
                 feeds = warmup_inputs(model, rows)
+                units = rows * row_length(model.info, {name: arr.shape for name, arr in feeds.items()})
                 for _ in range(2):
                     t0 = time.perf_counter_ns()
                     model.session.run(None, feeds)
                     self._warmup_reports.append(pb.ExecutionReport(
                         executor_id=self.executor_id, batch_id="warmup", model_name=model.name,
-                        model_version=model.version, rows=rows, requests=rows,
+                        model_version=model.version, rows=rows, requests=rows, units=units,
                         compute_infer_ns=time.perf_counter_ns() - t0, warmup=True,
                     ))
 
@@ -267,6 +269,7 @@ class Executor:
             except Exception as exc:  # noqa: BLE001 - a corrupt payload fails alone
                 m.error = InvalidArgument(f"request could not be decoded: {exc}")
         runnable = [m for m in members if m.error is None]
+        units = 0
         t1 = t_run = t2 = time.perf_counter_ns()
         if runnable:
             async with self._compute:
@@ -284,7 +287,7 @@ class Executor:
                 runnable = [m for m in runnable if m.error is None]
                 if runnable:
                     with _phase("infer", traced):
-                        await self._run(model, runnable)
+                        units = await self._run(model, runnable)
             t2 = time.perf_counter_ns()
         replies: dict[str, list[bytes]] = defaultdict(list)
         for m in members:
@@ -292,7 +295,7 @@ class Executor:
         t3 = time.perf_counter_ns()
         ran_until_us = start_us + (t2 - t0) // 1000 if t2 > t1 else 0
         with _phase("write", traced):
-            await self._write(batch, model, members, replies, start_us, (t1 - t0, t2 - t_run, t3 - t2), ran_until_us)
+            await self._write(batch, model, members, replies, start_us, (t1 - t0, t2 - t_run, t3 - t2), ran_until_us, units)
         if traced:
             rows = sum(m.rows for m in batch.members)
             for e in batch.members:
@@ -300,10 +303,13 @@ class Executor:
                                       attributes={"batchline.batch_id": batch.batch_id, "batchline.batch_size": rows,
                                                   "batchline.executor_id": self.executor_id, "batchline.provider": provider})
 
-    async def _run(self, model: LoadedModel, members: list[_Member]) -> None:
+    async def _run(self, model: LoadedModel, members: list[_Member]) -> int:
+        """Run the members (in as few model runs as their shapes allow); return the units run."""
         batched = model.info.max_batch_size > 0
         groups = assemble([m.inputs for m in members], model.padding, batched)
+        units = 0
         for group in groups:
+            units += sum(group.rows) * row_length(model.info, {name: arr.shape for name, arr in group.inputs.items()})
             group_members = [members[i] for i in group.members]
             try:
                 outputs = await asyncio.to_thread(self._session_run, model, group.inputs)
@@ -318,6 +324,7 @@ class Executor:
                 continue
             for m, out in zip(group_members, split(outputs, group.rows, batched)):
                 m.outputs = out
+        return units
 
     async def _run_singly(self, model: LoadedModel, members: list[_Member]) -> None:
         for m in members:
@@ -345,7 +352,7 @@ class Executor:
             response.raw_output_contents.append(raw)
         return pb.Reply(request_id=m.entry.request_id, code=0, response=response)
 
-    async def _write(self, batch, model, members, replies, start_us, phases, ran_until_us: int = 0) -> None:
+    async def _write(self, batch, model, members, replies, start_us, phases, ran_until_us: int = 0, units: int = 0) -> None:
         input_ns, infer_ns, output_ns = phases
         done_us = now_us()
         ok = [m for m in members if m.error is None and m.outputs is not None]
@@ -362,6 +369,7 @@ class Executor:
             compute_output_ns=output_ns,
             failed=len(members) - len(ok),
             ran_until_us=ran_until_us,
+            units=units,
         )
         async with self.redis.pipeline(transaction=False) as pipe:
             for gateway_id, items in replies.items():

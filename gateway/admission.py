@@ -6,6 +6,9 @@ after it: `scheduler.policy.queue_tail`). The gateway adds to the end of that
 plan the rows it admitted since the view was taken and then the new request,
 the way the scheduler will serve them: into the last batch while it has room,
 then in batches of up to max_batch_size on whichever executor is free first.
+A batch costs what the profile predicts for its rows times its longest
+member's length (batchline.sizing): a 16-token request is not judged by what
+128-token ones cost.
 If that finishes past the budget, the request is refused now. Refusing on
 arrival costs the client microseconds and keeps the queue short enough that
 every admitted request still makes its deadline; letting it in would only
@@ -25,9 +28,9 @@ from batchline.errors import BatchlineError, DeadlineExceeded, ResourceExhausted
 from batchline.protocol import internal_pb2 as pb
 
 
-def batch_cost_s(load: pb.ModelLoad, rows: int) -> float:
-    """Predicted service time of one batch of `rows`, as the scheduler plans it."""
-    return load.cost_per_row_s * rows + load.cost_fixed_s + load.cost_margin_s + load.overhead_s
+def batch_cost_s(load: pb.ModelLoad, units: int) -> float:
+    """Predicted service time of one batch of `units` (rows x length), as the scheduler plans it."""
+    return max(0.0, load.cost_per_unit_s * units + load.cost_fixed_s) + load.cost_margin_s + load.overhead_s
 
 
 # A plan's last batch that starts sooner than this (or should have started
@@ -49,22 +52,25 @@ def _tail(load: pb.ModelLoad, priority: int, now_s: float) -> pb.QueueTail:
 
 
 def predicted_finish_s(load: pb.ModelLoad, max_batch_size: int, priority: int, rows: int,
-                       now_s: float, admitted_since: int = 0) -> float:
-    """Seconds from `now_s` until a new request of `rows` at `priority` is predicted answered.
+                       now_s: float, admitted_since: int = 0, length: int = 1, since_length: int = 1) -> float:
+    """Seconds from `now_s` until a new request of `rows` x `length` at `priority` is predicted answered.
 
     Behind the plan's rows at its priority or higher come the `admitted_since`
-    rows this gateway let in after the view was taken, then the request. They
-    join the plan's last batch only while it has not left yet.
+    rows this gateway let in after the view was taken (the longest of them
+    `since_length`), then the request. They join the plan's last batch only
+    while it has not left yet; the batches they fill are as long as the
+    longest of them.
     """
     tail = _tail(load, priority, now_s)
     cap = max_batch_size if max_batch_size > 0 else 0
     free = [max(now_s, f) for f in tail.free_s] or [now_s]
     left = admitted_since + rows
+    longest = max(1, length, since_length if admitted_since else 1)
     finish = now_s
     if tail.rows and cap and tail.executor < len(free) and tail.start_s - now_s >= JOIN_LEAD_S:
         join = min(left, max(0, tail.limit_rows - tail.rows))
         if join:
-            finish = max(now_s, tail.start_s) + batch_cost_s(load, tail.rows + join)
+            finish = max(now_s, tail.start_s) + batch_cost_s(load, (tail.rows + join) * max(longest, tail.length))
             free[tail.executor] = max(free[tail.executor], finish)
             left -= join
     while left > 0:
@@ -74,7 +80,7 @@ def predicted_finish_s(load: pb.ModelLoad, max_batch_size: int, priority: int, r
             # A batch leaving about now takes the requests admitted before this one, which are
             # queued already; this one is not yet, and goes in the next batch.
             n = left - rows
-        free[e] += batch_cost_s(load, n)
+        free[e] += batch_cost_s(load, n * longest)
         finish = free[e]
         left -= n
     return finish - now_s
@@ -89,15 +95,17 @@ def admit(
     now_s: float,
     admitted_since: int = 0,
     headroom: float = 1.0,
+    length: int = 1,
+    since_length: int = 1,
 ) -> BatchlineError | None:
     """None to admit; else the error to answer with (carrying a retry-after hint)."""
-    alone = batch_cost_s(load, rows)
+    alone = batch_cost_s(load, rows * max(1, length))
     if alone > budget_s:
         return DeadlineExceeded(
             f"the {budget_s * 1e3:.1f} ms budget is shorter than model '{model.name}' takes to run this request "
             f"alone (about {alone * 1e3:.1f} ms): raise the timeout"
         )
-    finish = predicted_finish_s(load, model.max_batch_size, priority, rows, now_s, admitted_since)
+    finish = predicted_finish_s(load, model.max_batch_size, priority, rows, now_s, admitted_since, length, since_length)
     if finish <= budget_s * headroom or finish <= alone:
         # No later than alone means it starts at once on an idle executor: there is no queue to
         # mispredict. Refusing it would also leave a learned headroom that fell too low with no

@@ -35,6 +35,7 @@ from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking, queue_script
 from batchline.registry import Registry
+from batchline.sizing import row_length
 from gateway.admission import Calibration, admit
 from gateway.settings import GatewaySettings
 from gateway.validation import request_priority, request_timeout_us, validate
@@ -79,6 +80,7 @@ class _Admitted:
     taken after its enqueue was confirmed shows it (or it is gone)."""
     priority: int
     rows: int
+    length: int
     confirmed_us: int = 0  # when Redis confirmed the enqueue (0: not yet)
 
 
@@ -273,6 +275,7 @@ class Gateway:
     ) -> ipb.ModelInferResponse:
         model = await self.model(request.model_name, request.model_version)
         rows = validate(request, model)
+        length = row_length(model, {t.name: t.shape for t in request.inputs})
         priority = request_priority(request, model)
         budget = self.budget_s(request, model, grpc_remaining)
         if budget <= 0:
@@ -293,10 +296,14 @@ class Gateway:
             admitted = self._admitted[key]
             while admitted and 0 < admitted[0].confirmed_us <= load.updated_us:
                 admitted.popleft()  # the scheduler's view already counts these
-            since = sum(a.rows for a in admitted if a.priority <= priority)
+            since = since_length = 0
+            for a in admitted:
+                if a.priority <= priority:
+                    since += a.rows
+                    since_length = max(since_length, a.length)
             calibration = self.calibration(key) if self.settings.admission_target > 0 else None
             headroom = calibration.headroom if calibration else self.settings.admission_headroom
-            refusal = admit(load, model, priority, rows, plan_budget, arrived_us / 1e6, since, headroom)
+            refusal = admit(load, model, priority, rows, plan_budget, arrived_us / 1e6, since, headroom, length, since_length)
             if refusal is not None:
                 reason = "deadline" if isinstance(refusal, DeadlineExceeded) else "overload"
                 metrics.REJECTED.labels(model.name, model.version, reason).inc()
@@ -318,6 +325,7 @@ class Gateway:
             gateway_id=self.gateway_id,
             model_version=model.version,
             rows=rows,
+            length=length,
             deadline_us=deadline,
             enqueued_us=enqueued,
             priority=priority,
@@ -331,7 +339,7 @@ class Gateway:
         self._pending[request_id] = fut
         mine = None
         if admitted is not None:
-            mine = _Admitted(priority, rows)
+            mine = _Admitted(priority, rows, length)
             admitted.append(mine)
         try:
             write = _Write(request_id, request.SerializeToString(), contract.payload_ttl_ms(deadline, enqueued), queue,

@@ -2,7 +2,8 @@
 
 Given a model's queue (already in priority-major, earliest-deadline-first
 order), when each executor holding the model can take its next batch, and a
-prediction of execution time per batch size, `plan()` says which batches to
+prediction of execution time per batch size in units (rows x the batch's
+longest length: batchline.sizing), `plan()` says which batches to
 send now, to which executor and why, which requests are shed, and when to
 look again. It does no I/O and reads no clock, so every rule is tested with
 an explicit clock.
@@ -46,6 +47,20 @@ class Pending:
     deadline: float      # seconds, same clock as `now`
     enqueued: float      # seconds, same clock as `now`
     member: bytes = b""  # opaque to the policy: the queue member to move
+    length: int = 1      # elements per row at the model's variable dims (batchline.sizing)
+
+    @property
+    def units(self) -> int:
+        return self.rows * self.length
+
+
+def units(members: Iterable[Pending]) -> int:
+    """A batch's size for the profile: its rows, padded to its longest member."""
+    rows = longest = 0
+    for m in members:
+        rows += m.rows
+        longest = max(longest, m.length)
+    return rows * longest
 
 
 @dataclass(frozen=True)
@@ -98,8 +113,8 @@ def plan(
     """Decide what to do with one model's queue at time `now`.
 
     `free_at[i]` is when executor i can start another batch (<= now: idle).
-    `predict(rows)` errs late (it carries a margin) and times dispatch;
-    `expected(rows)` is the central estimate used to decide that a request is
+    `predict(units)` errs late (it carries a margin) and times dispatch;
+    `expected(units)` is the central estimate used to decide that a request is
     hopeless (default: `predict`).
     """
     expected = expected or predict
@@ -111,7 +126,7 @@ def plan(
     for p in queue:
         if p.deadline <= now:
             out.expired.append(p)
-        elif aware and first_start is not None and first_start + expected(p.rows) + policy.overhead > p.deadline:
+        elif aware and first_start is not None and first_start + expected(p.units) + policy.overhead > p.deadline:
             # It cannot finish in time even alone on the first free executor.
             out.expired.append(p)
         else:
@@ -136,7 +151,7 @@ def plan(
             if cut:
                 members, rows, preferred = members[:cut], sum(m.rows for m in members[:cut]), True
         shrunk = False
-        if aware and start + predict(rows) + policy.overhead > min(m.deadline for m in members):
+        if aware and start + predict(units(members)) + policy.overhead > min(m.deadline for m in members):
             # Someone would finish late. Send the batch size that gets the most
             # members done in time; a member late even on a typical run of it
             # cannot make any later batch either, so it is shed now.
@@ -149,7 +164,7 @@ def plan(
                 continue
             rows = sum(m.rows for m in members)
             shrunk = len(members) < taken
-        cost = predict(rows) + policy.overhead
+        cost = predict(units(members)) + policy.overhead
         earliest = min(m.deadline for m in members)
         oldest = min(m.enqueued for m in members)
         send_by = earliest - cost - (start - now)  # latest dispatch that still meets the earliest deadline
@@ -250,15 +265,16 @@ def _most_on_time(
 ) -> tuple[list[Pending], list[Pending]]:
     """The head of `members` that finishes the most of them by their deadlines (the shortest such),
     split into those to send and those already hopeless in it."""
-    best_n, best_on_time, rows = 1, -1, 0
+    best_n, best_on_time, rows, longest = 1, -1, 0, 0
     for n, m in enumerate(members, 1):
         rows += m.rows
-        finish = start + predict(rows) + overhead
+        longest = max(longest, m.length)
+        finish = start + predict(rows * longest) + overhead
         on_time = sum(1 for x in members[:n] if x.deadline >= finish)
         if on_time > best_on_time:
             best_n, best_on_time = n, on_time
     chosen = members[:best_n]
-    finish = start + expected(sum(m.rows for m in chosen)) + overhead
+    finish = start + expected(units(chosen)) + overhead
     return [m for m in chosen if m.deadline >= finish], [m for m in chosen if m.deadline < finish]
 
 
@@ -270,6 +286,7 @@ class Tail:
     start: float = 0.0       # when it starts
     executor: int = 0        # index into `free`
     free: tuple[float, ...] = ()
+    length: int = 1          # its longest member's length
 
 
 def queue_tail(
@@ -279,8 +296,9 @@ def queue_tail(
     """Play the queue forward as `plan` would serve it, batch after batch, and say where it ends.
 
     `queue` is in service order, `free_at[i]` when executor i can start
-    (finite: work already dispatched included), `cost(rows)` a batch's
-    predicted service time including overheads. Each batch takes the head of
+    (finite: work already dispatched included), `cost(units)` a batch's
+    predicted service time including overheads (called once per member or
+    two: keep it cheap). Each batch takes the head of
     what is left, up to `max_batch_size` rows, cut to the longest prefix that
     meets its earliest deadline and, like `plan`, to the largest preferred
     size the head makes when it is short of full; a head that cannot make it
@@ -288,25 +306,23 @@ def queue_tail(
     adds a new request's rows to the end of this plan (gateway/admission.py).
     """
     cap = max_batch_size if max_batch_size > 0 else None
-    if cap is not None:
-        table, base = [cost(n) for n in range(cap + 1)], cost
-        cost = lambda n: table[n] if n <= cap else base(n)  # noqa: E731 - hot loop: a table lookup
     free = [max(now, f) for f in free_at] or [now]
-    last: tuple[int, float, int, float] | None = None  # rows, start, executor, earliest deadline
+    last: tuple[int, float, int, float, int] | None = None  # rows, start, executor, earliest deadline, length
     i = 0
     while i < len(queue):
         e = min(range(len(free)), key=free.__getitem__)
         start = free[e]
         earliest = float("inf")
-        j = rows = 0
+        j = rows = longest = 0
         for j in range(i, len(queue)):
             m = queue[j]
             if j > i and (cap is None or rows + m.rows > cap):
                 break
             d = min(earliest, m.deadline)
-            if start + cost(rows + m.rows) > d:
+            wider = max(longest, m.length)
+            if start + cost((rows + m.rows) * wider) > d:
                 break
-            earliest, rows = d, rows + m.rows
+            earliest, rows, longest = d, rows + m.rows, wider
         else:
             j = len(queue)
         if not rows:
@@ -317,13 +333,14 @@ def queue_tail(
             if cut:
                 j = i + cut
                 rows = sum(m.rows for m in queue[i:j])
-        free[e] = start + cost(rows)
-        last = (rows, start, e, earliest)
+                longest = max(m.length for m in queue[i:j])
+        free[e] = start + cost(rows * longest)
+        last = (rows, start, e, earliest, longest)
         i = j
     if last is None:
         return Tail(free=tuple(free))
-    rows, start, e, earliest = last
+    rows, start, e, earliest, longest = last
     limit = rows
-    while cap is not None and limit < cap and start + cost(limit + 1) <= earliest:
+    while cap is not None and limit < cap and start + cost((limit + 1) * longest) <= earliest:
         limit += 1
-    return Tail(rows=rows, limit=limit, start=start, executor=e, free=tuple(free))
+    return Tail(rows=rows, limit=limit, start=start, executor=e, free=tuple(free), length=longest)

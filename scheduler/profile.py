@@ -1,8 +1,10 @@
-"""Per-model latency profile: predicted service time of a batch of n rows.
+"""Per-model latency profile: predicted service time of a batch of n units.
 
-Learned online from executors' reports (and their warm-up runs at load) as a
-fit of ``a·n + b`` over a sliding window. The fit goes through the median
-time of each batch size seen, so that a few slow outliers (a noisy
+A batch's units are its rows times its length (elements per row at the
+model's variable dims, 1 for fixed shapes: batchline.sizing), so one profile
+serves a text model's short and long sequences alike. Learned online from
+executors' reports (and their warm-up runs at load) as a fit of ``a·n + b``
+over a sliding window. The fit goes through the median time of each size seen, so that a few slow outliers (a noisy
 neighbour, a GC pause) do not tilt it; the margin added to a prediction is a
 high quantile of the residuals, so a prediction errs late rather than early.
 Before any sample it predicts a default cost so a fresh model is not
@@ -19,7 +21,7 @@ class LatencyProfile:
     def __init__(self, window: int = 512, default: float = 0.005, margin_quantile: float = 0.9) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         # Timed warm-up runs at load: what the profile goes by until real batches report. Their
-        # inputs are made up (e.g. 8-token sequences for a text model), so the first real
+        # inputs are made up (zeros, 8-token sequences for a text model), so the first real
         # report retires them rather than mixing with it.
         self._warm_up: deque[tuple[int, float]] = deque(maxlen=window)
         self._default = default
@@ -29,13 +31,13 @@ class LatencyProfile:
         self._refit_every = max(1, min(16, window // 8))
         self._unfitted = 0
 
-    def observe(self, rows: int, seconds: float, warm_up: bool = False) -> None:
+    def observe(self, units: int, seconds: float, warm_up: bool = False) -> None:
         if warm_up:
-            self._warm_up.append((rows, seconds))
+            self._warm_up.append((units, seconds))
             if not self._samples:
                 self._fit = None
             return
-        self._samples.append((rows, seconds))
+        self._samples.append((units, seconds))
         self._unfitted += 1
         if len(self._samples) == 1 or self._unfitted >= self._refit_every:
             self._fit = None
@@ -59,26 +61,29 @@ class LatencyProfile:
             self._unfitted = 0
         return self._fit
 
-    def expected(self, rows: int) -> float:
+    def expected(self, units: int) -> float:
         """The central estimate (no margin)."""
         a, b, _ = self.coefficients()
-        return max(0.0, a * rows + b)
+        return max(0.0, a * units + b)
 
-    def predict(self, rows: int) -> float:
+    def predict(self, units: int) -> float:
         """The estimate plus the margin: late rather than early."""
-        return self.expected(rows) + self.coefficients()[2]
+        return self.expected(units) + self.coefficients()[2]
 
     def _refit(self) -> tuple[float, float, float]:
         samples = self._samples or self._warm_up
         n = np.array([s[0] for s in samples], dtype=float)
         t = np.array([s[1] for s in samples], dtype=float)
-        sizes = np.unique(n)
-        medians = np.array([np.median(t[n == s]) for s in sizes])
+        # The median time of each size: sorted by size then time, the middle of each run.
+        order = np.lexsort((t, n))
+        ordered = t[order]
+        sizes, starts, counts = np.unique(n[order], return_index=True, return_counts=True)
+        medians = (ordered[starts + (counts - 1) // 2] + ordered[starts + counts // 2]) / 2
         if len(sizes) < 2:
-            # One batch size seen: assume cost proportional to rows through the median.
+            # One size seen: assume cost proportional to units through the median.
             a, b = float(medians[0]) / max(float(sizes[0]), 1.0), 0.0
         else:
-            weights = np.sqrt([np.count_nonzero(n == s) for s in sizes])
+            weights = np.sqrt(counts)
             a, b = np.polyfit(sizes, medians, 1, w=weights)
             a, b = float(a), float(b)
             if a < 0:  # noise made bigger batches look cheaper: fall back to a flat cost

@@ -305,7 +305,7 @@ class Scheduler:
             if r.rows:
                 seconds = (r.compute_input_ns + r.compute_infer_ns + r.compute_output_ns) / 1e9
                 kind = self._kind(r.executor_id, (r.model_name, r.model_version))
-                self._profile((r.model_name, r.model_version, kind)).observe(r.rows, seconds, warm_up=r.warmup)
+                self._profile((r.model_name, r.model_version, kind)).observe(r.units or r.rows, seconds, warm_up=r.warmup)
 
     def _kind(self, executor_id: str, key: tuple[str, str]) -> str:
         """The execution provider an executor runs a model on: executors of one kind share a profile."""
@@ -331,9 +331,9 @@ class Scheduler:
         for key, blob in zip(missing, blobs):
             profile = self._profile(key)
             if blob:
-                for rows, seconds in struct.iter_unpack("<ff", blob):
-                    # Warm-up samples are saved with negative rows.
-                    profile.observe(abs(int(rows)), float(seconds), warm_up=rows < 0)
+                for units, seconds in struct.iter_unpack("<ff", blob):
+                    # Warm-up samples are saved with negative units.
+                    profile.observe(abs(int(units)), float(seconds), warm_up=units < 0)
 
     async def _save_profiles(self) -> None:
         self._profiles_saved_at = time.monotonic()
@@ -351,7 +351,7 @@ class Scheduler:
         p = self._pending_cache.get(member)
         if p is None:
             e = self._entries[member] = pb.QueueEntry.FromString(member)
-            p = Pending(e.request_id, e.rows, e.priority, e.deadline_us / 1e6, e.enqueued_us / 1e6, member)
+            p = Pending(e.request_id, e.rows, e.priority, e.deadline_us / 1e6, e.enqueued_us / 1e6, member, e.length or 1)
             self._pending_cache[member] = p
         return p
 
@@ -419,17 +419,22 @@ class Scheduler:
         for p in queue:
             rows[p.priority - 1] += p.rows
         overhead = self.settings.overhead_ms / 1000
+        extra = margin + overhead
+
+        def cost(units: int) -> float:  # profile.predict(units) + overhead, without its calls per member
+            return max(0.0, a * units + b) + extra
+
         idle_at = [max(now, self._idle_at.get(e, now)) for e in holders]
         tails: list[pb.QueueTail] = []
         for level in range(1, len(rows) + 1):
             if level > 1 and not rows[level - 1]:
                 continue  # nothing queued at this level: the plan of the level above holds for it
             t = queue_tail(now, [p for p in queue if p.priority <= level], info.max_batch_size, idle_at,
-                           lambda n: profile.predict(n) + overhead, info.preferred_batch_sizes)
+                           cost, info.preferred_batch_sizes)
             tails.append(pb.QueueTail(rows=t.rows, limit_rows=t.limit, start_s=t.start, executor=t.executor,
-                                      free_s=t.free, level=level))
+                                      free_s=t.free, level=level, length=t.length))
         load = pb.ModelLoad(
-            cost_per_row_s=a, cost_fixed_s=b, cost_margin_s=margin, overhead_s=overhead,
+            cost_per_unit_s=a, cost_fixed_s=b, cost_margin_s=margin, overhead_s=overhead,
             executors=len(holders),
             backlog_s=sum(t - now for t in idle_at),
             queued_rows=rows, policy=self.settings.policy, updated_us=int(min(now, self._scanned_at or now) * 1e6),

@@ -1,6 +1,7 @@
 """Unit tests for admission control (gateway/admission.py): pure, no I/O, explicit numbers.
 
-Cost model throughout: a batch of n rows takes 0.01·n + 0.02 s; max_batch_size 8.
+Cost model throughout: a batch of n units (rows x length; length 1 unless a test says) takes
+0.01·n + 0.02 s; max_batch_size 8.
 """
 from __future__ import annotations
 
@@ -18,18 +19,18 @@ def cost(n: int) -> float:
     return 0.01 * n + 0.02
 
 
-def tail(rows=0, limit=0, start=NOW, executor=0, free=(NOW,)):
-    return pb.QueueTail(rows=rows, limit_rows=limit, start_s=start, executor=executor, free_s=list(free))
+def tail(rows=0, limit=0, start=NOW, executor=0, free=(NOW,), length=0):
+    return pb.QueueTail(rows=rows, limit_rows=limit, start_s=start, executor=executor, free_s=list(free), length=length)
 
 
 def load(*tails, margin=0.0, overhead=0.0, queued=(0,), executors=1, backlog=0.0):
-    return pb.ModelLoad(cost_per_row_s=0.01, cost_fixed_s=0.02, cost_margin_s=margin, overhead_s=overhead,
+    return pb.ModelLoad(cost_per_unit_s=0.01, cost_fixed_s=0.02, cost_margin_s=margin, overhead_s=overhead,
                         executors=executors, backlog_s=backlog, queued_rows=list(queued), policy="deadline",
                         tails=list(tails))
 
 
-def finish(view, rows=1, priority=1, since=0, max_batch_size=8):
-    return predicted_finish_s(view, max_batch_size, priority, rows, NOW, since)
+def finish(view, rows=1, priority=1, since=0, max_batch_size=8, length=1, since_length=1):
+    return predicted_finish_s(view, max_batch_size, priority, rows, NOW, since, length, since_length)
 
 
 def test_batch_cost_is_the_profile_plus_margin_and_overhead():
@@ -193,3 +194,30 @@ def test_a_request_that_starts_at_once_on_an_idle_executor_is_admitted_whatever_
     idle, busy = load(tail()), load(tail(free=(NOW + 0.001,)))  # busy: the same, 1 ms later
     assert admit(idle, MODEL, 1, 1, budget_s=cost(1) * 1.1, now_s=NOW, headroom=0.25) is None
     assert isinstance(admit(busy, MODEL, 1, 1, budget_s=cost(1) * 1.1, now_s=NOW, headroom=0.25), ResourceExhausted)
+
+
+# --- lengths: a request is costed at its own length, not at what others cost ----------
+
+
+def test_a_request_is_costed_at_its_rows_times_its_length():
+    assert finish(load(tail()), length=16) == pytest.approx(cost(16))
+    assert finish(load(tail()), rows=2, length=16) == pytest.approx(cost(32))
+    # 0.2 s: 16 units fit alone (0.18), 32 do not (0.34)
+    assert admit(load(tail()), MODEL, 1, 1, 0.2, NOW, length=16) is None
+    refusal = admit(load(tail()), MODEL, 1, 1, 0.2, NOW, length=32)
+    assert isinstance(refusal, DeadlineExceeded)
+
+
+def test_rows_admitted_since_pad_the_batch_they_share_with_the_request():
+    # 3 rows of length 10 admitted since the view: the request (length 1) shares their batch of 4 x 10
+    # once the executor is free.
+    busy = load(tail(free=(NOW + 0.1,)))
+    assert finish(busy, since=3, since_length=10) == pytest.approx(0.1 + cost(40))
+    # a longer request pads them instead
+    assert finish(busy, since=3, since_length=10, length=20) == pytest.approx(0.1 + cost(80))
+
+
+def test_joining_the_plans_last_batch_pads_to_the_longer_of_the_two():
+    view = load(tail(rows=4, limit=8, start=NOW + 0.1, free=(NOW + 0.1 + cost(40),), length=10))
+    assert finish(view) == pytest.approx(0.1 + cost(5 * 10))
+    assert finish(view, length=20) == pytest.approx(0.1 + cost(5 * 20))

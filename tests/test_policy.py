@@ -14,8 +14,9 @@ FAR = 1000.0  # a deadline far enough never to matter
 IDLE = [0.0]  # one executor, idle since time 0
 
 
-def req(rid: str, rows: int = 1, *, deadline: float = FAR, enqueued: float = 0.0, priority: int = 1) -> Pending:
-    return Pending(rid, rows, priority, deadline, enqueued, member=rid.encode())
+def req(rid: str, rows: int = 1, *, deadline: float = FAR, enqueued: float = 0.0, priority: int = 1,
+        length: int = 1) -> Pending:
+    return Pending(rid, rows, priority, deadline, enqueued, member=rid.encode(), length=length)
 
 
 def fixed(cost: float):
@@ -409,6 +410,60 @@ def test_profile_round_trips_its_samples():
     for rows, seconds in prof.samples():
         again.observe(rows, seconds)
     assert again.coefficients() == prof.coefficients()
+
+
+# --- lengths: a batch costs its rows x its longest member's length ---------------
+
+
+def test_a_batch_is_predicted_at_its_rows_times_its_longest_member():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0, overhead=0.0)
+    per_unit = RecordingPredict(per_row=0.001)
+    p = plan(0.0, [req("short", length=16), req("long", length=128)], policy, IDLE, per_unit)
+    [b] = p.batches
+    assert ids(b) == ["short", "long"] and b.rows == 2
+    # Each member alone (is it hopeless?) at its own length; the batch padded to the long one:
+    # not 2 rows, not 16 + 128 tokens.
+    assert set(per_unit.calls) == {16, 128, 2 * 128}
+    assert b.finish == pytest.approx(0.256)
+
+
+def test_a_short_request_is_not_shed_for_what_a_long_one_costs():
+    # 1 ms per unit, 50 ms to go: 16 units make it, 128 cannot even alone.
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0, overhead=0.0)
+    queue = [req("long", length=128, deadline=0.05), req("short", length=16, deadline=0.05)]
+    p = plan(0.0, queue, policy, IDLE, RecordingPredict(per_row=0.001))
+    assert [m.request_id for m in p.expired] == ["long"]
+    [b] = p.batches
+    assert ids(b) == ["short"] and b.finish == pytest.approx(0.016)
+
+
+def test_a_long_request_that_would_make_the_head_late_waits_for_the_next_batch():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0, overhead=0.0)
+    queue = [req("head", length=16, deadline=0.05), req("long", length=128)]
+    p = plan(0.0, queue, policy, [0.0, 0.0], RecordingPredict(per_row=0.001))
+    assert [ids(b) for b in p.batches] == [["head"], ["long"]]
+    assert p.batches[0].reason == DEADLINE and p.expired == []
+
+
+def test_tail_counts_the_length_of_its_batches():
+    per_unit = lambda units: 0.001 * units  # noqa: E731
+    queue = [req("a", length=16), req("b", length=16), req("c", length=128), req("d", length=16)]
+    t = queue_tail(0.0, queue, 2, IDLE, per_unit)
+    # (a, b) at 2 x 16, then (c, d) padded to 128: 0.032 + 0.256
+    assert (t.rows, t.length, t.start) == (2, 128, pytest.approx(0.032))
+    assert t.free == pytest.approx((0.032 + 0.256,))
+
+
+def test_profile_fits_one_line_through_batches_of_different_lengths():
+    a, b = 0.0002, 0.002  # per unit (row x token), per batch
+    prof = LatencyProfile()
+    for rows in (1, 2, 4, 8, 16, 32):  # short sequences only
+        prof.observe(rows * 16, a * rows * 16 + b)
+    # ... predict long ones: 8 rows of 128 tokens are 8x the work of 8 rows of 16
+    assert prof.expected(8 * 128) == pytest.approx(a * 1024 + b, rel=1e-6)
+    for rows in (2, 8):
+        prof.observe(rows * 128, a * rows * 128 + b)
+    assert prof.expected(8 * 16) == pytest.approx(a * 128 + b, rel=1e-6)
 
 
 # --- executors: predicted finish time -----------------------------------------

@@ -195,7 +195,7 @@ def _backed_up(m) -> redis.Redis:
     r = _hold_lease(m)
     now = time.time()
     backed_up = pb.QueueTail(rows=8, limit_rows=8, start_s=now + 5.0, free_s=[now + 5.02])
-    view = pb.ModelLoad(cost_per_row_s=0.001, cost_fixed_s=0.01, executors=1, queued_rows=[5000, 0],
+    view = pb.ModelLoad(cost_per_unit_s=0.001, cost_fixed_s=0.01, executors=1, queued_rows=[5000, 0],
                         policy="deadline", updated_us=now_us() + 60_000_000, tails=[backed_up, backed_up])
     r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
     # (the real scheduler published a view of its own before standing by: wait for ours)
@@ -259,7 +259,7 @@ def test_an_idle_gateway_leaves_the_load_views_alone_until_a_request_arrives(mes
     gw = m.gateway.gateway
     reads = _count_load_reads(gw)
     now = time.time()
-    view = pb.ModelLoad(cost_per_row_s=0.001, executors=1, queued_rows=[0], policy="deadline",
+    view = pb.ModelLoad(cost_per_unit_s=0.001, executors=1, queued_rows=[0], policy="deadline",
                         updated_us=now_us(), tails=[pb.QueueTail(free_s=[now])])
     r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
     time.sleep(0.3)  # fifteen busy-rate periods
@@ -313,7 +313,7 @@ def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(me
         # 80 ms per row, an idle executor, `queued_rows` rows in the plan's one batch.
         now = time.time()
         tail = pb.QueueTail(rows=queued_rows, limit_rows=queued_rows, start_s=now, free_s=[now + 0.08 * queued_rows])
-        view = pb.ModelLoad(cost_per_row_s=0.08, executors=1, queued_rows=[queued_rows], policy="deadline",
+        view = pb.ModelLoad(cost_per_unit_s=0.08, executors=1, queued_rows=[queued_rows], policy="deadline",
                             updated_us=now_us(), tails=[tail] if queued_rows else [pb.QueueTail(free_s=[now])])
         r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
         _wait(lambda: gateway.loads.get(("mlp", "1")) == view, "the gateway to read the view")
@@ -348,7 +348,7 @@ def test_a_gateway_whose_admitted_requests_come_late_admits_less(mesh_factory):
     calibration = gateway.calibration(("mlp", "1"))
     calibration.step = 0.2  # so that one late answer shows
     # An idle executor and 160 ms per row: a new request is predicted answered in 160 ms.
-    view = pb.ModelLoad(cost_per_row_s=0.16, executors=1, queued_rows=[0], policy="deadline",
+    view = pb.ModelLoad(cost_per_unit_s=0.16, executors=1, queued_rows=[0], policy="deadline",
                         updated_us=now_us() + 60_000_000, tails=[pb.QueueTail(free_s=[time.time()])])
     r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
     _wait(lambda: gateway.loads.get(("mlp", "1")) == view, "the gateway to read the view")
@@ -519,3 +519,64 @@ def test_the_load_view_counts_queued_rows_per_priority_level(mesh_factory):
     assert [(t.level, t.rows) for t in view.tails] == [(1, 2), (5, 6)]
     assert all(t.limit_rows == info.max_batch_size and t.start_s == pytest.approx(now) for t in view.tails)
     assert all(t.free_s[0] > now for t in view.tails)
+
+
+def _text_request(tokens: int, timeout_us: int | None = None) -> ipb.ModelInferRequest:
+    req = ipb.ModelInferRequest(model_name="minilm", id=f"t{tokens}")
+    for name in ("input_ids", "attention_mask"):
+        req.inputs.add(name=name, datatype="INT64", shape=[1, tokens])
+        req.raw_input_contents.append(np.ones((1, tokens), np.int64).tobytes())
+    if timeout_us is not None:
+        req.parameters["timeout"].int64_param = timeout_us
+    return req
+
+
+def test_a_text_requests_length_travels_with_it_and_its_batch_reports_the_padded_work(mesh_factory):
+    m = mesh_factory(models=["minilm"])
+    r = _hold_lease(m)  # requests stay queued, and a standby leaves execution reports in their list
+    r.delete(contract.REPORTS)
+    queue = contract.queue("minilm", "1")
+    channel, stub = _stub(m)
+    with channel:
+        calls = [stub.ModelInfer.future(_text_request(n), timeout=30) for n in (5, 12)]
+        members = _wait(lambda: (q := r.zrange(queue, 0, -1)) and len(q) == 2 and q, "both requests queued")
+        entries = sorted((pb.QueueEntry.FromString(x) for x in members), key=lambda e: e.length)
+        assert [e.length for e in entries] == [5, 12]
+        # One batch of both, as the scheduler would send it: the executor pads the 5 tokens to 12.
+        eid = m.executors[0].executor.executor_id
+        r.zrem(queue, *members)
+        batch = pb.Batch(batch_id="mixed", model_name="minilm", model_version="1", members=entries, executor_id=eid,
+                         attempt=1)
+        r.set(contract.batch("mixed"), batch.SerializeToString(), px=60_000)
+        r.sadd(contract.inflight(eid), "mixed")
+        r.rpush(contract.work(eid), batch.SerializeToString())
+        for call in calls:
+            assert call.result(timeout=30).outputs[0].shape == [1, 384]
+    [report] = [x for x in map(pb.ExecutionReport.FromString, r.lrange(contract.REPORTS, 0, -1)) if x.batch_id == "mixed"]
+    assert (report.rows, report.units) == (2, 2 * 12)
+
+
+def test_a_short_sequence_is_judged_by_its_own_cost_after_long_ones_taught_the_profile(mesh_factory):
+    m = mesh_factory(models=["minilm"])
+    r = redis.Redis.from_url(m.redis_url)
+    eid = m.executors[0].executor.executor_id
+    _wait(lambda: m.scheduler.scheduler.profiles.get(("minilm", "1", "CPUExecutionProvider")), "the warm-up reports")
+    # Batches of 8 sequences of 64 and of 128 tokens took 2 ms per token (a very slow host): 1 s and 2 s.
+    reports = [pb.ExecutionReport(executor_id=eid, batch_id=f"long{i}", model_name="minilm", model_version="1",
+                                  rows=8, requests=8, units=8 * tokens, compute_infer_ns=8 * tokens * 2_000_000)
+               for i, tokens in enumerate([64, 128] * 20)]
+    r.rpush(contract.REPORTS, *(x.SerializeToString() for x in reports))
+    _wait(lambda: (view := r.get(contract.load("minilm", "1"))) and
+          pb.ModelLoad.FromString(view).cost_per_unit_s == pytest.approx(0.002, rel=0.01), "the profile's new cost")
+    channel, stub = _stub(m)
+    with channel:
+        # Long budgets, until this gateway reads that view (a request asks for a fresher one).
+        _wait(lambda: stub.ModelInfer(_text_request(8, timeout_us=10_000_000), timeout=30) and
+              m.gateway.gateway.loads[("minilm", "1")].cost_per_unit_s > 0.0015, "the gateway to read the view")
+        # 8 tokens: about 16 ms predicted, well within 200 ms. A profile per row would have said 256.
+        assert stub.ModelInfer(_text_request(8, timeout_us=200_000), timeout=30).outputs[0].shape == [1, 384]
+        # 128 tokens: about 256 ms alone, past the budget: refused at once.
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(_text_request(128, timeout_us=200_000), timeout=30)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "raise the timeout" in info.value.details()

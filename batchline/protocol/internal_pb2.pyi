@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class QueueEntry(_message.Message):
-    __slots__ = ("request_id", "gateway_id", "model_version", "rows", "deadline_us", "enqueued_us", "priority", "traceparent", "tracestate")
+    __slots__ = ("request_id", "gateway_id", "model_version", "rows", "deadline_us", "enqueued_us", "priority", "traceparent", "tracestate", "length")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class QueueEntry(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     gateway_id: str
     model_version: str
@@ -27,7 +28,8 @@ class QueueEntry(_message.Message):
     priority: int
     traceparent: str
     tracestate: str
-    def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., model_version: _Optional[str] = ..., rows: _Optional[int] = ..., deadline_us: _Optional[int] = ..., enqueued_us: _Optional[int] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+    length: int
+    def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., model_version: _Optional[str] = ..., rows: _Optional[int] = ..., deadline_us: _Optional[int] = ..., enqueued_us: _Optional[int] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("batch_id", "model_name", "model_version", "members", "executor_id", "dispatched_us", "reason", "attempt", "traceparent")
@@ -64,7 +66,7 @@ class Reply(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[_inference_pb2.ModelInferResponse, _Mapping]] = ...) -> None: ...
 
 class ExecutionReport(_message.Message):
-    __slots__ = ("executor_id", "batch_id", "model_name", "model_version", "rows", "requests", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "failed", "warmup", "ran_until_us")
+    __slots__ = ("executor_id", "batch_id", "model_name", "model_version", "rows", "requests", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "failed", "warmup", "ran_until_us", "units")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +79,7 @@ class ExecutionReport(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     WARMUP_FIELD_NUMBER: _ClassVar[int]
     RAN_UNTIL_US_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     batch_id: str
     model_name: str
@@ -89,7 +92,8 @@ class ExecutionReport(_message.Message):
     failed: int
     warmup: bool
     ran_until_us: int
-    def __init__(self, executor_id: _Optional[str] = ..., batch_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., rows: _Optional[int] = ..., requests: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., failed: _Optional[int] = ..., warmup: _Optional[bool] = ..., ran_until_us: _Optional[int] = ...) -> None: ...
+    units: int
+    def __init__(self, executor_id: _Optional[str] = ..., batch_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., rows: _Optional[int] = ..., requests: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., failed: _Optional[int] = ..., warmup: _Optional[bool] = ..., ran_until_us: _Optional[int] = ..., units: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "datatype", "shape")
@@ -154,24 +158,26 @@ class ExecutorInfo(_message.Message):
     def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class QueueTail(_message.Message):
-    __slots__ = ("rows", "limit_rows", "start_s", "executor", "free_s", "level")
+    __slots__ = ("rows", "limit_rows", "start_s", "executor", "free_s", "level", "length")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     LIMIT_ROWS_FIELD_NUMBER: _ClassVar[int]
     START_S_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_FIELD_NUMBER: _ClassVar[int]
     FREE_S_FIELD_NUMBER: _ClassVar[int]
     LEVEL_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     rows: int
     limit_rows: int
     start_s: float
     executor: int
     free_s: _containers.RepeatedScalarFieldContainer[float]
     level: int
-    def __init__(self, rows: _Optional[int] = ..., limit_rows: _Optional[int] = ..., start_s: _Optional[float] = ..., executor: _Optional[int] = ..., free_s: _Optional[_Iterable[float]] = ..., level: _Optional[int] = ...) -> None: ...
+    length: int
+    def __init__(self, rows: _Optional[int] = ..., limit_rows: _Optional[int] = ..., start_s: _Optional[float] = ..., executor: _Optional[int] = ..., free_s: _Optional[_Iterable[float]] = ..., level: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ModelLoad(_message.Message):
-    __slots__ = ("cost_per_row_s", "cost_fixed_s", "cost_margin_s", "overhead_s", "executors", "backlog_s", "queued_rows", "policy", "updated_us", "tails")
-    COST_PER_ROW_S_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("cost_per_unit_s", "cost_fixed_s", "cost_margin_s", "overhead_s", "executors", "backlog_s", "queued_rows", "policy", "updated_us", "tails")
+    COST_PER_UNIT_S_FIELD_NUMBER: _ClassVar[int]
     COST_FIXED_S_FIELD_NUMBER: _ClassVar[int]
     COST_MARGIN_S_FIELD_NUMBER: _ClassVar[int]
     OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
@@ -181,7 +187,7 @@ class ModelLoad(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     UPDATED_US_FIELD_NUMBER: _ClassVar[int]
     TAILS_FIELD_NUMBER: _ClassVar[int]
-    cost_per_row_s: float
+    cost_per_unit_s: float
     cost_fixed_s: float
     cost_margin_s: float
     overhead_s: float
@@ -191,7 +197,7 @@ class ModelLoad(_message.Message):
     policy: str
     updated_us: int
     tails: _containers.RepeatedCompositeFieldContainer[QueueTail]
-    def __init__(self, cost_per_row_s: _Optional[float] = ..., cost_fixed_s: _Optional[float] = ..., cost_margin_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., executors: _Optional[int] = ..., backlog_s: _Optional[float] = ..., queued_rows: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., updated_us: _Optional[int] = ..., tails: _Optional[_Iterable[_Union[QueueTail, _Mapping]]] = ...) -> None: ...
+    def __init__(self, cost_per_unit_s: _Optional[float] = ..., cost_fixed_s: _Optional[float] = ..., cost_margin_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., executors: _Optional[int] = ..., backlog_s: _Optional[float] = ..., queued_rows: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., updated_us: _Optional[int] = ..., tails: _Optional[_Iterable[_Union[QueueTail, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
