@@ -77,11 +77,14 @@ class _Write:
 @dataclass(slots=True)
 class _Admitted:
     """A request this gateway admitted, counted ahead of later arrivals until a load view
-    taken after its enqueue was confirmed shows it (or it is gone)."""
+    taken after its enqueue was confirmed shows it, or it is over."""
     priority: int
     rows: int
     length: int
     confirmed_us: int = 0  # when Redis confirmed the enqueue (0: not yet)
+    # Answered or given up: ahead of nobody. An idle scheduler publishes no view after its
+    # answer, so waiting for one would count it ahead of every arrival until the view expires.
+    over: bool = False
 
 
 class Gateway:
@@ -294,11 +297,11 @@ class Gateway:
         calibration = None
         if load is not None and load.policy == "deadline" and arrived_us - load.updated_us < contract.LOAD_TTL_MS * 1000:
             admitted = self._admitted[key]
-            while admitted and 0 < admitted[0].confirmed_us <= load.updated_us:
-                admitted.popleft()  # the scheduler's view already counts these
+            while admitted and (admitted[0].over or 0 < admitted[0].confirmed_us <= load.updated_us):
+                admitted.popleft()  # the scheduler's view already counts these, or they are over
             since = since_length = 0
             for a in admitted:
-                if a.priority <= priority:
+                if a.priority <= priority and not a.over:
                     since += a.rows
                     since_length = max(since_length, a.length)
             calibration = self.calibration(key) if self.settings.admission_target > 0 else None
@@ -360,14 +363,16 @@ class Gateway:
                 raise DeadlineExceeded(
                     f"no answer from model '{model.name}' within the {_ms(budget)} budget"
                 ) from None
+            if mine is not None:
+                mine.over = True
         except BaseException:
             # Timed out, cancelled by the client, refused, or Redis failed: make
             # sure no executor spends time on a request nobody waits for.
             if calibration and now_us() >= deadline:
                 # Unanswered at its deadline, whether our timer or the client's (a cancellation) fired first.
                 calibration.observe(in_time=False)
-            if mine is not None and not mine.confirmed_us:
-                mine.confirmed_us = 1  # never queued: the next view lets it go
+            if mine is not None:
+                mine.over = True
             self._pending.pop(request_id, None)
             if fut.done() and not fut.cancelled():
                 fut.exception()  # failed by an outage while we were still queueing: already answered

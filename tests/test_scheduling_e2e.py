@@ -83,6 +83,18 @@ def _dispatch_by_hand(r: redis.Redis, executor_id: str, batch_id: str, gateway_i
     return entries
 
 
+def _dispatch_queued(r: redis.Redis, m, model: str, members: list[bytes], batch_id: str) -> None:
+    """Send queued requests (their queue members) to the mesh's first executor as one batch, the
+    way the scheduler's dispatch does."""
+    eid = m.executors[0].executor.executor_id
+    r.zrem(contract.queue(model, "1"), *members)
+    batch = pb.Batch(batch_id=batch_id, model_name=model, model_version="1", executor_id=eid, attempt=1,
+                     members=[pb.QueueEntry.FromString(x) for x in members])
+    r.set(contract.batch(batch_id), batch.SerializeToString(), px=60_000)
+    r.sadd(contract.inflight(eid), batch_id)
+    r.rpush(contract.work(eid), batch.SerializeToString())
+
+
 def test_a_second_scheduler_stands_by_and_takes_over_when_the_leader_stops(mesh_factory):
     m = mesh_factory(models=["mlp"])
     first = m.scheduler
@@ -320,25 +332,56 @@ def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(me
         return view.updated_us
 
     publish(0)
+    queue = contract.queue("mlp", "1")
     channel, stub = _stub(m)
     with channel:
         # Budget 300 ms, planned to 290, admitted up to 0.7 of that (203 ms): 2 rows of 80 ms fit, 3 do not.
         first = stub.ModelInfer.future(_request(1.0), timeout=5)
-        _wait(lambda: r.zcard(contract.queue("mlp", "1")) == 1, "the first request queued")
+        _wait(lambda: r.zcard(queue) == 1, "the first request queued")
+        second = stub.ModelInfer.future(_request(2.0), timeout=5)  # admitted: 1 row ahead
+        _wait(lambda: r.zcard(queue) == 2, "the second request queued")
         with pytest.raises(grpc.RpcError) as info:
-            stub.ModelInfer(_request(2.0), timeout=0.3)
-        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # admitted (1 row ahead), then timed out
-        with pytest.raises(grpc.RpcError) as info:
-            stub.ModelInfer(_request(3.0), timeout=0.3)  # behind 1 + 1 queued since the view: refused
+            stub.ModelInfer(_request(3.0), timeout=0.3)  # behind the 2 queued since the view: refused
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "2 rows queued ahead" in info.value.details()
-        # A view read after those enqueues shows what is queued now (the first request): the gateway
-        # stops counting them itself, and 1 row ahead leaves room again.
-        publish(1)
+        # A request whose client gave up is ahead of nobody.
+        second.cancel()
+        _wait(lambda: r.zcard(queue) == 1, "the second request to leave its queue")
         with pytest.raises(grpc.RpcError) as info:
             stub.ModelInfer(_request(4.0), timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # admitted (1 row ahead), then timed out
+        # A view read after the first one's enqueue shows it queued: the gateway stops counting it
+        # itself (else 2 rows ahead, and no room).
+        publish(1)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(_request(5.0), timeout=0.3)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         first.cancel()
+
+
+def test_an_answered_request_is_ahead_of_nobody_while_no_newer_view_comes(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = _hold_lease(m)  # the only view is ours, and only we dispatch: like an idle scheduler's last view
+    gateway = m.gateway.gateway
+    now = time.time()
+    view = pb.ModelLoad(cost_per_unit_s=0.08, executors=1, queued_rows=[0], policy="deadline",
+                        updated_us=now_us(), tails=[pb.QueueTail(free_s=[now])])
+    r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
+    _wait(lambda: gateway.loads.get(("mlp", "1")) == view, "the gateway to read the view")
+    channel, stub = _stub(m)
+    with channel:
+        queue = contract.queue("mlp", "1")
+        first = stub.ModelInfer.future(_request(1.0), timeout=10)  # admitted after the view was taken
+        members = _wait(lambda: r.zrange(queue, 0, -1), "the first request queued")
+        _dispatch_queued(r, m, "mlp", members, "answered")
+        assert first.result(timeout=10).outputs
+        # Budget 200 ms, planned to 190, admitted up to 133 ms: 80 ms alone fits; behind the answered
+        # request, still counted, 160 ms would not.
+        second = stub.ModelInfer.future(_request(2.0), timeout=0.2)
+        seen = _wait(lambda: "queued" if r.zcard(queue) else ("over" if second.done() else None),
+                     "the second request admitted or refused")
+        assert seen == "queued", second.exception().details()
+        assert second.exception(timeout=5).code() == grpc.StatusCode.DEADLINE_EXCEEDED  # admitted, never run
 
 
 def test_a_gateway_whose_admitted_requests_come_late_admits_less(mesh_factory):
@@ -540,16 +583,9 @@ def test_a_text_requests_length_travels_with_it_and_its_batch_reports_the_padded
     with channel:
         calls = [stub.ModelInfer.future(_text_request(n), timeout=30) for n in (5, 12)]
         members = _wait(lambda: (q := r.zrange(queue, 0, -1)) and len(q) == 2 and q, "both requests queued")
-        entries = sorted((pb.QueueEntry.FromString(x) for x in members), key=lambda e: e.length)
-        assert [e.length for e in entries] == [5, 12]
+        assert sorted(pb.QueueEntry.FromString(x).length for x in members) == [5, 12]
         # One batch of both, as the scheduler would send it: the executor pads the 5 tokens to 12.
-        eid = m.executors[0].executor.executor_id
-        r.zrem(queue, *members)
-        batch = pb.Batch(batch_id="mixed", model_name="minilm", model_version="1", members=entries, executor_id=eid,
-                         attempt=1)
-        r.set(contract.batch("mixed"), batch.SerializeToString(), px=60_000)
-        r.sadd(contract.inflight(eid), "mixed")
-        r.rpush(contract.work(eid), batch.SerializeToString())
+        _dispatch_queued(r, m, "minilm", members, "mixed")
         for call in calls:
             assert call.result(timeout=30).outputs[0].shape == [1, 384]
     [report] = [x for x in map(pb.ExecutionReport.FromString, r.lrange(contract.REPORTS, 0, -1)) if x.batch_id == "mixed"]
