@@ -65,7 +65,7 @@ def predicted_finish_s(load: pb.ModelLoad, max_batch_size: int, priority: int, r
     cap = max_batch_size if max_batch_size > 0 else 0
     free = [max(now_s, f) for f in tail.free_s] or [now_s]
     left = admitted_since + rows
-    longest = max(1, length, since_length if admitted_since else 1)
+    longest = max(1, length, since_length)
     finish = now_s
     if tail.rows and cap and tail.executor < len(free) and tail.start_s - now_s >= JOIN_LEAD_S:
         join = min(left, max(0, tail.limit_rows - tail.rows))

@@ -363,21 +363,20 @@ class Gateway:
                 raise DeadlineExceeded(
                     f"no answer from model '{model.name}' within the {_ms(budget)} budget"
                 ) from None
-            if mine is not None:
-                mine.over = True
         except BaseException:
             # Timed out, cancelled by the client, refused, or Redis failed: make
             # sure no executor spends time on a request nobody waits for.
             if calibration and now_us() >= deadline:
                 # Unanswered at its deadline, whether our timer or the client's (a cancellation) fired first.
                 calibration.observe(in_time=False)
-            if mine is not None:
-                mine.over = True
             self._pending.pop(request_id, None)
             if fut.done() and not fut.cancelled():
                 fut.exception()  # failed by an outage while we were still queueing: already answered
             self._abandon(queue, member, request_id)
             raise
+        finally:
+            if mine is not None:
+                mine.over = True
         error = from_status_value(reply.code, reply.message) if reply.code != 0 else None
         if calibration and (error is None or isinstance(error, DeadlineExceeded)):
             # In time: answered with room left for the way back (shed or not run: not in time).
