@@ -320,18 +320,22 @@ class Executor:
                 # Someone in the group poisons the run: retry each alone so
                 # only the culprit fails.
                 log.warning("%s: batch of %d failed (%s); retrying members one by one", model.name, len(group_members), exc)
-                await self._run_singly(model, group_members)
+                units += await self._run_singly(model, group_members)
                 continue
             for m, out in zip(group_members, split(outputs, group.rows, batched)):
                 m.outputs = out
         return units
 
-    async def _run_singly(self, model: LoadedModel, members: list[_Member]) -> None:
+    async def _run_singly(self, model: LoadedModel, members: list[_Member]) -> int:
+        """Run each member alone; return the units run (the batch's time counts these runs too)."""
+        units = 0
         for m in members:
+            units += m.entry.rows * row_length(model.info, {name: arr.shape for name, arr in m.inputs.items()})
             try:
                 m.outputs = await asyncio.to_thread(self._session_run, model, m.inputs)
             except Exception as exc:  # noqa: BLE001
                 m.error = InvalidArgument(f"model '{model.name}' failed on this request: {exc}")
+        return units
 
     @staticmethod
     def _session_run(model: LoadedModel, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

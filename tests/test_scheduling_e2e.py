@@ -564,11 +564,11 @@ def test_the_load_view_counts_queued_rows_per_priority_level(mesh_factory):
     assert all(t.free_s[0] > now for t in view.tails)
 
 
-def _text_request(tokens: int, timeout_us: int | None = None) -> ipb.ModelInferRequest:
+def _text_request(tokens: int, timeout_us: int | None = None, token_id: int = 1) -> ipb.ModelInferRequest:
     req = ipb.ModelInferRequest(model_name="minilm", id=f"t{tokens}")
-    for name in ("input_ids", "attention_mask"):
+    for name, value in (("input_ids", token_id), ("attention_mask", 1)):
         req.inputs.add(name=name, datatype="INT64", shape=[1, tokens])
-        req.raw_input_contents.append(np.ones((1, tokens), np.int64).tobytes())
+        req.raw_input_contents.append(np.full((1, tokens), value, np.int64).tobytes())
     if timeout_us is not None:
         req.parameters["timeout"].int64_param = timeout_us
     return req
@@ -590,6 +590,28 @@ def test_a_text_requests_length_travels_with_it_and_its_batch_reports_the_padded
             assert call.result(timeout=30).outputs[0].shape == [1, 384]
     [report] = [x for x in map(pb.ExecutionReport.FromString, r.lrange(contract.REPORTS, 0, -1)) if x.batch_id == "mixed"]
     assert (report.rows, report.units) == (2, 2 * 12)
+
+
+def test_a_batch_retried_member_by_member_reports_every_run_it_made(mesh_factory):
+    """A token id past the vocabulary fails the padded run of both; the executor then runs each
+    alone. The batch's time covers all three runs, so its units must too, or the profile would
+    learn that 24 units cost what 41 did."""
+    m = mesh_factory(models=["minilm"])
+    r = _hold_lease(m)
+    r.delete(contract.REPORTS)
+    queue = contract.queue("minilm", "1")
+    channel, stub = _stub(m)
+    with channel:
+        good = stub.ModelInfer.future(_text_request(5), timeout=30)
+        bad = stub.ModelInfer.future(_text_request(12, token_id=10**9), timeout=30)
+        members = _wait(lambda: (q := r.zrange(queue, 0, -1)) and len(q) == 2 and q, "both requests queued")
+        _dispatch_queued(r, m, "minilm", members, "poisoned")
+        assert good.result(timeout=30).outputs[0].shape == [1, 384]
+        with pytest.raises(grpc.RpcError) as failed:
+            bad.result(timeout=30)
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    [report] = [x for x in map(pb.ExecutionReport.FromString, r.lrange(contract.REPORTS, 0, -1)) if x.batch_id == "poisoned"]
+    assert (report.rows, report.failed, report.units) == (1, 1, 2 * 12 + 5 + 12)
 
 
 def test_a_short_sequence_is_judged_by_its_own_cost_after_long_ones_taught_the_profile(mesh_factory):
