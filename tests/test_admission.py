@@ -123,6 +123,17 @@ def test_a_budget_below_the_run_time_alone_is_deadline_exceeded():
     assert "raise the timeout" in str(err)
 
 
+def test_a_margin_past_the_budget_does_not_refuse_what_runs_in_time_on_an_idle_executor():
+    # A spell of slow runs left a 0.3 s margin. Refusing every 0.2 s request on it would leave nothing
+    # to run and report, so the margin would stay: only the typical run alone decides DEADLINE_EXCEEDED.
+    stale = load(tail(), margin=0.3)
+    assert admit(stale, MODEL, 1, 4, budget_s=0.2, now_s=NOW) is None  # typical 0.06 s, starts at once
+    assert isinstance(admit(stale, MODEL, 1, 4, budget_s=0.05, now_s=NOW), DeadlineExceeded)
+    # Behind a queue the margin still counts, as it does for everything admission predicts.
+    busy = load(tail(free=(NOW + 0.05,)), margin=0.3)
+    assert isinstance(admit(busy, MODEL, 1, 4, budget_s=0.2, now_s=NOW), ResourceExhausted)
+
+
 def test_headroom_refuses_earlier():
     view = load(tail(rows=4, limit=8, start=NOW + 0.1, free=(NOW + 0.1 + cost(4),)))
     f = finish(view)

@@ -390,27 +390,34 @@ def test_a_gateway_whose_admitted_requests_come_late_admits_less(mesh_factory):
     gateway = m.gateway.gateway
     calibration = gateway.calibration(("mlp", "1"))
     calibration.step = 0.2  # so that one late answer shows
-    # An idle executor and 160 ms per row: a new request is predicted answered in 160 ms.
-    view = pb.ModelLoad(cost_per_unit_s=0.16, executors=1, queued_rows=[0], policy="deadline",
-                        updated_us=now_us() + 60_000_000, tails=[pb.QueueTail(free_s=[time.time()])])
+    # An idle executor and 80 ms per row. The view is dated now, so the requests admitted after it
+    # count on top of it (for 2 s, while it is fresh enough to be used).
+    view = pb.ModelLoad(cost_per_unit_s=0.08, executors=1, queued_rows=[0], policy="deadline",
+                        updated_us=now_us(), tails=[pb.QueueTail(free_s=[time.time()])])
     r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
     _wait(lambda: gateway.loads.get(("mlp", "1")) == view, "the gateway to read the view")
     channel, stub = _stub(m)
     with channel:
-        # Budget 300 ms, planned to 290: 160 ms is within 0.7 of it, so the request is admitted, and comes late.
+        # A request with a long budget is admitted first and stays queued, so the requests below
+        # share its batch (2 rows, 160 ms) rather than start alone on the idle executor, which
+        # admission allows whatever the headroom.
+        ahead = stub.ModelInfer.future(_request(0.0), timeout=30)
+        _wait(lambda: r.zcard(contract.queue("mlp", "1")) == 1, "the first request queued")
+        # Budget 280 ms, planned to 270: 160 ms is within 0.7 of it, so the request is admitted, and comes late.
         with pytest.raises(grpc.RpcError) as info:
-            stub.ModelInfer(_request(1.0), timeout=0.3)
+            stub.ModelInfer(_request(1.0), timeout=0.28)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         # (the client's deadline and the gateway's own end the call at about the same moment)
         _wait(lambda: calibration.headroom < 0.7, "the gateway to count the late answer")
         assert calibration.headroom == pytest.approx(0.7 - 0.2 * 0.99)
-        # The same request against the same view: 160 ms is past 0.5 of 290 now.
+        # The same request against the same view: 160 ms is past 0.5 of 270 now.
         with pytest.raises(grpc.RpcError) as info:
-            stub.ModelInfer(_request(2.0), timeout=0.3)
+            stub.ModelInfer(_request(2.0), timeout=0.28)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "overloaded" in info.value.details()
-    exported = prometheus_client.REGISTRY.get_sample_value("batchline_admission_headroom", {"model": "mlp", "version": "1"})
-    assert exported == pytest.approx(0.7 - 0.2 * 0.99)
+        exported = prometheus_client.REGISTRY.get_sample_value("batchline_admission_headroom", {"model": "mlp", "version": "1"})
+        assert exported == pytest.approx(0.7 - 0.2 * 0.99)
+        ahead.cancel()
 
 
 def test_max_queue_size_refuses_with_resource_exhausted(mesh_factory, model_repository, tmp_path):
@@ -638,3 +645,25 @@ def test_a_short_sequence_is_judged_by_its_own_cost_after_long_ones_taught_the_p
             stub.ModelInfer(_text_request(128, timeout_us=200_000), timeout=30)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "raise the timeout" in info.value.details()
+
+
+def test_a_spell_of_slow_runs_does_not_lock_tight_budgets_out(mesh_factory):
+    """One batch in five took a second: the profile's margin (its 90th-percentile overrun) passed
+    the clients' 200 ms budgets. Requests that run in a few ms on an idle executor must still be
+    served, or nothing would run and report again and the margin would stay up for good."""
+    m = mesh_factory(models=["mlp"])
+    r = redis.Redis.from_url(m.redis_url)
+    eid = m.executors[0].executor.executor_id
+    _wait(lambda: m.scheduler.scheduler.profiles.get(("mlp", "1", "CPUExecutionProvider")), "the warm-up reports")
+    reports = [pb.ExecutionReport(executor_id=eid, batch_id=f"slow{i}", model_name="mlp", model_version="1",
+                                  rows=4, requests=4, units=4, compute_infer_ns=10**9 if i % 5 == 0 else 2_000_000)
+               for i in range(50)]
+    r.rpush(contract.REPORTS, *(x.SerializeToString() for x in reports))
+    _wait(lambda: (view := r.get(contract.load("mlp", "1"))) and pb.ModelLoad.FromString(view).cost_margin_s > 0.5,
+          "the profile's new margin")
+    channel, stub = _stub(m)
+    with channel:
+        _wait(lambda: stub.ModelInfer(_request(timeout_us=10_000_000), timeout=30) and
+              m.gateway.gateway.loads[("mlp", "1")].cost_margin_s > 0.5, "the gateway to read the view")
+        for i in range(3):
+            assert stub.ModelInfer(_request(float(i), timeout_us=200_000), timeout=30).outputs[0].shape == [1, 1]
