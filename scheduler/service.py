@@ -319,7 +319,8 @@ class Scheduler:
     def _profile(self, key: tuple[str, str, str]) -> LatencyProfile:
         p = self.profiles.get(key)
         if p is None:
-            p = self.profiles[key] = LatencyProfile(default=self.settings.default_execution_ms / 1000)
+            p = self.profiles[key] = LatencyProfile(default=self.settings.default_execution_ms / 1000,
+                                                          margin_quantile=self.settings.margin_quantile)
         return p
 
     async def _load_profiles(self, keys: list[tuple[str, str, str]]) -> None:

@@ -49,6 +49,12 @@ class SchedulerSettings(CommonSettings):
         5.0, description="Predicted execution time of a batch before any run of that model was measured "
         "(executors seed the profile with warm-up runs at load, so this rarely applies)."
     )
+    margin_quantile: float = Field(
+        0.9, gt=0, lt=1,
+        description="Quantile of the latency profile's residuals added to every prediction (dispatch timing, "
+        "shedding and the gateways' admission estimates): higher sends batches earlier and admits less, so fewer "
+        "runs slowed by a busy host overrun their deadlines.",
+    )
     overhead_ms: float = Field(
         2.0, description="Time a batch spends outside what executors measure (the Redis hops between "
         "services), added to predictions."
