@@ -291,7 +291,7 @@ class Tail:
 
 def queue_tail(
     now: float, queue: Sequence[Pending], max_batch_size: int, free_at: Sequence[float], cost: Callable[[int], float],
-    preferred_batch_sizes: Sequence[int] = (),
+    preferred_batch_sizes: Sequence[int] = (), typical: Callable[[int], float] | None = None,
 ) -> Tail:
     """Play the queue forward as `plan` would serve it, batch after batch, and say where it ends.
 
@@ -302,10 +302,12 @@ def queue_tail(
     what is left, up to `max_batch_size` rows, cut to the longest prefix that
     meets its earliest deadline and, like `plan`, to the largest preferred
     size the head makes when it is short of full; a head that cannot make it
-    even alone would be shed and takes no executor time. Admission control
+    even alone on a typical run (`typical(units)`, without the margin; default
+    `cost`), as `plan` judges it, would be shed and takes no executor time. Admission control
     adds a new request's rows to the end of this plan (gateway/admission.py).
     """
     cap = max_batch_size if max_batch_size > 0 else None
+    typical = typical or cost
     free = [max(now, f) for f in free_at] or [now]
     last: tuple[int, float, int, float, int] | None = None  # rows, start, executor, earliest deadline, length
     i = 0
@@ -320,7 +322,7 @@ def queue_tail(
                 break
             d = min(earliest, m.deadline)
             wider = max(longest, m.length)
-            if start + cost((rows + m.rows) * wider) > d:
+            if start + cost((rows + m.rows) * wider) > d and (j > i or start + typical(m.rows * m.length) > d):
                 break
             earliest, rows, longest = d, rows + m.rows, wider
         else:

@@ -425,13 +425,16 @@ class Scheduler:
         def cost(units: int) -> float:  # profile.predict(units) + overhead, without its calls per member
             return max(0.0, a * units + b) + extra
 
+        def typical(units: int) -> float:  # what `plan` sheds by: profile.expected(units) + overhead
+            return max(0.0, a * units + b) + overhead
+
         idle_at = [max(now, self._idle_at.get(e, now)) for e in holders]
         tails: list[pb.QueueTail] = []
         for level in range(1, len(rows) + 1):
             if level > 1 and not rows[level - 1]:
                 continue  # nothing queued at this level: the plan of the level above holds for it
             t = queue_tail(now, [p for p in queue if p.priority <= level], info.max_batch_size, idle_at,
-                           cost, info.preferred_batch_sizes)
+                           cost, info.preferred_batch_sizes, typical)
             tails.append(pb.QueueTail(rows=t.rows, limit_rows=t.limit, start_s=t.start, executor=t.executor,
                                       free_s=t.free, level=level, length=t.length))
         load = pb.ModelLoad(

@@ -629,6 +629,18 @@ def test_tail_skips_what_would_be_shed():
     assert (t.rows, t.start) == (1, 0.0)  # the hopeless head takes no executor time
 
 
+def test_tail_keeps_a_head_that_is_late_only_by_the_margin():
+    # With a 0.2 s margin the head (deadline 0.15) misses on cost, but a typical run (0.11) makes it:
+    # plan sends it rather than shed it, so the tail counts its executor time.
+    margin = lambda n: linear(n) + 0.2  # noqa: E731
+    queue = [req("tight", deadline=0.15), req("a")]
+    decision = plan(0.0, queue, ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.0), IDLE, margin, linear)
+    assert not decision.expired and decision.batches[0].members[0].request_id == "tight"
+    t = queue_tail(0.0, queue, 4, IDLE, margin, typical=linear)
+    assert (t.rows, t.start) == (1, pytest.approx(margin(1)))
+    assert queue_tail(0.0, queue, 4, IDLE, margin).start == 0.0  # judged by the margin, it was skipped
+
+
 def test_tail_spreads_batches_over_executors():
     queue = [req(f"r{i}") for i in range(8)]
     t = queue_tail(0.0, queue, 4, [0.0, 0.05], linear)
