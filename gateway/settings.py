@@ -34,10 +34,10 @@ class GatewaySettings(CommonSettings):
         "share comes in time (e.g. 0.99). 0 (the default) = a fixed admission_headroom.",
     )
     admission_headroom: float = Field(
-        0.7,
+        0.9,
         description="Admit a request when its predicted finish is within this fraction of its budget: where "
         "the learned headroom starts (admission_target), or always when admission_target is 0. The rest is room "
-        "for prediction error: on a loaded shared host batches overrun the profile's 90th percentile "
+        "for prediction error beyond the profile's margin (the scheduler's margin_quantile) "
         "(benchmarks/README.md); 1 admits whatever the plan says can make it.",
     )
     load_refresh_s: float = Field(

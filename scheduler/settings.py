@@ -50,10 +50,12 @@ class SchedulerSettings(CommonSettings):
         "(executors seed the profile with warm-up runs at load, so this rarely applies)."
     )
     margin_quantile: float = Field(
-        0.9, gt=0, lt=1,
-        description="Quantile of the latency profile's residuals added to every prediction (dispatch timing, "
-        "shedding and the gateways' admission estimates): higher sends batches earlier and admits less, so fewer "
-        "runs slowed by a busy host overrun their deadlines.",
+        0.99, gt=0, lt=1,
+        description="Quantile of the latency profile's residuals added to its predictions for dispatch timing and the "
+        "gateways' admission estimates (shedding, and refusing a request too slow even alone, go by the typical "
+        "run): higher sends batches earlier and admits less, so fewer "
+        "runs slowed by a busy host overrun their deadlines (0.9 let 5 to 20 in 100 admitted requests miss 200 ms "
+        "budgets at 2x overload on a shared 2-core host; benchmarks/README.md).",
     )
     overhead_ms: float = Field(
         2.0, description="Time a batch spends outside what executors measure (the Redis hops between "

@@ -317,7 +317,7 @@ def test_the_gateway_reads_the_load_views_as_often_as_the_budgets_in_play_need(m
 
 
 def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(mesh_factory):
-    m = mesh_factory(models=["mlp"])
+    m = mesh_factory(models=["mlp"], gateway_overrides={"admission_headroom": 0.7})
     r = _hold_lease(m)  # nothing is dispatched: admitted requests stay queued
     gateway = m.gateway.gateway
 
@@ -385,7 +385,7 @@ def test_an_answered_request_is_ahead_of_nobody_while_no_newer_view_comes(mesh_f
 
 
 def test_a_gateway_whose_admitted_requests_come_late_admits_less(mesh_factory):
-    m = mesh_factory(models=["mlp"], gateway_overrides={"admission_target": 0.99})
+    m = mesh_factory(models=["mlp"], gateway_overrides={"admission_target": 0.99, "admission_headroom": 0.7})
     r = _hold_lease(m)  # nothing is dispatched: every admitted request times out
     gateway = m.gateway.gateway
     calibration = gateway.calibration(("mlp", "1"))
