@@ -99,18 +99,17 @@ def admit(
     since_length: int = 1,
 ) -> BatchlineError | None:
     """None to admit; else the error to answer with (carrying a retry-after hint)."""
-    units = rows * max(1, length)
+    alone = batch_cost_s(load, rows * max(1, length))
     # Judged without the margin, as the scheduler judges a request hopeless: the margin is a
     # high quantile of past overruns, and a spell of slow runs can push it past every client's
     # budget. Refusing on it would then refuse everything, so nothing would run and report, and
     # the margin would never come down again.
-    typical = batch_cost_s(load, units) - load.cost_margin_s
+    typical = alone - load.cost_margin_s
     if typical > budget_s:
         return DeadlineExceeded(
             f"the {budget_s * 1e3:.1f} ms budget is shorter than model '{model.name}' takes to run this request "
             f"alone (about {typical * 1e3:.1f} ms): raise the timeout"
         )
-    alone = batch_cost_s(load, units)
     finish = predicted_finish_s(load, model.max_batch_size, priority, rows, now_s, admitted_since, length, since_length)
     if finish <= budget_s * headroom or finish <= alone + 1e-6:  # (1 µs: float error of now + cost - now)
         # No later than alone means it starts at once on an idle executor: there is no queue to

@@ -320,7 +320,7 @@ class Scheduler:
         p = self.profiles.get(key)
         if p is None:
             p = self.profiles[key] = LatencyProfile(default=self.settings.default_execution_ms / 1000,
-                                                          margin_quantile=self.settings.margin_quantile)
+                                                    margin_quantile=self.settings.margin_quantile)
         return p
 
     async def _load_profiles(self, keys: list[tuple[str, str, str]]) -> None:
