@@ -648,7 +648,7 @@ def test_a_short_sequence_is_judged_by_its_own_cost_after_long_ones_taught_the_p
 
 
 def test_a_spell_of_slow_runs_does_not_lock_tight_budgets_out(mesh_factory):
-    """One batch in five stalled for 20 s: the profile's margin (its 90th-percentile overrun) is far
+    """One batch in five stalled for 20 s: the profile's margin (a high quantile of its overruns) is far
     past the clients' 200 ms budgets. Requests that run in a few ms on an idle executor must still
     be served, or nothing would run and report again and the margin would stay up for good; and
     once one has run, the view must show its executor free again, not busy for a whole margin."""
