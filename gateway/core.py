@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 _DRAIN = 10_000
 SERVER_NAME = "batchline"
 SERVER_VERSION = "0.1.0"
-EXTENSIONS = ["statistics"]
+EXTENSIONS = ["statistics", "model_configuration"]
 # A request wants the load views no older than this share of its budget (and
 # never fresher than load_refresh_s): the error a stale view brings to
 # admission is its age, which only matters relative to the budget.

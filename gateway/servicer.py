@@ -68,6 +68,48 @@ def model_statistics(info, stats: dict[str, int]) -> ipb.ModelStatistics:
     )
 
 
+def _data_type(datatype: str) -> int:
+    # Triton names BYTES tensors TYPE_STRING; every other KServe datatype maps by name.
+    return ipb.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}")
+
+
+def model_config(info) -> ipb.ModelConfig:
+    """Triton's view of a model (ModelConfig), from what the executor loaded and config.toml."""
+    batched = info.max_batch_size > 0
+
+    def dims(shape) -> list[int]:  # Triton leaves the batch dim out of a batched model's dims
+        return list(shape[1:] if batched else shape)
+
+    config = ipb.ModelConfig(
+        name=info.name,
+        platform=info.platform,
+        backend="onnxruntime",
+        max_batch_size=info.max_batch_size,
+        input=[ipb.ModelInput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape)) for s in info.inputs],
+        output=[ipb.ModelOutput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape)) for s in info.outputs],
+        parameters={
+            "providers": ipb.ModelParameter(string_value=",".join(info.providers)),
+            "padded_inputs": ipb.ModelParameter(string_value=",".join(info.padded_inputs)),
+        },
+    )
+    if batched:
+        config.dynamic_batching.CopyFrom(ipb.ModelDynamicBatching(
+            preferred_batch_size=list(info.preferred_batch_sizes),
+            max_queue_delay_microseconds=round(info.max_queue_delay_ms * 1000),
+            priority_levels=info.priority_levels,
+            default_priority_level=info.default_priority,
+            # A request that cannot make its budget is answered DEADLINE_EXCEEDED (REJECT), and
+            # a `timeout` parameter or the gRPC deadline overrides the default budget.
+            default_queue_policy=ipb.ModelQueuePolicy(
+                timeout_action=ipb.ModelQueuePolicy.REJECT,
+                default_timeout_microseconds=round(info.default_timeout_ms * 1000),
+                allow_timeout_override=True,
+                max_queue_size=info.max_queue_size,
+            ),
+        ))
+    return config
+
+
 class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
@@ -97,6 +139,13 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             inputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in info.inputs],
             outputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in info.outputs],
         )
+
+    async def ModelConfig(self, request, context):
+        try:
+            info = await self.gateway.model(request.name, request.version)
+        except BatchlineError as exc:
+            await _abort(context, exc)
+        return ipb.ModelConfigResponse(config=model_config(info))
 
     async def _infer(self, request, context, name: str = "ModelInfer") -> ipb.ModelInferResponse:
         """One inference, traced (continuing the client's trace) and counted; raises BatchlineError."""

@@ -70,6 +70,25 @@ def test_server_and_model_metadata(client):
     assert list(mm.versions) == ["1"] and mm.platform == "onnxruntime_onnx"
 
 
+def test_model_config_as_triton_reports_it(client):
+    """tritonclient's get_model_config (and so perf_analyzer) reads Triton's ModelConfig from config.toml and the session."""
+    cfg = client.get_model_config("minilm", as_json=True)["config"]
+    assert (cfg["name"], cfg["platform"], cfg["backend"], cfg["max_batch_size"]) == ("minilm", "onnxruntime_onnx", "onnxruntime", 32)
+    # dims leave the batch dim out, as Triton's do for a batched model; BYTES would be TYPE_STRING
+    assert [(i["name"], i["data_type"], i["dims"]) for i in cfg["input"]] == [
+        ("input_ids", "TYPE_INT64", ["-1"]), ("attention_mask", "TYPE_INT64", ["-1"])]
+    assert [(o["name"], o["data_type"], o["dims"]) for o in cfg["output"]] == [("sentence_embedding", "TYPE_FP32", ["384"])]
+    batching = cfg["dynamic_batching"]
+    assert batching["max_queue_delay_microseconds"] == "5000"
+    assert batching["default_priority_level"] == "1"
+    assert batching["default_queue_policy"] == {"default_timeout_microseconds": "5000000", "allow_timeout_override": True}
+    assert set(cfg["parameters"]["padded_inputs"]["string_value"].split(",")) == {"input_ids", "attention_mask"}
+    assert cfg["parameters"]["providers"]["string_value"] == "CPUExecutionProvider"
+    mlp = client.get_model_config("mlp", "1").config  # Triton's own ModelConfig message parses it
+    assert mlp.max_batch_size == 64 and [list(i.dims) for i in mlp.input] == [[32]]
+    assert mlp.dynamic_batching.max_queue_delay_microseconds == 2000
+
+
 def test_mlp_matches_in_process_onnxruntime(client, sessions):
     x = np.random.default_rng(0).normal(size=(5, 32)).astype(np.float32)
     result = client.infer("mlp", [mlp_input(x)], request_id="req-17", outputs=[tc.InferRequestedOutput("probability")])

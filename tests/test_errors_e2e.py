@@ -158,9 +158,11 @@ def test_unknown_version_is_not_found(client):
     expect_error(lambda: client.infer("mlp", mlp_inputs(), model_version="7"), NOT_FOUND, "'mlp'", "'7'", "available: 1")
 
 
-def test_metadata_of_unknown_model_is_not_found(client):
+def test_metadata_and_config_of_unknown_model_are_not_found(client):
     expect_error(lambda: client.get_model_metadata("nope"), NOT_FOUND, "'nope'")
     expect_error(lambda: client.get_model_metadata("mlp", model_version="7"), NOT_FOUND, "'7'")
+    expect_error(lambda: client.get_model_config("nope"), NOT_FOUND, "'nope'")
+    expect_error(lambda: client.get_model_config("mlp", model_version="7"), NOT_FOUND, "'7'")
 
 
 def test_model_ready(client):

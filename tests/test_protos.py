@@ -5,7 +5,8 @@ import importlib.util
 import pathlib
 
 import pytest
-from tritonclient.grpc import service_pb2 as triton
+from google.protobuf import descriptor_pool
+from tritonclient.grpc import model_config_pb2, service_pb2 as triton
 
 from batchline.protocol import inference_pb2
 
@@ -40,7 +41,8 @@ def _fields(descriptor):
 @pytest.mark.parametrize("message", sorted(inference_pb2.DESCRIPTOR.message_types_by_name))
 def test_messages_match_triton_field_for_field(message):
     ours = inference_pb2.DESCRIPTOR.message_types_by_name[message]
-    theirs = triton.DESCRIPTOR.message_types_by_name[message]
+    # Triton keeps ModelConfig and its parts in model_config.proto, the rest in grpc_service.proto.
+    theirs = descriptor_pool.Default().FindMessageTypeByName(f"inference.{message}")
     assert ours.full_name == theirs.full_name
     mine, triton_fields = _fields(ours), _fields(theirs)
     # Every field we declare exists in Triton's with the same number and type;
@@ -51,6 +53,18 @@ def test_messages_match_triton_field_for_field(message):
         if not nested.GetOptions().map_entry:
             theirs_nested = theirs.nested_types_by_name[nested.name]
             assert _fields(nested).items() <= _fields(theirs_nested).items()
+    for enum in ours.enum_types:
+        assert _values(enum).items() <= _values(theirs.enum_types_by_name[enum.name]).items()
+
+
+def _values(enum) -> dict[str, int]:
+    return {v.name: v.number for v in enum.values}
+
+
+@pytest.mark.parametrize("enum", sorted(inference_pb2.DESCRIPTOR.enum_types_by_name))
+def test_enums_match_triton(enum):
+    assert model_config_pb2.DESCRIPTOR.enum_types_by_name[enum].full_name == f"inference.{enum}"
+    assert _values(inference_pb2.DESCRIPTOR.enum_types_by_name[enum]) == _values(model_config_pb2.DESCRIPTOR.enum_types_by_name[enum])
 
 
 def test_service_methods_match_triton():

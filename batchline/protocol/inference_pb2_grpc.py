@@ -74,6 +74,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=batchline_dot_protocol_dot_inference__pb2.ModelStatisticsRequest.SerializeToString,
                 response_deserializer=batchline_dot_protocol_dot_inference__pb2.ModelStatisticsResponse.FromString,
                 _registered_method=True)
+        self.ModelConfig = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelConfig',
+                request_serializer=batchline_dot_protocol_dot_inference__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=batchline_dot_protocol_dot_inference__pb2.ModelConfigResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -128,6 +133,14 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelConfig(self, request, context):
+        """Triton extension: the model's configuration, which Triton's perf_analyzer and
+        tritonclient's get_model_config ask for.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +183,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelStatistics,
                     request_deserializer=batchline_dot_protocol_dot_inference__pb2.ModelStatisticsRequest.FromString,
                     response_serializer=batchline_dot_protocol_dot_inference__pb2.ModelStatisticsResponse.SerializeToString,
+            ),
+            'ModelConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelConfig,
+                    request_deserializer=batchline_dot_protocol_dot_inference__pb2.ModelConfigRequest.FromString,
+                    response_serializer=batchline_dot_protocol_dot_inference__pb2.ModelConfigResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -388,6 +406,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelStatistics',
             batchline_dot_protocol_dot_inference__pb2.ModelStatisticsRequest.SerializeToString,
             batchline_dot_protocol_dot_inference__pb2.ModelStatisticsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelConfig',
+            batchline_dot_protocol_dot_inference__pb2.ModelConfigRequest.SerializeToString,
+            batchline_dot_protocol_dot_inference__pb2.ModelConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,
