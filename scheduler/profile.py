@@ -18,7 +18,7 @@ import numpy as np
 
 
 class LatencyProfile:
-    def __init__(self, window: int = 512, default: float = 0.005, margin_quantile: float = 0.9) -> None:
+    def __init__(self, window: int = 512, default: float = 0.005, margin_quantile: float = 0.99) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         # Timed warm-up runs at load: what the profile goes by until real batches report. Their
         # inputs are made up (zeros, 8-token sequences for a text model), so the first real

@@ -347,7 +347,7 @@ def test_profile_margin_grows_with_noise():
             noisy.observe(n, a * n + b + sign * noise)
     for n in (1, 8, 16):
         assert noisy.predict(n) > clean.predict(n)
-        # margin = the 0.9 quantile of the residuals (±noise) = noise
+        # margin = a high quantile of the residuals (±noise, half each) = noise
         assert noisy.predict(n) - clean.predict(n) == pytest.approx(noise, rel=1e-6)
         assert noisy.expected(n) == pytest.approx(a * n + b, rel=1e-6)  # the central estimate has no margin
         # and the noisy prediction errs late: above the true cost
