@@ -6,6 +6,7 @@ import onnx
 import onnx.helper as oh
 import pytest
 import tritonclient.grpc as tc
+from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from models import save_echo_model
@@ -43,6 +44,8 @@ def test_bytes_round_trip_through_a_string_model(other_mesh):
     client = tc.InferenceServerClient(other_mesh.address)
     meta = client.get_model_metadata("echo")
     assert meta.inputs[0].datatype == "BYTES" and meta.outputs[0].datatype == "BYTES"
+    config = client.get_model_config("echo").config  # Triton calls BYTES tensors TYPE_STRING
+    assert [i.data_type for i in config.input] == [mc.TYPE_STRING] and [o.data_type for o in config.output] == [mc.TYPE_STRING]
     text = np.array([["héllo", ""], ["batch", "line"]], dtype=object)
     inp = tc.InferInput("text", [2, 2], "BYTES")
     inp.set_data_from_numpy(text)
@@ -62,6 +65,9 @@ def test_model_without_batch_dimension(other_mesh):
     client = tc.InferenceServerClient(other_mesh.address)
     meta = client.get_model_metadata("add")
     assert [list(i.shape) for i in meta.inputs] == [[3], [3]]
+    config = client.get_model_config("add").config  # no batch dim: dims as they are, no dynamic batching
+    assert config.max_batch_size == 0 and [list(i.dims) for i in config.input] == [[3], [3]]
+    assert not config.HasField("dynamic_batching")
     # Each request runs alone: statistics show one execution per inference.
     for k in range(3):
         a = np.full(3, k, dtype=np.float32)

@@ -74,7 +74,7 @@ def test_model_config_as_triton_reports_it(client):
     """tritonclient's get_model_config (and so perf_analyzer) reads Triton's ModelConfig from config.toml and the session."""
     cfg = client.get_model_config("minilm", as_json=True)["config"]
     assert (cfg["name"], cfg["platform"], cfg["backend"], cfg["max_batch_size"]) == ("minilm", "onnxruntime_onnx", "onnxruntime", 32)
-    # dims leave the batch dim out, as Triton's do for a batched model; BYTES would be TYPE_STRING
+    # dims leave the batch dim out, as Triton's do for a batched model
     assert [(i["name"], i["data_type"], i["dims"]) for i in cfg["input"]] == [
         ("input_ids", "TYPE_INT64", ["-1"]), ("attention_mask", "TYPE_INT64", ["-1"])]
     assert [(o["name"], o["data_type"], o["dims"]) for o in cfg["output"]] == [("sentence_embedding", "TYPE_FP32", ["384"])]
