@@ -126,12 +126,11 @@ def main() -> int:
     for name, s in results.items():
         c = s.status_counts
         rejected = c.get("RESOURCE_EXHAUSTED", 0)
-        admitted = s.sent - rejected
         other = sum(v for k, v in c.items() if k not in ("OK", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"))
         rows.append([
             name, f"{s.offered_rps:.0f}", f"{s.goodput_rps:.0f}", f"{s.goodput_rps / capacity:.2f}",
             f"{s.goodput_rps / admitted_cap:.2f}",
-            f"{100 * s.good / admitted:.1f}%" if admitted else "-",
+            f"{100 * admitted_in_budget(s):.1f}%" if s.sent > rejected else "-",
             _common.f((s.admitted_latency_ms or {}).get("p99")), _common.f((s.latency_ms or {}).get("p99")),
             str(rejected), str(c.get("DEADLINE_EXCEEDED", 0)), str(other), _common.f(s.send_lag_p99_ms),
         ])
