@@ -23,11 +23,15 @@ def _trace_headers(context: grpc.aio.ServicerContext) -> tuple[str, str]:
     return md.get("traceparent", ""), md.get("tracestate", "")
 
 
+def _retry_after_ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: BatchlineError):
     # Answer with the status even at the client's deadline: cancelling instead would
     # reach a client whose clock is a little behind as CANCELLED.
     if exc.retry_after_s is not None:
-        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(max(1, round(exc.retry_after_s * 1000)))),))
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(_retry_after_ms(exc.retry_after_s))),))
     try:
         await context.abort(grpc_status(exc), str(exc))
     except grpc.aio.InternalError:
@@ -110,6 +114,16 @@ def model_config(info) -> ipb.ModelConfig:
     return config
 
 
+def stream_error(request: ipb.ModelInferRequest, exc: BatchlineError) -> ipb.ModelStreamInferResponse:
+    """A failed request's answer on a ModelStreamInfer stream, which goes on: the status name in
+    brackets, the message, the request's id, and a refusal's retry-after hint as a parameter
+    (a stream message has no trailing metadata of its own)."""
+    answer = ipb.ModelInferResponse(id=request.id, model_name=request.model_name, model_version=request.model_version)
+    if exc.retry_after_s is not None:
+        answer.parameters[RETRY_AFTER_KEY].int64_param = _retry_after_ms(exc.retry_after_s)
+    return ipb.ModelStreamInferResponse(error_message=f"[{grpc_status(exc).name}] {exc}", infer_response=answer)
+
+
 class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
@@ -181,14 +195,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 response = await self._infer(request, context, "ModelStreamInfer")
                 await answers.put(ipb.ModelStreamInferResponse(infer_response=response))
             except BatchlineError as exc:
-                await answers.put(
-                    ipb.ModelStreamInferResponse(
-                        error_message=f"[{grpc_status(exc).name}] {exc}",
-                        infer_response=ipb.ModelInferResponse(
-                            id=request.id, model_name=request.model_name, model_version=request.model_version
-                        ),
-                    )
-                )
+                await answers.put(stream_error(request, exc))
 
         async def read() -> None:
             async for request in request_iterator:

@@ -22,7 +22,7 @@ from batchline.bench import (
     run_open,
 )
 from batchline.bench.inputs import parse_int_range, parse_shape
-from batchline.bench.loadgen import STREAM_ERROR, arrival_times, stream_status, with_id
+from batchline.bench.loadgen import STREAM_ERROR, arrival_times, stream_answer, stream_status, with_id
 from batchline.protocol import inference_pb2 as ipb
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -179,6 +179,10 @@ def test_stream_status_reads_the_code_batchline_puts_in_error_message():
     assert stream_status(ok.SerializeToString()) == "OK"
     refused = ipb.ModelStreamInferResponse(error_message="[RESOURCE_EXHAUSTED] model 'm' is overloaded: retry")
     assert stream_status(refused.SerializeToString()) == "RESOURCE_EXHAUSTED"
+    assert stream_answer(refused.SerializeToString()) == ("RESOURCE_EXHAUSTED", None)
+    refused.infer_response.parameters["retry-after-ms"].int64_param = 250
+    assert stream_answer(refused.SerializeToString()) == ("RESOURCE_EXHAUSTED", 0.25)
+    assert stream_answer(ok.SerializeToString()) == ("OK", None)
     # Another server's error (Triton's carry no code) or a bracket that is not a status name.
     for message in ("Request for unknown model: 'm' is not found", "[not a code] x"):
         blob = ipb.ModelStreamInferResponse(error_message=message).SerializeToString()

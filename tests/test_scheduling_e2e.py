@@ -236,13 +236,34 @@ def test_overload_is_refused_at_once_with_a_retry_hint(mesh_factory):
     assert r.zcard(contract.queue("mlp", "1")) == 0
 
 
-def test_the_bench_closed_loop_waits_out_a_refusals_retry_after_hint(mesh_factory):
+def test_a_refusal_on_a_stream_carries_the_retry_hint_and_the_stream_goes_on(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = _backed_up(m)
+    channel, stub = _stub(m)
+    overloaded = _request(timeout_us=200_000)
+    overloaded.id = "over"
+    too_tight = _request(timeout_us=1_000)
+    too_tight.id = "tight"
+    with channel:
+        answers = list(stub.ModelStreamInfer(iter([overloaded, too_tight]), timeout=10))
+    by_id = {a.infer_response.id: a for a in answers}
+    assert set(by_id) == {"over", "tight"}
+    assert by_id["over"].error_message.startswith("[RESOURCE_EXHAUSTED]") and "overloaded" in by_id["over"].error_message
+    assert by_id["over"].infer_response.parameters["retry-after-ms"].int64_param > 0
+    # Only a refusal for load says when to come back: a budget too short for the model does not.
+    assert by_id["tight"].error_message.startswith("[DEADLINE_EXCEEDED]")
+    assert "retry-after-ms" not in by_id["tight"].infer_response.parameters
+    assert r.zcard(contract.queue("mlp", "1")) == 0
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["unary", "streams"])
+def test_the_bench_closed_loop_waits_out_a_refusals_retry_after_hint(mesh_factory, streaming):
     from batchline.bench import run_closed
 
     m = mesh_factory(models=["mlp"])
     _backed_up(m)  # every request with a 200 ms budget is refused, with a hint of about 4.8 s
-    waits = run_closed(m.address, "mlp", 2, 1.0, warmup=0.0, budget_ms=200)
-    storm = run_closed(m.address, "mlp", 2, 1.0, warmup=0.0, budget_ms=200, retry_after=False)
+    waits = run_closed(m.address, "mlp", 2, 1.0, warmup=0.0, budget_ms=200, streaming=streaming)
+    storm = run_closed(m.address, "mlp", 2, 1.0, warmup=0.0, budget_ms=200, retry_after=False, streaming=streaming)
     # Each of the two workers is refused once and waits out the rest of the second.
     assert waits.status_counts == {"RESOURCE_EXHAUSTED": 2}
     assert set(storm.status_counts) == {"RESOURCE_EXHAUSTED"} and storm.status_counts["RESOURCE_EXHAUSTED"] > 20

@@ -103,7 +103,7 @@ def run_closed(url: str, model: str, concurrency: int, duration: float, *, warmu
                retry_after: bool = True) -> StepResult:
     """One closed-loop step: `concurrency` requests kept in flight for `duration` s after `warmup` s
     (with `streaming`, each on a ModelStreamInfer stream of its own; with `retry_after`, a refused
-    unary request's retry-after hint is waited out before the next)."""
+    request's retry-after hint is waited out before the next)."""
     config = BenchConfig(url=url, model=model, version=version, mode="closed", concurrency=[concurrency],
                          duration=duration, warmup=warmup, budget_ms=budget_ms, priority=priority,
                          inputs=inputs or InputOptions(), progress=progress, streaming=streaming,

@@ -211,6 +211,14 @@ def stream_status(blob: bytes) -> str:
     return _answer_status(ipb.ModelStreamInferResponse.FromString(blob))
 
 
+def stream_answer(blob: bytes) -> tuple[str, float | None]:
+    """The status name of one ModelStreamInferResponse (serialized), and a refusal's retry-after
+    hint in seconds (batchline's `retry-after-ms` parameter on the error answer), if any."""
+    answer = ipb.ModelStreamInferResponse.FromString(blob)
+    hint = answer.infer_response.parameters.get(RETRY_AFTER_KEY) if answer.error_message else None
+    return _answer_status(answer), (hint.int64_param / 1e3 if hint is not None and hint.int64_param > 0 else None)
+
+
 def _answer_status(answer: ipb.ModelStreamInferResponse) -> str:
     message = answer.error_message
     if not message:
@@ -236,18 +244,23 @@ class InferStream:
         self._method = method
         self._call = None
 
-    async def infer(self, payload: bytes, timeout_s: float | None) -> tuple[str, float]:
+    async def infer(self, payload: bytes, timeout_s: float | None) -> tuple[str, float, float | None]:
+        """(status code name, latency in s, the server's retry-after hint in s if it gave one)."""
         t = time.perf_counter()
         if self._call is None:
             self._call = self._method()
         blob = None
+        retry_after = None
         try:
             await self._call.write(payload)
             if timeout_s is None:
                 blob = await self._call.read()
             else:
                 blob = await asyncio.wait_for(self._call.read(), timeout_s + STREAM_GRACE_S)
-            code = stream_status(blob) if isinstance(blob, bytes) else "UNAVAILABLE"  # EOF: the server hung up
+            if isinstance(blob, bytes):
+                code, retry_after = stream_answer(blob)
+            else:
+                code = "UNAVAILABLE"  # EOF: the server hung up
         except asyncio.TimeoutError:
             code = "DEADLINE_EXCEEDED"
         except grpc.aio.AioRpcError as exc:
@@ -255,7 +268,7 @@ class InferStream:
         latency = time.perf_counter() - t
         if not isinstance(blob, bytes):
             self.close()  # no answer on this stream: the next request goes on a new one
-        return code, latency
+        return code, latency, retry_after
 
     def close(self) -> None:
         if self._call is not None:
@@ -408,9 +421,10 @@ async def closed_step(
 ) -> StepResult:
     """`concurrency` workers each keep one request in flight (on a stream of their own with
     `streaming`); answers to requests sent in the `duration` window after `warmup` are measured
-    (the window ends when the last one is answered). With `retry_after`, a worker whose unary
-    request was refused with a retry-after hint waits that long before it sends again, as a
-    well-behaved client would; else it resends at once, as perf_analyzer does."""
+    (the window ends when the last one is answered). With `retry_after`, a worker whose request
+    was refused with a retry-after hint (trailing metadata of a unary call, a parameter of a stream's
+    error answer) waits that long before it sends again, as a well-behaved client would; else it
+    resends at once, as perf_analyzer does."""
     if concurrency < 1:
         raise BenchError("concurrency must be >= 1")
     timeout = budget_ms / 1e3 if budget_ms is not None else None
@@ -431,7 +445,7 @@ async def closed_step(
                 wait = None
                 try:
                     if stream:
-                        code, latency = await stream.infer(pool.requests[i % n], timeout)
+                        code, latency, wait = await stream.infer(pool.requests[i % n], timeout)
                     else:
                         code, latency, wait = await ep.infer_hinted(pool.requests[i % n], timeout)
                 except asyncio.CancelledError:
