@@ -1,11 +1,11 @@
 """Twice the load the mesh can serve within the budget: deadline-aware scheduling vs plain FIFO batching.
 
-    python benchmarks/overload.py [--model-repository PATH] [--seq-len 32] [--budget-ms 200]
+    python benchmarks/overload.py [--model-repository PATH] [--seq-len 32] [--budget-ms 200] [--streaming]
 
 1. Capacity at the budget, the way Triton's perf_analyzer reports throughput under a latency
    limit: closed loop with --budget-ms budgets at each --concurrency-sweep value; the capacity is
    the best goodput among the steps where at least 99% of the requests were answered OK within the
-   budget; while the last step still meets that and gains goodput, the sweep goes on (half as many
+   budget; while the last step's admitted requests still meet that and it gains goodput, the sweep goes on (half as many
    in flight again, at least 4 more, up to --concurrency) so that a fast host's capacity is not
    understated (a refused request's worker waits out its retry-after hint before it sends again, so
    refusals do not turn into a resend storm). It also prints the capacity over admitted requests
@@ -14,11 +14,15 @@
    capacity. For reference it also prints the throughput without
    a deadline (closed loop, --concurrency in flight, 60 s budgets), which a --budget-ms budget
    cannot reach when one full batch takes about as long as the budget.
-2. Open-loop Poisson arrivals at --factor x that capacity with --budget-ms budgets, on a fresh mesh
+2. Open-loop Poisson arrivals at --factor x the larger of the two capacities with --budget-ms budgets, on a fresh mesh
    per scheduler policy (BATCHLINE_SCHEDULER_POLICY=deadline, then fifo): goodput / capacity, the
    share of admitted requests (not refused at admission with RESOURCE_EXHAUSTED) answered OK within
    the budget, p99 of admitted requests' answers (any status) and of OK answers, counts by status,
    and how late the load generator sent (p99; large values mean the client fell behind).
+
+Requests are unary ModelInfer calls, or with --streaming messages on ModelStreamInfer streams
+throughout (capacity and overload alike): a refusal is then a message on an open stream rather than
+a whole gRPC call, whose cost on gateway and load generator comes out of the model's cores.
 
 A scheduler without the `policy` setting runs once, as it is, and the report says so.
 """
@@ -62,10 +66,14 @@ def main() -> int:
     p.add_argument("--budget-ms", type=float, default=200.0, help="per-request budget (default: 200)")
     p.add_argument("--duration", type=float, default=15.0, help="measured seconds per step (default: 15)")
     p.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per step (default: 3)")
+    p.add_argument("--streaming", action="store_true",
+                   help="send every request as a message on ModelStreamInfer streams (closed loop: one per worker; "
+                        "open loop: four) instead of as a unary call")
     args = p.parse_args()
     repo = _common.ensure_repository(args.model_repository)
     inputs = InputOptions(seq_len=args.seq_len, int_ranges={"input_ids": (1000, 29000)})
-    print(f"machine: {_common.machine()}; minilm {args.seq_len} tokens, budget {args.budget_ms:g} ms")
+    calls = "ModelStreamInfer streams" if args.streaming else "unary calls"
+    print(f"machine: {_common.machine()}; minilm {args.seq_len} tokens, budget {args.budget_ms:g} ms, {calls}")
 
     supported = policy_supported()
     policies = POLICIES if supported else [None]
@@ -77,17 +85,18 @@ def main() -> int:
     sweep = [int(c) for c in args.concurrency_sweep.split(",")]
     with _common.mesh(repo, log_level=args.log_level) as address:
         unbounded = max((run_closed(address, "minilm", args.concurrency, args.duration, warmup=args.warmup,
-                                    inputs=inputs, budget_ms=_common.CAPACITY_BUDGET_MS, progress=args.progress)
+                                    inputs=inputs, budget_ms=_common.CAPACITY_BUDGET_MS, progress=args.progress,
+                                    streaming=args.streaming)
                          for _ in range(2)), key=lambda r: r.throughput_rps)
         def step(c: int) -> StepResult:
             return run_closed(address, "minilm", c, args.duration, warmup=args.warmup, inputs=inputs,
-                              budget_ms=args.budget_ms, progress=args.progress)
+                              budget_ms=args.budget_ms, progress=args.progress, streaming=args.streaming)
 
         steps = [step(c) for c in sweep]
         # On a faster host the sweep's last step can still be well within the budget, and the
         # capacity would then be understated (and goodput / capacity flattered): go on while the
-        # last step meets the budget and still gains goodput.
-        while (in_budget(steps[-1]) >= 0.99 and sweep[-1] < args.concurrency
+        # last step's admitted requests meet the budget and it still gains goodput.
+        while (admitted_in_budget(steps[-1]) >= 0.99 and sweep[-1] < args.concurrency
                and (len(steps) < 2 or steps[-1].goodput_rps > steps[-2].goodput_rps)):
             sweep.append(min(args.concurrency, sweep[-1] + max(4, sweep[-1] // 2)))
             steps.append(step(sweep[-1]))
@@ -105,18 +114,20 @@ def main() -> int:
     # Counting a refusal as a miss (above) makes a stricter admission control lower the capacity and so
     # raise goodput / capacity. The capacity over admitted requests only does not reward refusing.
     admitted_cap = max((st.goodput_rps for st in steps if admitted_in_budget(st) >= 0.99), default=capacity)
-    rate = args.factor * capacity
+    # Offered: twice the larger of the two, so that a sweep whose refusals pulled the first one
+    # down does not make the overload lighter than twice what the mesh was seen to serve.
+    rate = args.factor * max(capacity, admitted_cap)
     print(f"capacity at the budget: {capacity:.0f} req/s ({cap.concurrency} in flight, "
           f"p99 {_common.f((cap.latency_ms or {}).get('p99'))} ms, mean batch {_common.f(cap.mean_batch_size)})")
     print(f"capacity over admitted requests only (refusals not counted as misses): {admitted_cap:.0f} req/s")
-    print(f"offered: Poisson {rate:.0f} req/s ({args.factor:g} x capacity)", flush=True)
+    print(f"offered: Poisson {rate:.0f} req/s ({args.factor:g} x the larger capacity)", flush=True)
 
     results: dict[str, StepResult] = {}
     for policy in policies:
         env = {"BATCHLINE_SCHEDULER_POLICY": policy} if policy else {}
         with _common.mesh(repo, env=env, log_level=args.log_level) as address:
             s = run_open(address, "minilm", rate, args.duration, warmup=args.warmup, budget_ms=args.budget_ms,
-                         inputs=inputs, progress=args.progress)
+                         inputs=inputs, progress=args.progress, streaming=args.streaming)
         results[policy or "(no policy setting)"] = s
         print(f"  {policy or 'as is'}: goodput {s.goodput_rps:.0f}/s, {s.status_counts}", flush=True)
 
