@@ -26,14 +26,21 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CAPACITY_BUDGET_MS = 60_000.0
 
 
-def arg_parser(description: str) -> argparse.ArgumentParser:
+def arg_parser(description: str, progress: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model-repository", default=str(ROOT / DEFAULT_REPOSITORY),
                    help="demo model repository; built with `batchline build-models` if missing "
                         f"(default: {DEFAULT_REPOSITORY}/ at the project root)")
     p.add_argument("--log-level", default="WARNING", help="log level of the mesh's services (default: WARNING)")
-    p.add_argument("--progress", action="store_true", help="show a progress bar per step")
+    if progress:
+        p.add_argument("--progress", action="store_true", help="show a progress bar per step")
     return p
+
+
+def mesh_args(model_repository: str | pathlib.Path, log_level: str = "WARNING", executors: int = 1) -> argparse.Namespace:
+    """`batchline up`'s arguments for a local mesh: a private Redis, the gateway on a free port."""
+    return argparse.Namespace(model_repository=str(model_repository), redis_url="", executors=executors,
+                              gateway_port=0, host="127.0.0.1", log_level=log_level, startup_timeout=180.0)
 
 
 @contextlib.contextmanager
@@ -44,9 +51,7 @@ def mesh(model_repository: str | pathlib.Path, env: dict[str, str] | None = None
     `env` reaches the services' settings (e.g. BATCHLINE_SCHEDULER_POLICY=fifo): the
     children inherit os.environ, which is restored once they are started.
     """
-    args = argparse.Namespace(model_repository=str(model_repository), redis_url="", executors=executors,
-                              gateway_port=0, host="127.0.0.1", log_level=log_level, startup_timeout=180.0)
-    m = Mesh(args)
+    m = Mesh(mesh_args(model_repository, log_level, executors))
     saved = {k: os.environ.get(k) for k in env or {}}
     try:
         os.environ.update(env or {})
