@@ -5,20 +5,22 @@
 1. Capacity at the budget, the way Triton's perf_analyzer reports throughput under a latency
    limit: closed loop with --budget-ms budgets at each --concurrency-sweep value; the capacity is
    the best goodput among the steps where at least 99% of the requests were answered OK within the
-   budget; while the last step's admitted requests still meet that and it gains goodput, the sweep goes on (half as many
-   in flight again, at least 4 more, up to --concurrency) so that a fast host's capacity is not
-   understated (a refused request's worker waits out its retry-after hint before it sends again, so
-   refusals do not turn into a resend storm). It also prints the capacity over admitted requests
-   only (the best goodput where 99% of those not refused with RESOURCE_EXHAUSTED made it), and
-   goodput / that: counting refusals as misses rewards a stricter admission control with a lower
-   capacity. For reference it also prints the throughput without
-   a deadline (closed loop, --concurrency in flight, 60 s budgets), which a --budget-ms budget
-   cannot reach when one full batch takes about as long as the budget.
-2. Open-loop Poisson arrivals at --factor x the larger of the two capacities with --budget-ms budgets, on a fresh mesh
-   per scheduler policy (BATCHLINE_SCHEDULER_POLICY=deadline, then fifo): goodput / capacity, the
-   share of admitted requests (not refused at admission with RESOURCE_EXHAUSTED) answered OK within
-   the budget, p99 of admitted requests' answers (any status) and of OK answers, counts by status,
-   and how late the load generator sent (p99; large values mean the client fell behind).
+   budget. While the last step's admitted requests still meet that and it gains goodput, the sweep
+   goes on (half as many in flight again, at least 4 more, up to --concurrency), so that a fast
+   host's capacity is not understated. A refused request's worker waits out its retry-after hint
+   before it sends again (past capacity, workers coming back on their hints are refused again, and
+   those refusals' CPU lowers the step's goodput). It also prints the capacity over admitted
+   requests only (the best goodput where 99% of those not refused with RESOURCE_EXHAUSTED made it),
+   and goodput / that: counting refusals as misses rewards a stricter admission control with a
+   lower capacity. For reference it also prints the throughput without a deadline (closed loop,
+   --concurrency in flight, 60 s budgets), which a --budget-ms budget cannot reach when one full
+   batch takes about as long as the budget.
+2. Open-loop Poisson arrivals at --factor x the larger of the two capacities with --budget-ms
+   budgets, on a fresh mesh per scheduler policy (BATCHLINE_SCHEDULER_POLICY=deadline, then fifo):
+   goodput / capacity (both), the share of admitted requests (not refused at admission with
+   RESOURCE_EXHAUSTED) answered OK within the budget, p99 of admitted requests' answers (any
+   status) and of OK answers, counts by status, and how late the load generator sent (p99; large
+   values mean the client fell behind).
 
 Requests are unary ModelInfer calls, or with --streaming messages on ModelStreamInfer streams
 throughout (capacity and overload alike): a refusal is then a message on an open stream rather than

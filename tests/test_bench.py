@@ -22,7 +22,7 @@ from batchline.bench import (
     run_open,
 )
 from batchline.bench.inputs import parse_int_range, parse_shape
-from batchline.bench.loadgen import STREAM_ERROR, arrival_times, stream_answer, stream_status, with_id
+from batchline.bench.loadgen import STREAM_ERROR, arrival_times, stream_answer, with_id
 from batchline.protocol import inference_pb2 as ipb
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -174,19 +174,17 @@ def test_streaming_closed_loop_answers_on_streams_and_reads_each_answer_status(m
     assert tiny.sent > 2 and set(tiny.status_counts) == {"DEADLINE_EXCEEDED"}
 
 
-def test_stream_status_reads_the_code_batchline_puts_in_error_message():
+def test_stream_answer_reads_the_code_batchline_puts_in_error_message_and_the_retry_hint():
     ok = ipb.ModelStreamInferResponse(infer_response=ipb.ModelInferResponse(model_name="m"))
-    assert stream_status(ok.SerializeToString()) == "OK"
+    assert stream_answer(ok.SerializeToString()) == ("OK", None)
     refused = ipb.ModelStreamInferResponse(error_message="[RESOURCE_EXHAUSTED] model 'm' is overloaded: retry")
-    assert stream_status(refused.SerializeToString()) == "RESOURCE_EXHAUSTED"
     assert stream_answer(refused.SerializeToString()) == ("RESOURCE_EXHAUSTED", None)
     refused.infer_response.parameters["retry-after-ms"].int64_param = 250
     assert stream_answer(refused.SerializeToString()) == ("RESOURCE_EXHAUSTED", 0.25)
-    assert stream_answer(ok.SerializeToString()) == ("OK", None)
     # Another server's error (Triton's carry no code) or a bracket that is not a status name.
     for message in ("Request for unknown model: 'm' is not found", "[not a code] x"):
         blob = ipb.ModelStreamInferResponse(error_message=message).SerializeToString()
-        assert stream_status(blob) == STREAM_ERROR
+        assert stream_answer(blob) == (STREAM_ERROR, None)
 
 
 def test_open_loop_over_streams_matches_every_answer_to_its_request(mesh):

@@ -206,11 +206,6 @@ class Endpoint:
         return StreamMux(self._stream, streams)
 
 
-def stream_status(blob: bytes) -> str:
-    """The status name of one ModelStreamInferResponse (serialized)."""
-    return _answer_status(ipb.ModelStreamInferResponse.FromString(blob))
-
-
 def stream_answer(blob: bytes) -> tuple[str, float | None]:
     """The status name of one ModelStreamInferResponse (serialized), and a refusal's retry-after
     hint in seconds (batchline's `retry-after-ms` parameter on the error answer), if any."""
