@@ -8,8 +8,7 @@
    budget. While the last step's admitted requests still meet that and it gains goodput, the sweep
    goes on (half as many in flight again, at least 4 more, up to --concurrency), so that a fast
    host's capacity is not understated. A refused request's worker waits out its retry-after hint
-   before it sends again (past capacity, workers coming back on their hints are refused again, and
-   those refusals' CPU lowers the step's goodput). It also prints the capacity over admitted
+   before it sends again. It also prints the capacity over admitted
    requests only (the best goodput where 99% of those not refused with RESOURCE_EXHAUSTED made it),
    and goodput / that: counting refusals as misses rewards a stricter admission control with a
    lower capacity. For reference it also prints the throughput without a deadline (closed loop,

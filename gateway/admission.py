@@ -97,8 +97,15 @@ def admit(
     headroom: float = 1.0,
     length: int = 1,
     since_length: int = 1,
+    retries_at_s: float = 0.0,
 ) -> BatchlineError | None:
-    """None to admit; else the error to answer with (carrying a retry-after hint)."""
+    """None to admit; else the error to answer with (carrying a retry-after hint).
+
+    The hint is when the request would fit if nothing else arrived, but no earlier than
+    `retries_at_s`, where the requests refused before it are expected back (see `retry_spacing_s`):
+    clients that all came back on the first would mostly be refused again, and each refusal is a
+    whole gRPC call's CPU taken from the model on a shared host.
+    """
     alone = batch_cost_s(load, rows * max(1, length))
     # Judged without the margin, as the scheduler judges a request hopeless: the margin is a
     # high quantile of past overruns, and a spell of slow runs can push it past every client's
@@ -117,13 +124,20 @@ def admit(
         # answer to learn from, ever again.
         return None
     queued = sum(load.queued_rows[: max(1, priority)]) + admitted_since
-    wait = finish - budget_s * headroom
+    wait = max(finish - budget_s * headroom, retries_at_s - now_s)
     return ResourceExhausted(
         f"model '{model.name}' is overloaded: with {queued} rows queued ahead at priority <= {priority}, "
         f"this request would finish in about {finish * 1e3:.0f} ms, past its {budget_s * 1e3:.0f} ms budget; "
         f"retry in {math.ceil(wait * 1e3)} ms, with a larger timeout, or at a higher priority",
         retry_after_s=wait,
     )
+
+
+def retry_spacing_s(load: pb.ModelLoad, units: int) -> float:
+    """How much later than the request refused before it a refused request of `units` is told to
+    come back: its share of a full batch on one of the executors, so that refused clients return
+    at about the rate the model serves them."""
+    return load.cost_per_unit_s * units / max(1, load.executors)
 
 
 class Calibration:

@@ -36,7 +36,7 @@ from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking, queue_script
 from batchline.registry import Registry
 from batchline.sizing import row_length
-from gateway.admission import Calibration, admit
+from gateway.admission import Calibration, admit, retry_spacing_s
 from gateway.settings import GatewaySettings
 from gateway.validation import request_priority, request_timeout_us, validate
 
@@ -108,6 +108,9 @@ class Gateway:
         self.loads: dict[tuple[str, str], pb.ModelLoad] = {}
         self._admitted: dict[tuple[str, str], deque[_Admitted]] = defaultdict(deque)
         self._calibrations: dict[tuple[str, str], Calibration] = {}
+        # When the requests refused so far are expected back (time.time()), per model and
+        # priority level: later refusals are told to come after them (admission.retry_spacing_s).
+        self._retries_at: dict[tuple[str, str, int], float] = {}
         self._loads_read_at = 0.0  # time.monotonic() of the last read of the load views
         self._stale = asyncio.Event()  # a request wants fresher views than these
 
@@ -306,8 +309,12 @@ class Gateway:
                     since_length = max(since_length, a.length)
             calibration = self.calibration(key) if self.settings.admission_target > 0 else None
             headroom = calibration.headroom if calibration else self.settings.admission_headroom
-            refusal = admit(load, model, priority, rows, plan_budget, arrived_us / 1e6, since, headroom, length, since_length)
+            refusal = admit(load, model, priority, rows, plan_budget, arrived_us / 1e6, since, headroom, length, since_length,
+                            self._retries_at.get((*key, priority), 0.0))
             if refusal is not None:
+                if refusal.retry_after_s is not None:
+                    self._retries_at[(*key, priority)] = (arrived_us / 1e6 + refusal.retry_after_s
+                                                          + retry_spacing_s(load, rows * max(1, length)))
                 reason = "deadline" if isinstance(refusal, DeadlineExceeded) else "overload"
                 metrics.REJECTED.labels(model.name, model.version, reason).inc()
                 raise refusal

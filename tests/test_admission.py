@@ -9,7 +9,7 @@ import pytest
 
 from batchline.errors import DeadlineExceeded, ResourceExhausted
 from batchline.protocol import internal_pb2 as pb
-from gateway.admission import Calibration, admit, batch_cost_s, predicted_finish_s
+from gateway.admission import Calibration, admit, batch_cost_s, predicted_finish_s, retry_spacing_s
 
 MODEL = pb.ModelInfo(name="m", version="1", max_batch_size=8)
 NOW = 1000.0
@@ -109,6 +109,26 @@ def test_overload_is_resource_exhausted_with_a_retry_hint():
     assert isinstance(err, ResourceExhausted)
     assert err.retry_after_s == pytest.approx(finish(view) - 0.2)
     assert "overloaded" in str(err) and "64 rows queued ahead" in str(err) and "200 ms budget" in str(err)
+
+
+def test_a_refusal_is_told_to_come_back_after_those_refused_before_it():
+    view = load(tail(rows=8, limit=8, start=NOW + 0.6, free=(NOW + 0.6 + cost(8),)), queued=(64,))
+    own = finish(view) - 0.2
+    # Earlier refusals expected back later than this one's own wait: it goes after them.
+    later = admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW, retries_at_s=NOW + own + 0.5)
+    assert later.retry_after_s == pytest.approx(own + 0.5)
+    assert f"retry in {round((own + 0.5) * 1e3)} ms" in str(later)
+    # Expected back before this one could fit anyway (or long gone): its own wait stands.
+    for retries_at in (NOW + own - 0.1, 0.0):
+        assert admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW, retries_at_s=retries_at).retry_after_s == pytest.approx(own)
+    # Only overload is hinted: a budget below the run alone is not worth retrying as is.
+    assert admit(view, MODEL, 1, 4, budget_s=0.05, now_s=NOW, retries_at_s=NOW + 9).retry_after_s is None
+
+
+def test_refused_requests_are_spaced_by_their_share_of_a_batch_on_one_executor():
+    assert retry_spacing_s(load(executors=1), 8) == pytest.approx(0.08)
+    assert retry_spacing_s(load(executors=2), 8) == pytest.approx(0.04)
+    assert retry_spacing_s(load(executors=0), 8) == pytest.approx(0.08)  # a view without executors
 
 
 def test_rows_admitted_since_the_view_can_tip_the_balance():

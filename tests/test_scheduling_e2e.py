@@ -201,13 +201,13 @@ def test_warm_up_seeds_the_profile_and_a_restarted_scheduler_loads_it(mesh_facto
     assert before < again.scheduler._ran_until[executor_id] < answered
 
 
-def _backed_up(m) -> redis.Redis:
+def _backed_up(m, cost_per_unit_s: float = 0.001) -> redis.Redis:
     """Hold the scheduling lease and publish the load view the (deadline-policy) scheduler would
     for an mlp queue backed up for 5 s (5000 rows queued at priority 1); returns the Redis client."""
     r = _hold_lease(m)
     now = time.time()
     backed_up = pb.QueueTail(rows=8, limit_rows=8, start_s=now + 5.0, free_s=[now + 5.02])
-    view = pb.ModelLoad(cost_per_unit_s=0.001, cost_fixed_s=0.01, executors=1, queued_rows=[5000, 0],
+    view = pb.ModelLoad(cost_per_unit_s=cost_per_unit_s, cost_fixed_s=0.01, executors=1, queued_rows=[5000, 0],
                         policy="deadline", updated_us=now_us() + 60_000_000, tails=[backed_up, backed_up])
     r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
     # (the real scheduler published a view of its own before standing by: wait for ours)
@@ -234,6 +234,23 @@ def test_overload_is_refused_at_once_with_a_retry_hint(mesh_factory):
         assert "raise the timeout" in info.value.details()
     # Refused requests left nothing behind.
     assert r.zcard(contract.queue("mlp", "1")) == 0
+
+
+def test_each_refusal_is_told_to_come_back_after_the_one_before(mesh_factory):
+    """Clients that all came back when the first refused one could fit would mostly be refused
+    again: each later refusal's hint is one request's share of a batch (here 50 ms) later."""
+    m = mesh_factory(models=["mlp"])
+    _backed_up(m, cost_per_unit_s=0.05)
+    channel, stub = _stub(m)
+    hints = []
+    with channel:
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ModelInfer(_request(timeout_us=200_000), timeout=10)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            hints.append(int(dict(info.value.trailing_metadata())["retry-after-ms"]))
+    # 50 ms apart, less the time between the calls
+    assert hints[1] - hints[0] > 25 and hints[2] - hints[1] > 25, hints
 
 
 def test_a_refusal_on_a_stream_carries_the_retry_hint_and_the_stream_goes_on(mesh_factory):
