@@ -104,7 +104,9 @@ def admit(
     The hint is when the request would fit if nothing else arrived, but no earlier than
     `retries_at_s`, where the requests refused before it are expected back (see `retry_spacing_s`):
     clients that all came back on the first would mostly be refused again, and each refusal is a
-    whole gRPC call's CPU taken from the model on a shared host.
+    whole gRPC call's CPU taken from the model on a shared host. It is at most one budget later
+    than the request's own: refused requests that never come back (an open-loop client's) would
+    otherwise push it ever later while the overload lasts.
     """
     alone = batch_cost_s(load, rows * max(1, length))
     # Judged without the margin, as the scheduler judges a request hopeless: the margin is a
@@ -124,7 +126,8 @@ def admit(
         # answer to learn from, ever again.
         return None
     queued = sum(load.queued_rows[: max(1, priority)]) + admitted_since
-    wait = max(finish - budget_s * headroom, retries_at_s - now_s)
+    own = finish - budget_s * headroom
+    wait = max(own, min(retries_at_s - now_s, own + budget_s))
     return ResourceExhausted(
         f"model '{model.name}' is overloaded: with {queued} rows queued ahead at priority <= {priority}, "
         f"this request would finish in about {finish * 1e3:.0f} ms, past its {budget_s * 1e3:.0f} ms budget; "

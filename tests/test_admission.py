@@ -115,9 +115,12 @@ def test_a_refusal_is_told_to_come_back_after_those_refused_before_it():
     view = load(tail(rows=8, limit=8, start=NOW + 0.6, free=(NOW + 0.6 + cost(8),)), queued=(64,))
     own = finish(view) - 0.2
     # Earlier refusals expected back later than this one's own wait: it goes after them.
-    later = admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW, retries_at_s=NOW + own + 0.5)
-    assert later.retry_after_s == pytest.approx(own + 0.5)
-    assert f"retry in {round((own + 0.5) * 1e3)} ms" in str(later)
+    later = admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW, retries_at_s=NOW + own + 0.15)
+    assert later.retry_after_s == pytest.approx(own + 0.15)
+    assert f"retry in {round((own + 0.15) * 1e3)} ms" in str(later)
+    # ... but at most one budget after its own: those refused before may never come back.
+    capped = admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW, retries_at_s=NOW + own + 60)
+    assert capped.retry_after_s == pytest.approx(own + 0.2)
     # Expected back before this one could fit anyway (or long gone): its own wait stands.
     for retries_at in (NOW + own - 0.1, 0.0):
         assert admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW, retries_at_s=retries_at).retry_after_s == pytest.approx(own)
