@@ -12,7 +12,7 @@ import argparse
 import logging
 from typing import Any, Literal, Sequence, TypeVar, get_args, get_origin
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings
 
 S = TypeVar("S", bound=BaseSettings)
@@ -65,7 +65,15 @@ def parse_settings(cls: type[S], argv: Sequence[str] | None, prog: str, descript
         parser.add_argument(_flag(name), help=help_text, **kwargs)
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None}
-    return cls(**overrides)
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        # A value argparse took but the settings refuse (a flag's or an environment variable's):
+        # say which, as argparse does, rather than with a traceback.
+        parser.error("; ".join(
+            f"{_flag(str(e['loc'][0]))} ({env_prefix}{str(e['loc'][0]).upper()}): {e['msg']}" if e["loc"] else e["msg"]
+            for e in exc.errors()
+        ))
 
 
 def configure_logging(level: str, service: str) -> None:

@@ -1,7 +1,7 @@
 """Executor settings (environment prefix BATCHLINE_EXECUTOR_)."""
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from batchline.settings import CommonSettings
@@ -22,7 +22,10 @@ class ExecutorSettings(CommonSettings):
         8004, description="Port of the Prometheus endpoint (http://HOST:PORT/metrics); 0 = any free port, -1 = none."
     )
     port: int = Field(0, description="Port of the executor's control gRPC server (0 = any free port).")
-    executor_id: str = Field("", description="Stable id of this executor (default: a random one per process).")
+    executor_id: str = Field(
+        "", description="Stable id of this executor (default: a random one per process). A model with "
+        "instance_count n runs on n lanes, registered as ID, ID#1, ... ID#n-1, so '#' is not allowed in it."
+    )
     providers: list[str] = Field(
         default_factory=lambda: list(DEFAULT_PROVIDERS),
         description="ONNX Runtime execution providers in order of preference; those the host lacks are skipped.",
@@ -64,3 +67,11 @@ class ExecutorSettings(CommonSettings):
     )
     warmup: bool = Field(True, description="Run each model at load (once, then timed at batch sizes 1, 2, 4, ... up to its maximum) so the "
         "first request does not pay for it and the scheduler's latency profile starts from measurements.")
+
+    @field_validator("executor_id")
+    @classmethod
+    def _no_lane_separator(cls, value: str) -> str:
+        # Executor "a" with two lanes registers "a" and "a#1": an executor named "a#1" would share its work list.
+        if "#" in value:
+            raise ValueError(f"executor_id {value!r} contains '#', which separates an executor's id from its lane number")
+        return value
