@@ -19,6 +19,7 @@ bl:reply:{gateway_id}         list         Reply messages for that gateway's wai
 bl:exec:{executor_id}         string       ExecutorInfo; TTL = heartbeat TTL (presence)
 bl:executors                  set          executor ids ever seen (members pruned when stale)
 bl:gateway:{gateway_id}       string       the gateway's address; TTL = heartbeat TTL
+bl:gateways                   sorted set   gateway ids scored by their last heartbeat (ms): how many are live
 bl:notify                     list         wake-up tokens for the scheduler (capped)
 bl:reports                    list         ExecutionReport messages for the scheduler (capped)
 bl:stats:{model}:{version}    hash         Triton-style statistics counters
@@ -35,6 +36,7 @@ EXECUTORS = PREFIX + "executors"
 NOTIFY = PREFIX + "notify"
 REPORTS = PREFIX + "reports"
 LEADER = PREFIX + "leader"
+GATEWAYS = PREFIX + "gateways"
 
 # Ordering within a queue: priority level first (1 is highest), then the
 # earliest deadline. deadline_ms is ~1.8e12, so a 1e13 stride keeps both exact
@@ -45,6 +47,7 @@ _PRIORITY_STRIDE = 10**13
 PAYLOAD_GRACE_MS = 5_000        # a payload outlives its deadline by this much
 QUEUE_TTL = 3_600               # an idle queue disappears after an hour
 REPLY_TTL = 60                  # a gateway that died leaves its replies this long
+GATEWAYS_TTL = 60               # the gateway set, once the last gateway is gone
 WORK_TTL = 3_600
 STATS_TTL = 7 * 24 * 3_600
 REGISTRY_TTL = 24 * 3_600

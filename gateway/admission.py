@@ -136,11 +136,12 @@ def admit(
     )
 
 
-def retry_spacing_s(load: pb.ModelLoad, units: int) -> float:
+def retry_spacing_s(load: pb.ModelLoad, units: int, gateways: int = 1) -> float:
     """How much later than the request refused before it a refused request of `units` is told to
     come back: its share of a full batch on one of the executors, so that refused clients return
-    at about the rate the model serves them."""
-    return load.cost_per_unit_s * units / max(1, load.executors)
+    at about the rate the model serves them. Each of `gateways` live gateways spaces only the
+    refusals it gives itself (about 1/`gateways` of them), so it spaces them that many times as far."""
+    return load.cost_per_unit_s * units * max(1, gateways) / max(1, load.executors)
 
 
 class Calibration:

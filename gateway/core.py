@@ -77,10 +77,11 @@ class _Write:
 @dataclass(slots=True)
 class _Admitted:
     """A request this gateway admitted, counted ahead of later arrivals until a load view
-    taken after its enqueue was confirmed shows it, or it is over."""
+    counts it (its seen_us for this gateway, or taken after the enqueue was confirmed), or it is over."""
     priority: int
     rows: int
     length: int
+    enqueued_us: int = 0   # its QueueEntry's: a view whose seen_us for this gateway reaches it counts it
     confirmed_us: int = 0  # when Redis confirmed the enqueue (0: not yet)
     # Answered or given up: ahead of nobody. An idle scheduler publishes no view after its
     # answer, so waiting for one would count it ahead of every arrival until the view expires.
@@ -111,6 +112,8 @@ class Gateway:
         # When the requests refused so far are expected back (time.time()), per model and
         # priority level: later refusals are told to come after them (admission.retry_spacing_s).
         self._retries_at: dict[tuple[str, str, int], float] = {}
+        # Live gateways (from the heartbeats): each spaces only the refusals it gives itself.
+        self.gateways = 1
         self._loads_read_at = 0.0  # time.monotonic() of the last read of the load views
         self._stale = asyncio.Event()  # a request wants fresher views than these
 
@@ -145,7 +148,10 @@ class Gateway:
             if not w.done.done():
                 w.done.set_exception(error)
         try:
-            await self.redis.delete(contract.gateway(self.gateway_id))
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.delete(contract.gateway(self.gateway_id))
+                pipe.zrem(contract.GATEWAYS, self.gateway_id)
+                await pipe.execute()
         except REDIS_ERRORS:
             pass
         await self.redis.aclose()
@@ -168,10 +174,26 @@ class Gateway:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                await self.redis.set(contract.gateway(self.gateway_id), self.address, px=self._heartbeat_ttl_ms)
+                self.gateways = await self._register()
             except REDIS_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def _register(self) -> int:
+        """Renew this gateway's heartbeat; how many gateways are live, this one included.
+
+        Each gateway scores itself in the set by when its heartbeat expires, so that gateways
+        with different heartbeat intervals prune only those that are really gone.
+        """
+        now_ms = int(time.time() * 1000)
+        async with self.redis.pipeline(transaction=True) as pipe:  # (never seen without its TTL)
+            pipe.set(contract.gateway(self.gateway_id), self.address, px=self._heartbeat_ttl_ms)
+            pipe.zadd(contract.GATEWAYS, {self.gateway_id: now_ms + self._heartbeat_ttl_ms})
+            pipe.zremrangebyscore(contract.GATEWAYS, "-inf", now_ms)
+            pipe.zcard(contract.GATEWAYS)
+            pipe.expire(contract.GATEWAYS, contract.GATEWAYS_TTL)
+            results = await pipe.execute()
+        return max(1, int(results[3]))
 
     def fail_pending(self, error: BatchlineError) -> None:
         """Answer every waiting request with `error` (shutdown, or Redis lost: its replies may never come)."""
@@ -300,8 +322,13 @@ class Gateway:
         calibration = None
         if load is not None and load.policy == "deadline" and arrived_us - load.updated_us < contract.LOAD_TTL_MS * 1000:
             admitted = self._admitted[key]
-            while admitted and (admitted[0].over or 0 < admitted[0].confirmed_us <= load.updated_us):
-                admitted.popleft()  # the scheduler's view already counts these, or they are over
+            seen_us = load.seen_us.get(self.gateway_id, 0)
+            while admitted and (admitted[0].over or 0 < admitted[0].confirmed_us <= load.updated_us
+                                or admitted[0].enqueued_us <= seen_us):
+                # The scheduler's view already counts these, or they are over. (A view taken after
+                # Redis had a request may still predate its confirmation here: seen_us says which
+                # it read. This gateway's requests reach Redis in the order they were stamped.)
+                admitted.popleft()
             since = since_length = 0
             for a in admitted:
                 if a.priority <= priority and not a.over:
@@ -314,7 +341,7 @@ class Gateway:
             if refusal is not None:
                 if refusal.retry_after_s is not None:
                     self._retries_at[(*key, priority)] = (arrived_us / 1e6 + refusal.retry_after_s
-                                                          + retry_spacing_s(load, rows * max(1, length)))
+                                                          + retry_spacing_s(load, rows * max(1, length), self.gateways))
                 reason = "deadline" if isinstance(refusal, DeadlineExceeded) else "overload"
                 metrics.REJECTED.labels(model.name, model.version, reason).inc()
                 raise refusal
@@ -349,7 +376,7 @@ class Gateway:
         self._pending[request_id] = fut
         mine = None
         if admitted is not None:
-            mine = _Admitted(priority, rows, length)
+            mine = _Admitted(priority, rows, length, enqueued)
             admitted.append(mine)
         try:
             write = _Write(request_id, request.SerializeToString(), contract.payload_ttl_ms(deadline, enqueued), queue,

@@ -46,6 +46,16 @@ _LOAD_EVERY_S = 0.02
 # How soon an arrival noticed during a step, after the step had read its queue, gets a look.
 _NOTICE_RECHECK_S = 0.002
 _UNKNOWN_KIND = "unknown"
+# A gateway whose requests no view has counted for this long is forgotten (it stopped, or
+# sends nothing): its own count of what it admitted is over long before.
+_SEEN_KEEP_S = 60.0
+
+
+def _see(seen: dict[str, int], entries) -> None:
+    """Raise each gateway's watermark to the latest enqueued_us among `entries` (None: unknown)."""
+    for e in entries:
+        if e is not None and e.enqueued_us > seen.get(e.gateway_id, 0):
+            seen[e.gateway_id] = e.enqueued_us
 _tracer = telemetry.tracer("batchline.scheduler")
 
 
@@ -68,6 +78,9 @@ class Scheduler:
         # batch id -> (dispatched at, predicted cost); predicts when it is free.
         self._ledger: dict[str, dict[str, tuple[float, float]]] = {}
         self._load_at: dict[tuple[str, str], float] = {}
+        # Per model, per gateway: the latest enqueued_us of its requests a load view has counted
+        # (ModelLoad.seen_us); never lowered, so requests sent on since still count as seen.
+        self._seen: dict[tuple[str, str], dict[str, int]] = {}
         self._idle_at: dict[str, float] = {}  # when each executor is predicted to run out of work
         self._ran_until: dict[str, float] = {}  # when each executor's last reported run ended
         self._blocked: set[str] = set()  # queues waiting for an executor, not for company
@@ -395,7 +408,9 @@ class Scheduler:
             self._blocked.discard(contract.queue(*key))
         if decision.expired:
             await self._shed(key, decision.expired)
+        seen = self._seen.setdefault(key, {})
         for planned in decision.batches:
+            _see(seen, (self._entries.get(m.member) for m in planned.members))
             eid = ready[planned.executor]
             free_at[eid] = planned.finish
             self._idle_at[eid] = max(self._idle_at.get(eid, now), planned.finish)
@@ -413,6 +428,10 @@ class Scheduler:
         if self.settings.policy == FIFO or (not changed and now - self._load_at.get(key, 0.0) < _LOAD_EVERY_S):
             return
         self._load_at[key] = now
+        seen = self._seen.setdefault(key, {})
+        _see(seen, (self._entries.get(p.member) for p in queue))
+        for gateway in [g for g, t in seen.items() if now - t / 1e6 > _SEEN_KEEP_S]:
+            del seen[gateway]
         a, b, margin = profile.coefficients()
         # One slot per level up to the lowest queued, so that a request is only
         # counted behind rows of its own priority or higher.
@@ -443,6 +462,7 @@ class Scheduler:
             backlog_s=sum(t - now for t in idle_at),
             queued_rows=rows, policy=self.settings.policy, updated_us=int(min(now, self._scanned_at or now) * 1e6),
             tails=tails,
+            seen_us=seen,
         )
         await self.redis.set(contract.load(*key), load.SerializeToString(), px=contract.LOAD_TTL_MS)
 

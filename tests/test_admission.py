@@ -132,6 +132,9 @@ def test_refused_requests_are_spaced_by_their_share_of_a_batch_on_one_executor()
     assert retry_spacing_s(load(executors=1), 8) == pytest.approx(0.08)
     assert retry_spacing_s(load(executors=2), 8) == pytest.approx(0.04)
     assert retry_spacing_s(load(executors=0), 8) == pytest.approx(0.08)  # a view without executors
+    # Each of three gateways gives about a third of the refusals and spaces only its own.
+    assert retry_spacing_s(load(executors=2), 8, gateways=3) == pytest.approx(0.12)
+    assert retry_spacing_s(load(executors=2), 8, gateways=0) == pytest.approx(0.04)
 
 
 def test_rows_admitted_since_the_view_can_tip_the_balance():

@@ -253,6 +253,36 @@ def test_each_refusal_is_told_to_come_back_after_the_one_before(mesh_factory):
     assert hints[1] - hints[0] > 25 and hints[2] - hints[1] > 25, hints
 
 
+def test_with_two_gateways_each_spaces_its_own_refusals_twice_as_far(mesh_factory):
+    """Each gateway sees about half of the refused clients: to have them all come back at the
+    rate the model serves them, each spaces its own twice as far (here 100 ms, not 50)."""
+    from gateway.app import GatewayApp
+    from gateway.settings import GatewaySettings
+
+    m = mesh_factory(models=["mlp"])
+    other = m.call(GatewayApp(GatewaySettings(redis_url=m.redis_url, port=0, metrics_port=-1,
+                                              heartbeat_interval_s=0.1)).start())
+    try:
+        _backed_up(m, cost_per_unit_s=0.05)
+        _wait(lambda: m.gateway.gateway.gateways == 2, "the gateway to count two live gateways")
+        assert redis.Redis.from_url(m.redis_url).zcard(contract.GATEWAYS) == 2
+        channel, stub = _stub(m)
+        hints = []
+        with channel:
+            for _ in range(3):
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.ModelInfer(_request(timeout_us=200_000), timeout=10)
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                hints.append(int(dict(info.value.trailing_metadata())["retry-after-ms"]))
+        # 100 ms apart, less the time between the calls
+        assert hints[1] - hints[0] > 75 and hints[2] - hints[1] > 75, hints
+    finally:
+        m.call(other.stop(0))
+    # A gateway that stops leaves the set at once; the others count one fewer at their next heartbeat.
+    assert redis.Redis.from_url(m.redis_url).zcard(contract.GATEWAYS) == 1
+    _wait(lambda: m.gateway.gateway.gateways == 1, "the gateway to count one live gateway")
+
+
 def test_a_refusal_on_a_stream_carries_the_retry_hint_and_the_stream_goes_on(mesh_factory):
     m = mesh_factory(models=["mlp"])
     r = _backed_up(m)
@@ -395,6 +425,65 @@ def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(me
             stub.ModelInfer(_request(5.0), timeout=0.3)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         first.cancel()
+
+
+def test_a_view_that_read_a_request_before_its_gateway_heard_it_was_queued_counts_it_once(mesh_factory, monkeypatch):
+    """The scheduler can read a request from Redis before the gateway's write returns: a view dated
+    before the confirmation still counts it, and says so in seen_us, so the gateway stops counting it."""
+    import gateway.core
+
+    monkeypatch.setattr(gateway.core, "LOAD_IDLE_REFRESH_S", 60.0)  # the views below are read when set
+    m = mesh_factory(models=["mlp"], gateway_overrides={"admission_headroom": 0.7})
+    r = _hold_lease(m)  # nothing is dispatched: admitted requests stay queued
+    gw = m.gateway.gateway
+    queue = contract.queue("mlp", "1")
+
+    def publish(queued_rows: int, updated_us: int, seen_us: dict[str, int]) -> None:
+        # The view as the gateway reads it, at once: the executor is busy with the queued rows for
+        # 80 ms each from now, which must not have passed when the next request arrives.
+        now = time.time()
+        tail = pb.QueueTail(rows=queued_rows, limit_rows=queued_rows, start_s=now, free_s=[now + 0.08 * queued_rows])
+        view = pb.ModelLoad(cost_per_unit_s=0.08, executors=1, queued_rows=[queued_rows], policy="deadline",
+                            updated_us=updated_us, tails=[tail] if queued_rows else [pb.QueueTail(free_s=[now])],
+                            seen_us=seen_us)
+        r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
+        gw.loads = {**gw.loads, ("mlp", "1"): view}
+
+    publish(0, now_us(), {})
+    channel, stub = _stub(m)
+    with channel:
+        first = stub.ModelInfer.future(_request(1.0), timeout=5)
+        [member] = _wait(lambda: r.zrange(queue, 0, -1), "the first request queued")
+        entry = pb.QueueEntry.FromString(member)
+        # A view with the request in its plan, taken before the gateway heard back from Redis.
+        # Budget 300 ms, admitted up to 0.7 of 290: 1 row ahead (160 ms with the new one) fits, 2 do not.
+        publish(1, entry.enqueued_us, {})
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(_request(2.0), timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # counted twice: 2 rows ahead
+        assert "2 rows queued ahead" in info.value.details()
+        publish(1, entry.enqueued_us, {gw.gateway_id: entry.enqueued_us, "another-gateway": now_us() + 10**9})
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(_request(3.0), timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()  # admitted, never run
+        first.cancel()
+
+
+def test_the_load_view_says_up_to_which_request_of_each_gateway_it_has_read(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = redis.Redis.from_url(m.redis_url)
+    gateway_id = m.gateway.gateway.gateway_id
+    channel, stub = _stub(m)
+    with channel:
+        for i in range(3):
+            before = now_us()
+            stub.ModelInfer(_request(float(i)), timeout=10)
+            # Dispatched, run and answered: its view has counted it (queued or sent on), even if the
+            # scheduler never published while it was queued.
+            _wait(lambda: (b := r.get(contract.load("mlp", "1"))) and
+                         pb.ModelLoad.FromString(b).seen_us.get(gateway_id, 0) >= before,
+                         "a view that has read the request")
+            assert pb.ModelLoad.FromString(r.get(contract.load("mlp", "1"))).seen_us[gateway_id] <= now_us()
 
 
 def test_an_answered_request_is_ahead_of_nobody_while_no_newer_view_comes(mesh_factory):
