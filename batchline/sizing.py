@@ -35,3 +35,15 @@ def row_length(model: pb.ModelInfo, shapes: Mapping[str, Sequence[int]]) -> int:
         length = max(length, n)
     return length
 
+
+def size_class(units: int) -> int:
+    """The latency profile's size class of a batch: units in [2^k, 2^(k+1)) are class k."""
+    return max(0, int(units).bit_length() - 1)
+
+
+def margin_for(margins: Sequence[float], units: int, default: float) -> float:
+    """The profile's margin for a batch of `units`, from its per-class table (scheduler/profile.py):
+    past the table's end, the last class's; an empty table, `default` for every size."""
+    if not margins:
+        return default
+    return margins[min(size_class(units), len(margins) - 1)]

@@ -26,11 +26,17 @@ import math
 
 from batchline.errors import BatchlineError, DeadlineExceeded, ResourceExhausted
 from batchline.protocol import internal_pb2 as pb
+from batchline.sizing import margin_for
+
+
+def margin_s(load: pb.ModelLoad, units: int) -> float:
+    """The profile's margin for a batch of `units`: larger batches overrun by more."""
+    return margin_for(load.margin_by_size_s, units, load.cost_margin_s)
 
 
 def batch_cost_s(load: pb.ModelLoad, units: int) -> float:
     """Predicted service time of one batch of `units` (rows x length), as the scheduler plans it."""
-    return max(0.0, load.cost_per_unit_s * units + load.cost_fixed_s) + load.cost_margin_s + load.overhead_s
+    return max(0.0, load.cost_per_unit_s * units + load.cost_fixed_s) + margin_s(load, units) + load.overhead_s
 
 
 # A plan's last batch that starts sooner than this (or should have started
@@ -108,12 +114,13 @@ def admit(
     than the request's own: refused requests that never come back (an open-loop client's) would
     otherwise push it ever later while the overload lasts.
     """
-    alone = batch_cost_s(load, rows * max(1, length))
+    units = rows * max(1, length)
+    alone = batch_cost_s(load, units)
     # Judged without the margin, as the scheduler judges a request hopeless: the margin is a
     # high quantile of past overruns, and a spell of slow runs can push it past every client's
     # budget. Refusing on it would then refuse everything, so nothing would run and report, and
     # the margin would never come down again.
-    typical = alone - load.cost_margin_s
+    typical = alone - margin_s(load, units)
     if typical > budget_s:
         return DeadlineExceeded(
             f"the {budget_s * 1e3:.1f} ms budget is shorter than model '{model.name}' takes to run this request "

@@ -35,6 +35,7 @@ from batchline.protocol import internal_pb2_grpc
 from batchline.recovery import requeue_held_batches
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.registry import Registry
+from batchline.sizing import margin_for
 from scheduler.policy import FIFO, ModelPolicy, Pending, PlannedBatch, busy_until, free_after, plan, queue_tail
 from scheduler.profile import LatencyProfile
 from scheduler.settings import SchedulerSettings
@@ -433,16 +434,16 @@ class Scheduler:
         for gateway in [g for g, t in seen.items() if now - t / 1e6 > _SEEN_KEEP_S]:
             del seen[gateway]
         a, b, margin = profile.coefficients()
+        margins = profile.margins()
         # One slot per level up to the lowest queued, so that a request is only
         # counted behind rows of its own priority or higher.
         rows = [0] * max([1, info.priority_levels, *(p.priority for p in queue)])
         for p in queue:
             rows[p.priority - 1] += p.rows
         overhead = self.settings.overhead_ms / 1000
-        extra = margin + overhead
 
         def cost(units: int) -> float:  # profile.predict(units) + overhead, without its calls per member
-            return max(0.0, a * units + b) + extra
+            return max(0.0, a * units + b) + margin_for(margins, units, margin) + overhead
 
         def typical(units: int) -> float:  # what `plan` sheds by: profile.expected(units) + overhead
             return max(0.0, a * units + b) + overhead
@@ -457,7 +458,7 @@ class Scheduler:
             tails.append(pb.QueueTail(rows=t.rows, limit_rows=t.limit, start_s=t.start, executor=t.executor,
                                       free_s=t.free, level=level, length=t.length))
         load = pb.ModelLoad(
-            cost_per_unit_s=a, cost_fixed_s=b, cost_margin_s=margin, overhead_s=overhead,
+            cost_per_unit_s=a, cost_fixed_s=b, cost_margin_s=margin, margin_by_size_s=margins, overhead_s=overhead,
             executors=len(holders),
             backlog_s=sum(t - now for t in idle_at),
             queued_rows=rows, policy=self.settings.policy, updated_us=int(min(now, self._scanned_at or now) * 1e6),

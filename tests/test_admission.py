@@ -37,6 +37,20 @@ def test_batch_cost_is_the_profile_plus_margin_and_overhead():
     assert batch_cost_s(load(margin=0.005, overhead=0.001), 4) == pytest.approx(0.04 + 0.02 + 0.005 + 0.001)
 
 
+def test_a_batch_costs_the_margin_of_its_size_class():
+    # Classes 0-1 (1-3 units) 1 ms, 2 (4-7) 5 ms, 3 and beyond 30 ms; the overall margin is unused.
+    view = pb.ModelLoad(cost_per_unit_s=0.01, cost_fixed_s=0.02, cost_margin_s=0.3, margin_by_size_s=[0.001, 0.001, 0.005, 0.03])
+    assert batch_cost_s(view, 1) == pytest.approx(cost(1) + 0.001)
+    assert batch_cost_s(view, 5) == pytest.approx(cost(5) + 0.005)
+    assert batch_cost_s(view, 8) == pytest.approx(cost(8) + 0.03)
+    assert batch_cost_s(view, 40) == pytest.approx(cost(40) + 0.03)
+    # A request alone is admitted against the margin of its own size, not of the largest batches:
+    # 1 unit takes 31 ms predicted, within 0.9 of a 40 ms budget (with 0.3 s of margin it would not be).
+    idle = pb.ModelLoad(cost_per_unit_s=0.01, cost_fixed_s=0.02, cost_margin_s=0.3, margin_by_size_s=[0.001, 0.001, 0.005, 0.03],
+                        executors=1, queued_rows=[0], policy="deadline", tails=[tail(free=(NOW + 0.001,))])
+    assert admit(idle, MODEL, 1, 1, budget_s=0.04, now_s=NOW, headroom=0.9) is None
+
+
 def test_nothing_queued_and_an_idle_executor_is_the_run_time_alone():
     assert finish(load(tail())) == pytest.approx(cost(1))
     assert finish(load(tail()), rows=3) == pytest.approx(cost(3))

@@ -354,6 +354,36 @@ def test_profile_margin_grows_with_noise():
         assert noisy.predict(n) > a * n + b
 
 
+def test_profile_margin_is_per_size_class():
+    # 1 ms per unit. Small batches (1-3 units) jitter by 1 ms, large ones (64-127) by 40 ms.
+    prof = LatencyProfile()
+    for k in range(40):
+        sign = 1 if k % 2 else -1
+        prof.observe(2, 0.002 + sign * 0.001)
+        prof.observe(96, 0.096 + sign * 0.040)
+    a, b, overall = prof.coefficients()
+    assert (a, b) == pytest.approx((0.001, 0.0), abs=1e-9)
+    assert overall == pytest.approx(0.040, rel=1e-6)  # over every size: the large batches' jitter
+    assert prof.margin(2) == pytest.approx(0.001, rel=1e-6)
+    assert prof.margin(3) == pytest.approx(0.001, rel=1e-6)  # class 1, with class 0 and 2 either side
+    assert prof.margin(100) == pytest.approx(0.040, rel=1e-6)
+    assert prof.margin(1000) == pytest.approx(0.040, rel=1e-6)  # past the largest class seen: its margin
+    assert prof.predict(2) == pytest.approx(0.003, rel=1e-6)
+    # A class with no samples near it borrows the nearest measured one's margin, scaled by the
+    # classes' typical costs: class 4 (16-31 units, 24 ms at its middle) from class 5 (32-63 units,
+    # 48 ms), whose margin comes from the samples of class 6 next to it: 40 ms x 24 / 48.
+    assert prof.margin(20) == pytest.approx(0.040 * 24 / 48, rel=1e-6)
+
+
+def test_profile_keeps_one_margin_for_every_size_while_no_class_has_enough_samples():
+    prof = LatencyProfile()
+    for sign in (1, -1):
+        prof.observe(2, 0.002 + sign * 0.001)
+        prof.observe(96, 0.096 + sign * 0.040)
+    assert prof.margins() == ()
+    assert prof.margin(2) == prof.margin(96) == pytest.approx(prof.coefficients()[2])
+
+
 def test_profile_single_batch_size_is_proportional():
     prof = LatencyProfile()
     for _ in range(3):

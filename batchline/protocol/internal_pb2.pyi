@@ -176,7 +176,7 @@ class QueueTail(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., limit_rows: _Optional[int] = ..., start_s: _Optional[float] = ..., executor: _Optional[int] = ..., free_s: _Optional[_Iterable[float]] = ..., level: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ModelLoad(_message.Message):
-    __slots__ = ("cost_per_unit_s", "cost_fixed_s", "cost_margin_s", "overhead_s", "executors", "backlog_s", "queued_rows", "policy", "updated_us", "tails", "seen_us")
+    __slots__ = ("cost_per_unit_s", "cost_fixed_s", "cost_margin_s", "overhead_s", "executors", "backlog_s", "queued_rows", "policy", "updated_us", "tails", "seen_us", "margin_by_size_s")
     class SeenUsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,7 @@ class ModelLoad(_message.Message):
     UPDATED_US_FIELD_NUMBER: _ClassVar[int]
     TAILS_FIELD_NUMBER: _ClassVar[int]
     SEEN_US_FIELD_NUMBER: _ClassVar[int]
+    MARGIN_BY_SIZE_S_FIELD_NUMBER: _ClassVar[int]
     cost_per_unit_s: float
     cost_fixed_s: float
     cost_margin_s: float
@@ -206,7 +207,8 @@ class ModelLoad(_message.Message):
     updated_us: int
     tails: _containers.RepeatedCompositeFieldContainer[QueueTail]
     seen_us: _containers.ScalarMap[str, int]
-    def __init__(self, cost_per_unit_s: _Optional[float] = ..., cost_fixed_s: _Optional[float] = ..., cost_margin_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., executors: _Optional[int] = ..., backlog_s: _Optional[float] = ..., queued_rows: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., updated_us: _Optional[int] = ..., tails: _Optional[_Iterable[_Union[QueueTail, _Mapping]]] = ..., seen_us: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    margin_by_size_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, cost_per_unit_s: _Optional[float] = ..., cost_fixed_s: _Optional[float] = ..., cost_margin_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., executors: _Optional[int] = ..., backlog_s: _Optional[float] = ..., queued_rows: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., updated_us: _Optional[int] = ..., tails: _Optional[_Iterable[_Union[QueueTail, _Mapping]]] = ..., seen_us: _Optional[_Mapping[str, int]] = ..., margin_by_size_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
