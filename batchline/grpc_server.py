@@ -6,6 +6,7 @@ import logging
 from typing import Callable, Iterable
 
 import grpc
+from grpc._cython import cygrpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -13,6 +14,22 @@ from batchline.protocol._pool import POOL
 from batchline.redis_client import REDIS_ERRORS
 
 log = logging.getLogger(__name__)
+
+
+class _AnswerAfterTheEnd(logging.Filter):
+    """grpc.aio logs an ERROR with a traceback when a handler's answer finds its call already over
+    (the client's deadline passed, or it cancelled, while the answer was on its way: seen under
+    overload). The client has its status by then and nothing is lost: a DEBUG line, not an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, cygrpc.ExecuteBatchError):
+            log.debug("an answer found its call already over: %s", record.getMessage())
+            return False
+        return True
+
+
+logging.getLogger("grpc._cython.cygrpc").addFilter(_AnswerAfterTheEnd())
 
 
 class ServerHandle:

@@ -32,3 +32,26 @@ async def test_an_answer_to_a_call_that_already_ended_is_a_cancellation_not_an_e
     # It tried to send the real status, with the retry hint, before giving up.
     assert context.aborted == (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
     assert context.trailing == ((RETRY_AFTER_KEY, "250"),)
+
+
+def test_an_answer_that_finds_its_call_over_is_not_logged_as_an_error(caplog):
+    import logging
+
+    from grpc._cython import cygrpc
+
+    import batchline.grpc_server  # noqa: F401 - installs the filter
+
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+    try:
+        raise cygrpc.ExecuteBatchError('Failed "execute_batch"')
+    except cygrpc.ExecuteBatchError:
+        with caplog.at_level(logging.DEBUG):
+            grpc_log.exception("ExecuteBatchError raised in core by servicer method [/inference.GRPCInferenceService/ModelInfer]")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("already over" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+    # Any other error grpc logs still shows.
+    try:
+        raise ValueError("a servicer bug")
+    except ValueError:
+        grpc_log.exception("Unexpected error")
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == ["Unexpected error"]
