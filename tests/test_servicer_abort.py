@@ -39,9 +39,10 @@ def test_an_answer_that_finds_its_call_over_is_not_logged_as_an_error(caplog):
 
     from grpc._cython import cygrpc
 
-    import batchline.grpc_server  # noqa: F401 - installs the filter
+    from batchline.grpc_server import _AnswerAfterTheEnd  # importing it installs it
 
     grpc_log = logging.getLogger("grpc._cython.cygrpc")
+    assert any(isinstance(f, _AnswerAfterTheEnd) for f in grpc_log.filters)
     try:
         raise cygrpc.ExecuteBatchError('Failed "execute_batch"')
     except cygrpc.ExecuteBatchError:
