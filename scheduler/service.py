@@ -52,11 +52,6 @@ _UNKNOWN_KIND = "unknown"
 _SEEN_KEEP_S = 60.0
 
 
-def _see(seen: dict[str, int], entries) -> None:
-    """Raise each gateway's watermark to the latest enqueued_us among `entries` (None: unknown)."""
-    for e in entries:
-        if e is not None and e.enqueued_us > seen.get(e.gateway_id, 0):
-            seen[e.gateway_id] = e.enqueued_us
 _tracer = telemetry.tracer("batchline.scheduler")
 
 
@@ -362,10 +357,14 @@ class Scheduler:
                     pipe.set(contract.profile(*key), blob, ex=contract.PROFILE_TTL)
             await pipe.execute()
 
-    def _pending(self, member: bytes) -> Pending:
+    def _pending(self, member: bytes, seen: dict[str, int]) -> Pending:
+        """The queue entry `member`, parsed once; the first time, it raises its gateway's watermark
+        in `seen` (its model's): every load view from now on counts it, queued or sent on."""
         p = self._pending_cache.get(member)
         if p is None:
             e = self._entries[member] = pb.QueueEntry.FromString(member)
+            if e.enqueued_us > seen.get(e.gateway_id, 0):
+                seen[e.gateway_id] = e.enqueued_us
             p = Pending(e.request_id, e.rows, e.priority, e.deadline_us / 1e6, e.enqueued_us / 1e6, member, e.length or 1)
             self._pending_cache[member] = p
         return p
@@ -384,7 +383,8 @@ class Scheduler:
         holders = self._holders(key, free_at)
         await self._load_profiles([(*key, self._kind(e, key)) for e in holders])
         profile = self._model_profile(key, holders)
-        queue = [self._pending(m) for m in members]
+        seen = self._seen.setdefault(key, {})
+        queue = [self._pending(m, seen) for m in members]
         by_priority = Counter(p.priority for p in queue)
         # Levels reported before are set back to 0 once they empty.
         levels = self._levels_reported.setdefault(key, set(range(1, max(1, info.priority_levels) + 1)))
@@ -409,9 +409,7 @@ class Scheduler:
             self._blocked.discard(contract.queue(*key))
         if decision.expired:
             await self._shed(key, decision.expired)
-        seen = self._seen.setdefault(key, {})
         for planned in decision.batches:
-            _see(seen, (self._entries.get(m.member) for m in planned.members))
             eid = ready[planned.executor]
             free_at[eid] = planned.finish
             self._idle_at[eid] = max(self._idle_at.get(eid, now), planned.finish)
@@ -430,7 +428,6 @@ class Scheduler:
             return
         self._load_at[key] = now
         seen = self._seen.setdefault(key, {})
-        _see(seen, (self._entries.get(p.member) for p in queue))
         for gateway in [g for g, t in seen.items() if now - t / 1e6 > _SEEN_KEEP_S]:
             del seen[gateway]
         a, b, margin = profile.coefficients()
