@@ -34,7 +34,7 @@ class GatewaySettings(CommonSettings):
         "share comes in time (e.g. 0.99). 0 (the default) = a fixed admission_headroom.",
     )
     admission_headroom: float = Field(
-        0.9,
+        0.85,
         description="Admit a request when its predicted finish is within this fraction of its budget: where "
         "the learned headroom starts (admission_target), or always when admission_target is 0. The rest is room "
         "for prediction error beyond the profile's margin (the scheduler's margin_quantile) "
