@@ -236,19 +236,25 @@ def test_overload_is_refused_at_once_with_a_retry_hint(mesh_factory):
     assert r.zcard(contract.queue("mlp", "1")) == 0
 
 
+def _refusal_hints(m, n: int) -> list[int]:
+    """The retry-after-ms hints of `n` requests (200 ms budgets) refused one after another."""
+    channel, stub = _stub(m)
+    hints = []
+    with channel:
+        for _ in range(n):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ModelInfer(_request(timeout_us=200_000), timeout=10)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            hints.append(int(dict(info.value.trailing_metadata())["retry-after-ms"]))
+    return hints
+
+
 def test_each_refusal_is_told_to_come_back_after_the_one_before(mesh_factory):
     """Clients that all came back when the first refused one could fit would mostly be refused
     again: each later refusal's hint is one request's share of a batch (here 50 ms) later."""
     m = mesh_factory(models=["mlp"])
     _backed_up(m, cost_per_unit_s=0.05)
-    channel, stub = _stub(m)
-    hints = []
-    with channel:
-        for _ in range(3):
-            with pytest.raises(grpc.RpcError) as info:
-                stub.ModelInfer(_request(timeout_us=200_000), timeout=10)
-            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            hints.append(int(dict(info.value.trailing_metadata())["retry-after-ms"]))
+    hints = _refusal_hints(m, 3)
     # 50 ms apart, less the time between the calls
     assert hints[1] - hints[0] > 25 and hints[2] - hints[1] > 25, hints
 
@@ -266,14 +272,7 @@ def test_with_two_gateways_each_spaces_its_own_refusals_twice_as_far(mesh_factor
         _backed_up(m, cost_per_unit_s=0.05)
         _wait(lambda: m.gateway.gateway.gateways == 2, "the gateway to count two live gateways")
         assert redis.Redis.from_url(m.redis_url).zcard(contract.GATEWAYS) == 2
-        channel, stub = _stub(m)
-        hints = []
-        with channel:
-            for _ in range(3):
-                with pytest.raises(grpc.RpcError) as info:
-                    stub.ModelInfer(_request(timeout_us=200_000), timeout=10)
-                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                hints.append(int(dict(info.value.trailing_metadata())["retry-after-ms"]))
+        hints = _refusal_hints(m, 3)
         # 100 ms apart, less the time between the calls
         assert hints[1] - hints[0] > 75 and hints[2] - hints[1] > 75, hints
     finally:
