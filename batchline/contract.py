@@ -166,15 +166,53 @@ end
 return 0
 """
 
-# Queues a request unless its model's queue is full (max_queue_size).
-# KEYS: queue; ARGV: max size, score, member, queue ttl s. Returns 1 when queued.
-ENQUEUE_BOUNDED_LUA = """
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
-  return 0
+# A gateway's group commit in one command: what its requests write and what its
+# abandoned requests leave (redis-py spends more CPU per command than Redis does
+# running all of them, and the gateway's CPU is what small models are bound by).
+# Each write queues its payload and queue entry unless the queue holds max_size
+# (> 0) entries already; every queue written to is refreshed and announced once.
+# KEYS: NOTIFY, the gateway's heartbeat key, then per write its payload key and
+#       queue, then per abandoned request its queue and payload key.
+# ARGV: writes, abandoned, gateway address, heartbeat ttl ms, queue ttl s, notify
+#       cap, then per write payload, payload ttl ms, score, member, max size, then
+#       per abandoned request its member.
+# Returns per write 1 when queued, 0 when its queue was full.
+ENQUEUE_LUA = """
+local writes, abandoned = tonumber(ARGV[1]), tonumber(ARGV[2])
+local queued, seen, queues = {}, {}, {}
+local k, a = 3, 7
+for i = 1, writes do
+  local queue, cap = KEYS[k + 1], tonumber(ARGV[a + 4])
+  if cap > 0 and redis.call('ZCARD', queue) >= cap then
+    queued[i] = 0
+  else
+    redis.call('SET', KEYS[k], ARGV[a], 'PX', ARGV[a + 1])
+    redis.call('ZADD', queue, ARGV[a + 2], ARGV[a + 3])
+    queued[i] = 1
+  end
+  if not seen[queue] then
+    seen[queue] = true
+    queues[#queues + 1] = queue
+  end
+  k, a = k + 2, a + 5
 end
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-return 1
+for i = 1, abandoned do
+  redis.call('ZREM', KEYS[k], ARGV[a])
+  redis.call('DEL', KEYS[k + 1])
+  k, a = k + 2, a + 1
+end
+if writes > 0 then
+  -- Executors skip requests of a gateway without a heartbeat key: make sure it
+  -- exists with every write (a restarted Redis starts without it).
+  redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
+  for _, queue in ipairs(queues) do
+    redis.call('EXPIRE', queue, ARGV[5])
+  end
+  redis.call('RPUSH', KEYS[1], unpack(queues))
+  redis.call('LTRIM', KEYS[1], -tonumber(ARGV[6]), -1)
+  redis.call('EXPIRE', KEYS[1], ARGV[5])
+end
+return queued
 """
 
 # Adds to a model's statistics counters in one command (a batch updates ~16).

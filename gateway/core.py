@@ -33,7 +33,7 @@ from batchline.errors import (
 )
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
-from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking, queue_script
+from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.registry import Registry
 from batchline.sizing import row_length
 from gateway.admission import Calibration, admit, retry_spacing_s
@@ -429,34 +429,22 @@ class Gateway:
         return calibration
 
     async def _flush(self) -> None:
-        """Group commit: write everything queued for Redis in one pipeline, until nothing is left."""
+        """Group commit: write everything queued for Redis in one command, until nothing is left."""
         while self._outbox or self._abandoned:
             writes, self._outbox = self._outbox, []
             abandoned, self._abandoned = self._abandoned, []
+            keys: list = [contract.NOTIFY, contract.gateway(self.gateway_id)]
+            args: list = [len(writes), len(abandoned), self.address, self._heartbeat_ttl_ms, contract.QUEUE_TTL,
+                          contract.NOTIFY_CAP]
+            for w in writes:
+                keys += (contract.payload(w.request_id), w.queue)
+                args += (w.payload, w.payload_ttl_ms, w.score, w.member, w.max_queue_size)
+            for queue, member, request_id in abandoned:
+                keys += (queue, contract.payload(request_id))
+                args.append(member)
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for w in writes:
-                        pipe.set(contract.payload(w.request_id), w.payload, px=w.payload_ttl_ms)
-                        if w.max_queue_size:
-                            queue_script(pipe, contract.ENQUEUE_BOUNDED_LUA, [w.queue],
-                                         [w.max_queue_size, w.score, w.member, contract.QUEUE_TTL])
-                        else:
-                            pipe.zadd(w.queue, {w.member: w.score})
-                    for queue, member, request_id in abandoned:
-                        pipe.zrem(queue, member)
-                        pipe.delete(contract.payload(request_id))
-                    if writes:
-                        # Executors skip requests of a gateway without a heartbeat key: make
-                        # sure it exists with every write (a restarted Redis starts without it).
-                        pipe.set(contract.gateway(self.gateway_id), self.address, px=self._heartbeat_ttl_ms)
-                        queues = {w.queue for w in writes}
-                        for queue in queues:
-                            pipe.expire(queue, contract.QUEUE_TTL)
-                        pipe.rpush(contract.NOTIFY, *queues)
-                        pipe.ltrim(contract.NOTIFY, -contract.NOTIFY_CAP, -1)
-                        pipe.expire(contract.NOTIFY, contract.QUEUE_TTL)
-                    async with metrics.redis_rtt("gateway", "enqueue"):
-                        results = await pipe.execute()
+                async with metrics.redis_rtt("gateway", "enqueue"):
+                    queued = await self.redis.eval(contract.ENQUEUE_LUA, len(keys), *keys, *args)
             except Exception as exc:  # noqa: BLE001 - every writer must hear how its write ended
                 error = (Unavailable(f"cannot queue the request: Redis is unreachable ({exc})") if isinstance(exc, REDIS_ERRORS)
                          else Internal(f"cannot queue the request: {exc}"))
@@ -466,13 +454,10 @@ class Gateway:
                     if not w.done.done():
                         w.done.set_exception(error)
                 continue
-            i = 0
-            for w in writes:
-                queued = results[i + 1]
-                i += 2
+            for w, ok in zip(writes, queued):
                 if w.done.done():
                     continue
-                if w.max_queue_size and not queued:
+                if not ok:
                     metrics.REJECTED.labels(w.queue.split(":")[2], w.queue.split(":")[3], "queue_full").inc()
                     w.done.set_exception(ResourceExhausted(
                         f"the queue of model '{w.queue.split(':')[2]}' is full ({w.max_queue_size} requests, its "
