@@ -215,12 +215,41 @@ end
 return queued
 """
 
-# Adds to a model's statistics counters in one command (a batch updates ~16).
-# KEYS: stats key; ARGV: ttl s, last_inference_ms, then field, increment pairs.
-STATS_LUA = """
-for i = 3, #ARGV, 2 do
-  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+# An executor's whole write for a finished batch, in one command: the replies to
+# each gateway, the batch's payloads and batch key gone, the batch off the in-flight
+# set, its execution report for the scheduler, and the model's statistics counters
+# (a batch updates ~16).
+# KEYS: REPORTS, in-flight set, stats key, batch key, then each gateway's reply
+#       list, then the batch's payload keys.
+# ARGV: gateways, payloads, batch id, report, reports cap, queue ttl s, reply ttl s,
+#       stats ttl s, last inference ms (0: none succeeded), then per gateway the
+#       number of its replies and the replies, then statistics field, increment pairs.
+BATCH_DONE_LUA = """
+local gateways, payloads = tonumber(ARGV[1]), tonumber(ARGV[2])
+local a = 10
+for i = 1, gateways do
+  local n = tonumber(ARGV[a])
+  redis.call('RPUSH', KEYS[4 + i], unpack(ARGV, a + 1, a + n))
+  redis.call('EXPIRE', KEYS[4 + i], ARGV[7])
+  a = a + n + 1
 end
-redis.call('HSET', KEYS[1], 'last_inference_ms', ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[1])
+local gone = {KEYS[4]}
+for i = 1, payloads do
+  gone[#gone + 1] = KEYS[4 + gateways + i]
+end
+redis.call('DEL', unpack(gone))
+redis.call('SREM', KEYS[2], ARGV[3])
+redis.call('RPUSH', KEYS[1], ARGV[4])
+redis.call('LTRIM', KEYS[1], -tonumber(ARGV[5]), -1)
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+if a < #ARGV then
+  for i = a, #ARGV, 2 do
+    redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 1])
+  end
+  if ARGV[9] ~= '0' then
+    redis.call('HSET', KEYS[3], 'last_inference_ms', ARGV[9])
+  end
+  redis.call('EXPIRE', KEYS[3], ARGV[8])
+end
+return 1
 """

@@ -36,13 +36,3 @@ def connect_blocking(url: str, timeout: float) -> aioredis.Redis:
         max_connections=8,
     )
 
-
-def queue_script(pipe, script: str, keys: list, args: list) -> None:
-    """Queue a Lua script on a pipeline as a plain EVAL.
-
-    A redis-py Script object on a pipeline makes every execute() ask SCRIPT EXISTS
-    first: one more round trip per pipeline. Redis caches an EVAL'd script under its
-    SHA1 anyway, and a constant script of a few hundred bytes costs nothing to resend;
-    it also survives a Redis restart, which empties the script cache.
-    """
-    pipe.eval(script, len(keys), *keys, *args)

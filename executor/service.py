@@ -25,7 +25,7 @@ from batchline.errors import BatchlineError, DeadlineExceeded, InvalidArgument, 
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
-from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking, queue_script
+from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.sizing import row_length
 from executor.batching import assemble, split
 from executor.repository import LoadedModel, warmup_inputs
@@ -375,27 +375,22 @@ class Executor:
             ran_until_us=ran_until_us,
             units=units,
         )
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for gateway_id, items in replies.items():
-                key = contract.reply(gateway_id)
-                pipe.rpush(key, *items)
-                pipe.expire(key, contract.REPLY_TTL)
-            keys = [contract.payload(m.request_id) for m in batch.members]
-            pipe.delete(*keys, contract.batch(batch.batch_id))
-            pipe.srem(contract.inflight(self.executor_id), batch.batch_id)
-            pipe.rpush(contract.REPORTS, report.SerializeToString())
-            pipe.ltrim(contract.REPORTS, -contract.REPORTS_CAP, -1)
-            pipe.expire(contract.REPORTS, contract.QUEUE_TTL)
-            if model is not None and ok:
-                await self._count_stats(pipe, model, ok, rows, start_us, done_us, phases)
-            if len(ok) < len(members):
-                skey = contract.stats(batch.model_name, batch.model_version)
-                failed = [m for m in members if m not in ok]
-                pipe.hincrby(skey, "fail_count", len(failed))
-                pipe.hincrby(skey, "fail_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in failed))
-                pipe.expire(skey, contract.STATS_TTL)
-            async with metrics.redis_rtt("executor", "write"):
-                await pipe.execute()
+        stats: list = []
+        if model is not None and ok:
+            stats += self._stats(ok, rows, start_us, done_us, phases)
+        if len(ok) < len(members):
+            failed = [m for m in members if m not in ok]
+            stats += ("fail_count", len(failed), "fail_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in failed))
+        keys = [contract.REPORTS, contract.inflight(self.executor_id), contract.stats(batch.model_name, batch.model_version),
+                contract.batch(batch.batch_id), *(contract.reply(g) for g in replies),
+                *(contract.payload(m.request_id) for m in batch.members)]
+        args: list = [len(replies), len(batch.members), batch.batch_id, report.SerializeToString(), contract.REPORTS_CAP,
+                      contract.QUEUE_TTL, contract.REPLY_TTL, contract.STATS_TTL, done_us // 1000 if model is not None and ok else 0]
+        for items in replies.values():
+            args += (len(items), *items)
+        args += stats
+        async with metrics.redis_rtt("executor", "write"):
+            await self.redis.eval(contract.BATCH_DONE_LUA, len(keys), *keys, *args)
         metrics.EXECUTOR_BUSY.labels(self.executor_id).inc((now_us() - start_us) / 1e6)
         if model is not None and ok:
             labels = (model.name, model.version)
@@ -408,29 +403,29 @@ class Executor:
             for m in ok:
                 queue.observe(max(0, start_us - m.entry.enqueued_us) / 1e6)
 
-    async def _count_stats(self, pipe, model, ok, rows, start_us, done_us, phases) -> None:
+    @staticmethod
+    def _stats(ok, rows, start_us, done_us, phases) -> list:
+        """The statistics counters a batch adds to (field, increment, ...), Triton's per model and per batch size."""
         input_ns, infer_ns, output_ns = phases
         n = len(ok)
-        counts = (
-            ("success_count", n),
-            ("success_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in ok)),
-            ("queue_count", n),
-            ("queue_ns", sum(max(0, start_us - m.entry.enqueued_us) * 1000 for m in ok)),
-            ("compute_input_count", n),
-            ("compute_input_ns", input_ns * n),
-            ("compute_infer_count", n),
-            ("compute_infer_ns", infer_ns * n),
-            ("compute_output_count", n),
-            ("compute_output_ns", output_ns * n),
-            ("inference_count", rows),
-            ("execution_count", 1),
-            (f"batch:{rows}:count", 1),
-            (f"batch:{rows}:compute_input_ns", input_ns),
-            (f"batch:{rows}:compute_infer_ns", infer_ns),
-            (f"batch:{rows}:compute_output_ns", output_ns),
-        )
-        queue_script(pipe, contract.STATS_LUA, [contract.stats(model.name, model.version)],
-                     [contract.STATS_TTL, done_us // 1000, *(x for pair in counts for x in pair)])
+        return [
+            "success_count", n,
+            "success_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in ok),
+            "queue_count", n,
+            "queue_ns", sum(max(0, start_us - m.entry.enqueued_us) * 1000 for m in ok),
+            "compute_input_count", n,
+            "compute_input_ns", input_ns * n,
+            "compute_infer_count", n,
+            "compute_infer_ns", infer_ns * n,
+            "compute_output_count", n,
+            "compute_output_ns", output_ns * n,
+            "inference_count", rows,
+            "execution_count", 1,
+            f"batch:{rows}:count", 1,
+            f"batch:{rows}:compute_input_ns", input_ns,
+            f"batch:{rows}:compute_infer_ns", infer_ns,
+            f"batch:{rows}:compute_output_ns", output_ns,
+        ]
 
 
 class ExecutorControl(internal_pb2_grpc.ExecutorServicer):

@@ -388,6 +388,7 @@ def test_request_that_fails_in_the_model_fails_alone(client, minilm_session, cap
     the poisoned requests fail. Rounds repeat until a poisoned request has actually
     shared a batch with valid ones (the executor logs the retry)."""
     caplog.set_level(logging.WARNING, logger="executor.service")
+    before = client.get_inference_statistics("minilm").model_stats[0].inference_stats
     rng = np.random.default_rng(5)
     deadline = time.monotonic() + 10
     rounds = 0
@@ -427,6 +428,10 @@ def test_request_that_fails_in_the_model_fails_alone(client, minilm_session, cap
         if any("retrying members one by one" in r.getMessage() for r in caplog.records):
             break
         assert time.monotonic() < deadline, f"no poisoned request shared a batch with valid ones in {rounds} rounds"
+    # The executor's statistics count each request once, as a success or a failure.
+    after = client.get_inference_statistics("minilm").model_stats[0].inference_stats
+    assert after.success.count - before.success.count == 8 * rounds
+    assert after.fail.count - before.fail.count == 2 * rounds
 
 
 # -- streaming -----------------------------------------------------------------
