@@ -23,6 +23,8 @@ import struct
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import redis.exceptions
@@ -53,6 +55,17 @@ _SEEN_KEEP_S = 60.0
 
 
 _tracer = telemetry.tracer("batchline.scheduler")
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A dispatch queued on a step's pipeline, booked once Redis has run it."""
+    batch_id: str
+    executor_id: str
+    planned: PlannedBatch
+    entries: list[pb.QueueEntry]
+    dispatched_us: int
+    span: Any  # the batch's span (tracing on), ended once the dispatch is written
 
 
 class Scheduler:
@@ -89,14 +102,12 @@ class Scheduler:
         self._all_blocked = False
         self._reports: list[bytes] = []
         self._tasks: list[asyncio.Task] = []
-        self._dispatch = None
         self._lease = None
         self._release = None
         self.depths: dict[tuple[str, str], int] = {}
         self.counts: Counter[str] = Counter()
 
     async def start(self) -> None:
-        self._dispatch = self.redis.register_script(contract.DISPATCH_LUA)
         self._lease = self.redis.register_script(contract.LEASE_LUA)
         self._release = self.redis.register_script(contract.RELEASE_LUA)
         self._tasks = [
@@ -407,23 +418,37 @@ class Scheduler:
             self._blocked.add(contract.queue(*key))
         else:
             self._blocked.discard(contract.queue(*key))
+        # What the step does goes to Redis in one round trip: sheds, dispatches, the load view.
+        async with self.redis.pipeline(transaction=False) as pipe:
+            if decision.expired:
+                self._shed(pipe, key, decision.expired)
+            sends = []
+            for planned in decision.batches:
+                eid = ready[planned.executor]
+                free_at[eid] = planned.finish
+                self._idle_at[eid] = max(self._idle_at.get(eid, now), planned.finish)
+                sends.append((len(pipe), self._send(pipe, key, eid, planned)))
+            # The view shows what is left after this step: a batch just sent must not
+            # look joinable to a request admitted against it.
+            gone = {m.request_id for b in decision.batches for m in b.members} | {p.request_id for p in decision.expired}
+            left = [p for p in queue if p.request_id not in gone] if gone else queue
+            self._publish_load(pipe, key, info, holders, profile, left, now, changed=bool(gone))
+            try:
+                results = await pipe.execute() if len(pipe) else []
+            finally:
+                for _, sent in sends:
+                    if sent.span is not None:
+                        sent.span.end()
         if decision.expired:
-            await self._shed(key, decision.expired)
-        for planned in decision.batches:
-            eid = ready[planned.executor]
-            free_at[eid] = planned.finish
-            self._idle_at[eid] = max(self._idle_at.get(eid, now), planned.finish)
-            await self._send(key, eid, planned, now)
-        # The view shows what is left after this step: a batch just sent must not
-        # look joinable to a request admitted against it.
-        gone = {m.request_id for b in decision.batches for m in b.members} | {p.request_id for p in decision.expired}
-        left = [p for p in queue if p.request_id not in gone] if gone else queue
-        await self._publish_load(key, info, holders, profile, left, now, changed=bool(gone))
+            self.counts["shed"] += len(decision.expired)
+            metrics.SHED.labels(*key).inc(len(decision.expired))
+        for i, sent in sends:
+            self._sent(key, sent, results[i])
         return decision.wake_at
 
-    async def _publish_load(self, key, info, holders, profile, queue, now, changed: bool = True) -> None:
-        """The model's load view for the gateways' admission control (deadline policy only): at
-        most every 20 ms, unless the step changed the queue."""
+    def _publish_load(self, pipe, key, info, holders, profile, queue, now, changed: bool = True) -> None:
+        """Queue on `pipe` the model's load view for the gateways' admission control (deadline
+        policy only): at most every 20 ms, unless the step changed the queue."""
         if self.settings.policy == FIFO or (not changed and now - self._load_at.get(key, 0.0) < _LOAD_EVERY_S):
             return
         self._load_at[key] = now
@@ -462,15 +487,15 @@ class Scheduler:
             tails=tails,
             seen_us=seen,
         )
-        await self.redis.set(contract.load(*key), load.SerializeToString(), px=contract.LOAD_TTL_MS)
+        pipe.set(contract.load(*key), load.SerializeToString(), px=contract.LOAD_TTL_MS)
 
-    async def _send(self, key: tuple[str, str], executor_id: str, planned: PlannedBatch, now: float) -> None:
+    def _send(self, pipe, key: tuple[str, str], executor_id: str, planned: PlannedBatch) -> "_Sent":
+        """Queue on `pipe` the dispatch of `planned` to `executor_id` (DISPATCH_LUA); `_sent` books it."""
         batch_id = uuid.uuid4().hex
         entries = [self._entries[m.member] for m in planned.members]
         dispatched_us = now_us()
-        traced = telemetry.enabled()
         span = None
-        if traced:
+        if telemetry.enabled():
             # The batch is a trace of its own, linked to every member's request span.
             links = [lk for lk in (telemetry.link(e.traceparent, e.tracestate) for e in entries) if lk]
             span = _tracer.start_span("batch", context=telemetry.extract(""), links=links, attributes={
@@ -491,56 +516,53 @@ class Scheduler:
         )
         latest = max(e.deadline_us for e in entries)
         ttl_ms = contract.payload_ttl_ms(latest, dispatched_us)
-        try:
-            taken = await self._dispatch(
-                keys=[contract.queue(*key), contract.batch(batch_id), contract.work(executor_id), contract.inflight(executor_id)],
-                args=[batch_id, ttl_ms, contract.WORK_TTL, batch.SerializeToString(), *(m.member for m in planned.members)],
-            )
-        finally:
-            if span is not None:
-                span.end()
+        keys = [contract.queue(*key), contract.batch(batch_id), contract.work(executor_id), contract.inflight(executor_id)]
+        args = [batch_id, ttl_ms, contract.WORK_TTL, batch.SerializeToString(), *(m.member for m in planned.members)]
+        # A plain EVAL: a Script object on a pipeline asks Redis whether it has the script first.
+        pipe.eval(contract.DISPATCH_LUA, len(keys), *keys, *args)
+        return _Sent(batch_id, executor_id, planned, entries, dispatched_us, span)
+
+    def _sent(self, key: tuple[str, str], sent: "_Sent", taken: int) -> None:
         if not taken:
-            return
-        self._ledger.setdefault(executor_id, {})[batch_id] = (planned.start, planned.finish - planned.start)
+            return  # every member had left the queue: nothing was dispatched
+        planned = sent.planned
+        self._ledger.setdefault(sent.executor_id, {})[sent.batch_id] = (planned.start, planned.finish - planned.start)
         self.counts["batches"] += 1
         self.counts["requests"] += int(taken)
         self.counts[f"reason:{planned.reason}"] += 1
         metrics.BATCHES_DISPATCHED.labels(key[0], key[1], planned.reason).inc()
         metrics.BATCH_SIZE.labels(key[0], key[1]).observe(planned.rows)
         metrics.DISPATCH_SLACK.labels(key[0], key[1]).observe(max(0.0, planned.slack))
-        if traced:
-            for m, e in zip(planned.members, entries):
+        if sent.span is not None:
+            for m, e in zip(planned.members, sent.entries):
                 telemetry.record_span(
-                    _tracer, "queue_wait", e.enqueued_us, dispatched_us,
+                    _tracer, "queue_wait", e.enqueued_us, sent.dispatched_us,
                     context=telemetry.extract(e.traceparent, e.tracestate),
-                    attributes={"batchline.batch_id": batch_id, "batchline.dispatch_reason": planned.reason,
+                    attributes={"batchline.batch_id": sent.batch_id, "batchline.dispatch_reason": planned.reason,
                                 "batchline.slack_ms": (m.deadline - planned.finish) * 1e3},
                 )
-        log.debug("%s:%s batch of %d rows (%s) -> %s", key[0], key[1], planned.rows, planned.reason, executor_id)
+        log.debug("%s:%s batch of %d rows (%s) -> %s", key[0], key[1], planned.rows, planned.reason, sent.executor_id)
 
-    async def _shed(self, key: tuple[str, str], expired: list[Pending]) -> None:
+    def _shed(self, pipe, key: tuple[str, str], expired: list[Pending]) -> None:
+        """Queue on `pipe` the answers to requests that cannot make their deadline, and their removal."""
         now = time.time()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zrem(contract.queue(*key), *(p.member for p in expired))
-            pipe.delete(*(contract.payload(p.request_id) for p in expired))
-            for p in expired:
-                entry = self._entries[p.member]
-                budget = f"{1e3 * (p.deadline - p.enqueued):.1f} ms budget"
-                why = (f"its {budget} ran out in the queue of model '{key[0]}'" if p.deadline <= now else
-                       f"its {budget} cannot be met: model '{key[0]}' would finish it after its deadline")
-                reply = pb.Reply(
-                    request_id=p.request_id,
-                    code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
-                    message=f"deadline exceeded: {why} (shed before running; retry with a larger timeout or less load)",
-                )
-                pipe.rpush(contract.reply(entry.gateway_id), reply.SerializeToString())
-                pipe.expire(contract.reply(entry.gateway_id), contract.REPLY_TTL)
-            skey = contract.stats(*key)
-            pipe.hincrby(skey, "fail_count", len(expired))
-            pipe.expire(skey, contract.STATS_TTL)
-            await pipe.execute()
-        self.counts["shed"] += len(expired)
-        metrics.SHED.labels(*key).inc(len(expired))
+        pipe.zrem(contract.queue(*key), *(p.member for p in expired))
+        pipe.delete(*(contract.payload(p.request_id) for p in expired))
+        for p in expired:
+            entry = self._entries[p.member]
+            budget = f"{1e3 * (p.deadline - p.enqueued):.1f} ms budget"
+            why = (f"its {budget} ran out in the queue of model '{key[0]}'" if p.deadline <= now else
+                   f"its {budget} cannot be met: model '{key[0]}' would finish it after its deadline")
+            reply = pb.Reply(
+                request_id=p.request_id,
+                code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+                message=f"deadline exceeded: {why} (shed before running; retry with a larger timeout or less load)",
+            )
+            pipe.rpush(contract.reply(entry.gateway_id), reply.SerializeToString())
+            pipe.expire(contract.reply(entry.gateway_id), contract.REPLY_TTL)
+        skey = contract.stats(*key)
+        pipe.hincrby(skey, "fail_count", len(expired))
+        pipe.expire(skey, contract.STATS_TTL)
 
     async def _recover(self, stale: list[str]) -> None:
         """Hand back the batches of executors whose heartbeat expired, then forget them."""

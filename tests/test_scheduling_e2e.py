@@ -685,7 +685,13 @@ def test_the_load_view_counts_queued_rows_per_priority_level(mesh_factory):
     now = time.time()
     queue = [Pending("a", 2, 1, now + 5, now), Pending("b", 3, 5, now + 5, now), Pending("c", 1, 5, now + 5, now)]
     scheduler._load_at.clear()
-    m.call(scheduler._publish_load(key, info, [], scheduler._profile((*key, "test")), queue, now))
+
+    async def publish():
+        async with scheduler.redis.pipeline(transaction=False) as pipe:
+            scheduler._publish_load(pipe, key, info, [], scheduler._profile((*key, "test")), queue, now)
+            await pipe.execute()
+
+    m.call(publish())
     view = pb.ModelLoad.FromString(r.get(contract.load(*key)))
     # A priority-1 request is behind 2 rows only, not behind the priority-5 ones.
     assert list(view.queued_rows) == [2, 0, 0, 0, 4]
