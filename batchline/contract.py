@@ -207,8 +207,8 @@ if writes > 0 then
   redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
   for _, queue in ipairs(queues) do
     redis.call('EXPIRE', queue, ARGV[5])
+    redis.call('RPUSH', KEYS[1], queue)
   end
-  redis.call('RPUSH', KEYS[1], unpack(queues))
   redis.call('LTRIM', KEYS[1], -tonumber(ARGV[6]), -1)
   redis.call('EXPIRE', KEYS[1], ARGV[5])
 end
@@ -227,17 +227,19 @@ return queued
 BATCH_DONE_LUA = """
 local gateways, payloads = tonumber(ARGV[1]), tonumber(ARGV[2])
 local a = 10
+-- One call per element, not unpack(): Lua's stack caps unpack at a few thousand values.
 for i = 1, gateways do
   local n = tonumber(ARGV[a])
-  redis.call('RPUSH', KEYS[4 + i], unpack(ARGV, a + 1, a + n))
+  for j = a + 1, a + n do
+    redis.call('RPUSH', KEYS[4 + i], ARGV[j])
+  end
   redis.call('EXPIRE', KEYS[4 + i], ARGV[7])
   a = a + n + 1
 end
-local gone = {KEYS[4]}
-for i = 1, payloads do
-  gone[#gone + 1] = KEYS[4 + gateways + i]
+redis.call('DEL', KEYS[4])
+for i = 5 + gateways, 4 + gateways + payloads do
+  redis.call('DEL', KEYS[i])
 end
-redis.call('DEL', unpack(gone))
 redis.call('SREM', KEYS[2], ARGV[3])
 redis.call('RPUSH', KEYS[1], ARGV[4])
 redis.call('LTRIM', KEYS[1], -tonumber(ARGV[5]), -1)

@@ -130,3 +130,31 @@ def _group_commit_checks(r: redis.Redis) -> None:
                   0, 1, "127.0.0.1:1", 30_000, contract.QUEUE_TTL, contract.NOTIFY_CAP, b"mc") == []
     assert r.zrange(open_, 0, -1) == [b"md"] and r.get("bl:payload:c") is None
     assert not r.exists(contract.NOTIFY) and not r.exists("bl:gateway:t-gw")
+
+
+def test_batch_done_script_writes_a_batch_of_thousands():
+    """An executor's one-command write for a finished batch (BATCH_DONE_LUA), on a real Redis, with
+    more replies and payload keys than Lua's unpack() takes: every reply lands, every payload and
+    the batch key go, the report is queued and the statistics counted."""
+    n = 9_000
+    with EmbeddedRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        try:
+            payloads = [f"bl:payload:p{i}" for i in range(n)]
+            r.mset({k: b"x" for k in payloads} | {"bl:batch:b1": b"batch"})
+            r.sadd("bl:inflight:e1", "b1")
+            keys = [contract.REPORTS, "bl:inflight:e1", "bl:stats:m:1", "bl:batch:b1", "bl:reply:g1", *payloads]
+            replies = [f"r{i}".encode() for i in range(n)]
+            args = [1, n, "b1", b"report", contract.REPORTS_CAP, contract.QUEUE_TTL, contract.REPLY_TTL,
+                    contract.STATS_TTL, 1234, n, *replies, "success_count", n, "execution_count", 1]
+            r.eval(contract.BATCH_DONE_LUA, len(keys), *keys, *args)
+            assert r.lrange("bl:reply:g1", 0, -1) == replies
+            assert 0 < r.ttl("bl:reply:g1") <= contract.REPLY_TTL
+            assert r.exists(*payloads, "bl:batch:b1") == 0
+            assert r.smembers("bl:inflight:e1") == set()
+            assert r.lrange(contract.REPORTS, 0, -1) == [b"report"]
+            assert r.hgetall("bl:stats:m:1") == {b"success_count": str(n).encode(), b"execution_count": b"1",
+                                                 b"last_inference_ms": b"1234"}
+            assert 0 < r.ttl("bl:stats:m:1") <= contract.STATS_TTL
+        finally:
+            r.close()
