@@ -375,9 +375,8 @@ class Executor:
             ran_until_us=ran_until_us,
             units=units,
         )
-        stats: list = []
-        if model is not None and ok:
-            stats += self._stats(ok, rows, start_us, done_us, phases)
+        succeeded = model is not None and bool(ok)
+        stats: list = self._stats(ok, rows, start_us, done_us, phases) if succeeded else []
         if len(ok) < len(members):
             failed = [m for m in members if m not in ok]
             stats += ("fail_count", len(failed), "fail_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in failed))
@@ -385,14 +384,14 @@ class Executor:
                 contract.batch(batch.batch_id), *(contract.reply(g) for g in replies),
                 *(contract.payload(m.request_id) for m in batch.members)]
         args: list = [len(replies), len(batch.members), batch.batch_id, report.SerializeToString(), contract.REPORTS_CAP,
-                      contract.QUEUE_TTL, contract.REPLY_TTL, contract.STATS_TTL, done_us // 1000 if model is not None and ok else 0]
+                      contract.QUEUE_TTL, contract.REPLY_TTL, contract.STATS_TTL, done_us // 1000 if succeeded else 0]
         for items in replies.values():
             args += (len(items), *items)
         args += stats
         async with metrics.redis_rtt("executor", "write"):
             await self.redis.eval(contract.BATCH_DONE_LUA, len(keys), *keys, *args)
         metrics.EXECUTOR_BUSY.labels(self.executor_id).inc((now_us() - start_us) / 1e6)
-        if model is not None and ok:
+        if succeeded:
             labels = (model.name, model.version)
             metrics.INFERENCE_COUNT.labels(*labels).inc(rows)
             metrics.EXECUTION_COUNT.labels(*labels).inc()
