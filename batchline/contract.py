@@ -20,7 +20,7 @@ bl:exec:{executor_id}         string       ExecutorInfo; TTL = heartbeat TTL (pr
 bl:executors                  set          executor ids ever seen (members pruned when stale)
 bl:gateway:{gateway_id}       string       the gateway's address; TTL = heartbeat TTL
 bl:gateways                   sorted set   gateway ids scored by their last heartbeat (ms): how many are live
-bl:notify                     list         wake-up tokens for the scheduler (capped)
+bl:notify:{model}:{version}   list         a wake-up token for the scheduler: arrivals in that queue (one at most)
 bl:reports                    list         ExecutionReport messages for the scheduler (capped)
 bl:stats:{model}:{version}    hash         Triton-style statistics counters
 bl:leader                     string       id of the scheduler holding the lease; TTL = lease
@@ -33,7 +33,6 @@ from __future__ import annotations
 PREFIX = "bl:"
 
 EXECUTORS = PREFIX + "executors"
-NOTIFY = PREFIX + "notify"
 REPORTS = PREFIX + "reports"
 LEADER = PREFIX + "leader"
 GATEWAYS = PREFIX + "gateways"
@@ -54,7 +53,6 @@ REGISTRY_TTL = 24 * 3_600
 LOAD_TTL_MS = 2_000             # admission ignores a load view older than this
 PROFILE_TTL = 7 * 24 * 3_600
 SCHEDULER_WAKE_TTL_MS = 10_000  # a scheduler's own wake list, should it die before reading it
-NOTIFY_CAP = 10_000             # tokens beyond this are dropped: one is enough to wake
 REPORTS_CAP = 100_000
 
 
@@ -65,6 +63,12 @@ def scheduler_wake(scheduler_id: str) -> str:
 
 def queue(model: str, version: str) -> str:
     return f"{PREFIX}q:{model}:{version}"
+
+
+def notify(model: str, version: str) -> str:
+    """Wake-up tokens for arrivals in one queue: one list per queue, so that the scheduler can
+    leave alone those of a queue that waits for a busy executor (it wakes for that executor's report)."""
+    return f"{PREFIX}notify:{model}:{version}"
 
 
 def payload(request_id: str) -> str:
@@ -170,17 +174,18 @@ return 0
 # abandoned requests leave (redis-py spends more CPU per command than Redis does
 # running all of them, and the gateway's CPU is what small models are bound by).
 # Each write queues its payload and queue entry unless the queue holds max_size
-# (> 0) entries already; every queue written to is refreshed and announced once.
-# KEYS: NOTIFY, the gateway's heartbeat key, then per write its payload key and
-#       queue, then per abandoned request its queue and payload key.
-# ARGV: writes, abandoned, gateway address, heartbeat ttl ms, queue ttl s, notify
-#       cap, then per write payload, payload ttl ms, score, member, max size, then
-#       per abandoned request its member.
+# (> 0) entries already; every queue written to is refreshed and announced once,
+# on its own notify list.
+# KEYS: the gateway's heartbeat key, then per write its payload key, queue and
+#       notify list, then per abandoned request its queue and payload key.
+# ARGV: writes, abandoned, gateway address, heartbeat ttl ms, queue ttl s, then
+#       per write payload, payload ttl ms, score, member, max size, then per
+#       abandoned request its member.
 # Returns per write 1 when queued, 0 when its queue was full.
 ENQUEUE_LUA = """
 local writes, abandoned = tonumber(ARGV[1]), tonumber(ARGV[2])
 local queued, seen, queues = {}, {}, {}
-local k, a = 3, 7
+local k, a = 2, 6
 for i = 1, writes do
   local queue, cap = KEYS[k + 1], tonumber(ARGV[a + 4])
   if cap > 0 and redis.call('ZCARD', queue) >= cap then
@@ -192,9 +197,9 @@ for i = 1, writes do
   end
   if not seen[queue] then
     seen[queue] = true
-    queues[#queues + 1] = queue
+    queues[#queues + 1] = k + 1
   end
-  k, a = k + 2, a + 5
+  k, a = k + 3, a + 5
 end
 for i = 1, abandoned do
   redis.call('ZREM', KEYS[k], ARGV[a])
@@ -204,13 +209,16 @@ end
 if writes > 0 then
   -- Executors skip requests of a gateway without a heartbeat key: make sure it
   -- exists with every write (a restarted Redis starts without it).
-  redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
-  for _, queue in ipairs(queues) do
+  redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
+  for _, q in ipairs(queues) do
+    local queue, notify = KEYS[q], KEYS[q + 1]
     redis.call('EXPIRE', queue, ARGV[5])
-    redis.call('RPUSH', KEYS[1], queue)
+    -- One token is as good as many: whoever reads the list takes all it holds.
+    if redis.call('LLEN', notify) == 0 then
+      redis.call('RPUSH', notify, 1)
+      redis.call('EXPIRE', notify, ARGV[5])
+    end
   end
-  redis.call('LTRIM', KEYS[1], -tonumber(ARGV[6]), -1)
-  redis.call('EXPIRE', KEYS[1], ARGV[5])
 end
 return queued
 """

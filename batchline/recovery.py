@@ -72,6 +72,9 @@ async def requeue_held_batches(
             pipe.srem(contract.inflight(executor_id), *ordered)
         if include_queued:
             pipe.delete(contract.work(executor_id), contract.inflight(executor_id))
-        pipe.rpush(contract.NOTIFY, "recovered")
+        requeued = Counter((b.model_name, b.model_version) for b, _ in entries)
+        for key in requeued:
+            pipe.rpush(contract.notify(*key), "recovered")
+            pipe.expire(contract.notify(*key), contract.QUEUE_TTL)
         await pipe.execute()
-    return Counter((b.model_name, b.model_version) for b, _ in entries)
+    return requeued

@@ -68,6 +68,7 @@ class _Write:
     payload: bytes
     payload_ttl_ms: int
     queue: str
+    notify: str
     member: bytes
     score: int
     max_queue_size: int
@@ -380,7 +381,7 @@ class Gateway:
             admitted.append(mine)
         try:
             write = _Write(request_id, request.SerializeToString(), contract.payload_ttl_ms(deadline, enqueued), queue,
-                           member, contract.queue_score(priority, deadline), model.max_queue_size, loop.create_future())
+                           contract.notify(model.name, model.version), member, contract.queue_score(priority, deadline), model.max_queue_size, loop.create_future())
             self._outbox.append(write)
             if self._flusher is None or self._flusher.done():
                 self._flusher = loop.create_task(self._flush())
@@ -433,11 +434,10 @@ class Gateway:
         while self._outbox or self._abandoned:
             writes, self._outbox = self._outbox, []
             abandoned, self._abandoned = self._abandoned, []
-            keys: list = [contract.NOTIFY, contract.gateway(self.gateway_id)]
-            args: list = [len(writes), len(abandoned), self.address, self._heartbeat_ttl_ms, contract.QUEUE_TTL,
-                          contract.NOTIFY_CAP]
+            keys: list = [contract.gateway(self.gateway_id)]
+            args: list = [len(writes), len(abandoned), self.address, self._heartbeat_ttl_ms, contract.QUEUE_TTL]
             for w in writes:
-                keys += (contract.payload(w.request_id), w.queue)
+                keys += (contract.payload(w.request_id), w.queue, w.notify)
                 args += (w.payload, w.payload_ttl_ms, w.score, w.member, w.max_queue_size)
             for queue, member, request_id in abandoned:
                 keys += (queue, contract.payload(request_id))

@@ -11,8 +11,9 @@ latency profile per (model, version, executor kind) learned from execution
 reports and saved in Redis, and publishes per model the load view that
 gateways use for admission control.
 
-Wake-ups: a BLPOP task wakes the loop when a gateway enqueues or an executor
-reports; timers (a batch's delay or deadline) are kept locally because Redis
+Wake-ups: a BLMPOP task wakes the loop when a gateway enqueues (a token on the
+queue's notify list) or an executor reports; it leaves alone the tokens of queues
+that wait for a busy executor, whose report wakes the loop anyway. Timers (a batch's delay or deadline) are kept locally because Redis
 only honours blocking timeouts to its cron tick (100 ms by default).
 """
 from __future__ import annotations
@@ -99,7 +100,8 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._wake_key = contract.scheduler_wake(self.scheduler_id)
         self._scanned_at = 0.0  # when the last step began reading the queues
-        self._all_blocked = False
+        self._notify: dict[str, str] = {}  # each registered queue's notify list -> the queue
+        self._listening: set[str] = set()  # the lists the blocking wait under way listens to
         self._reports: list[bytes] = []
         self._tasks: list[asyncio.Task] = []
         self._lease = None
@@ -133,21 +135,22 @@ class Scheduler:
     def _listen_keys(self) -> list[str]:
         """What the blocking wait listens to.
 
-        A standby leaves the shared lists to the leader. While every queue is
-        blocked (waiting for an executor's report or a timer), arrivals cannot
-        change anything, so the leader leaves NOTIFY alone too: it is drained by
-        the next step anyway, and each token read would be a wasted round trip.
+        A standby leaves the shared lists to the leader. The leader listens to
+        reports, and to the notify lists of the queues that are not blocked: the
+        requests of a blocked queue wait for an executor's report or a timer, and
+        arrivals cannot change that, so each token read would be a wasted wake-up
+        (at small models' rates, about one per request). The next step drops them.
+        Its own wake list lets a step interrupt the wait when the lists change.
         """
         if not self.leader:
             return [self._wake_key]
-        if self._all_blocked:
-            return [contract.REPORTS, self._wake_key]
-        return [contract.NOTIFY, contract.REPORTS]
+        return [contract.REPORTS, *(n for n, q in self._notify.items() if q not in self._blocked), self._wake_key]
 
     async def _listen(self) -> None:
         many = True  # BLMPOP (Redis >= 7) takes every waiting event in one round trip
         while True:
             keys = self._listen_keys()
+            self._listening = set(keys)
             try:
                 if many:
                     item = await self.blocking.execute_command(
@@ -168,22 +171,25 @@ class Scheduler:
                 if key == contract.REPORTS:
                     self._reports.extend(values)
                     self._wake.set()
-                elif key == contract.NOTIFY:
-                    queues = {v.decode() for v in values}
-                    if not queues <= self._blocked:
+                elif key != self._wake_key:
+                    queue = self._notify.get(key, key)
+                    if queue not in self._blocked:
                         self._wake.set()
                     elif self._stepping:
-                        # A queue whose requests wait for a busy executor needs no new look before
-                        # that executor reports or its timer fires. But the step under way may
-                        # have read the queue before this arrival, woken by the report that frees
-                        # the executor: if it no longer counts the queue as waiting, look again.
-                        self._noticed |= queues
+                        # Blocked since the wait began. A queue whose requests wait for a busy
+                        # executor needs no new look before that executor reports or its timer
+                        # fires. But the step under way may have read the queue before this
+                        # arrival, woken by the report that frees the executor: if it no longer
+                        # counts the queue as waiting, look again.
+                        self._noticed.add(queue)
 
-    async def _set_blocked(self, all_blocked: bool) -> None:
-        """Record whether every queue is blocked; on leaving that state, interrupt
-        the blocking wait so that it listens to arrivals again."""
-        was, self._all_blocked = self._all_blocked, all_blocked
-        if was and not all_blocked:
+    async def _relisten(self) -> None:
+        """Interrupt the blocking wait when it should listen to a list it does not (a queue no
+        longer blocked, a model registered, the lease taken), or to fewer shared lists (the
+        lease lost). A wait that listens to more than it needs is left alone: it ends at the
+        next report, and a token it reads for a blocked queue is ignored."""
+        want = set(self._listen_keys())
+        if not want <= self._listening or (not self.leader and want != self._listening):
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.rpush(self._wake_key, 1)
                 pipe.pexpire(self._wake_key, contract.SCHEDULER_WAKE_TTL_MS)
@@ -236,10 +242,10 @@ class Scheduler:
                 self._registry_at = 0.0
         self.leader = held
         metrics.SCHEDULER_LEADER.set(1 if held else 0)
-        if took:
-            # The blocking wait listens as a standby: make it take the shared lists now.
-            self._all_blocked = True
-            await self._set_blocked(False)
+        if took or not held:
+            # Taken: the blocking wait listens as a standby; make it take the shared lists now.
+            # Lost: make it leave them to the new leader.
+            await self._relisten()
         return held
 
     # -- one step ----------------------------------------------------------
@@ -249,6 +255,7 @@ class Scheduler:
         if time.monotonic() - self._registry_at >= self.settings.registry_refresh_s or not self.registry.models:
             self.registry = await Registry.load(self.redis)
             self._registry_at = time.monotonic()
+            self._notify = {contract.notify(*k): contract.queue(*k) for k in sorted(self.registry.models)}
             if self.registry.stale:
                 await self._recover(self.registry.stale)
         queues = sorted(self.registry.models)
@@ -257,7 +264,10 @@ class Scheduler:
         # confirmed by then is in it, any later one the gateway still counts itself.
         self._scanned_at = time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.lpop(contract.NOTIFY, _DRAIN)
+            # The arrivals' tokens go first: the scan below sees every request whose token it drops.
+            notices = list(self._notify)
+            if notices:
+                pipe.delete(*notices)
             pipe.lpop(contract.REPORTS, _DRAIN)
             for name, version in queues:
                 pipe.zrange(contract.queue(name, version), 0, self.settings.queue_scan_limit - 1)
@@ -266,18 +276,20 @@ class Scheduler:
                 pipe.smembers(contract.inflight(eid))
             async with metrics.redis_rtt("scheduler", "scan"):
                 results = await pipe.execute()
-        reports = self._reports + (results[1] or [])
+        if notices:
+            del results[0]
+        reports = self._reports + (results[0] or [])
         self._reports = []
         self._observe(reports)
 
         now = time.time()
-        inflight = dict(zip(executors, results[2 + 2 * len(queues) :]))
+        inflight = dict(zip(executors, results[1 + 2 * len(queues) :]))
         free_at = {eid: self._free_at(eid, {b.decode() for b in held}, now) for eid, held in inflight.items()}
         wake_at: float | None = None
         seen: set[bytes] = set()
         for i, key in enumerate(queues):
-            members = results[2 + 2 * i]
-            self.depths[key] = results[3 + 2 * i]
+            members = results[1 + 2 * i]
+            self.depths[key] = results[2 + 2 * i]
             seen.update(members)
             wake = await self._schedule(key, members, free_at, now)
             if wake is not None and (wake_at is None or wake < wake_at):
@@ -297,7 +309,7 @@ class Scheduler:
             if member not in seen:
                 del self._pending_cache[member]
                 del self._entries[member]
-        await self._set_blocked(bool(queues) and all(contract.queue(*k) in self._blocked for k in queues))
+        await self._relisten()
         if time.monotonic() - self._profiles_saved_at >= self.settings.profile_save_s:
             await self._save_profiles()
         return wake_at

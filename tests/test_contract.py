@@ -91,9 +91,10 @@ def test_tracecontext_helpers():
 
 def test_group_commit_script_queues_refuses_when_full_and_clears_abandoned():
     """The gateway's one-command group commit (ENQUEUE_LUA), on a real Redis: a bounded queue that
-    is full refuses (and stores no payload), every queue written to is announced once and keeps a
-    TTL, the heartbeat key is refreshed, and abandoned requests leave nothing behind."""
-    with EmbeddedRedis() as server:  # its own: NOTIFY is shared with any mesh on the session's Redis
+    is full refuses (and stores no payload), every queue written to is announced on its own notify
+    list with one token at most and keeps a TTL, the heartbeat key is refreshed, and abandoned
+    requests leave nothing behind."""
+    with EmbeddedRedis() as server:  # its own: the keys below must not meet a mesh's
         r = redis.Redis.from_url(server.url)
         try:
             _group_commit_checks(r)
@@ -103,13 +104,15 @@ def test_group_commit_script_queues_refuses_when_full_and_clears_abandoned():
 
 def _group_commit_checks(r: redis.Redis) -> None:
     bounded, open_ = "bl:queue:t-bounded:1", "bl:queue:t-open:1"
+    notify = {bounded: contract.notify("t-bounded", "1"), open_: contract.notify("t-open", "1")}
     r.zadd(bounded, {b"gone": 1})
     r.set("bl:payload:gone", b"x")
+    r.rpush(notify[open_], 1)  # a token the scheduler has not read yet
     writes = [("a", bounded, b"ma", 2), ("b", bounded, b"mb", 2), ("c", open_, b"mc", 0), ("d", open_, b"md", 0)]
-    keys = [contract.NOTIFY, "bl:gateway:t-gw"]
-    args = [len(writes), 1, "127.0.0.1:1", 30_000, contract.QUEUE_TTL, contract.NOTIFY_CAP]
+    keys = ["bl:gateway:t-gw"]
+    args = [len(writes), 1, "127.0.0.1:1", 30_000, contract.QUEUE_TTL]
     for rid, q, member, cap in writes:
-        keys += [f"bl:payload:{rid}", q]
+        keys += [f"bl:payload:{rid}", q, notify[q]]
         args += [b"payload-" + rid.encode(), 60_000, 5, member, cap]
     keys += [bounded, "bl:payload:gone"]
     args.append(b"gone")
@@ -120,16 +123,17 @@ def _group_commit_checks(r: redis.Redis) -> None:
     assert sorted(r.zrange(open_, 0, -1)) == [b"mc", b"md"]
     assert r.get("bl:payload:a") == b"payload-a" and 0 < r.pttl("bl:payload:a") <= 60_000
     assert r.get("bl:payload:b") is None and r.get("bl:payload:gone") is None
-    assert sorted(r.lrange(contract.NOTIFY, 0, -1)) == sorted([bounded.encode(), open_.encode()])
-    assert 0 < r.ttl(contract.NOTIFY) <= contract.QUEUE_TTL
+    # One token per queue, however many writes: the scheduler takes a list's tokens all at once.
+    assert r.llen(notify[bounded]) == 1 and r.llen(notify[open_]) == 1
+    assert 0 < r.ttl(notify[bounded]) <= contract.QUEUE_TTL
     assert 0 < r.ttl(bounded) <= contract.QUEUE_TTL and 0 < r.ttl(open_) <= contract.QUEUE_TTL
     assert r.get("bl:gateway:t-gw") == b"127.0.0.1:1" and 0 < r.pttl("bl:gateway:t-gw") <= 30_000
     # Only abandoned requests: nothing announced, no heartbeat written.
-    r.delete(contract.NOTIFY, "bl:gateway:t-gw")
-    assert r.eval(contract.ENQUEUE_LUA, 4, contract.NOTIFY, "bl:gateway:t-gw", open_, "bl:payload:c",
-                  0, 1, "127.0.0.1:1", 30_000, contract.QUEUE_TTL, contract.NOTIFY_CAP, b"mc") == []
+    r.delete(*notify.values(), "bl:gateway:t-gw")
+    assert r.eval(contract.ENQUEUE_LUA, 3, "bl:gateway:t-gw", open_, "bl:payload:c",
+                  0, 1, "127.0.0.1:1", 30_000, contract.QUEUE_TTL, b"mc") == []
     assert r.zrange(open_, 0, -1) == [b"md"] and r.get("bl:payload:c") is None
-    assert not r.exists(contract.NOTIFY) and not r.exists("bl:gateway:t-gw")
+    assert not r.exists(*notify.values()) and not r.exists("bl:gateway:t-gw")
 
 
 def test_batch_done_script_writes_a_batch_of_thousands():

@@ -14,8 +14,7 @@ from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 
 
-def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferRequest, rows: int = 1,
-             notice: str = "test") -> str:
+def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferRequest, rows: int = 1) -> str:
     """What a gateway writes for one request (see gateway/core.py), done by hand."""
     request_id = uuid.uuid4().hex
     entry = pb.QueueEntry(request_id=request_id, gateway_id=gateway_id, model_version="1", rows=rows,
@@ -23,7 +22,7 @@ def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferReques
     r.set(contract.gateway(gateway_id), "by-hand", px=60_000)  # the gateway is alive: executors skip orphans
     r.set(contract.payload(request_id), request.SerializeToString(), px=60_000)
     r.zadd(contract.queue("mlp", "1"), {entry.SerializeToString(): contract.queue_score(1, deadline_us)})
-    r.rpush(contract.NOTIFY, notice)
+    r.rpush(contract.notify("mlp", "1"), 1)
     return request_id
 
 
@@ -104,6 +103,56 @@ def test_requests_of_a_dead_gateway_are_not_executed(mesh_factory):
     assert not r.exists(contract.reply(dead))
 
 
+def _until(predicate, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_alone(mesh_factory):
+    # Long timers: only events make steps.
+    m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
+    r = redis.Redis.from_url(m.redis_url)
+    s = m.scheduler.scheduler
+    mlp, other = contract.notify("mlp", "1"), contract.notify("other", "1")
+    # A second model on an idle executor of its own: its queue is not blocked, so the leader
+    # keeps listening to arrivals while mlp's queue waits.
+    idle = pb.ExecutorInfo(executor_id="idle-x", address="127.0.0.1:1",
+                           models=[pb.ModelInfo(name="other", version="1", max_batch_size=8)])
+    r.set(contract.executor("idle-x"), idle.SerializeToString(), px=120_000)
+    r.sadd(contract.EXECUTORS, "idle-x")
+    m.loop.call_soon_threadsafe(setattr, s, "_registry_at", 0.0)
+    m.loop.call_soon_threadsafe(s._wake.set)
+    _until(lambda: s.leader and ("other", "1") in s.registry.models and ("mlp", "1") in s.registry.models,
+           "the leader to see both models")
+    _until(lambda: {mlp, other} <= s._listening, "the leader to listen to both queues' arrivals")
+
+    # mlp's executor holds as many batches as it may: its queue waits for a report.
+    eid = s.registry.holders[("mlp", "1")][0]
+    held = [f"held{i}" for i in range(s.settings.max_batches_per_executor)]
+    r.sadd(contract.inflight(eid), *held)
+    report = pb.ExecutionReport(executor_id="idle-x", model_name="other", model_version="1", rows=1,
+                                compute_infer_ns=1_000_000).SerializeToString()
+    r.rpush(contract.REPORTS, report)  # a step, which finds it so
+    _until(lambda: contract.queue("mlp", "1") in s._blocked, "mlp's queue to wait for its executor")
+    r.rpush(mlp, 1)  # the wait begun before that verdict may take this one, and then leave the list
+    _until(lambda: mlp not in s._listening and other in s._listening, "the wait to leave mlp's arrivals alone")
+
+    rid = _enqueue(r, "gw-blocked", now_us() + 30_000_000, _mlp_request(np.ones((1, 32))))
+    time.sleep(0.3)
+    assert r.llen(mlp) == 1, "the leader woke for an arrival that cannot be dispatched before a report"
+    assert r.zcard(contract.queue("mlp", "1")) == 1
+
+    # The report that frees the executor brings the step that dispatches it and drops the token.
+    r.srem(contract.inflight(eid), *held)
+    r.rpush(contract.REPORTS, report)
+    replies = _replies(r, "gw-blocked", 1)
+    assert replies[rid].code == 0
+    assert r.llen(mlp) == 0
+    r.delete(contract.executor("idle-x"))
+
+
 def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mesh_factory):
     # Long timers: an arrival whose notice was lost would wait 30 s for the next timed step.
     m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
@@ -126,14 +175,15 @@ def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mes
             # executor; the next request arrives now, and the listener takes its notice while
             # this step, which will find the executor free, is still under way.
             s._blocked.add(queue)
-            arrived.append(_enqueue(r, gateway_id, now_us() + 30_000_000, _mlp_request(np.ones((1, 32))), notice=queue))
+            arrived.append(_enqueue(r, gateway_id, now_us() + 30_000_000, _mlp_request(np.ones((1, 32)))))
             for _ in range(500):
-                if not await s.redis.llen(contract.NOTIFY):
+                if not await s.redis.llen(contract.notify("mlp", "1")):
                     break
                 await asyncio.sleep(0.01)
         return await real_load_profiles(keys)
 
     s._load_profiles = arrival_after_the_scan
-    r.rpush(contract.NOTIFY, "some-other-queue")  # wakes the scheduler for a step
+    r.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="other", model_version="1", rows=1,
+                                                 compute_infer_ns=1_000_000).SerializeToString())  # a step
     replies = _replies(r, gateway_id, 1)
     assert arrived and replies.get(arrived[0]) is not None and replies[arrived[0]].code == 0

@@ -132,16 +132,16 @@ def test_a_standby_leaves_the_shared_event_lists_to_the_leader(mesh_factory):
     report = pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1", rows=3,
                                 compute_infer_ns=3_000_000).SerializeToString()
     r.rpush(contract.REPORTS, report)
-    r.rpush(contract.NOTIFY, contract.queue("mlp", "1"))
+    r.rpush(contract.notify("mlp", "1"), 1)
     next_lease_attempt()
     next_lease_attempt()
     assert not scheduler.leader
     assert report in r.lrange(contract.REPORTS, 0, -1)  # a leader's profile sample, not the standby's
-    assert contract.queue("mlp", "1").encode() in r.lrange(contract.NOTIFY, 0, -1)
+    assert r.llen(contract.notify("mlp", "1")) == 1
 
     r.delete(contract.LEADER)
     _wait(lambda: scheduler.leader, "the scheduler to take the lease")
-    _wait(lambda: r.llen(contract.REPORTS) == 0 and r.llen(contract.NOTIFY) == 0, "the leader to take the events")
+    _wait(lambda: r.llen(contract.REPORTS) == 0 and r.llen(contract.notify("mlp", "1")) == 0, "the leader to take the events")
     # An unregistered executor's report counts for its model's "unknown" kind.
     _wait(lambda: (3, 0.003) in scheduler._profile(("mlp", "1", "unknown")).samples(), "the report in the profile")
 
