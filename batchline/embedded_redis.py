@@ -49,11 +49,12 @@ class EmbeddedRedis:
     thread then.
     """
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", die_with_parent: bool = False):
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", die_with_parent: bool = False,
+                 binary: str | None = None):
         self.host = host
         self.port = port or free_port(host)
         self.die_with_parent = die_with_parent and sys.platform == "linux"
-        self.binary = redis_server_binary()
+        self.binary = binary or redis_server_binary()
         self.dir = tempfile.mkdtemp(prefix="batchline-redis-")
         self.socket = os.path.join(self.dir, "redis.sock")
         self.proc: subprocess.Popen | None = None

@@ -19,6 +19,8 @@ import uuid
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
+import redis.exceptions
+
 from batchline import contract, metrics, telemetry, tracecontext
 from batchline.clock import now_us
 from batchline.lifecycle import stop_tasks
@@ -238,22 +240,33 @@ class Gateway:
 
     async def _read_replies(self) -> None:
         key = contract.reply(self.gateway_id)
+        many = True  # BLMPOP (Redis >= 7) takes every waiting reply in one round trip
         while True:
             try:
-                first = await self.blocking.blpop([key], timeout=1)
+                if many:
+                    item = await self.blocking.execute_command("BLMPOP", 1, 1, key, "LEFT", "COUNT", _DRAIN)
+                    if item is None:
+                        continue
+                    blobs = item[1]
+                else:
+                    first = await self.blocking.blpop([key], timeout=1)
+                    if first is None:
+                        continue
+                    blobs = [first[1]]
+            except redis.exceptions.ResponseError:
+                many = False  # an older Redis
+                continue
             except REDIS_ERRORS as exc:
                 log.warning("reading replies failed: %s", exc)
                 await asyncio.sleep(0.2)
                 continue
-            if first is None:
-                continue
-            try:
-                rest = await self.redis.lpop(key, _DRAIN) or []
-            except REDIS_ERRORS as exc:
-                # `first` is already off the list: answer it whatever happens to the rest.
-                log.warning("reading replies failed: %s", exc)
-                rest = []
-            for blob in [first[1], *rest]:
+            if not many:
+                try:
+                    blobs += await self.redis.lpop(key, _DRAIN) or []
+                except REDIS_ERRORS as exc:
+                    # The first is already off the list: answer it whatever happens to the rest.
+                    log.warning("reading replies failed: %s", exc)
+            for blob in blobs:
                 reply = pb.Reply.FromString(blob)
                 fut = self._pending.pop(reply.request_id, None)
                 # A second answer to the same request (a batch re-dispatched
