@@ -39,6 +39,7 @@ from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.registry import Registry
 from batchline.sizing import row_length
 from gateway.admission import Calibration, admit, retry_spacing_s
+from gateway.linger import Linger
 from gateway.settings import GatewaySettings
 from gateway.validation import request_priority, request_timeout_us, validate
 
@@ -75,6 +76,7 @@ class _Write:
     score: int
     max_queue_size: int
     done: asyncio.Future
+    deadline_us: int
 
 
 @dataclass(slots=True)
@@ -91,6 +93,11 @@ class _Admitted:
     over: bool = False
 
 
+def _end_wait(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class Gateway:
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
@@ -104,6 +111,9 @@ class Gateway:
         self._outbox: list[_Write] = []
         self._abandoned: list[tuple[str, bytes, str]] = []
         self._flusher: asyncio.Task | None = None
+        self._linger = Linger(settings.commit_linger_ms / 1000)
+        self._lingering: asyncio.Future | None = None  # a commit's wait for company, while it lasts
+        self._linger_until = 0.0  # when that wait ends (loop time)
         self.draining = False
         self._heartbeat_ttl_ms = int(settings.heartbeat_interval_s * 3000)
         self._served: set[str] = set()  # model names ever served: their absence is UNAVAILABLE, not NOT_FOUND
@@ -394,8 +404,13 @@ class Gateway:
             admitted.append(mine)
         try:
             write = _Write(request_id, request.SerializeToString(), contract.payload_ttl_ms(deadline, enqueued), queue,
-                           contract.notify(model.name, model.version), member, contract.queue_score(priority, deadline), model.max_queue_size, loop.create_future())
+                           contract.notify(model.name, model.version), member, contract.queue_score(priority, deadline), model.max_queue_size, loop.create_future(),
+                           deadline)
+            self._linger.arrived(enqueued / 1e6)
             self._outbox.append(write)
+            if self._lingering is not None and loop.time() + plan_budget / 10 < self._linger_until:
+                # A waiting commit must not spend more than a tenth of this budget: it goes now.
+                _end_wait(self._lingering)
             if self._flusher is None or self._flusher.done():
                 self._flusher = loop.create_task(self._flush())
             if traced:
@@ -445,6 +460,10 @@ class Gateway:
     async def _flush(self) -> None:
         """Group commit: write everything queued for Redis in one command, until nothing is left."""
         while self._outbox or self._abandoned:
+            if self._outbox:
+                wait = self._linger.wait_s()
+                if wait:
+                    await self._wait_for_company(wait)
             writes, self._outbox = self._outbox, []
             abandoned, self._abandoned = self._abandoned, []
             keys: list = [contract.gateway(self.gateway_id)]
@@ -477,6 +496,23 @@ class Gateway:
                         "max_queue_size): retry later", retry_after_s=0.1))
                 else:
                     w.done.set_result(None)
+
+    async def _wait_for_company(self, wait: float) -> None:
+        """Let more requests join the next commit for `wait` s, or a tenth of the tightest waiting
+        budget; a request whose budget is tighter still cuts the wait short (see `infer`)."""
+        tightest_s = (min(w.deadline_us for w in self._outbox) - now_us()) / 1e6
+        wait = min(wait, tightest_s / 10)
+        if wait <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        self._lingering = loop.create_future()
+        self._linger_until = loop.time() + wait
+        timer = loop.call_later(wait, _end_wait, self._lingering)
+        try:
+            await self._lingering
+        finally:
+            timer.cancel()
+            self._lingering = None
 
     def _abandon(self, queue: str, member: bytes, request_id: str) -> None:
         # Written with the next group commit; if Redis is gone the keys expire on their own.
