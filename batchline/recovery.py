@@ -72,9 +72,9 @@ async def requeue_held_batches(
             pipe.srem(contract.inflight(executor_id), *ordered)
         if include_queued:
             pipe.delete(contract.work(executor_id), contract.inflight(executor_id))
-        requeued = Counter((b.model_name, b.model_version) for b, _ in entries)
-        for key in requeued:
-            pipe.rpush(contract.notify(*key), "recovered")
-            pipe.expire(contract.notify(*key), contract.QUEUE_TTL)
+        # An event for the scheduler, which listens to reports always (not to the arrivals of a
+        # queue that waits for a busy executor): this executor holds fewer batches now.
+        pipe.rpush(contract.REPORTS, pb.ExecutionReport(executor_id=executor_id).SerializeToString())
+        pipe.expire(contract.REPORTS, contract.QUEUE_TTL)
         await pipe.execute()
-    return requeued
+    return Counter((b.model_name, b.model_version) for b, _ in entries)

@@ -404,8 +404,8 @@ class Gateway:
             admitted.append(mine)
         try:
             write = _Write(request_id, request.SerializeToString(), contract.payload_ttl_ms(deadline, enqueued), queue,
-                           contract.notify(model.name, model.version), member, contract.queue_score(priority, deadline), model.max_queue_size, loop.create_future(),
-                           deadline)
+                           contract.notify(model.name, model.version), member, contract.queue_score(priority, deadline),
+                           model.max_queue_size, loop.create_future(), deadline)
             self._linger.arrived(enqueued / 1e6)
             self._outbox.append(write)
             if self._lingering is not None and loop.time() + plan_budget / 10 < self._linger_until:

@@ -12,9 +12,10 @@ reports and saved in Redis, and publishes per model the load view that
 gateways use for admission control.
 
 Wake-ups: a BLMPOP task wakes the loop when a gateway enqueues (a token on the
-queue's notify list) or an executor reports; it leaves alone the tokens of queues
-that wait for a busy executor, whose report wakes the loop anyway. Timers (a batch's delay or deadline) are kept locally because Redis
-only honours blocking timeouts to its cron tick (100 ms by default).
+queue's notify list) or an executor reports (or its batches are handed back); it
+leaves alone the tokens of queues that wait for a busy executor, whose report
+wakes the loop anyway. Timers (a batch's delay or deadline) are kept locally
+because Redis only honours blocking timeouts to its cron tick (100 ms by default).
 """
 from __future__ import annotations
 

@@ -153,6 +153,37 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
     r.delete(contract.executor("idle-x"))
 
 
+def test_batches_handed_back_by_the_executor_a_queue_waits_for_are_dispatched_at_once(mesh_factory):
+    # Long timers: without the hand-back's event, the next step would come in 30 s.
+    from batchline.recovery import requeue_held_batches
+
+    m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
+    r = redis.Redis.from_url(m.redis_url)
+    s = m.scheduler.scheduler
+    m.loop.call_soon_threadsafe(s._wake.set)
+    _until(lambda: s.leader and ("mlp", "1") in s.registry.models, "the leader to see mlp")
+    eid = s.registry.holders[("mlp", "1")][0]
+    # The executor holds as many batches as it may (one of them with a live request); mlp's queue waits.
+    gateway_id, request_id = "gw-handback", uuid.uuid4().hex
+    deadline = now_us() + 30_000_000
+    entry = pb.QueueEntry(request_id=request_id, gateway_id=gateway_id, model_version="1", rows=1,
+                          deadline_us=deadline, enqueued_us=now_us(), priority=1)
+    r.set(contract.gateway(gateway_id), "by-hand", px=60_000)
+    r.set(contract.payload(request_id), _mlp_request(np.ones((1, 32))).SerializeToString(), px=60_000)
+    held = [f"held{i}" for i in range(s.settings.max_batches_per_executor)]
+    batch = pb.Batch(batch_id=held[0], model_name="mlp", model_version="1", members=[entry], executor_id=eid,
+                     dispatched_us=now_us(), attempt=1)
+    r.set(contract.batch(held[0]), batch.SerializeToString(), px=60_000)
+    r.sadd(contract.inflight(eid), *held)
+    r.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1").SerializeToString())
+    _until(lambda: contract.queue("mlp", "1") in s._blocked, "mlp's queue to wait for its executor")
+
+    # A restarted executor hands back what it held: the request goes back to the queue.
+    requeued = m.call(requeue_held_batches(s.redis, eid, include_queued=False))
+    assert requeued[("mlp", "1")] == 1
+    assert _replies(r, gateway_id, 1)[request_id].code == 0
+
+
 def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mesh_factory):
     # Long timers: an arrival whose notice was lost would wait 30 s for the next timed step.
     m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
