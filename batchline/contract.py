@@ -21,7 +21,7 @@ bl:executors                  set          executor ids ever seen (members prune
 bl:gateway:{gateway_id}       string       the gateway's address; TTL = heartbeat TTL
 bl:gateways                   sorted set   gateway ids scored by their last heartbeat (ms): how many are live
 bl:notify:{model}:{version}   list         a wake-up token for the scheduler: arrivals in that queue (one at most)
-bl:reports                    list         ExecutionReport messages for the scheduler (capped)
+bl:reports                    list         ExecutionReport messages for the scheduler (capped; rows 0: batches handed back)
 bl:stats:{model}:{version}    hash         Triton-style statistics counters
 bl:leader                     string       id of the scheduler holding the lease; TTL = lease
 bl:load:{model}:{version}     string       ModelLoad, the scheduler's view for admission; short TTL
