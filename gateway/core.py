@@ -461,7 +461,7 @@ class Gateway:
         """Group commit: write everything queued for Redis in one command, until nothing is left."""
         while self._outbox or self._abandoned:
             if self._outbox:
-                wait = self._linger.wait_s()
+                wait = self._linger.wait_s(len(self._pending))
                 if wait:
                     await self._wait_for_company(wait)
             writes, self._outbox = self._outbox, []

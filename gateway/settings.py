@@ -54,8 +54,9 @@ class GatewaySettings(CommonSettings):
         2.0,
         description="Longest wait of a group commit (the one Redis call that queues the requests received "
         "meanwhile) for more requests to join it. It waits only while requests arrive at least one per this "
-        "window (on average over the last few), and at most a tenth of the tightest waiting budget; under load, fewer and larger commits cost "
-        "less CPU per request. 0 = never wait.",
+        "window (on average over the last few) and at least 8 are in flight in this gateway, and at most a "
+        "tenth of the tightest waiting budget; under load, fewer and larger commits cost less CPU per request. "
+        "0 = never wait.",
     )
     drain_timeout_s: float = Field(
         30.0, description="On SIGTERM: seconds to wait for admitted requests to be answered before stopping."
