@@ -1,8 +1,9 @@
 """When the gateway's group commit waits for company (gateway/linger.py): times passed in."""
 from __future__ import annotations
 
-from gateway.linger import Linger
+import pytest
 
+from gateway.linger import Linger
 
 BUSY = 32  # requests in flight in the gateway
 
@@ -22,16 +23,17 @@ def test_a_lone_request_never_waits():
     assert linger.wait_s(BUSY) == 0.0  # no gap seen yet
 
 
-def test_requests_closer_than_the_window_wait_for_each_other():
-    linger = Linger(0.002)
-    _arrivals(linger, 10.0, 0.0015, 5)
-    assert linger.wait_s(BUSY) == 0.002
-
-
-def test_requests_further_apart_than_the_window_do_not_wait():
-    linger = Linger(0.002)
-    _arrivals(linger, 10.0, 0.005, 20)
-    assert linger.wait_s(BUSY) == 0.0
+@pytest.mark.parametrize("window, gap, n, in_flight, wait", [
+    (0.002, 0.0015, 5, BUSY, 0.002),   # closer together than the window: they wait for each other
+    (0.002, 0.005, 20, BUSY, 0.0),     # further apart: no wait
+    (0.0, 0.0001, 50, BUSY, 0.0),      # no window: never
+    (0.002, 0.0005, 20, 7, 0.0),       # close together, but the gateway is not busy
+    (0.002, 0.0005, 20, 8, 0.002),
+])
+def test_steady_traffic(window, gap, n, in_flight, wait):
+    linger = Linger(window)
+    _arrivals(linger, 10.0, gap, n)
+    assert linger.wait_s(in_flight) == wait
 
 
 def test_the_wait_follows_the_rate_both_ways():
@@ -45,16 +47,3 @@ def test_the_wait_follows_the_rate_both_ways():
     linger.arrived(t + 600.0)
     _arrivals(linger, t + 600.0005, 0.0005, 8)
     assert linger.wait_s(BUSY) == 0.002
-
-
-def test_a_zero_window_never_waits():
-    linger = Linger(0.0)
-    _arrivals(linger, 10.0, 0.0001, 50)
-    assert linger.wait_s(BUSY) == 0.0
-
-
-def test_a_gateway_with_few_requests_in_flight_does_not_wait():
-    linger = Linger(0.002)
-    _arrivals(linger, 10.0, 0.0005, 20)
-    assert linger.wait_s(7) == 0.0  # close together, but the gateway is not busy
-    assert linger.wait_s(8) == 0.002
