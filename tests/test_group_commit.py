@@ -14,19 +14,13 @@ import redis
 from batchline import contract
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
+from processes import poll
 
 
 def _commits() -> float:
     # The services of the tests' meshes share this process's registry; only differences count.
     return prometheus_client.REGISTRY.get_sample_value(
         "batchline_redis_roundtrip_seconds_count", {"service": "gateway", "op": "enqueue"}) or 0.0
-
-
-def _until(predicate, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def _request(i: int, timeout_us: int) -> ipb.ModelInferRequest:
@@ -51,13 +45,13 @@ def _stand_by(m) -> redis.Redis:
     scheduler = m.scheduler.scheduler
     taken = time.monotonic()
     r.set(contract.LEADER, "someone-else", px=120_000)
-    _until(lambda: scheduler._lease_at > taken and not scheduler.leader, "the scheduler to stand by")
+    poll(lambda: scheduler._lease_at > taken and not scheduler.leader, 15, "the scheduler to stand by")
     return r
 
 
 def _lead(m, r: redis.Redis) -> None:
     r.delete(contract.LEADER)
-    _until(lambda: m.scheduler.scheduler.leader, "the scheduler to lead again")
+    poll(lambda: m.scheduler.scheduler.leader, 15, "the scheduler to lead again")
 
 
 def _commits_for_paced_requests(mesh_factory, linger_ms: float, n: int = 30) -> float:
@@ -68,7 +62,7 @@ def _commits_for_paced_requests(mesh_factory, linger_ms: float, n: int = 30) -> 
         r = _stand_by(m)
         before = _commits()
         calls = _paced(stub, n, 0.01)  # 10 ms apart
-        _until(lambda: r.zcard(contract.queue("mlp", "1")) == n, "every request to be queued")
+        poll(lambda: r.zcard(contract.queue("mlp", "1")) == n, 15, "every request to be queued")
         commits = _commits() - before
         _lead(m, r)
         assert [c.result().id for c in calls] == [f"r{i}" for i in range(n)]

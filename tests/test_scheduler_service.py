@@ -12,6 +12,7 @@ from batchline import contract
 from batchline.clock import now_us
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
+from processes import poll
 
 
 def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferRequest, rows: int = 1) -> str:
@@ -103,13 +104,6 @@ def test_requests_of_a_dead_gateway_are_not_executed(mesh_factory):
     assert not r.exists(contract.reply(dead))
 
 
-def _until(predicate, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_alone(mesh_factory):
     # Long timers: only events make steps.
     m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
@@ -124,9 +118,9 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
     r.sadd(contract.EXECUTORS, "idle-x")
     m.loop.call_soon_threadsafe(setattr, s, "_registry_at", 0.0)
     m.loop.call_soon_threadsafe(s._wake.set)
-    _until(lambda: s.leader and ("other", "1") in s.registry.models and ("mlp", "1") in s.registry.models,
-           "the leader to see both models")
-    _until(lambda: {mlp, other} <= s._listening, "the leader to listen to both queues' arrivals")
+    poll(lambda: s.leader and ("other", "1") in s.registry.models and ("mlp", "1") in s.registry.models,
+           15, "the leader to see both models")
+    poll(lambda: {mlp, other} <= s._listening, 15, "the leader to listen to both queues' arrivals")
 
     # mlp's executor holds as many batches as it may: its queue waits for a report.
     eid = s.registry.holders[("mlp", "1")][0]
@@ -135,9 +129,9 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
     report = pb.ExecutionReport(executor_id="idle-x", model_name="other", model_version="1", rows=1,
                                 compute_infer_ns=1_000_000).SerializeToString()
     r.rpush(contract.REPORTS, report)  # a step, which finds it so
-    _until(lambda: contract.queue("mlp", "1") in s._blocked, "mlp's queue to wait for its executor")
+    poll(lambda: contract.queue("mlp", "1") in s._blocked, 15, "mlp's queue to wait for its executor")
     r.rpush(mlp, 1)  # the wait begun before that verdict may take this one, and then leave the list
-    _until(lambda: mlp not in s._listening and other in s._listening, "the wait to leave mlp's arrivals alone")
+    poll(lambda: mlp not in s._listening and other in s._listening, 15, "the wait to leave mlp's arrivals alone")
 
     rid = _enqueue(r, "gw-blocked", now_us() + 30_000_000, _mlp_request(np.ones((1, 32))))
     time.sleep(0.3)
@@ -161,7 +155,7 @@ def test_batches_handed_back_by_the_executor_a_queue_waits_for_are_dispatched_at
     r = redis.Redis.from_url(m.redis_url)
     s = m.scheduler.scheduler
     m.loop.call_soon_threadsafe(s._wake.set)
-    _until(lambda: s.leader and ("mlp", "1") in s.registry.models, "the leader to see mlp")
+    poll(lambda: s.leader and ("mlp", "1") in s.registry.models, 15, "the leader to see mlp")
     eid = s.registry.holders[("mlp", "1")][0]
     # The executor holds as many batches as it may (one of them with a live request); mlp's queue waits.
     gateway_id, request_id = "gw-handback", uuid.uuid4().hex
@@ -176,7 +170,7 @@ def test_batches_handed_back_by_the_executor_a_queue_waits_for_are_dispatched_at
     r.set(contract.batch(held[0]), batch.SerializeToString(), px=60_000)
     r.sadd(contract.inflight(eid), *held)
     r.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1").SerializeToString())
-    _until(lambda: contract.queue("mlp", "1") in s._blocked, "mlp's queue to wait for its executor")
+    poll(lambda: contract.queue("mlp", "1") in s._blocked, 15, "mlp's queue to wait for its executor")
 
     # A restarted executor hands back what it held: the request goes back to the queue.
     requeued = m.call(requeue_held_batches(s.redis, eid, include_queued=False))
