@@ -19,8 +19,6 @@ import uuid
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-import redis.exceptions
-
 from batchline import contract, metrics, telemetry, tracecontext
 from batchline.clock import now_us
 from batchline.lifecycle import stop_tasks
@@ -35,7 +33,7 @@ from batchline.errors import (
 )
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
-from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
+from batchline.redis_client import REDIS_ERRORS, ListPop, connect, connect_blocking
 from batchline.registry import Registry
 from batchline.sizing import row_length
 from gateway.admission import Calibration, admit, retry_spacing_s
@@ -250,27 +248,18 @@ class Gateway:
 
     async def _read_replies(self) -> None:
         key = contract.reply(self.gateway_id)
-        many = True  # BLMPOP (Redis >= 7) takes every waiting reply in one round trip
+        pop = ListPop(self.blocking)
         while True:
             try:
-                if many:
-                    item = await self.blocking.execute_command("BLMPOP", 1, 1, key, "LEFT", "COUNT", _DRAIN)
-                    if item is None:
-                        continue
-                    blobs = item[1]
-                else:
-                    first = await self.blocking.blpop([key], timeout=1)
-                    if first is None:
-                        continue
-                    blobs = [first[1]]
-            except redis.exceptions.ResponseError:
-                many = False  # an older Redis
-                continue
+                item = await pop([key], _DRAIN)
             except REDIS_ERRORS as exc:
                 log.warning("reading replies failed: %s", exc)
                 await asyncio.sleep(0.2)
                 continue
-            if not many:
+            if item is None:
+                continue
+            blobs = item[1]
+            if not pop.all_at_once:
                 try:
                     blobs += await self.redis.lpop(key, _DRAIN) or []
                 except REDIS_ERRORS as exc:

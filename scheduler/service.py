@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import redis.exceptions
 
 from batchline import contract, metrics, telemetry, tracecontext
 from batchline.clock import now_us
@@ -37,7 +36,7 @@ from batchline.lifecycle import stop_tasks
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
 from batchline.recovery import requeue_held_batches
-from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
+from batchline.redis_client import REDIS_ERRORS, ListPop, connect, connect_blocking
 from batchline.registry import Registry
 from batchline.sizing import margin_for
 from scheduler.policy import FIFO, ModelPolicy, Pending, PlannedBatch, busy_until, free_after, plan, queue_tail
@@ -148,20 +147,12 @@ class Scheduler:
         return [contract.REPORTS, *(n for n, q in self._notify.items() if q not in self._blocked), self._wake_key]
 
     async def _listen(self) -> None:
-        many = True  # BLMPOP (Redis >= 7) takes every waiting event in one round trip
+        pop = ListPop(self.blocking)
         while True:
             keys = self._listen_keys()
             self._listening = set(keys)
             try:
-                if many:
-                    item = await self.blocking.execute_command(
-                        "BLMPOP", 1, len(keys), *keys, "LEFT", "COUNT", _DRAIN)
-                else:
-                    item = await self.blocking.blpop(keys, timeout=1)
-                    item = item and (item[0], [item[1]])
-            except redis.exceptions.ResponseError:
-                many = False  # an older Redis
-                continue
+                item = await pop(keys, _DRAIN)
             except REDIS_ERRORS as exc:
                 log.warning("waiting for events failed: %s", exc)
                 await asyncio.sleep(0.5)

@@ -133,8 +133,12 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
     r.rpush(mlp, 1)  # the wait begun before that verdict may take this one, and then leave the list
     poll(lambda: mlp not in s._listening and other in s._listening, 15, "the wait to leave mlp's arrivals alone")
 
+    waiting = s._listening
     rid = _enqueue(r, "gw-blocked", now_us() + 30_000_000, _mlp_request(np.ones((1, 32))))
-    time.sleep(0.3)
+    # End that wait through the scheduler's own wake list, which it lists after every queue's: a
+    # wait that listened to mlp's arrivals would take the arrival's token first.
+    r.rpush(contract.scheduler_wake(s.scheduler_id), 1)
+    poll(lambda: s._listening is not waiting, 15, "the next wait to begin")
     assert r.llen(mlp) == 1, "the leader woke for an arrival that cannot be dispatched before a report"
     assert r.zcard(contract.queue("mlp", "1")) == 1
 
