@@ -102,7 +102,7 @@ attention_mask = 0
 MLP_CONFIG = """\
 # A small tabular classifier: the overhead-bound case where the mesh itself is the bottleneck.
 max_batch_size = 64
-max_queue_delay_ms = 2.0
+max_queue_delay_ms = 10.0
 default_timeout_ms = 5000
 """
 

@@ -55,7 +55,7 @@ REDIS_ROUNDTRIP = Histogram(
 # -- scheduler ----------------------------------------------------------------------------------
 PENDING_REQUESTS = Gauge("batchline_pending_requests", "Requests waiting in a queue.", _MV + ("priority",))
 BATCHES_DISPATCHED = Counter(
-    "batchline_batches_dispatched", "Batches dispatched, by why they left (full, preferred, deadline, delay).",
+    "batchline_batches_dispatched", "Batches dispatched, by why they left (full, preferred, deadline, delay, no_company).",
     _MV + ("reason",),
 )
 BATCH_SIZE = Histogram("batchline_batch_size", "Rows per dispatched batch.", _MV, buckets=BATCH_SIZE_BUCKETS)

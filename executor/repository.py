@@ -5,7 +5,7 @@ config.toml keys (all optional):
 
 =========================  ==========================================================
 max_batch_size             rows per batch; 0 = the model has no batch dimension (8)
-max_queue_delay_ms         longest a request waits for company (2.0)
+max_queue_delay_ms         longest a request waits for company, while company is expected (2.0)
 default_timeout_ms         latency budget of a request that names none (10000)
 preferred_batch_sizes      batch sizes to send as soon as they are reached; with more queued
                            (short of a full batch), the largest one the queue's head makes ([])

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> None:
         argv,
         prog="python -m scheduler",
         description="batchline scheduler: watches the Redis queues, forms dynamic batches "
-        "(earliest deadline first within a priority, max_batch_size, max_queue_delay, deadlines) "
+        "(earliest deadline first within a priority, max_batch_size, max_queue_delay while company is expected, deadlines) "
         "and dispatches them to the least-loaded executor holding the model.",
     )
     configure_logging(settings.log_level, "scheduler")

@@ -12,9 +12,12 @@ Two policies share the mechanics:
 
 - deadline-aware (the default): a batch goes out when it is full, reaches a
   preferred size (the largest one, when more is queued), when waiting longer
-  would make its earliest deadline miss, or when max_queue_delay passes; a
-  request that cannot finish by its deadline even if started on the first
-  free executor is shed before it wastes executor time.
+  would make its earliest deadline miss, when max_queue_delay passes, or when
+  no company is expected before then (the rate at which arrivals have been
+  joining a waiting request, `company`: a lone client's request does not wait
+  for company that cannot come); a request that cannot finish by its deadline
+  even if started on the first free executor is shed before it wastes executor
+  time.
 - FIFO (Triton-style max-delay batching, kept as the baseline): arrival
   order within a priority level, no deadline rule, nothing shed until its
   deadline has passed.
@@ -33,6 +36,7 @@ FULL = "full"            # no more rows fit (max_batch_size reached)
 PREFERRED = "preferred"  # a preferred size: all that is queued, or the largest the queue's head makes
 DEADLINE = "deadline"    # waiting longer would make the earliest deadline miss
 DELAY = "delay"          # the oldest member waited max_queue_delay
+NO_COMPANY = "no_company"  # nothing more is expected to arrive before the delay is up
 
 DEADLINE_AWARE = "deadline"
 FIFO = "fifo"
@@ -109,13 +113,17 @@ def plan(
     predict: Callable[[int], float],
     expected: Callable[[int], float] | None = None,
     lead: float = 0.0,
+    company: float | None = None,
 ) -> Plan:
     """Decide what to do with one model's queue at time `now`.
 
     `free_at[i]` is when executor i can start another batch (<= now: idle).
     `predict(units)` errs late (it carries a margin) and times dispatch;
     `expected(units)` is the central estimate used to decide that a request is
-    hopeless (default: `predict`).
+    hopeless (default: `predict`). `company` is how many arrivals per second
+    join waiting requests (scheduler.company); a batch that could wait for more
+    waits only while at least one is expected before its wait is up. None: it
+    waits the whole max_queue_delay, as Triton does (and the FIFO policy).
     """
     expected = expected or predict
     aware = policy.kind != FIFO
@@ -183,8 +191,10 @@ def plan(
             reason = DEADLINE
         elif now >= delay_due:
             reason = DELAY
+        elif now >= (worth := _worth_waiting_until(min(send_by, delay_due), company) if aware else delay_due):
+            reason = NO_COMPANY
         else:
-            out._wake(min(send_by, delay_due) if aware else delay_due)
+            out._wake(worth)
             break
         finish = start + cost
         out.batches.append(PlannedBatch(tuple(members), rows, reason, earliest - finish, i, start, finish))
@@ -201,6 +211,14 @@ def plan(
         if ready_at is not None:
             out._wake(ready_at)
     return out
+
+
+def _worth_waiting_until(wait_until: float, company: float | None) -> float:
+    """The last moment at which waiting until `wait_until` still expects one more arrival, at
+    `company` arrivals per second (-inf: none is expected at all; None: not known, wait)."""
+    if company is None:
+        return wait_until
+    return wait_until - 1.0 / company if company > 0 else float("-inf")
 
 
 def free_after(now: float, batches: Iterable[tuple[float, float]], not_before: float = float("-inf")) -> float:

@@ -39,6 +39,7 @@ from batchline.recovery import requeue_held_batches
 from batchline.redis_client import REDIS_ERRORS, ListPop, connect, connect_blocking
 from batchline.registry import Registry
 from batchline.sizing import margin_for
+from scheduler.company import CompanyRate
 from scheduler.policy import FIFO, ModelPolicy, Pending, PlannedBatch, busy_until, free_after, plan, queue_tail
 from scheduler.profile import LatencyProfile
 from scheduler.settings import SchedulerSettings
@@ -97,6 +98,8 @@ class Scheduler:
         self._stepping = False  # a step is under way: its verdicts on _blocked are not in yet
         self._noticed: set[str] = set()  # queues counted as blocked whose arrivals were noticed during the step
         self._levels_reported: dict[tuple[str, str], set[int]] = {}  # priority levels with a pending gauge
+        self._company: dict[tuple[str, str], CompanyRate] = {}  # per queue: arrivals seen while n requests waited
+        self._left: dict[tuple[str, str], tuple[float, int]] = {}  # per queue: last step's time, requests it left queued
         self._wake = asyncio.Event()
         self._wake_key = contract.scheduler_wake(self.scheduler_id)
         self._scanned_at = 0.0  # when the last step began reading the queues
@@ -315,9 +318,15 @@ class Scheduler:
         for bid in held - ledger.keys():
             # Sent by an earlier leader: assume it just started.
             ledger[bid] = (now, self.settings.default_execution_ms / 1000)
-        t = free_after(now, ledger.values(), self._ran_until.get(eid, float("-inf")))
+        ran_until = self._ran_until.get(eid, float("-inf"))
+        t = free_after(now, ledger.values(), ran_until)
         self._idle_at[eid] = t
-        return float("inf") if len(held) >= self.settings.max_batches_per_executor else t
+        if len(held) >= self.settings.max_batches_per_executor:
+            return float("inf")
+        # Idle executors rank by how long they have been idle, so that work spreads over them
+        # (the plan takes the earliest): without this the first in order would take every batch
+        # that finds them all idle.
+        return min(t, ran_until) if not ledger else t
 
     def _observe(self, reports: list[bytes]) -> None:
         for blob in reports:
@@ -399,7 +408,14 @@ class Scheduler:
         await self._load_profiles([(*key, self._kind(e, key)) for e in holders])
         profile = self._model_profile(key, holders)
         seen = self._seen.setdefault(key, {})
+        arrivals = sum(1 for m in members if m not in self._pending_cache)
         queue = [self._pending(m, seen) for m in members]
+        company = None
+        if self.settings.policy != FIFO:  # FIFO is the Triton baseline: it always waits max_queue_delay
+            rate = self._company.setdefault(key, CompanyRate())
+            at, waiting = self._left.get(key, (now, 0))
+            rate.observe(waiting, arrivals, now - at, now)
+            company = rate.rate(len(queue), now)
         by_priority = Counter(p.priority for p in queue)
         # Levels reported before are set back to 0 once they empty.
         levels = self._levels_reported.setdefault(key, set(range(1, max(1, info.priority_levels) + 1)))
@@ -416,7 +432,7 @@ class Scheduler:
         ready = [e for e in holders if free_at[e] != float("inf")]
         decision = plan(
             now, queue, policy, [free_at[e] for e in ready], profile.predict, profile.expected,
-            lead=self.settings.dispatch_lead_ms / 1000,
+            lead=self.settings.dispatch_lead_ms / 1000, company=company,
         )
         if decision.blocked:
             self._blocked.add(contract.queue(*key))
@@ -436,6 +452,7 @@ class Scheduler:
             # look joinable to a request admitted against it.
             gone = {m.request_id for b in decision.batches for m in b.members} | {p.request_id for p in decision.expired}
             left = [p for p in queue if p.request_id not in gone] if gone else queue
+            self._left[key] = (now, len(left))
             self._publish_load(pipe, key, info, holders, profile, left, now, changed=bool(gone))
             try:
                 results = await pipe.execute() if len(pipe) else []

@@ -165,7 +165,7 @@ def test_configs(repo):
         "padding": {"input_ids": 0, "attention_mask": 0},
     }
     mlp = tomllib.loads((repo / "mlp" / "config.toml").read_text())
-    assert mlp == {"max_batch_size": 64, "max_queue_delay_ms": 2.0, "default_timeout_ms": 5000}
+    assert mlp == {"max_batch_size": 64, "max_queue_delay_ms": 10.0, "default_timeout_ms": 5000}
 
 
 def test_import_does_not_load_torch():

@@ -86,7 +86,7 @@ def test_model_config_as_triton_reports_it(client):
     assert cfg["parameters"]["providers"]["string_value"] == "CPUExecutionProvider"
     mlp = client.get_model_config("mlp", "1").config  # Triton's own ModelConfig message parses it
     assert mlp.max_batch_size == 64 and [list(i.dims) for i in mlp.input] == [[32]]
-    assert mlp.dynamic_batching.max_queue_delay_microseconds == 2000
+    assert mlp.dynamic_batching.max_queue_delay_microseconds == 10000
 
 
 def test_mlp_matches_in_process_onnxruntime(client, sessions):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.policy import DEADLINE, DELAY, FIFO, FULL, PREFERRED, ModelPolicy, Pending, PlannedBatch, plan, free_after, queue_tail
+from scheduler.policy import DEADLINE, DELAY, FIFO, FULL, NO_COMPANY, PREFERRED, ModelPolicy, Pending, PlannedBatch, plan, free_after, queue_tail
 from scheduler.profile import LatencyProfile
 
 FAR = 1000.0  # a deadline far enough never to matter
@@ -145,6 +145,42 @@ def test_delay_is_measured_from_the_oldest_member_not_the_first():
     assert before.wake_at == 0.5
     at = plan(0.5, queue, policy, free_at=IDLE * 1, predict=fixed(0.25))
     assert [b.reason for b in at.batches] == [DELAY]
+
+
+# --- company-triggered (scheduler/company.py measures the rate) -------------
+
+
+def test_no_company_expected_sends_at_once_with_reason_no_company():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0)
+    p = plan(0.125, [req("a", enqueued=0.125)], policy, free_at=IDLE, predict=fixed(0.25), company=0.0)
+    assert [(ids(b), b.reason) for b in p.batches] == [(["a"], NO_COMPANY)]
+
+
+def test_company_expected_waits_while_one_more_arrival_is_expected_before_the_delay_is_up():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0)
+    queue = [req("a", enqueued=0.0)]
+    # 4 arrivals/s: one is expected in the last 0.25 s of the wait, which ends at 0.5.
+    early = plan(0.125, queue, policy, free_at=IDLE, predict=fixed(0.25), company=4.0)
+    assert early.batches == [] and early.wake_at == 0.25
+    at = plan(0.25, queue, policy, free_at=IDLE, predict=fixed(0.25), company=4.0)
+    assert [b.reason for b in at.batches] == [NO_COMPANY]
+    # Unknown (None): the whole max_queue_delay, as Triton waits.
+    unknown = plan(0.25, queue, policy, free_at=IDLE, predict=fixed(0.25), company=None)
+    assert unknown.batches == [] and unknown.wake_at == 0.5
+
+
+def test_the_wait_for_company_ends_by_the_deadline_rule_first():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, overhead=0.0)
+    queue = [req("a", deadline=1.0)]
+    # send_by = 1.0 - 0.25 = 0.75; one arrival is expected within 0.25 s at 4/s: wait until 0.5.
+    p = plan(0.0, queue, policy, free_at=IDLE, predict=fixed(0.25), company=4.0)
+    assert p.batches == [] and p.wake_at == 0.5
+
+
+def test_fifo_waits_the_whole_delay_whatever_the_company():
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0, kind=FIFO)
+    p = plan(0.125, [req("a", enqueued=0.0)], policy, free_at=IDLE, predict=fixed(0.25), company=0.0)
+    assert p.batches == [] and p.wake_at == 0.5
 
 
 # --- deadline-triggered -----------------------------------------------------

@@ -7,6 +7,7 @@ no races with the scheduling loop.
 from __future__ import annotations
 
 import pathlib
+import re
 import shutil
 import time
 import uuid
@@ -572,6 +573,31 @@ def test_max_queue_size_refuses_with_resource_exhausted(mesh_factory, model_repo
         m.stop()
 
 
+def test_a_lone_clients_requests_stop_waiting_for_company_that_cannot_come(model_repository, tmp_path):
+    """A client that sends one request at a time: once the scheduler has seen that nothing joins a
+    lone request, it sends each at once instead of holding it for max_queue_delay (Triton's way,
+    and the FIFO policy's, would hold every one)."""
+    repo = pathlib.Path(tmp_path) / "repo"
+    shutil.copytree(pathlib.Path(model_repository) / "mlp", repo / "mlp")
+    config = repo / "mlp" / "config.toml"
+    config.write_text(re.sub(r"max_queue_delay_ms = [0-9.]+", "max_queue_delay_ms = 300.0", config.read_text()))
+    assert "max_queue_delay_ms = 300.0" in config.read_text()
+    from mesh import Mesh
+
+    m = Mesh(None, str(repo), models=["mlp"]).start()
+    try:
+        channel, stub = _stub(m)
+        for i in range(8):
+            assert stub.ModelInfer(_request(i), timeout=30).id == "t"
+        counts = m.scheduler.scheduler.counts
+        # The first one or two wait (one may have been queued before the scheduler's first step, and
+        # nothing is known yet about company): the rest go at once.
+        assert counts["reason:delay"] <= 2 and counts["reason:no_company"] >= 6, dict(counts)
+        channel.close()
+    finally:
+        m.stop()
+
+
 def test_a_model_with_two_instances_runs_on_two_lanes_of_one_executor(model_repository, tmp_path):
     repo = pathlib.Path(tmp_path) / "repo"
     shutil.copytree(pathlib.Path(model_repository) / "mlp", repo / "mlp")
@@ -611,6 +637,18 @@ def test_a_model_with_two_instances_runs_on_two_lanes_of_one_executor(model_repo
         assert status.executed_batches == sum(lane.executed_batches for lane in app.lanes) >= 8
     finally:
         m.stop()
+
+
+def test_batches_that_find_every_executor_idle_go_to_the_one_idle_longest(mesh_factory):
+    """One request at a time, two idle executors: each batch goes to the one idle longer, so
+    both take turns (the first in order used to take them all)."""
+    m = mesh_factory(models=["mlp"], executors=2)
+    channel, stub = _stub(m)
+    for i in range(6):
+        assert stub.ModelInfer(_request(i), timeout=30).id == "t"
+    ran = [app.executor.executed_batches for app in m.executors]
+    assert sum(ran) == 6 and min(ran) >= 2, ran
+    channel.close()
 
 
 def test_a_stopping_executor_finishes_the_batch_sent_to_it(mesh_factory):
