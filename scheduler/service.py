@@ -234,6 +234,7 @@ class Scheduler:
             if held:
                 # Another scheduler dispatched meanwhile: forget what we knew.
                 self._ledger.clear()
+                self._left.clear()  # what it left queued, and when, is not known here
                 self._registry_at = 0.0
         self.leader = held
         metrics.SCHEDULER_LEADER.set(1 if held else 0)
