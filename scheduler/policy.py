@@ -13,11 +13,11 @@ Two policies share the mechanics:
 - deadline-aware (the default): a batch goes out when it is full, reaches a
   preferred size (the largest one, when more is queued), when waiting longer
   would make its earliest deadline miss, when max_queue_delay passes, or when
-  no company is expected before then (the rate at which arrivals have been
-  joining a waiting request, `company`: a lone client's request does not wait
-  for company that cannot come); a request that cannot finish by its deadline
-  even if started on the first free executor is shed before it wastes executor
-  time.
+  no company is expected before then (`company`: the rate of arrivals seen
+  while as many requests waited, scheduler.company; a lone client's request
+  does not wait for company that cannot come); a request that cannot finish
+  by its deadline even if started on the first free executor is shed before
+  it wastes executor time.
 - FIFO (Triton-style max-delay batching, kept as the baseline): arrival
   order within a priority level, no deadline rule, nothing shed until its
   deadline has passed.
@@ -120,10 +120,11 @@ def plan(
     `free_at[i]` is when executor i can start another batch (<= now: idle).
     `predict(units)` errs late (it carries a margin) and times dispatch;
     `expected(units)` is the central estimate used to decide that a request is
-    hopeless (default: `predict`). `company` is how many arrivals per second
-    join waiting requests (scheduler.company); a batch that could wait for more
-    waits only while at least one is expected before its wait is up. None: it
-    waits the whole max_queue_delay, as Triton does (and the FIFO policy).
+    hopeless (default: `predict`). `company` is the arrivals per second seen
+    while as many requests as `queue` holds waited (scheduler.company); a batch
+    that could wait for more waits only while at least one is expected before
+    its wait is up. None: not known, it waits the whole max_queue_delay, as
+    Triton does (the FIFO policy always does).
     """
     expected = expected or predict
     aware = policy.kind != FIFO
