@@ -37,7 +37,6 @@ def connect_blocking(url: str, timeout: float) -> aioredis.Redis:
     )
 
 
-
 class ListPop:
     """Blocking pop from the first non-empty list of `keys`, over a blocking connection.
 
