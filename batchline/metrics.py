@@ -5,8 +5,10 @@ A service only ever touches its own metrics, so a process exposes the
 families of all three but fills in only its own; the in-process test mesh
 runs all three in one process and one endpoint shows everything.
 
-Label values: ``model``/``version`` are the resolved model name and version,
-``reason`` on failures is the lower-case gRPC status name (`status_reason`).
+Label values: ``model``/``version`` are the resolved model name and version
+(a failed request's too: the version that would have served it; a name no
+executor ever served counts under model "", an unknown version under version
+""), ``reason`` on failures is the lower-case gRPC status name (`status_reason`).
 Counters are declared without the ``_total`` suffix: prometheus_client adds it.
 """
 from __future__ import annotations

@@ -275,6 +275,19 @@ class Gateway:
 
     # -- requests ----------------------------------------------------------
 
+    def metric_labels(self, name: str, version: str = "") -> tuple[str, str]:
+        """The (model, version) labels of a request's metrics: resolved as its answer's would be.
+
+        A client that names no version is counted under the version that serves it, so that
+        failures and successes of one model line up; a name never served counts under "" so that
+        unknown names do not add series without bound.
+        """
+        try:
+            info = self.registry.resolve(name, version)
+            return info.name, info.version
+        except NotFound:
+            return (name, "") if name in self._served else ("", "")
+
     async def model(self, name: str, version: str = "") -> pb.ModelInfo:
         try:
             return self.registry.resolve(name, version)

@@ -170,7 +170,8 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 response = await self.gateway.infer(request, context.time_remaining(), *_trace_headers(context))
             except BatchlineError as exc:
-                metrics.REQUEST_FAILURE.labels(request.model_name, request.model_version or "", metrics.status_reason(grpc_status(exc))).inc()
+                labels = self.gateway.metric_labels(request.model_name, request.model_version)
+                metrics.REQUEST_FAILURE.labels(*labels, metrics.status_reason(grpc_status(exc))).inc()
                 if traced:
                     telemetry.set_error(span, f"{grpc_status(exc).name}: {exc}")
                 raise
