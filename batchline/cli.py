@@ -17,9 +17,12 @@ import time
 import redis
 
 from batchline import contract
-from batchline.embedded_redis import EmbeddedRedis
+from batchline.embedded_redis import EmbeddedRedis, die_with_parent
 
 DEFAULT_REPOSITORY = "model_repository"
+# How long a service may take to stop before it is killed: longer than the gateway's and the
+# executors' default drain_timeout_s (30 s), so that what they hold is answered or handed back.
+STOP_TIMEOUT_S = 40.0
 
 
 def _build_demo(path: pathlib.Path) -> None:
@@ -54,6 +57,7 @@ class Mesh:
         self.env = dict(env or {})
         self.redis: EmbeddedRedis | None = None
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.hurry = False  # set (e.g. by a second Ctrl-C) to kill what is still stopping at once
 
     def _spawn(self, name: str, module: str, *flags: str) -> None:
         cmd = [sys.executable, "-m", module, "--redis-url", self.redis_url, "--host", self.args.host,
@@ -63,7 +67,10 @@ class Mesh:
             env = {**os.environ, **{k: v for k, v in self.env.items() if v is not None}}
             for key in [k for k, v in self.env.items() if v is None]:
                 env.pop(key, None)
-        proc = subprocess.Popen(cmd, env=env)
+        # In a session of its own, so that a Ctrl-C in the terminal reaches only `batchline up`, which
+        # stops the services in order (stop()); and with this process, should it die without stopping them.
+        linux = sys.platform == "linux"
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent if linux else None)
         self.procs.append((name, proc))
         print(f"batchline: started {name} (pid {proc.pid})", flush=True)
 
@@ -102,8 +109,8 @@ class Mesh:
         while time.monotonic() < deadline:
             self.check_children()
             address = client.get(contract.gateway("gateway-0"))
-            live = [e for e in client.smembers(contract.EXECUTORS) if client.exists(contract.executor(e.decode()))]
-            if address and len(live) >= self.args.executors and _server_ready(address.decode()):
+            live = [e.decode() for e in client.smembers(contract.EXECUTORS) if client.exists(contract.executor(e.decode()))]
+            if address and executors_up(live, self.args.executors) and _server_ready(address.decode()):
                 return address.decode()
             time.sleep(0.1)
         raise SystemExit(f"batchline: the mesh did not come up within {self.args.startup_timeout} s")
@@ -115,44 +122,69 @@ class Mesh:
                 raise SystemExit(f"batchline: {name} (pid {proc.pid}) exited with code {code}")
 
     def stop(self) -> None:
-        # Gateway first (stop admitting), then scheduler, then executors.
-        for name, proc in reversed(self.procs):
-            if proc.poll() is None:
+        # The gateway first: it refuses new requests and waits for those it holds to be answered,
+        # which takes the scheduler and the executors; then the scheduler (it gives its lease up);
+        # then the executors, which finish or hand back the batches sent to them.
+        for role in ("gateway", "scheduler", "executor"):
+            group = [(n, p) for n, p in self.procs if n.split("-")[0] == role and p.poll() is None]
+            for _, proc in group:
                 proc.send_signal(signal.SIGTERM)
-        for name, proc in reversed(self.procs):
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                print(f"batchline: {name} did not stop in 10 s; killing it", flush=True)
-                proc.kill()
-                proc.wait()
+            for name, proc in group:
+                self._wait_stopped(name, proc)
         if self.redis:
             self.redis.stop()
         print("batchline: stopped", flush=True)
 
 
+    def _wait_stopped(self, name: str, proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while proc.poll() is None and not self.hurry and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if proc.poll() is None:
+            why = "as asked" if self.hurry else f"as it did not stop within {STOP_TIMEOUT_S:.0f} s"
+            print(f"batchline: killing {name} {why}", flush=True)
+            proc.kill()
+            proc.wait()
+
+
+def executors_up(registered: list[str], executors: int) -> bool:
+    """Whether executor-0 .. executor-(N-1) have all registered (lanes register as ID#k besides ID)."""
+    return {f"executor-{i}" for i in range(executors)} <= {e.split("#")[0] for e in registered}
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     mesh = Mesh(args)
-    stopping = False
+    phase = "starting"
 
     def on_signal(signum, frame):
-        nonlocal stopping
-        stopping = True
+        # The services are in sessions of their own: they hear of a Ctrl-C only through this.
+        nonlocal phase
+        if phase == "stopping":
+            mesh.hurry = True
+            return
+        starting, phase = phase == "starting", "stopping"
+        print("batchline: stopping (Ctrl-C again to kill what is left at once)", flush=True)
+        if starting:
+            raise KeyboardInterrupt  # give up starting at once; `finally` stops what did start
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     code = 0
     try:
         address = mesh.start()
+        if phase == "starting":
+            phase = "up"
         print(
             f"batchline: up. Gateway (KServe v2 gRPC) listening on {address}; "
             f"Redis at {mesh.redis.url if mesh.redis else mesh.redis_url}. "
             "Press Ctrl-C to stop.",
             flush=True,
         )
-        while not stopping:
+        while phase == "up":
             mesh.check_children()
             time.sleep(0.2)
+    except KeyboardInterrupt:
+        code = 130
     except SystemExit as exc:
         if exc.code not in (None, 0):
             print(exc.code, file=sys.stderr, flush=True)
@@ -176,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         help="run Redis, executors, the scheduler and the gateway locally",
         description="Start a local mesh: a private Redis (unless --redis-url), N executors, the scheduler "
         "and the gateway. Builds the demo model repository (minilm, mlp) first if the repository "
-        "path does not exist. Ctrl-C stops every process it started.",
+        "path does not exist. Ctrl-C stops every process it started: the gateway first (it answers the requests "
+        "it holds), then the scheduler, then the executors, Redis last; a second Ctrl-C kills what is left.",
     )
     up.add_argument("--model-repository", default=DEFAULT_REPOSITORY,
                     help=f"model repository to serve; the demo models are built there if it does not exist (default: {DEFAULT_REPOSITORY})")

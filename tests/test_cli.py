@@ -11,7 +11,13 @@ import time
 
 import numpy as np
 import psutil
+import redis
 import tritonclient.grpc as tc
+
+from batchline import contract
+from batchline.cli import executors_up
+
+IN_FLIGHT = 96
 
 
 def _pid_alive(pid: int) -> bool:
@@ -67,14 +73,41 @@ def test_up_serves_and_ctrl_c_stops_everything(model_repository):
         inp = tc.InferInput("features", [1, 32], "FP32")
         inp.set_data_from_numpy(x)
         assert client.infer("mlp", [inp]).as_numpy("probability").shape == (1, 1)
-        client.close()
+        # "up" means every executor asked for, not just as many lanes (minilm runs two per executor).
+        redis_url = re.search(r"started Redis \S+ at (\S+) ", "".join(lines)).group(1)
+        with redis.Redis.from_url(redis_url) as r:
+            registered = {e.decode().split("#")[0] for e in r.smembers(contract.EXECUTORS)}
+        assert registered == {"executor-0", "executor-1"}
         redis_pids = [c.pid for c in psutil.Process(proc.pid).children() if "redis-server" in c.name()]
         assert len(redis_pids) == 1
+        # Requests in flight when Ctrl-C comes are answered: the gateway drains while the scheduler
+        # and the executors still run. 128-token minilm rows keep the four lanes busy for a second or two.
+        ids = np.random.default_rng(0).integers(1000, 29000, size=(1, 128), dtype=np.int64)
+        answers: list = []
+        done = threading.Event()
+
+        def on_answer(result, error):
+            answers.append(error or result)
+            if len(answers) == IN_FLIGHT:
+                done.set()
+
+        for _ in range(IN_FLIGHT):
+            inputs = [tc.InferInput("input_ids", [1, 128], "INT64"), tc.InferInput("attention_mask", [1, 128], "INT64")]
+            inputs[0].set_data_from_numpy(ids)
+            inputs[1].set_data_from_numpy(np.ones_like(ids))
+            client.async_infer("minilm", inputs, on_answer)
+        time.sleep(0.3)  # sent and admitted; most still wait for a lane
+        assert len(answers) < IN_FLIGHT
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         code = proc.wait(60)
         reader.join(10)
     output = "".join(lines)
+    assert done.wait(30), output
+    client.close()
+    errors = [a for a in answers if isinstance(a, Exception)]
+    assert not errors, (errors[:3], output)
+    assert all(a.as_numpy("sentence_embedding").shape == (1, 384) for a in answers)
     assert code == 0, output
     assert "batchline: stopped" in output
     assert "the services use unix://" in output  # they served the requests above through Redis's socket
@@ -83,6 +116,13 @@ def test_up_serves_and_ctrl_c_stops_everything(model_repository):
     pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", output)]
     assert len(pids) == 4, output  # two executors, scheduler, gateway
     assert not _wait_dead(pids + redis_pids), output
+
+
+def test_up_waits_for_every_executor_not_for_as_many_lanes():
+    assert not executors_up(["executor-0", "executor-0#1"], 2)  # one executor with two lanes
+    assert executors_up(["executor-0", "executor-0#1", "executor-1"], 2)
+    assert executors_up(["executor-1", "executor-0"], 2)
+    assert not executors_up([], 1)
 
 
 def test_embedded_redis_of_a_killed_owner_goes_with_it():
