@@ -55,7 +55,11 @@ REDIS_ROUNDTRIP = Histogram(
 )
 
 # -- scheduler ----------------------------------------------------------------------------------
-PENDING_REQUESTS = Gauge("batchline_pending_requests", "Requests waiting in a queue.", _MV + ("priority",))
+PENDING_REQUESTS = Gauge(
+    "batchline_pending_requests",
+    "Requests waiting in a queue, by priority level, as the leading scheduler last saw it (a standby reports none).",
+    _MV + ("priority",),
+)
 BATCHES_DISPATCHED = Counter(
     "batchline_batches_dispatched", "Batches dispatched, by why they left (full, preferred, deadline, delay, no_company).",
     _MV + ("reason",),

@@ -59,6 +59,16 @@ _SEEN_KEEP_S = 60.0
 _tracer = telemetry.tracer("batchline.scheduler")
 
 
+def pending_by_level(scanned: list[int], depth: int) -> Counter:
+    """Requests waiting per priority level, from the priorities of the queue's scanned head (in
+    priority order) and its whole depth: those past the scan limit count at the last level scanned,
+    the level the tail starts at, so that the levels add up to the depth."""
+    counts = Counter(scanned)
+    if scanned and depth > len(scanned):
+        counts[scanned[-1]] += depth - len(scanned)
+    return counts
+
+
 @dataclass(slots=True)
 class _Sent:
     """A dispatch queued on a step's pipeline, booked once Redis has run it."""
@@ -130,6 +140,7 @@ class Scheduler:
         except REDIS_ERRORS:
             pass
         self.leader = False
+        self._forget_gauges()
         await self.redis.aclose()
         await self.blocking.aclose()
 
@@ -236,6 +247,8 @@ class Scheduler:
                 self._ledger.clear()
                 self._left.clear()  # what it left queued, and when, is not known here
                 self._registry_at = 0.0
+        if not held and self.leader:
+            self._forget_gauges()
         self.leader = held
         metrics.SCHEDULER_LEADER.set(1 if held else 0)
         if took or not held:
@@ -243,6 +256,16 @@ class Scheduler:
             # Lost: make it leave them to the new leader.
             await self._relisten()
         return held
+
+    def _forget_gauges(self) -> None:
+        """Drop the queue depths this scheduler reported: only the leader's count (an autoscaler sums them)."""
+        for (name, version), levels in self._levels_reported.items():
+            for level in levels:
+                try:
+                    metrics.PENDING_REQUESTS.remove(name, version, str(level))
+                except KeyError:
+                    pass
+        self._levels_reported.clear()
 
     # -- one step ----------------------------------------------------------
 
@@ -417,7 +440,7 @@ class Scheduler:
             at, waiting = self._left.get(key, (now, 0))
             rate.observe(waiting, arrivals, now - at, now)
             company = rate.rate(len(queue), now)
-        by_priority = Counter(p.priority for p in queue)
+        by_priority = pending_by_level([p.priority for p in queue], self.depths.get(key, len(queue)))
         # Levels reported before are set back to 0 once they empty.
         levels = self._levels_reported.setdefault(key, set(range(1, max(1, info.priority_levels) + 1)))
         levels.update(by_priority)

@@ -13,6 +13,7 @@ from batchline.clock import now_us
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from processes import poll
+from scheduler.service import pending_by_level
 
 
 def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferRequest, rows: int = 1) -> str:
@@ -216,3 +217,11 @@ def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mes
                                                  compute_infer_ns=1_000_000).SerializeToString())  # a step
     replies = _replies(r, gateway_id, 1)
     assert arrived and replies.get(arrived[0]) is not None and replies[arrived[0]].code == 0
+
+
+def test_queue_depth_by_level_counts_what_the_scan_did_not_reach():
+    # The scan reads the queue's head (priority-major order) up to its limit; the gauges must
+    # still add up to the whole depth, and the unread tail starts at the last level read.
+    assert pending_by_level([1, 1, 2], 3) == {1: 2, 2: 1}
+    assert pending_by_level([1, 1, 2], 10) == {1: 2, 2: 8}
+    assert pending_by_level([], 0) == {}

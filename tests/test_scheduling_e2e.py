@@ -119,6 +119,23 @@ def test_a_second_scheduler_stands_by_and_takes_over_when_the_leader_stops(mesh_
             m.call(second.stop(0))
 
 
+def test_only_the_leader_reports_queue_depths(mesh_factory):
+    # An autoscaler sums batchline_pending_requests over every scheduler: a former leader's last
+    # depths would count twice, or count requests long gone.
+    m = mesh_factory(models=["mlp"])
+    depth = {"model": "mlp", "version": "1", "priority": "1"}
+
+    def reported():
+        return prometheus_client.REGISTRY.get_sample_value("batchline_pending_requests", depth)
+
+    _wait(lambda: m.scheduler.scheduler.leader and reported() is not None, "the leader to report mlp's depth")
+    _hold_lease(m)
+    assert reported() is None
+    r = redis.Redis.from_url(m.redis_url)
+    r.delete(contract.LEADER)
+    _wait(lambda: m.scheduler.scheduler.leader and reported() is not None, "the depth back with the lease")
+
+
 def test_a_standby_leaves_the_shared_event_lists_to_the_leader(mesh_factory):
     m = mesh_factory(models=["mlp"])
     r = _hold_lease(m)
