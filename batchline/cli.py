@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--metrics-port", type=int, default=8002,
                     help="Prometheus endpoints on consecutive ports from this one: gateway, scheduler, executor-0, "
                     "executor-1, ...; 0 = any free ports, -1 = none (default: 8002)")
-    up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"), help="log level of the services (default: INFO)")
+    up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"), help="log level of the services (default: $BATCHLINE_LOG_LEVEL, else INFO)")
     up.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the mesh to come up (default: 120)")
     up.set_defaults(func=cmd_up)
 

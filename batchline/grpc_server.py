@@ -32,6 +32,12 @@ class _AnswerAfterTheEnd(logging.Filter):
 logging.getLogger("grpc._cython.cygrpc").addFilter(_AnswerAfterTheEnd())
 
 
+# The health service name for liveness probes: SERVING while the process answers, whatever Redis
+# does. Readiness ("" and each service) follows Redis; a liveness probe on it would restart every pod
+# of the mesh during a Redis outage, which the services ride out by themselves.
+LIVENESS = "liveness"
+
+
 class ServerHandle:
     def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer, services: list[str]):
         self.server = server
@@ -115,4 +121,5 @@ async def start_server(
     await server.start()
     handle = ServerHandle(server, bound, health_servicer, services)
     await handle.set_serving(False)
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     return handle

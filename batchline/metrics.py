@@ -64,10 +64,12 @@ BATCHES_DISPATCHED = Counter(
     "batchline_batches_dispatched", "Batches dispatched, by why they left (full, preferred, deadline, delay, no_company).",
     _MV + ("reason",),
 )
-BATCH_SIZE = Histogram("batchline_batch_size", "Rows per dispatched batch.", _MV, buckets=BATCH_SIZE_BUCKETS)
+BATCH_SIZE = Histogram("batchline_batch_size", "Rows per dispatched batch, as planned (members that left the queue "
+                       "meanwhile, e.g. answered by a former leader, still count).", _MV, buckets=BATCH_SIZE_BUCKETS)
 DISPATCH_SLACK = Histogram(
     "batchline_dispatch_slack_seconds",
-    "Time left at dispatch before the batch's earliest deadline, less its expected execution time.", _MV,
+    "Time left at dispatch before the batch's earliest deadline, less its expected execution time "
+    "(negative when it went out too late to make it).", _MV,
     buckets=SLACK_BUCKETS,
 )
 SHED = Counter(

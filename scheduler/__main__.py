@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m scheduler",
         description="batchline scheduler: watches the Redis queues, forms dynamic batches "
         "(earliest deadline first within a priority, max_batch_size, max_queue_delay while company is expected, deadlines) "
-        "and dispatches them to the least-loaded executor holding the model.",
+        "and dispatches them to the executor holding the model that is predicted free first (of idle ones, the one "
+        "idle longest).",
     )
     configure_logging(settings.log_level, "scheduler")
 

@@ -577,7 +577,7 @@ class Scheduler:
         self.counts[f"reason:{planned.reason}"] += 1
         metrics.BATCHES_DISPATCHED.labels(key[0], key[1], planned.reason).inc()
         metrics.BATCH_SIZE.labels(key[0], key[1]).observe(planned.rows)
-        metrics.DISPATCH_SLACK.labels(key[0], key[1]).observe(max(0.0, planned.slack))
+        metrics.DISPATCH_SLACK.labels(key[0], key[1]).observe(planned.slack)  # negative: late, in the le="0" bucket
         if sent.span is not None:
             for m, e in zip(planned.members, sent.entries):
                 telemetry.record_span(

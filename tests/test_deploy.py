@@ -562,6 +562,22 @@ def test_k8s_services_settings_ports_and_scrape_annotations(monkeypatch):
     assert gateway[2]["readinessProbe"]["grpc"]["port"] == 8001
 
 
+def test_k8s_liveness_outlives_redis_and_pods_get_to_drain():
+    from batchline.grpc_server import LIVENESS
+
+    for service, deployments in containers_by_service().items():
+        prefix = SETTINGS[service].model_config["env_prefix"]
+        for name, pod, container, env in deployments:
+            # Readiness ("") follows Redis; liveness must not, or a Redis outage restarts every pod.
+            assert "service" not in container["readinessProbe"]["grpc"], name
+            liveness = container["livenessProbe"]["grpc"]
+            assert liveness == {"port": container["readinessProbe"]["grpc"]["port"], "service": LIVENESS}, name
+            drain = SETTINGS[service].model_fields.get("drain_timeout_s")
+            if drain is not None:
+                configured = float(env.get(prefix + "DRAIN_TIMEOUT_S", drain.default))
+                assert pod["spec"].get("terminationGracePeriodSeconds", 30) > configured, name
+
+
 def test_k8s_gateway_service_scheduler_replicas_gpu_and_autoscaling():
     docs = {(d["kind"], d["metadata"]["name"]): d for _, d in k8s_documents()}
     service_ports = {p["name"]: p["port"] for p in docs[("Service", "gateway")]["spec"]["ports"]}

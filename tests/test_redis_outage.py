@@ -10,14 +10,16 @@ import tritonclient.grpc as tc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from batchline.grpc_server import LIVENESS
 
-def _wait_health(address: str, want: int, timeout: float = 10) -> None:
+
+def _wait_health(address: str, want: int, timeout: float = 10, service: str = "") -> None:
     """Poll the gRPC health service until it reports `want`."""
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
-            status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+            status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
             if status == want:
                 return
             assert time.monotonic() < deadline, f"{address} health stayed {status}, wanted {want}"
@@ -47,6 +49,8 @@ def test_unavailable_while_redis_is_down_then_served_again(mesh_factory):
     addresses = [m.address, f"127.0.0.1:{m.scheduler.port}", *(f"127.0.0.1:{e.port}" for e in m.executors)]
     for address in addresses:
         _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
+        # ... but stays live, so that a liveness probe does not restart it (deploy/k8s probe LIVENESS)
+        _wait_health(address, health_pb2.HealthCheckResponse.SERVING, timeout=0, service=LIVENESS)
 
     m.own_redis.start()  # same port, empty: executors re-register on their next heartbeat
     deadline = time.monotonic() + 20
