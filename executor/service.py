@@ -281,8 +281,9 @@ class Executor:
                 for m in runnable:
                     if 0 < m.entry.deadline_us < now:
                         m.error = DeadlineExceeded(
-                            f"deadline exceeded: its {(m.entry.deadline_us - m.entry.enqueued_us) / 1e3:.1f} ms budget ran out "
-                            f"while it waited for model '{batch.model_name}' on executor {self.executor_id} (it was not run; "
+                            f"deadline exceeded: it had to be run within {(m.entry.deadline_us - m.entry.enqueued_us) / 1e3:.1f} ms "
+                            f"of arriving (its budget less the gateway's answer margin), and that passed while it waited for "
+                            f"model '{batch.model_name}' on executor {self.executor_id} (it was not run; "
                             "retry with a larger timeout or less load)")
                 runnable = [m for m in runnable if m.error is None]
                 if runnable:
