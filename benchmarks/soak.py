@@ -14,9 +14,11 @@ once Redis is (it comes back empty).
 Every --sample-s (10 s) it samples the RSS of every service process, Redis
 DBSIZE and `used_memory`, and what the requests did, prints a row and finally
 writes everything to JSON. At the end it compares each service's RSS, the
-key count and Redis memory with their value after warm-up (in the same
-process: a restarted service is judged from its restart) and calls them
-flat when end <= --flat-factor x warm-up. Exit status 1 when something did
+Redis memory with their value after warm-up (in the same process: a
+restarted service is judged from its restart), and the key count at rest
+after the load with the one at rest before it (under load the count moves
+with the requests in flight, whose keys all expire), and calls them flat
+when end <= --flat-factor x baseline. Exit status 1 when something did
 not stay flat, an answer was wrong, or a call outlived its budget.
 """
 from __future__ import annotations
@@ -191,7 +193,8 @@ def print_row(row: dict, services: list[str]) -> None:
 SETTLE_S = 30.0
 
 
-def flatness(samples: list[dict], warmup_s: float, factor: float, services: list[str]) -> dict:
+def flatness(samples: list[dict], warmup_s: float, factor: float, services: list[str],
+             keys_at_rest: tuple[int | None, int | None] = (None, None)) -> dict:
     """Per series: the first sample after warm-up in the same process as the last sample, and
     at least SETTLE_S after that process appeared (a Redis restarted empty, or a service restarted
     cold, is not a baseline until it has settled), against the last sample."""
@@ -213,7 +216,13 @@ def flatness(samples: list[dict], warmup_s: float, factor: float, services: list
     for name in services + ["redis"]:
         out[f"rss:{name}"] = judge([(s["t"], s["pids"].get(name), s["rss"].get(name)) for s in samples])
     redis_pid = [(s["t"], s["pids"].get("redis")) for s in samples]
-    out["redis:keys"] = judge([(t, pid, s["keys"]) for (t, pid), s in zip(redis_pid, samples)])
+    before, after = keys_at_rest
+    if before and after is not None:
+        flat = after <= factor * before
+        out["redis:keys at rest"] = {"baseline": before, "end": after, "ratio": round(after / before, 3), "flat": flat,
+                                     "verdict": "flat" if flat else "GREW"}
+    else:
+        out["redis:keys at rest"] = {"verdict": "n/a (no count at rest)"}
     out["redis:used_memory"] = judge([(t, pid, s["used_memory"]) for (t, pid), s in zip(redis_pid, samples)])
     return out
 
@@ -264,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
               f"faults at {', '.join(f'{at:g}s {kind}' for at, kind in schedule) or 'none'}", flush=True)
         load = LoadClient(address, model, rate=rate, budget_s=args.budget_s, seed=2)
         samples: list[dict] = []
+        keys_before = mesh.redis.dbsize()  # at rest: what the mesh keeps (registrations, lease, profiles)
         t0 = time.monotonic()
         load.start()
         faults = Faults(mesh, schedule, t0)
@@ -290,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         totals = summarize(records)
         hung = [r for r in records if r.latency > args.budget_s + 2.0]
         wrong = totals["wrong_output"]
-        judged = flatness([s for s in samples if not s.get("after_load")], warmup_s, args.flat_factor, services)
+        judged = flatness([s for s in samples if not s.get("after_load")], warmup_s, args.flat_factor, services,
+                          (keys_before, final["keys"]))
         report = {
             "args": vars(args), "capacity_rps": capacity, "rate_rps": rate, "duration_s": duration,
             "warmup_s": warmup_s, "schedule": schedule, "faults": faults.events, "samples": samples,
@@ -304,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"soak: calls past budget + 2 s: {len(hung)}; wrong answers: {wrong}", flush=True)
         print(f"soak: {'series':<22}{'baseline':>14}{'end':>14}{'ratio':>8}  verdict", flush=True)
         for name, j in judged.items():
-            scale = MB if not name.endswith("keys") else 1
+            scale = MB if "keys" not in name else 1
             base = f"{j['baseline'] / scale:.1f}" if "baseline" in j else "-"
             end = f"{j['end'] / scale:.1f}" if "end" in j else "-"
             print(f"soak: {name:<22}{base:>14}{end:>14}{str(j.get('ratio', '-')):>8}  {j['verdict']}", flush=True)
