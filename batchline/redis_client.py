@@ -11,6 +11,9 @@ import redis.exceptions
 
 # What a lost or stalled Redis raises: callers turn these into UNAVAILABLE or retry.
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+# Redis answered, but refused a write for a state of its own that passes (maxmemory reached, a
+# replica during a failover): the caller may retry, as after an outage.
+REDIS_REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
 
 
 def connect(url: str, timeout: float) -> aioredis.Redis:

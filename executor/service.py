@@ -21,7 +21,7 @@ from batchline.recovery import requeue_held_batches
 from batchline.clock import now_us
 from batchline.lifecycle import stop_tasks
 from batchline.codec import decode_inputs, encode_array, onnx_strings
-from batchline.errors import BatchlineError, DeadlineExceeded, InvalidArgument, NotFound, status_value
+from batchline.errors import BatchlineError, DeadlineExceeded, Internal, InvalidArgument, Unavailable, status_value
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
@@ -179,6 +179,8 @@ class Executor:
                     await self._sweep_orphans()
             except REDIS_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)
+            except Exception:  # noqa: BLE001 - e.g. Redis out of memory: an executor that stopped
+                log.exception("heartbeat failed")  # beating would drop out of the registry for good
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def _sweep_orphans(self) -> None:
@@ -201,7 +203,11 @@ class Executor:
                 continue
             if item is None:
                 continue
-            batch = pb.Batch.FromString(item[1])
+            try:
+                batch = pb.Batch.FromString(item[1])
+            except Exception:  # noqa: BLE001 - one unreadable batch must not stop the worker
+                log.exception("an unreadable batch (%d bytes) was dropped", len(item[1]))
+                continue
             self._in_progress.add(batch.batch_id)
             try:
                 for attempt in range(1, _REDIS_ATTEMPTS + 1):
@@ -257,7 +263,9 @@ class Executor:
             m = _Member(entry)
             members.append(m)
             if model is None:
-                m.error = NotFound(f"executor {self.executor_id} does not hold {batch.model_name}:{batch.model_version}")
+                # The scheduler's registry was behind this executor's (e.g. a reload): not the client's fault.
+                m.error = Unavailable(f"executor {self.executor_id} no longer serves model '{batch.model_name}' version "
+                                      f"'{batch.model_version}': retry")
                 continue
             try:
                 m.request = ipb.ModelInferRequest.FromString(blob)
@@ -267,7 +275,8 @@ class Executor:
             except BatchlineError as exc:
                 m.error = exc
             except Exception as exc:  # noqa: BLE001 - a corrupt payload fails alone
-                m.error = InvalidArgument(f"request could not be decoded: {exc}")
+                # The gateway validated it before queueing: what fails here is on the server's side.
+                m.error = Internal(f"the request's payload could not be decoded on executor {self.executor_id} ({exc})")
         runnable = [m for m in members if m.error is None]
         units = 0
         t1 = t_run = t2 = time.perf_counter_ns()
@@ -346,7 +355,7 @@ class Executor:
     @staticmethod
     def _reply(model: LoadedModel | None, m: _Member) -> pb.Reply:
         if m.error is not None or m.outputs is None:
-            error = m.error or InvalidArgument("request produced no output")
+            error = m.error or Internal("the model produced no output for this request")
             return pb.Reply(request_id=m.entry.request_id, code=status_value(error), message=str(error))
         req = m.request
         response = ipb.ModelInferResponse(model_name=model.name, model_version=model.version, id=req.id)

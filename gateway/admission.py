@@ -92,6 +92,11 @@ def predicted_finish_s(load: pb.ModelLoad, max_batch_size: int, priority: int, r
     return finish - now_s
 
 
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.1f}" if ms < 10 else f"{ms:.0f}"
+
+
 def admit(
     load: pb.ModelLoad,
     model: pb.ModelInfo,
@@ -104,8 +109,12 @@ def admit(
     length: int = 1,
     since_length: int = 1,
     retries_at_s: float = 0.0,
+    stated_budget_s: float | None = None,
 ) -> BatchlineError | None:
     """None to admit; else the error to answer with (carrying a retry-after hint).
+
+    `budget_s` is the time the request has to be run in; `stated_budget_s`, the client's whole
+    budget (it includes the gateway's answer margin), is what the messages quote.
 
     The hint is when the request would fit if nothing else arrived, but no earlier than
     `retries_at_s`, where the requests refused before it are expected back (see `retry_spacing_s`):
@@ -121,9 +130,12 @@ def admit(
     # budget. Refusing on it would then refuse everything, so nothing would run and report, and
     # the margin would never come down again.
     typical = alone - margin_s(load, units)
+    stated = f"{_ms(stated_budget_s or budget_s)} ms budget"
+    if stated_budget_s is not None and stated_budget_s > budget_s:
+        stated += f" ({_ms(budget_s)} ms to run in, once the answer's way back is kept)"
     if typical > budget_s:
         return DeadlineExceeded(
-            f"the {budget_s * 1e3:.1f} ms budget is shorter than model '{model.name}' takes to run this request "
+            f"the {stated} is shorter than model '{model.name}' takes to run this request "
             f"alone (about {typical * 1e3:.1f} ms): raise the timeout"
         )
     finish = predicted_finish_s(load, model.max_batch_size, priority, rows, now_s, admitted_since, length, since_length)
@@ -137,7 +149,7 @@ def admit(
     wait = max(own, min(retries_at_s - now_s, own + budget_s))
     return ResourceExhausted(
         f"model '{model.name}' is overloaded: with {queued} rows queued ahead at priority <= {priority}, "
-        f"this request would finish in about {finish * 1e3:.0f} ms, past its {budget_s * 1e3:.0f} ms budget; "
+        f"this request would finish in about {finish * 1e3:.0f} ms, past its {stated}; "
         f"retry in {math.ceil(wait * 1e3)} ms, with a larger timeout, or at a higher priority",
         retry_after_s=wait,
     )

@@ -33,7 +33,7 @@ from batchline.errors import (
 )
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
-from batchline.redis_client import REDIS_ERRORS, ListPop, connect, connect_blocking
+from batchline.redis_client import REDIS_ERRORS, REDIS_REFUSALS, ListPop, connect, connect_blocking
 from batchline.registry import Registry
 from batchline.sizing import row_length
 from gateway.admission import Calibration, admit, retry_spacing_s
@@ -181,6 +181,8 @@ class Gateway:
                 await self.refresh_registry()
             except REDIS_ERRORS as exc:
                 log.warning("registry refresh failed: %s", exc)
+            except Exception:  # noqa: BLE001 - a background loop must outlive what Redis answers
+                log.exception("registry refresh failed")
 
     async def _heartbeat(self) -> None:
         while True:
@@ -188,6 +190,8 @@ class Gateway:
                 self.gateways = await self._register()
             except REDIS_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)
+            except Exception:  # noqa: BLE001 - e.g. Redis out of memory: beat again later
+                log.exception("heartbeat failed")
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def _register(self) -> int:
@@ -243,6 +247,9 @@ class Gateway:
                     self.loads = {k: pb.ModelLoad.FromString(b) for k, b in zip(keys, blobs) if b}
                 except REDIS_ERRORS:
                     self.loads = {}
+                except Exception:  # noqa: BLE001 - admit without views rather than on stale ones forever
+                    log.exception("reading the load views failed")
+                    self.loads = {}
                 self._loads_read_at = time.monotonic()
             await asyncio.sleep(self.settings.load_refresh_s)
 
@@ -266,7 +273,11 @@ class Gateway:
                     # The first is already off the list: answer it whatever happens to the rest.
                     log.warning("reading replies failed: %s", exc)
             for blob in blobs:
-                reply = pb.Reply.FromString(blob)
+                try:
+                    reply = pb.Reply.FromString(blob)
+                except Exception:  # noqa: BLE001 - one unreadable reply must not stop the reader
+                    log.exception("an unreadable reply (%d bytes) was dropped", len(blob))
+                    continue
                 fut = self._pending.pop(reply.request_id, None)
                 # A second answer to the same request (a batch re-dispatched
                 # while the first executor was only slow) finds no future.
@@ -363,7 +374,7 @@ class Gateway:
             calibration = self.calibration(key) if self.settings.admission_target > 0 else None
             headroom = calibration.headroom if calibration else self.settings.admission_headroom
             refusal = admit(load, model, priority, rows, plan_budget, arrived_us / 1e6, since, headroom, length, since_length,
-                            self._retries_at.get((*key, priority), 0.0))
+                            self._retries_at.get((*key, priority), 0.0), stated_budget_s=budget)
             if refusal is not None:
                 if refusal.retry_after_s is not None:
                     self._retries_at[(*key, priority)] = (arrived_us / 1e6 + refusal.retry_after_s
@@ -480,9 +491,14 @@ class Gateway:
                 async with metrics.redis_rtt("gateway", "enqueue"):
                     queued = await self.redis.eval(contract.ENQUEUE_LUA, len(keys), *keys, *args)
             except Exception as exc:  # noqa: BLE001 - every writer must hear how its write ended
-                error = (Unavailable(f"cannot queue the request: Redis is unreachable ({exc})") if isinstance(exc, REDIS_ERRORS)
-                         else Internal(f"cannot queue the request: {exc}"))
-                if not isinstance(exc, REDIS_ERRORS):
+                if isinstance(exc, REDIS_ERRORS):
+                    error: BatchlineError = Unavailable(f"cannot queue the request: Redis is unreachable ({exc})")
+                elif isinstance(exc, REDIS_REFUSALS):
+                    # Out of memory (maxmemory) or a replica mid-failover: the server's state, and passing.
+                    error = Unavailable(f"cannot queue the request: Redis refuses writes right now ({exc}): retry")
+                else:
+                    error = Internal(f"cannot queue the request: {exc}")
+                if not isinstance(exc, REDIS_ERRORS + REDIS_REFUSALS):
                     log.exception("group commit failed")
                 for w in writes:
                     if not w.done.done():

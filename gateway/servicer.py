@@ -9,7 +9,7 @@ import time
 import grpc
 
 from batchline import metrics, telemetry
-from batchline.errors import RETRY_AFTER_KEY, BatchlineError, grpc_status
+from batchline.errors import RETRY_AFTER_KEY, BatchlineError, Internal, grpc_status
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
@@ -169,12 +169,17 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
               if traced else contextlib.nullcontext()) as span:
             try:
                 response = await self.gateway.infer(request, context.time_remaining(), *_trace_headers(context))
-            except BatchlineError as exc:
+            except Exception as exc:
+                if not isinstance(exc, BatchlineError):
+                    # A bug or a failure nobody foresaw: INTERNAL with what happened, not gRPC's
+                    # UNKNOWN, and on a stream an answer rather than a request left hanging.
+                    log.exception("request %r to model %r failed unexpectedly", request.id, request.model_name)
+                    exc = Internal(f"the gateway failed on this request unexpectedly ({type(exc).__name__}: {exc})")
                 labels = self.gateway.metric_labels(request.model_name, request.model_version)
                 metrics.REQUEST_FAILURE.labels(*labels, metrics.status_reason(grpc_status(exc))).inc()
                 if traced:
                     telemetry.set_error(span, f"{grpc_status(exc).name}: {exc}")
-                raise
+                raise exc
         metrics.REQUEST_SUCCESS.labels(response.model_name, response.model_version).inc()
         metrics.REQUEST_DURATION.labels(response.model_name, response.model_version).observe(time.perf_counter() - started)
         return response

@@ -171,6 +171,10 @@ class Scheduler:
                 log.warning("waiting for events failed: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
+            except Exception:  # noqa: BLE001 - the wait must outlive what Redis answers
+                log.exception("waiting for events failed")
+                await asyncio.sleep(0.5)
+                continue
             if item is not None:
                 key, values = item
                 key = key.decode()

@@ -466,6 +466,64 @@ def test_stream_error_and_success_on_one_stream(mesh, mlp_session):
     np.testing.assert_allclose(results[0].as_numpy("probability"), reference(mlp_session, x), rtol=1e-5, atol=1e-6)
 
 
+def test_a_failure_nobody_foresaw_is_internal_and_the_stream_goes_on(mesh_factory, mlp_session):
+    # A real one: while the executors' registry set holds the wrong type, the gateway's registry
+    # refresh (which an unknown model name triggers) fails with a Redis ResponseError.
+    m = mesh_factory(models=["mlp"])
+    r = redis.Redis.from_url(m.redis_url)
+
+    def break_registry():
+        r.delete(contract.EXECUTORS)
+        r.set(contract.EXECUTORS, "not-a-set", px=60_000)
+
+    answers: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(m.address)
+    try:
+        break_registry()
+        expect_error(lambda: c.infer("nope", mlp_inputs()), "StatusCode.INTERNAL", "unexpectedly", "WRONGTYPE")
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        c.async_stream_infer("nope", mlp_inputs(), request_id="broken")
+        _, error = answers.get(timeout=10)
+        assert error is not None and "[INTERNAL]" in error.message() and "WRONGTYPE" in error.message()
+        r.delete(contract.EXECUTORS)  # mended: the executors add themselves back on their next heartbeat
+        x = features(2, seed=7)
+        c.async_stream_infer("mlp", [tensor("features", x)], request_id="good")  # on the same stream
+        result, error = answers.get(timeout=15)
+        assert error is None, error.message()
+    finally:
+        c.stop_stream()
+        c.close()
+        if r.type(contract.EXECUTORS) == b"string":
+            r.delete(contract.EXECUTORS)  # so that the mesh stops cleanly whatever failed above
+    np.testing.assert_allclose(result.as_numpy("probability"), reference(mlp_session, x), rtol=1e-5, atol=1e-6)
+
+
+def test_redis_out_of_memory_is_unavailable_and_the_mesh_serves_once_it_has_room(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = redis.Redis.from_url(m.redis_url)
+    c = grpcclient.InferenceServerClient(m.address)
+    try:
+        c.infer("mlp", mlp_inputs())
+        r.config_set("maxmemory", 1)  # every write refused with OOM: what a Redis at its maxmemory does
+        try:
+            expect_error(lambda: c.infer("mlp", mlp_inputs()), "StatusCode.UNAVAILABLE", "Redis refuses writes", "maxmemory")
+            # Longer than an executor's heartbeat TTL (3 s): its registration lapses meanwhile, and
+            # comes back only if its heartbeat outlived the refusals.
+            time.sleep(3.5)
+        finally:
+            r.config_set("maxmemory", 0)
+
+        def served():
+            try:
+                return c.infer("mlp", mlp_inputs(), client_timeout=2)
+            except InferenceServerException:
+                return None
+
+        poll(served, 15, 0.1, "the mesh to serve again once Redis had room")
+    finally:
+        c.close()
+
+
 # -- Redis hygiene (keep last: it checks what the tests above left behind) --------
 
 
