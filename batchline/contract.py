@@ -42,9 +42,14 @@ GATEWAYS = PREFIX + "gateways"
 # in a double (the score type) for hundreds of priority levels.
 _PRIORITY_STRIDE = 10**13
 
+# The longest latency budget a request can have (the gateway caps longer ones).
+MAX_BUDGET_S = 24 * 3_600
+
 # Expiries, in seconds unless the name says ms.
 PAYLOAD_GRACE_MS = 5_000        # a payload outlives its deadline by this much
-QUEUE_TTL = 3_600               # an idle queue disappears after an hour
+# An idle queue (no arrival refreshed it) disappears after this: longer than any budget, so that
+# the entries of requests still waiting (say, for executors that are down) do not go with it.
+QUEUE_TTL = MAX_BUDGET_S + 3_600
 REPLY_TTL = 60                  # a gateway that died leaves its replies this long
 GATEWAYS_TTL = 60               # the gateway set, once the last gateway is gone
 WORK_TTL = 3_600

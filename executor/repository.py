@@ -91,6 +91,11 @@ def read_config(model_dir: pathlib.Path) -> dict[str, Any]:
         raise RepositoryError(f"{path}: max_batch_size must be >= 0")
     if not isinstance(config["instance_count"], int) or config["instance_count"] < 1:
         raise RepositoryError(f"{path}: instance_count must be an integer >= 1")
+    if not config["default_timeout_ms"] > 0:
+        # Every request that names no budget would be refused as already past its deadline.
+        raise RepositoryError(f"{path}: default_timeout_ms must be > 0 (it is the budget of requests that name none)")
+    if config["max_queue_delay_ms"] < 0:
+        raise RepositoryError(f"{path}: max_queue_delay_ms must be >= 0")
     return config
 
 
@@ -218,6 +223,9 @@ def load_repository(
     for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         if only and model_dir.name not in only:
             continue
+        if ":" in model_dir.name:
+            # Redis keys are built as prefix:model:version (batchline.contract).
+            raise RepositoryError(f"{model_dir}: a model name may not contain ':'")
         versions = sorted(p for p in model_dir.iterdir() if p.is_dir() and (p / "model.onnx").exists())
         if not versions:
             continue

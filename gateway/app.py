@@ -52,6 +52,9 @@ class GatewayApp:
         if self._health:
             await stop_tasks([self._health])
         await self.gateway.drain(self.settings.drain_timeout_s)
+        # What is still unanswered gets the gateway's own UNAVAILABLE, with its message, before the
+        # server's stop cancels the calls.
+        self.gateway.give_up()
         await self.server.stop(grace)
         metrics.stop_metrics_server(self.metrics_port)
         await self.gateway.stop()

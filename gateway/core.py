@@ -55,7 +55,7 @@ LOAD_AGE_SHARE = 0.1
 LOAD_IDLE_REFRESH_S = 0.5
 # Budgets are capped so that an absurd `timeout` (Triton's is a 64-bit µs
 # count) cannot overflow a deadline; nothing is served after a day anyway.
-MAX_BUDGET_S = 24 * 3600.0
+MAX_BUDGET_S = float(contract.MAX_BUDGET_S)
 
 
 def _ms(seconds: float) -> str:
@@ -151,13 +151,17 @@ class Gateway:
             log.warning("drain: %d requests still unanswered after %.1f s; answering them UNAVAILABLE",
                         len(self._pending), timeout)
 
-    async def stop(self) -> None:
-        await stop_tasks(self._tasks)
+    def give_up(self) -> None:
+        """Answer whatever is still waiting (for its reply, or to be queued) UNAVAILABLE: shutting down."""
         error = Unavailable("the gateway is shutting down; the request may or may not have run")
         self.fail_pending(error)
         for w in self._outbox:
             if not w.done.done():
                 w.done.set_exception(error)
+
+    async def stop(self) -> None:
+        await stop_tasks(self._tasks)
+        self.give_up()
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.delete(contract.gateway(self.gateway_id))

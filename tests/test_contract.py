@@ -162,3 +162,11 @@ def test_batch_done_script_writes_a_batch_of_thousands():
             assert 0 < r.ttl("bl:stats:m:1") <= contract.STATS_TTL
         finally:
             r.close()
+
+
+def test_an_idle_queue_outlives_the_longest_budget_its_entries_can_have():
+    # Only arrivals refresh a queue's expiry: one whose executors are down keeps its entries only
+    # if it outlives every budget the gateway grants (it caps longer ones at MAX_BUDGET_S).
+    from gateway.core import MAX_BUDGET_S
+
+    assert contract.QUEUE_TTL > contract.MAX_BUDGET_S == MAX_BUDGET_S

@@ -69,9 +69,22 @@ def test_config_errors_name_the_problem(tmp_path, model_repository):
     (model / "config.toml").write_text("max_batch_size = 4\n[padding]\ntokens = 0\n")
     with pytest.raises(RepositoryError, match="tokens"):
         load_repository(tmp_path)
+    (model / "config.toml").write_text("default_timeout_ms = 0\n")
+    with pytest.raises(RepositoryError, match="default_timeout_ms must be > 0"):
+        read_config(model)
+    (model / "config.toml").write_text("max_queue_delay_ms = -1\n")
+    with pytest.raises(RepositoryError, match="max_queue_delay_ms must be >= 0"):
+        read_config(model)
     (model / "config.toml").write_text("max_batch_size = 4\n")
     (loaded,) = load_repository(tmp_path)
     assert loaded.info.max_batch_size == 4 and loaded.info.default_timeout_ms == 10_000
+
+
+def test_a_model_name_with_a_colon_is_refused(tmp_path, model_repository):
+    model = _one_model(tmp_path, model_repository)
+    model.rename(tmp_path / "m:x")
+    with pytest.raises(RepositoryError, match="may not contain ':'"):
+        load_repository(tmp_path)
 
 
 def test_instance_count_splits_the_cores_between_runs_unless_threads_are_configured(tmp_path, model_repository):

@@ -859,3 +859,19 @@ def test_a_spell_of_slow_runs_does_not_lock_tight_budgets_out(mesh_factory):
         for i in range(3):
             _wait(idle_in_view, "the gateway's view to show the executor free")
             assert stub.ModelInfer(_request(float(i), timeout_us=200_000), timeout=30).outputs[0].shape == [1, 1]
+
+
+def test_what_a_stopping_gateway_cannot_get_answered_is_told_why(mesh_factory):
+    m = mesh_factory(models=["mlp"], gateway_overrides={"drain_timeout_s": 0.2})
+    _hold_lease(m)  # nothing gets dispatched: the request outlasts the gateway's drain
+    gateway = m.gateway
+    channel, stub = _stub(m)
+    with channel:
+        call = stub.ModelInfer.future(_request(), timeout=30)
+        _wait(lambda: gateway.gateway._pending, "the request to wait in the gateway")
+        m.call(gateway.stop())
+        m.gateway = None
+        with pytest.raises(grpc.RpcError) as err:
+            call.result(timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "the gateway is shutting down" in err.value.details()
