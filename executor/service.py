@@ -113,7 +113,8 @@ class Executor:
 
     async def register(self) -> None:
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
-        async with self.redis.pipeline(transaction=False) as pipe:
+        # MULTI/EXEC: a connection lost part-way must not leave the set written without its expiry.
+        async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(contract.executor(self.executor_id), self.info().SerializeToString(), px=ttl_ms)
             pipe.sadd(contract.EXECUTORS, self.executor_id)
             pipe.expire(contract.EXECUTORS, contract.REGISTRY_TTL)
@@ -128,7 +129,7 @@ class Executor:
             log.warning("requeued %d requests a previous %s had taken but not answered", n, self.executor_id)
         await self.register()
         if self._warmup_reports:
-            async with self.redis.pipeline(transaction=False) as pipe:
+            async with self.redis.pipeline(transaction=True) as pipe:  # (never without its expiry)
                 pipe.rpush(contract.REPORTS, *(r.SerializeToString() for r in self._warmup_reports))
                 pipe.ltrim(contract.REPORTS, -contract.REPORTS_CAP, -1)
                 pipe.expire(contract.REPORTS, contract.QUEUE_TTL)

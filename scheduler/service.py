@@ -200,7 +200,7 @@ class Scheduler:
         next report, and a token it reads for a blocked queue is ignored."""
         want = set(self._listen_keys())
         if not want <= self._listening or (not self.leader and want != self._listening):
-            async with self.redis.pipeline(transaction=False) as pipe:
+            async with self.redis.pipeline(transaction=True) as pipe:  # (never without its expiry)
                 pipe.rpush(self._wake_key, 1)
                 pipe.pexpire(self._wake_key, contract.SCHEDULER_WAKE_TTL_MS)
                 await pipe.execute()
