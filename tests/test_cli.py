@@ -96,8 +96,13 @@ def test_up_serves_and_ctrl_c_stops_everything(model_repository):
             inputs[0].set_data_from_numpy(ids)
             inputs[1].set_data_from_numpy(np.ones_like(ids))
             client.async_infer("minilm", inputs, on_answer)
-        time.sleep(0.3)  # sent and admitted; most still wait for a lane
-        assert len(answers) < IN_FLIGHT
+        # Admitted: each is answered already or has its payload in Redis until it is.
+        with redis.Redis.from_url(redis_url) as r:
+            deadline = time.monotonic() + 30
+            while len(answers) + sum(1 for _ in r.scan_iter(contract.payload("*"), count=1000)) < IN_FLIGHT:
+                assert time.monotonic() < deadline, f"only {len(answers)} answered of {IN_FLIGHT} sent"
+                time.sleep(0.01)
+        assert len(answers) < IN_FLIGHT  # most still wait for a lane
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         code = proc.wait(60)

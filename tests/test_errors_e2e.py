@@ -507,9 +507,9 @@ def test_redis_out_of_memory_is_unavailable_and_the_mesh_serves_once_it_has_room
         r.config_set("maxmemory", 1)  # every write refused with OOM: what a Redis at its maxmemory does
         try:
             expect_error(lambda: c.infer("mlp", mlp_inputs()), "StatusCode.UNAVAILABLE", "Redis refuses writes", "maxmemory")
-            # Longer than an executor's heartbeat TTL (3 s): its registration lapses meanwhile, and
-            # comes back only if its heartbeat outlived the refusals.
-            time.sleep(3.5)
+            # Until the executors' registrations lapse (their heartbeats are refused): they come
+            # back only if the heartbeats outlived the refusals.
+            poll(lambda: not any(r.scan_iter(contract.executor("*"))), 15, 0.1, "the registrations to lapse")
         finally:
             r.config_set("maxmemory", 0)
 

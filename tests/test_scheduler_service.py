@@ -196,7 +196,7 @@ def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mes
         time.sleep(0.02)
     warm = _enqueue(r, gateway_id, now_us() + 30_000_000, _mlp_request(np.zeros((1, 32))))
     assert _replies(r, gateway_id, 1)[warm].code == 0  # the executor is idle again
-    real_load_profiles, arrived = s._load_profiles, []
+    real_load_profiles, arrived, missed = s._load_profiles, [], []
 
     async def arrival_after_the_scan(keys):
         # Called by the step once it has read the queues (still empty), before it decides on them.
@@ -210,12 +210,15 @@ def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mes
                 if not await s.redis.llen(contract.notify("mlp", "1")):
                     break
                 await asyncio.sleep(0.01)
+            else:
+                missed.append("the listener never took the arrival's notice: the race did not happen")
         return await real_load_profiles(keys)
 
     s._load_profiles = arrival_after_the_scan
     r.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="other", model_version="1", rows=1,
                                                  compute_infer_ns=1_000_000).SerializeToString())  # a step
     replies = _replies(r, gateway_id, 1)
+    assert not missed, missed
     assert arrived and replies.get(arrived[0]) is not None and replies[arrived[0]].code == 0
 
 
