@@ -17,7 +17,8 @@ import time
 import redis
 
 from batchline import contract
-from batchline.embedded_redis import EmbeddedRedis, die_with_parent
+from batchline.embedded_redis import EmbeddedRedis
+from batchline.lifecycle import PARENT_ENV
 
 DEFAULT_REPOSITORY = "model_repository"
 # How long a service may take to stop before it is killed: longer than the gateway's and the
@@ -62,14 +63,13 @@ class Mesh:
     def _spawn(self, name: str, module: str, *flags: str) -> None:
         cmd = [sys.executable, "-m", module, "--redis-url", self.redis_url, "--host", self.args.host,
                "--log-level", self.args.log_level, *flags]
-        env = None
-        if self.env:
-            env = {**os.environ, **{k: v for k, v in self.env.items() if v is not None}}
-            for key in [k for k, v in self.env.items() if v is None]:
-                env.pop(key, None)
+        env = {**os.environ, **{k: v for k, v in self.env.items() if v is not None}}
+        for key in [k for k, v in self.env.items() if v is None]:
+            env.pop(key, None)
+        env[PARENT_ENV] = str(os.getpid())  # and it goes with this process, should that die without stopping it
         # In a session of its own, so that a Ctrl-C in the terminal reaches only `batchline up`, which
-        # stops the services in order (stop()); and with this process, should it die without stopping them.
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
+        # stops the services in order (stop()).
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.procs.append((name, proc))
         print(f"batchline: started {name} (pid {proc.pid})", flush=True)
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 from typing import Awaitable, Callable
 
 from batchline import eventloop, telemetry
@@ -37,6 +39,24 @@ async def wait_for_signal() -> None:
     await stop.wait()
 
 
+# Set by `batchline up` to its own pid in the services it starts: they go when it goes, even when
+# it is SIGKILLed (they run in sessions of their own, so nothing else would stop them). Armed in the
+# service rather than between fork and exec, where a parent with threads must run no Python.
+PARENT_ENV = "BATCHLINE_DIE_WITH_PARENT"
+
+
+def die_with_parent_if_asked() -> None:
+    parent = os.environ.pop(PARENT_ENV, "")
+    if not parent or sys.platform != "linux":
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # it died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_service(service: str, start: Callable[[], Awaitable[Callable[[], Awaitable[None]]]]) -> None:
     """`start` brings the service up and returns the coroutine function that stops it.
 
@@ -51,6 +71,7 @@ def run_service(service: str, start: Callable[[], Awaitable[Callable[[], Awaitab
         finally:
             await stop()
 
+    die_with_parent_if_asked()
     telemetry.setup_tracing(service)
     try:
         eventloop.run(main())
