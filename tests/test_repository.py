@@ -63,18 +63,15 @@ def test_config_errors_name_the_problem(tmp_path, model_repository):
     with pytest.raises(RepositoryError, match="no models"):
         load_repository(tmp_path)
     model = _one_model(tmp_path, model_repository)
-    (model / "config.toml").write_text("max_batch_size = 4\nmax_batch = 3\n")
-    with pytest.raises(RepositoryError, match="unknown keys.*max_batch"):
-        read_config(model)
-    (model / "config.toml").write_text("max_batch_size = 4\n[padding]\ntokens = 0\n")
-    with pytest.raises(RepositoryError, match="tokens"):
-        load_repository(tmp_path)
-    (model / "config.toml").write_text("default_timeout_ms = 0\n")
-    with pytest.raises(RepositoryError, match="default_timeout_ms must be > 0"):
-        read_config(model)
-    (model / "config.toml").write_text("max_queue_delay_ms = -1\n")
-    with pytest.raises(RepositoryError, match="max_queue_delay_ms must be >= 0"):
-        read_config(model)
+    for text, problem in [
+        ("max_batch_size = 4\nmax_batch = 3\n", "unknown keys.*max_batch"),
+        ("max_batch_size = 4\n[padding]\ntokens = 0\n", "tokens"),
+        ("default_timeout_ms = 0\n", "default_timeout_ms must be > 0"),
+        ("max_queue_delay_ms = -1\n", "max_queue_delay_ms must be >= 0"),
+    ]:
+        (model / "config.toml").write_text(text)
+        with pytest.raises(RepositoryError, match=problem):
+            load_repository(tmp_path)
     (model / "config.toml").write_text("max_batch_size = 4\n")
     (loaded,) = load_repository(tmp_path)
     assert loaded.info.max_batch_size == 4 and loaded.info.default_timeout_ms == 10_000
