@@ -40,8 +40,9 @@ _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
-def die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
-    """A `preexec_fn`: the child gets SIGTERM when the thread that started it dies (Linux)."""
+def die_with_parent() -> None:  # pragma: no cover - runs in the child
+    """SIGTERM for this process when the thread that started it dies (Linux). Imports nothing, so
+    it may also run as a `preexec_fn`, between fork and exec."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 

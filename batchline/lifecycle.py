@@ -9,6 +9,7 @@ import sys
 from typing import Awaitable, Callable
 
 from batchline import eventloop, telemetry
+from batchline.embedded_redis import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,7 @@ def die_with_parent_if_asked() -> None:
     parent = os.environ.pop(PARENT_ENV, "")
     if not parent or sys.platform != "linux":
         return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent()
     if os.getppid() != int(parent):  # it died before the signal was armed
         os.kill(os.getpid(), signal.SIGTERM)
 

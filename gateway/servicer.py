@@ -167,19 +167,24 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         traced = telemetry.enabled()
         with (telemetry.server_span(_tracer, name, context.invocation_metadata(), {"batchline.model": request.model_name})
               if traced else contextlib.nullcontext()) as span:
+            def failed(error: BatchlineError) -> None:
+                labels = self.gateway.metric_labels(request.model_name, request.model_version)
+                metrics.REQUEST_FAILURE.labels(*labels, metrics.status_reason(grpc_status(error))).inc()
+                if traced:
+                    telemetry.set_error(span, f"{grpc_status(error).name}: {error}")
+
             try:
                 response = await self.gateway.infer(request, context.time_remaining(), *_trace_headers(context))
+            except BatchlineError as exc:
+                failed(exc)
+                raise
             except Exception as exc:
-                if not isinstance(exc, BatchlineError):
-                    # A bug or a failure nobody foresaw: INTERNAL with what happened, not gRPC's
-                    # UNKNOWN, and on a stream an answer rather than a request left hanging.
-                    log.exception("request %r to model %r failed unexpectedly", request.id, request.model_name)
-                    exc = Internal(f"the gateway failed on this request unexpectedly ({type(exc).__name__}: {exc})")
-                labels = self.gateway.metric_labels(request.model_name, request.model_version)
-                metrics.REQUEST_FAILURE.labels(*labels, metrics.status_reason(grpc_status(exc))).inc()
-                if traced:
-                    telemetry.set_error(span, f"{grpc_status(exc).name}: {exc}")
-                raise exc
+                # A bug or a failure nobody foresaw: INTERNAL with what happened, not gRPC's UNKNOWN,
+                # and on a stream an answer rather than a request left hanging.
+                log.exception("request %r to model %r failed unexpectedly", request.id, request.model_name)
+                error = Internal(f"the gateway failed on this request unexpectedly ({type(exc).__name__}: {exc})")
+                failed(error)
+                raise error from exc
         metrics.REQUEST_SUCCESS.labels(response.model_name, response.model_version).inc()
         metrics.REQUEST_DURATION.labels(response.model_name, response.model_version).observe(time.perf_counter() - started)
         return response
