@@ -167,6 +167,14 @@ end
 return 0
 """
 
+# Appends to a list and sets its expiry in one command: a list must never be left without one
+# (e.g. a reply list whose gateway died, written by a connection lost between two commands).
+# KEYS: the list; ARGV: ttl s, then the values.
+PUSH_WITH_TTL_LUA = """
+redis.call('RPUSH', KEYS[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+"""
+
 # Gives the lease up at shutdown so a standby takes over at once.
 RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then

@@ -597,18 +597,21 @@ class Scheduler:
         now = time.time()
         pipe.zrem(contract.queue(*key), *(p.member for p in expired))
         pipe.delete(*(contract.payload(p.request_id) for p in expired))
+        replies: dict[str, list[bytes]] = {}
         for p in expired:
             entry = self._entries[p.member]
-            budget = f"{1e3 * (p.deadline - p.enqueued):.1f} ms budget"
-            why = (f"its {budget} ran out in the queue of model '{key[0]}'" if p.deadline <= now else
-                   f"its {budget} cannot be met: model '{key[0]}' would finish it after its deadline")
+            # The time it had to be run in: its budget less the gateway's answer margin.
+            budget = f"{1e3 * (p.deadline - p.enqueued):.1f} ms it had to run in"
+            why = (f"the {budget} ran out in the queue of model '{key[0]}'" if p.deadline <= now else
+                   f"the {budget} cannot be met: model '{key[0]}' would finish it too late")
             reply = pb.Reply(
                 request_id=p.request_id,
                 code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
                 message=f"deadline exceeded: {why} (shed before running; retry with a larger timeout or less load)",
             )
-            pipe.rpush(contract.reply(entry.gateway_id), reply.SerializeToString())
-            pipe.expire(contract.reply(entry.gateway_id), contract.REPLY_TTL)
+            replies.setdefault(contract.reply(entry.gateway_id), []).append(reply.SerializeToString())
+        for reply_list, blobs in replies.items():
+            pipe.eval(contract.PUSH_WITH_TTL_LUA, 1, reply_list, contract.REPLY_TTL, *blobs)
         skey = contract.stats(*key)
         pipe.hincrby(skey, "fail_count", len(expired))
         pipe.expire(skey, contract.STATS_TTL)

@@ -170,3 +170,15 @@ def test_an_idle_queue_outlives_the_longest_budget_its_entries_can_have():
     from gateway.core import MAX_BUDGET_S
 
     assert contract.QUEUE_TTL > contract.MAX_BUDGET_S == MAX_BUDGET_S
+
+
+def test_push_with_ttl_appends_and_sets_the_expiry_in_one_command():
+    with EmbeddedRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        try:
+            r.rpush("bl:reply:t", b"old")  # a list that lost its expiry, or never had one
+            r.eval(contract.PUSH_WITH_TTL_LUA, 1, "bl:reply:t", contract.REPLY_TTL, b"a", b"b")
+            assert r.lrange("bl:reply:t", 0, -1) == [b"old", b"a", b"b"]
+            assert 0 < r.ttl("bl:reply:t") <= contract.REPLY_TTL
+        finally:
+            r.close()
