@@ -169,9 +169,19 @@ return 0
 
 # Appends to a list and sets its expiry in one command: a list must never be left without one
 # (e.g. a reply list whose gateway died, written by a connection lost between two commands).
-# KEYS: the list; ARGV: ttl s, then the values.
+# KEYS: the list; ARGV: ttl s, then the values. One RPUSH per value, not unpack(): Lua's stack caps
+# unpack at 7,999 values, and a scheduler back from an outage can shed more than that at once.
 PUSH_WITH_TTL_LUA = """
-redis.call('RPUSH', KEYS[1], unpack(ARGV, 2))
+for i = 2, #ARGV do
+  redis.call('RPUSH', KEYS[1], ARGV[i])
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+"""
+
+# Adds to a hash field and sets the hash's expiry in one command, for the same reason.
+# KEYS: the hash; ARGV: ttl s, field, increment.
+COUNT_WITH_TTL_LUA = """
+redis.call('HINCRBY', KEYS[1], ARGV[2], ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 """
 

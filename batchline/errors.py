@@ -12,6 +12,14 @@ import grpc
 RETRY_AFTER_KEY = "retry-after-ms"
 
 
+def duration_text(seconds: float) -> str:
+    """A duration as messages quote it: 850 µs, 2.5 ms, 200 ms."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    ms = seconds * 1e3
+    return f"{ms:.1f} ms" if ms < 10 else f"{ms:.0f} ms"
+
+
 class BatchlineError(Exception):
     """Base of every error that becomes a gRPC status.
 

@@ -121,9 +121,13 @@ def main() -> int:
     print(f"machine: {_common.machine()}; {args.rate:g} requests/s, {args.duration:g} s each")
     rows = [["server", "calls", "server CPU ms/request", "client CPU ms/request", "both", "statuses"]]
 
+    # One event loop for every measurement: grpc.aio binds its completion queue to the first loop it
+    # runs on, and a later asyncio.run() would leave its poller calling into a closed one.
+    runner = asyncio.Runner()
+
     def measure(name: str, address: str, pid: int) -> None:
         for streaming in (False, True):
-            server, client, codes = asyncio.run(drive(address, pid, args.rate, args.duration, streaming))
+            server, client, codes = runner.run(drive(address, pid, args.rate, args.duration, streaming))
             rows.append([name, "stream" if streaming else "unary", f"{server:.3f}", f"{client:.3f}",
                          f"{server + client:.3f}", " ".join(f"{k}={v}" for k, v in sorted(codes.items()))])
             print(f"  {name}, {rows[-1][1]}: server {server:.3f} ms, client {client:.3f} ms per request", flush=True)
@@ -143,6 +147,7 @@ def main() -> int:
         measure("gateway (admission refuses)", address, gateway.pid)
     finally:
         m.stop()
+        runner.close()
     print()
     print(_common.table(rows))
     return 0

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from batchline.errors import BatchlineError, DeadlineExceeded, ResourceExhausted
+from batchline.errors import BatchlineError, DeadlineExceeded, ResourceExhausted, duration_text
 from batchline.protocol import internal_pb2 as pb
 from batchline.sizing import margin_for
 
@@ -92,11 +92,6 @@ def predicted_finish_s(load: pb.ModelLoad, max_batch_size: int, priority: int, r
     return finish - now_s
 
 
-def _ms(seconds: float) -> str:
-    ms = seconds * 1e3
-    return f"{ms:.1f}" if ms < 10 else f"{ms:.0f}"
-
-
 def admit(
     load: pb.ModelLoad,
     model: pb.ModelInfo,
@@ -130,9 +125,9 @@ def admit(
     # budget. Refusing on it would then refuse everything, so nothing would run and report, and
     # the margin would never come down again.
     typical = alone - margin_s(load, units)
-    stated = f"{_ms(stated_budget_s or budget_s)} ms budget"
+    stated = f"{duration_text(stated_budget_s or budget_s)} budget"
     if stated_budget_s is not None and stated_budget_s > budget_s:
-        stated += f" ({_ms(budget_s)} ms to run in, once the answer's way back is kept)"
+        stated += f" ({duration_text(budget_s)} to run in, once the answer's way back is kept)"
     if typical > budget_s:
         return DeadlineExceeded(
             f"the {stated} is shorter than model '{model.name}' takes to run this request "

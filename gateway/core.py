@@ -29,6 +29,7 @@ from batchline.errors import (
     NotFound,
     ResourceExhausted,
     Unavailable,
+    duration_text,
     from_status_value,
 )
 from batchline.protocol import inference_pb2 as ipb
@@ -56,10 +57,6 @@ LOAD_IDLE_REFRESH_S = 0.5
 # Budgets are capped so that an absurd `timeout` (Triton's is a 64-bit µs
 # count) cannot overflow a deadline; nothing is served after a day anyway.
 MAX_BUDGET_S = float(contract.MAX_BUDGET_S)
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e6:.0f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.0f} ms"
 
 
 @dataclass
@@ -348,7 +345,7 @@ class Gateway:
         priority = request_priority(request, model)
         budget = self.budget_s(request, model, grpc_remaining)
         if budget <= 0:
-            raise DeadlineExceeded(f"the request's deadline had already passed when it reached the gateway (budget {_ms(budget)})")
+            raise DeadlineExceeded(f"the request's deadline had already passed when it reached the gateway (budget {duration_text(budget)})")
         key = (model.name, model.version)
         if self.draining:
             raise Unavailable("this gateway is shutting down: retry on another instance")
@@ -441,7 +438,7 @@ class Gateway:
                 reply: pb.Reply = await asyncio.wait_for(fut, timeout=max(0.0, enqueued / 1e6 + budget - time.time()))
             except asyncio.TimeoutError:
                 raise DeadlineExceeded(
-                    f"no answer from model '{model.name}' within the {_ms(budget)} budget"
+                    f"no answer from model '{model.name}' within the {duration_text(budget)} budget"
                 ) from None
         except BaseException:
             # Timed out, cancelled by the client, refused, or Redis failed: make

@@ -32,6 +32,7 @@ import grpc
 
 from batchline import contract, metrics, telemetry, tracecontext
 from batchline.clock import now_us
+from batchline.errors import duration_text
 from batchline.lifecycle import stop_tasks
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
@@ -601,7 +602,7 @@ class Scheduler:
         for p in expired:
             entry = self._entries[p.member]
             # The time it had to be run in: its budget less the gateway's answer margin.
-            budget = f"{1e3 * (p.deadline - p.enqueued):.1f} ms it had to run in"
+            budget = f"{duration_text(p.deadline - p.enqueued)} it had to run in"
             why = (f"the {budget} ran out in the queue of model '{key[0]}'" if p.deadline <= now else
                    f"the {budget} cannot be met: model '{key[0]}' would finish it too late")
             reply = pb.Reply(
@@ -612,9 +613,7 @@ class Scheduler:
             replies.setdefault(contract.reply(entry.gateway_id), []).append(reply.SerializeToString())
         for reply_list, blobs in replies.items():
             pipe.eval(contract.PUSH_WITH_TTL_LUA, 1, reply_list, contract.REPLY_TTL, *blobs)
-        skey = contract.stats(*key)
-        pipe.hincrby(skey, "fail_count", len(expired))
-        pipe.expire(skey, contract.STATS_TTL)
+        pipe.eval(contract.COUNT_WITH_TTL_LUA, 1, contract.stats(*key), contract.STATS_TTL, "fail_count", len(expired))
 
     async def _recover(self, stale: list[str]) -> None:
         """Hand back the batches of executors whose heartbeat expired, then forget them."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchline.errors import DeadlineExceeded, ResourceExhausted
+from batchline.errors import DeadlineExceeded, ResourceExhausted, duration_text
 from batchline.protocol import internal_pb2 as pb
 from gateway.admission import Calibration, admit, batch_cost_s, predicted_finish_s, retry_spacing_s
 
@@ -160,7 +160,15 @@ def test_rows_admitted_since_the_view_can_tip_the_balance():
 def test_a_budget_below_the_run_time_alone_is_deadline_exceeded():
     err = admit(load(tail()), MODEL, 1, 4, budget_s=0.05, now_s=NOW)  # alone: 0.06 s
     assert isinstance(err, DeadlineExceeded)
-    assert "raise the timeout" in str(err)
+    assert "raise the timeout" in str(err) and "the 50 ms budget" in str(err)
+    # A client's sub-millisecond budget is quoted in µs, not as "0 ms".
+    err = admit(load(tail()), MODEL, 1, 4, budget_s=0.0004, now_s=NOW)
+    assert isinstance(err, DeadlineExceeded) and "the 400 µs budget" in str(err)
+
+
+@pytest.mark.parametrize("seconds, text", [(0.00085, "850 µs"), (0.0025, "2.5 ms"), (0.2, "200 ms"), (12.5, "12500 ms")])
+def test_durations_are_quoted_in_the_unit_a_person_reads(seconds, text):
+    assert duration_text(seconds) == text
 
 
 def test_a_margin_past_the_budget_does_not_refuse_what_runs_in_time_on_an_idle_executor():

@@ -180,5 +180,22 @@ def test_push_with_ttl_appends_and_sets_the_expiry_in_one_command():
             r.eval(contract.PUSH_WITH_TTL_LUA, 1, "bl:reply:t", contract.REPLY_TTL, b"a", b"b")
             assert r.lrange("bl:reply:t", 0, -1) == [b"old", b"a", b"b"]
             assert 0 < r.ttl("bl:reply:t") <= contract.REPLY_TTL
+            # More values than Lua's unpack() takes (a scheduler shedding a backlog at once).
+            many = [f"r{i}".encode() for i in range(9_000)]
+            r.eval(contract.PUSH_WITH_TTL_LUA, 1, "bl:reply:many", contract.REPLY_TTL, *many)
+            assert r.lrange("bl:reply:many", 0, -1) == many
+            assert 0 < r.ttl("bl:reply:many") <= contract.REPLY_TTL
+        finally:
+            r.close()
+
+
+def test_count_with_ttl_adds_and_sets_the_expiry_in_one_command():
+    with EmbeddedRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        try:
+            r.hset("bl:stats:m:1", "fail_count", 2)  # a hash that lost its expiry, or never had one
+            r.eval(contract.COUNT_WITH_TTL_LUA, 1, "bl:stats:m:1", contract.STATS_TTL, "fail_count", 3)
+            assert r.hget("bl:stats:m:1", "fail_count") == b"5"
+            assert 0 < r.ttl("bl:stats:m:1") <= contract.STATS_TTL
         finally:
             r.close()
