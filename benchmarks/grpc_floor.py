@@ -4,7 +4,7 @@
 
 On a host whose cores the model shares with the gateway and the load generator, every request's
 gRPC handling on both sides comes out of the model's CPU. This measures that cost at its floor and
-in the mesh, in CPU ms per request, with the load generator's own code (`batchline.bench`'s unary
+in the mesh, in CPU ms per request, with the load generator's own code and event loop (`batchline.bench`'s unary
 calls and open-loop stream mux) sending Poisson arrivals at --rate:
 
 1. The floor: a bare grpc.aio server (uvloop, like the gateway) in a subprocess that refuses every
@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 import _common
+from batchline import eventloop
 from batchline.bench.loadgen import Endpoint, arrival_times
 from batchline.cli import Mesh
 from batchline.protocol import inference_pb2 as ipb
@@ -121,9 +122,10 @@ def main() -> int:
     print(f"machine: {_common.machine()}; {args.rate:g} requests/s, {args.duration:g} s each")
     rows = [["server", "calls", "server CPU ms/request", "client CPU ms/request", "both", "statuses"]]
 
-    # One event loop for every measurement: grpc.aio binds its completion queue to the first loop it
-    # runs on, and a later asyncio.run() would leave its poller calling into a closed one.
-    runner = asyncio.Runner()
+    # One event loop for every measurement, the bench's own (uvloop when installed): grpc.aio binds
+    # its completion queue to the first loop it runs on, and a later asyncio.run() would leave its
+    # poller calling into a closed one.
+    runner = asyncio.Runner(loop_factory=eventloop.loop_factory())
 
     def measure(name: str, address: str, pid: int) -> None:
         for streaming in (False, True):
