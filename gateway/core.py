@@ -345,7 +345,7 @@ class Gateway:
         priority = request_priority(request, model)
         budget = self.budget_s(request, model, grpc_remaining)
         if budget <= 0:
-            raise DeadlineExceeded(f"the request's deadline had already passed when it reached the gateway (budget {duration_text(budget)})")
+            raise DeadlineExceeded(f"the request's deadline had passed {duration_text(-budget)} before it reached the gateway")
         key = (model.name, model.version)
         if self.draining:
             raise Unavailable("this gateway is shutting down: retry on another instance")
