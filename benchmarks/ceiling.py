@@ -16,11 +16,16 @@
    batch size and way timed for as long as the step (--duration s at a stretch). The ceiling itself
    is the best of many 1 s rounds, an upper bound on a shared host whose speed drifts by 20% within
    minutes; the pair brackets the step in time, so the drift hits both sides alike.
-4. Prints mesh / ceiling and mesh / paired (the mean of the two bracketing timings), per way of
-   calling. ONNX Runtime alone and the mesh never run at the same time.
+4. gRPC's floor (grpc_floor.py): the CPU a bare grpc.aio server that refuses everything and the
+   bench's client spend per call, unary and over streams, before the mesh starts. A request that
+   costs that besides the model's m CPU ms (the cores over the ceiling) reaches at most
+   m / (m + floor) of the ceiling on the same cores: the cap.
+5. Prints mesh / ceiling, mesh / paired (the mean of the two bracketing timings) and the cap, per
+   way of calling. ONNX Runtime alone, gRPC's floor and the mesh never run at the same time.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
 import sys
@@ -30,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 import _common
+import grpc_floor
+from batchline import eventloop
 from batchline.bench import InputOptions, run_closed
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
@@ -38,6 +45,7 @@ RUN_S = 1.0  # timed seconds per batch size and round
 # in several rounds (interleaved, so a burst of outside load does not hit one size only) and the
 # best round counts: the ceiling is an upper bound.
 ROUNDS = 3
+FLOOR_RATE, FLOOR_S = 300.0, 5.0  # gRPC's floor: Poisson calls/s, seconds each way
 
 
 ONE_RUN = "one run over all cores"
@@ -125,6 +133,15 @@ def main() -> int:
         # step, shows how much of the gap is the host's drift rather than the mesh.
         sustained[seq] = Sustained(model_path, seq, at, way)
 
+    with asyncio.Runner(loop_factory=eventloop.loop_factory()) as runner:
+        floor = grpc_floor.bare_floor(runner, FLOOR_RATE, FLOOR_S)
+    print(f"gRPC's floor (a bare grpc.aio server and the bench's client, CPU per call): "
+          f"{floor['unary']:.2f} ms unary, {floor['stream']:.2f} ms over streams", flush=True)
+    cores = len(os.sched_getaffinity(0))
+
+    def cap(seq: int, calls: str) -> float:
+        return grpc_floor.ceiling_cap(cores * 1e3 / ceilings[seq][0], floor[calls])
+
     steps = [(128, 32, False), (16, 32, False), (16, 64, False), (16, 128, False), (128, 32, True), (16, 128, True)]
     measured = []
     with _common.mesh(repo, log_level=args.log_level) as address:
@@ -142,7 +159,7 @@ def main() -> int:
                   f"{s.status_counts}; ONNX Runtime alone before / after: {before:.0f} / {after:.0f} seq/s", flush=True)
 
     rows = [["tokens", "in flight", "calls", "mesh seq/s", "ceiling seq/s (batch)", "mesh/ceiling",
-             "paired seq/s", "mesh/paired", "mean batch", "p99 ms"]]
+             "paired seq/s", "mesh/paired", "gRPC floor's cap", "mean batch", "p99 ms"]]
     best: dict[tuple[int, str], tuple[float, float]] = {}
     for seq, conc, s, paired in measured:
         ceiling, at = ceilings[seq]
@@ -151,12 +168,13 @@ def main() -> int:
             best[seq, calls] = (s.throughput_rps, paired)
         rows.append([str(seq), str(conc), calls, f"{s.throughput_rps:.0f}", f"{ceiling:.0f} ({at})",
                      f"{s.throughput_rps / ceiling:.2f}", f"{paired:.0f}", f"{s.throughput_rps / paired:.2f}",
-                     _common.f(s.mean_batch_size), _common.f((s.latency_ms or {}).get("p99"))])
+                     f"{cap(seq, 'stream' if s.streaming else 'unary'):.2f}", _common.f(s.mean_batch_size), _common.f((s.latency_ms or {}).get("p99"))])
     print()
     print(_common.table(rows))
     for (seq, calls), (rps, paired) in best.items():
         print(f"minilm {seq} tokens, {calls} calls: best mesh/ceiling = {rps / ceilings[seq][0]:.2f} "
-              f"(that step against ONNX Runtime alone timed around it: {rps / paired:.2f})")
+              f"(that step against ONNX Runtime alone timed around it: {rps / paired:.2f}); "
+              f"gRPC's floor alone caps it at {cap(seq, calls):.2f} here")
     return 0
 
 

@@ -110,6 +110,38 @@ async def drive(address: str, server_pid: int, rate: float, duration: float, str
     return server / n * 1e3, client / n * 1e3, codes
 
 
+def bare_floor(runner: asyncio.Runner, rate: float, duration: float, report=None) -> dict[str, float]:
+    """gRPC's floor here: CPU ms per call, server and client together, of a bare grpc.aio server that
+    refuses everything, driven by the bench's client at `rate` Poisson arrivals for `duration` s each
+    way: {"unary": ms, "stream": ms}. `report(name, calls, server_ms, client_ms, codes)`, if given,
+    sees each measurement."""
+    floor = {}
+    bare = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(bare.stdout.readline())
+        for streaming in (False, True):
+            server, client, codes = runner.run(drive(f"127.0.0.1:{port}", bare.pid, rate, duration, streaming))
+            floor["stream" if streaming else "unary"] = server + client
+            if report:
+                report("bare grpc.aio", "stream" if streaming else "unary", server, client, codes)
+    finally:
+        bare.kill()
+        bare.wait()
+    return floor
+
+
+def ceiling_cap(model_ms: float, floor_ms: float) -> float:
+    """The most of the model's ceiling a request can reach when, besides the model's `model_ms` of CPU,
+    it costs `floor_ms` on the same cores."""
+    return model_ms / (model_ms + floor_ms)
+
+
+def overload_cap(request_ms: float, refusal_ms: float, factor: float) -> float:
+    """The most of the capacity that `factor` x capacity offered can leave as goodput, when the
+    capacity fills the cores at `request_ms` of CPU a request and each refusal costs `refusal_ms`."""
+    return (request_ms - factor * refusal_ms) / (request_ms - refusal_ms)
+
+
 def main() -> int:
     if sys.argv[1:] == ["--serve"]:
         serve()
@@ -127,21 +159,17 @@ def main() -> int:
     # poller calling into a closed one.
     runner = asyncio.Runner(loop_factory=eventloop.loop_factory())
 
+    def report(name: str, calls: str, server: float, client: float, codes: dict) -> None:
+        rows.append([name, calls, f"{server:.3f}", f"{client:.3f}", f"{server + client:.3f}",
+                     " ".join(f"{k}={v}" for k, v in sorted(codes.items()))])
+        print(f"  {name}, {calls}: server {server:.3f} ms, client {client:.3f} ms per request", flush=True)
+
     def measure(name: str, address: str, pid: int) -> None:
         for streaming in (False, True):
             server, client, codes = runner.run(drive(address, pid, args.rate, args.duration, streaming))
-            rows.append([name, "stream" if streaming else "unary", f"{server:.3f}", f"{client:.3f}",
-                         f"{server + client:.3f}", " ".join(f"{k}={v}" for k, v in sorted(codes.items()))])
-            print(f"  {name}, {rows[-1][1]}: server {server:.3f} ms, client {client:.3f} ms per request", flush=True)
+            report(name, "stream" if streaming else "unary", server, client, codes)
 
-    bare = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(bare.stdout.readline())
-        measure("bare grpc.aio", f"127.0.0.1:{port}", bare.pid)
-    finally:
-        bare.kill()
-        bare.wait()
-
+    bare_floor(runner, args.rate, args.duration, report)
     m = Mesh(_common.mesh_args(repo, args.log_level))
     try:
         address = m.start()

@@ -20,6 +20,10 @@
    RESOURCE_EXHAUSTED) answered OK within the budget, p99 of admitted requests' answers (any
    status) and of OK answers, counts by status, and how late the load generator sent (p99; large
    values mean the client fell behind).
+3. gRPC's floor (grpc_floor.py, measured first, before any mesh): the CPU a bare grpc.aio server
+   that refuses everything and the bench's client spend per call. If the capacity C fills the
+   cores (k = cores / C CPU ms a request) and every refusal costs at least that floor c, offering
+   --factor f x C leaves goodput / capacity at most (k - f c) / (k - c): the cap it prints.
 
 Requests are unary ModelInfer calls, or with --streaming messages on ModelStreamInfer streams
 throughout (capacity and overload alike): a refusal is then a message on an open stream rather than
@@ -29,12 +33,17 @@ A scheduler without the `policy` setting runs once, as it is, and the report say
 """
 from __future__ import annotations
 
+import asyncio
+import os
 import sys
 
 import _common
+import grpc_floor
+from batchline import eventloop
 from batchline.bench import InputOptions, StepResult, run_closed, run_open
 
 POLICIES = ["deadline", "fifo"]
+FLOOR_RATE, FLOOR_S = 300.0, 5.0  # gRPC's floor: Poisson calls/s, seconds
 
 
 def policy_supported() -> bool:
@@ -75,6 +84,10 @@ def main() -> int:
     inputs = InputOptions(seq_len=args.seq_len, int_ranges={"input_ids": (1000, 29000)})
     calls = "ModelStreamInfer streams" if args.streaming else "unary calls"
     print(f"machine: {_common.machine()}; minilm {args.seq_len} tokens, budget {args.budget_ms:g} ms, {calls}")
+
+    with asyncio.Runner(loop_factory=eventloop.loop_factory()) as runner:
+        floor = grpc_floor.bare_floor(runner, FLOOR_RATE, FLOOR_S)["stream" if args.streaming else "unary"]
+    print(f"gRPC's floor (a bare grpc.aio server and the bench's client, CPU per call): {floor:.2f} ms", flush=True)
 
     supported = policy_supported()
     policies = POLICIES if supported else [None]
@@ -148,6 +161,9 @@ def main() -> int:
         ])
     print()
     print(_common.table(rows))
+    request_ms = len(os.sched_getaffinity(0)) * 1e3 / capacity
+    print(f"gRPC's floor alone ({floor:.2f} ms a refusal; {request_ms:.2f} ms a request if the capacity fills the "
+          f"cores) caps goodput/capacity at {grpc_floor.overload_cap(request_ms, floor, args.factor):.2f} here")
     if "deadline" in results and "fifo" in results and results["fifo"].goodput_rps > 0:
         print(f"goodput deadline/fifo = {results['deadline'].goodput_rps / results['fifo'].goodput_rps:.2f}")
     return 0
