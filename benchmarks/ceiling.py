@@ -25,7 +25,6 @@
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import pathlib
 import sys
@@ -36,7 +35,6 @@ import numpy as np
 
 import _common
 import grpc_floor
-from batchline import eventloop
 from batchline.bench import InputOptions, run_closed
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
@@ -45,7 +43,6 @@ RUN_S = 1.0  # timed seconds per batch size and round
 # in several rounds (interleaved, so a burst of outside load does not hit one size only) and the
 # best round counts: the ceiling is an upper bound.
 ROUNDS = 3
-FLOOR_RATE, FLOOR_S = 300.0, 5.0  # gRPC's floor: Poisson calls/s, seconds each way
 
 
 ONE_RUN = "one run over all cores"
@@ -133,8 +130,7 @@ def main() -> int:
         # step, shows how much of the gap is the host's drift rather than the mesh.
         sustained[seq] = Sustained(model_path, seq, at, way)
 
-    with asyncio.Runner(loop_factory=eventloop.loop_factory()) as runner:
-        floor = grpc_floor.bare_floor(runner, FLOOR_RATE, FLOOR_S)
+    floor = grpc_floor.floor_here()
     print(f"gRPC's floor (a bare grpc.aio server and the bench's client, CPU per call): "
           f"{floor['unary']:.2f} ms unary, {floor['stream']:.2f} ms over streams", flush=True)
     cores = len(os.sched_getaffinity(0))

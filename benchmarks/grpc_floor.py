@@ -130,6 +130,13 @@ def bare_floor(runner: asyncio.Runner, rate: float, duration: float, report=None
     return floor
 
 
+def floor_here(rate: float = 300.0, duration: float = 5.0) -> dict[str, float]:
+    """`bare_floor` on an event loop of its own, the bench's: what ceiling.py and overload.py measure
+    before their meshes."""
+    with asyncio.Runner(loop_factory=eventloop.loop_factory()) as runner:
+        return bare_floor(runner, rate, duration)
+
+
 def ceiling_cap(model_ms: float, floor_ms: float) -> float:
     """The most of the model's ceiling a request can reach when, besides the model's `model_ms` of CPU,
     it costs `floor_ms` on the same cores."""

@@ -33,17 +33,14 @@ A scheduler without the `policy` setting runs once, as it is, and the report say
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 
 import _common
 import grpc_floor
-from batchline import eventloop
 from batchline.bench import InputOptions, StepResult, run_closed, run_open
 
 POLICIES = ["deadline", "fifo"]
-FLOOR_RATE, FLOOR_S = 300.0, 5.0  # gRPC's floor: Poisson calls/s, seconds
 
 
 def policy_supported() -> bool:
@@ -85,8 +82,7 @@ def main() -> int:
     calls = "ModelStreamInfer streams" if args.streaming else "unary calls"
     print(f"machine: {_common.machine()}; minilm {args.seq_len} tokens, budget {args.budget_ms:g} ms, {calls}")
 
-    with asyncio.Runner(loop_factory=eventloop.loop_factory()) as runner:
-        floor = grpc_floor.bare_floor(runner, FLOOR_RATE, FLOOR_S)["stream" if args.streaming else "unary"]
+    floor = grpc_floor.floor_here()["stream" if args.streaming else "unary"]
     print(f"gRPC's floor (a bare grpc.aio server and the bench's client, CPU per call): {floor:.2f} ms", flush=True)
 
     supported = policy_supported()

@@ -61,7 +61,6 @@ def test_expired_requests_are_answered_by_the_scheduler_and_never_executed(mesh_
     assert int(stats[b"inference_count"]) == 1  # only the live one ran
     assert int(stats[b"fail_count"]) == 1
     assert 0 < r.ttl(contract.stats("mlp", "1")) <= contract.STATS_TTL
-    assert 0 < r.ttl(contract.reply(gateway_id)) <= contract.REPLY_TTL or not r.exists(contract.reply(gateway_id))
     assert m.scheduler.scheduler.counts["shed"] == 1
 
 
