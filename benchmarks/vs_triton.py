@@ -1,0 +1,208 @@
+"""batchline against Triton, side by side: the same ONNX files, the same client, alternating rounds.
+
+    python benchmarks/vs_triton.py [--rounds 3] [--duration 10] [--peer-python /work/peers/triton/bin/python]
+
+Triton runs through nvidia-pytriton (PyPI; it ships Triton's server binary) in its own virtualenv
+(`python -m venv /work/peers/triton && /work/peers/triton/bin/pip install nvidia-pytriton onnxruntime
+numpy`), serving the repository's latest versions with its dynamic batcher set from each config.toml
+(benchmarks/peers/pytriton_server.py). batchline runs as `batchline up` would. Both stay up for the
+whole run; each round measures every workload on both, the order alternating from round to round, with
+the same `batchline bench` client (tritonclient's grpc.aio stubs). Per workload it prints each round's
+requests/s and p50/p99 on both, and the median over rounds of batchline/Triton for throughput and
+latency, with the CPU each request took per process (psutil, over the measured window).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import signal
+import statistics
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import psutil
+
+import _common
+from batchline.bench import InputOptions, StepResult, run_closed
+
+PEER_SERVER = pathlib.Path(__file__).resolve().parent / "peers" / "pytriton_server.py"
+DEFAULT_PEER_PYTHON = "/work/peers/triton/bin/python"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str
+    concurrency: int
+    streaming: bool = False
+    seq_len: int | None = None
+
+
+WORKLOADS = [
+    Workload("mlp unary, 1 in flight", "mlp", 1),
+    Workload("mlp unary, 32 in flight", "mlp", 32),
+    Workload("mlp streams, 1 in flight", "mlp", 1, streaming=True),
+    Workload("mlp streams, 32 in flight", "mlp", 32, streaming=True),
+    Workload("minilm 16 tokens, 32 in flight", "minilm", 32, seq_len=16),
+    Workload("minilm 128 tokens, 32 in flight", "minilm", 32, seq_len=128),
+]
+
+
+@dataclass
+class Run:
+    step: StepResult
+    cpu_ms: dict[str, float] = field(default_factory=dict)  # per request, per process role
+
+    @property
+    def p50(self) -> float:
+        return (self.step.latency_ms or {}).get("p50", float("nan"))
+
+    @property
+    def p99(self) -> float:
+        return (self.step.latency_ms or {}).get("p99", float("nan"))
+
+
+def role(proc: psutil.Process) -> str | None:
+    """Which part of which server a process of this script's tree is."""
+    try:
+        cmd = " ".join(proc.cmdline())
+    except psutil.Error:
+        return None
+    if "redis-server" in cmd:
+        return "redis"
+    for service in ("gateway", "scheduler", "executor"):
+        if f"-m {service}" in cmd:
+            return service
+    return "triton" if proc.pid != os.getpid() else None
+
+
+def cpu_snapshot() -> dict[str, float]:
+    """CPU seconds so far of this process (the client) and of every server process it started, by role."""
+    me = psutil.Process()
+    totals = {"client": sum(me.cpu_times()[:2])}
+    for child in me.children(recursive=True):
+        name = role(child)
+        if name is None:
+            continue
+        with contextlib.suppress(psutil.Error):
+            t = child.cpu_times()
+            totals[name] = totals.get(name, 0.0) + t.user + t.system
+    return totals
+
+
+@contextlib.contextmanager
+def triton(repository: pathlib.Path, peer_python: str) -> Iterator[str]:
+    env = dict(os.environ)
+    # pytriton's Triton binary links against libpython from the interpreter's LIBDIR.
+    env["LD_LIBRARY_PATH"] = ":".join(filter(None, [sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH")]))
+    proc = subprocess.Popen([peer_python, str(PEER_SERVER), "--model-repository", str(repository)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        port = None
+        for line in proc.stdout:
+            if line.startswith("ready "):
+                port = int(line.split()[1])
+                break
+        if port is None:
+            raise SystemExit(f"Triton did not start (exit code {proc.wait()}); run {PEER_SERVER.name} by hand to see why")
+        # Keep draining Triton's log so that it never blocks on a full pipe.
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        yield f"127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def measure(address: str, w: Workload, args) -> Run:
+    before = cpu_snapshot()
+    t0 = time.monotonic()
+    step = run_closed(address, w.model, w.concurrency, args.duration, warmup=args.warmup,
+                      budget_ms=_common.CAPACITY_BUDGET_MS, inputs=InputOptions(seq_len=w.seq_len),
+                      streaming=w.streaming)
+    after = cpu_snapshot()
+    # The CPU of the warm-up is in the deltas too: spread it over the requests of both windows.
+    elapsed = time.monotonic() - t0
+    requests = max(1, step.throughput_rps * elapsed)
+    cpu = {k: (after[k] - before.get(k, 0.0)) * 1e3 / requests for k in after}
+    return Run(step, cpu)
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def report(w: Workload, ours: list[Run], theirs: list[Run]) -> list[list[str]]:
+    f = _common.f
+    thr = statistics.median(ratio(o.step.throughput_rps, t.step.throughput_rps) for o, t in zip(ours, theirs))
+    p50 = statistics.median(ratio(o.p50, t.p50) for o, t in zip(ours, theirs))
+    p99 = statistics.median(ratio(o.p99, t.p99) for o, t in zip(ours, theirs))
+    rounds = "; ".join(f"{o.step.throughput_rps:.0f} vs {t.step.throughput_rps:.0f}" for o, t in zip(ours, theirs))
+    return [[w.name, f(thr, ".2f"), f(p50, ".2f"), f(p99, ".2f"),
+             f(statistics.median(o.p50 for o in ours)), f(statistics.median(t.p50 for t in theirs)),
+             f(statistics.median(o.p99 for o in ours)), f(statistics.median(t.p99 for t in theirs)), rounds]]
+
+
+def cpu_table(results: dict[Workload, tuple[list[Run], list[Run]]]) -> str:
+    roles = ["client", "gateway", "redis", "scheduler", "executor"]
+    rows = [["workload", *roles, "batchline total", "client (Triton)", "triton", "Triton total"]]
+    for w, (ours, theirs) in results.items():
+        med = {r: statistics.median(o.cpu_ms.get(r, 0.0) for o in ours) for r in roles}
+        client_t = statistics.median(t.cpu_ms.get("client", 0.0) for t in theirs)
+        server_t = statistics.median(t.cpu_ms.get("triton", 0.0) for t in theirs)
+        rows.append([w.name, *(f"{med[r]:.3f}" for r in roles), f"{sum(med.values()):.3f}",
+                     f"{client_t:.3f}", f"{server_t:.3f}", f"{client_t + server_t:.3f}"])
+    return _common.table(rows)
+
+
+def main() -> int:
+    p = _common.arg_parser(__doc__.splitlines()[0], progress=False)
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: 3)")
+    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per step (default: 10)")
+    p.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per step (default: 3)")
+    p.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON,
+                   help=f"the Python of the virtualenv with nvidia-pytriton (default: {DEFAULT_PEER_PYTHON})")
+    p.add_argument("--workloads", nargs="*", default=[],
+                   help="only the workloads whose name contains one of these words (e.g. mlp, 128)")
+    args = p.parse_args()
+    if not pathlib.Path(args.peer_python).exists():
+        raise SystemExit(f"no {args.peer_python}: create the peer's virtualenv as this script's docstring says")
+    workloads = [w for w in WORKLOADS if not args.workloads or any(k in w.name for k in args.workloads)]
+    repo = _common.ensure_repository(args.model_repository)
+    print(f"machine: {_common.machine()}")
+    results: dict[Workload, tuple[list[Run], list[Run]]] = {w: ([], []) for w in workloads}
+    with _common.mesh(repo, log_level=args.log_level) as ours, triton(repo, args.peer_python) as theirs:
+        for r in range(args.rounds):
+            for w in workloads:
+                order = [(0, ours), (1, theirs)] if r % 2 == 0 else [(1, theirs), (0, ours)]
+                for side, address in order:
+                    run = measure(address, w, args)
+                    results[w][side].append(run)
+                    who = "batchline" if side == 0 else "Triton"
+                    print(f"round {r + 1} {w.name:32s} {who:9s} {run.step.throughput_rps:8.0f}/s "
+                          f"p50 {run.p50:6.1f} ms p99 {run.p99:6.1f} ms  {run.step.status_counts}", flush=True)
+    head = ["workload", "thr ratio", "p50 ratio", "p99 ratio", "p50 bl", "p50 Triton", "p99 bl", "p99 Triton",
+            "rounds (req/s, batchline vs Triton)"]
+    rows = [head] + [row for w, (o, t) in results.items() for row in report(w, o, t)]
+    print()
+    print(f"batchline / Triton, median of {args.rounds} alternating rounds (ratios > 1: batchline serves more; "
+          "latency ratios < 1: batchline answers sooner)")
+    print(_common.table(rows))
+    print()
+    print("CPU per request, ms (median over rounds; the warm-up's requests included):")
+    print(cpu_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
