@@ -96,32 +96,58 @@ def cpu_snapshot() -> dict[str, float]:
     return totals
 
 
-@contextlib.contextmanager
-def triton(repository: pathlib.Path, peer_python: str) -> Iterator[str]:
-    env = dict(os.environ)
-    # pytriton's Triton binary links against libpython from the interpreter's LIBDIR.
-    env["LD_LIBRARY_PATH"] = ":".join(filter(None, [sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH")]))
-    proc = subprocess.Popen([peer_python, str(PEER_SERVER), "--model-repository", str(repository)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-    try:
-        port = None
-        for line in proc.stdout:
+class Triton:
+    """Triton through pytriton, as a subprocess in its own session; restarted when it dies.
+
+    Under ModelStreamInfer load Triton's Python backend (which pytriton's models run in) can die of a
+    SIGSEGV (a known class of crashes: triton-inference-server/server#8882); a step that lost its
+    server is measured again on a fresh one, and the crash is counted and reported.
+    """
+
+    def __init__(self, repository: pathlib.Path, peer_python: str):
+        self.repository = repository
+        self.peer_python = peer_python
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+        self.crashes = 0
+
+    def start(self) -> "Triton":
+        env = dict(os.environ)
+        # pytriton's Triton binary links against libpython from the interpreter's LIBDIR.
+        env["LD_LIBRARY_PATH"] = ":".join(filter(None, [sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH")]))
+        self.proc = subprocess.Popen([self.peer_python, str(PEER_SERVER), "--model-repository", str(self.repository)],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     start_new_session=True)
+        for line in self.proc.stdout:
             if line.startswith("ready "):
-                port = int(line.split()[1])
-                break
-        if port is None:
-            raise SystemExit(f"Triton did not start (exit code {proc.wait()}); run {PEER_SERVER.name} by hand to see why")
-        # Keep draining Triton's log so that it never blocks on a full pipe.
-        threading.Thread(target=proc.stdout.read, daemon=True).start()
-        yield f"127.0.0.1:{port}"
-    finally:
+                self.address = f"127.0.0.1:{int(line.split()[1])}"
+                # Keep draining Triton's log so that it never blocks on a full pipe.
+                threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+                return self
+        raise SystemExit(f"Triton did not start (exit code {self.proc.wait()}); run {PEER_SERVER.name} by hand to see why")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
+            os.killpg(self.proc.pid, signal.SIGINT)
         try:
-            proc.wait(60)
+            self.proc.wait(60)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        # Its model processes, should any outlive the server.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.crashes += 1
+        self.stop()
+        self.start()
 
 
 def measure(address: str, w: Workload, args) -> Run:
@@ -138,12 +164,37 @@ def measure(address: str, w: Workload, args) -> Run:
     return Run(step, cpu)
 
 
+def measure_peer(peer: Triton, w: Workload, args, attempts: int = 3) -> Run | None:
+    """A step on Triton; measured again on a restarted server when Triton died during it (its wrapper
+    process may outlive it: a step answered UNAVAILABLE, or one that cannot connect, is the sign)."""
+    for _ in range(attempts):
+        if not peer.alive():
+            peer.restart()
+        try:
+            run = measure(peer.address, w, args)
+        except Exception as exc:  # noqa: BLE001 - the server died before or as the step connected
+            print(f"Triton unreachable for '{w.name}' ({exc}); restarting it", flush=True)
+            peer.restart()
+            continue
+        if not run.step.status_counts.get("UNAVAILABLE"):
+            return run
+        print(f"Triton died during '{w.name}' ({run.step.status_counts}); measuring it again on a fresh server",
+              flush=True)
+        peer.restart()
+    print(f"Triton died {attempts} times in a row during '{w.name}': no figure for it this round", flush=True)
+    return None
+
+
 def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-def report(w: Workload, ours: list[Run], theirs: list[Run]) -> list[list[str]]:
+def report(w: Workload, ours: list[Run], theirs: list[Run | None]) -> list[list[str]]:
     f = _common.f
+    pairs = [(o, t) for o, t in zip(ours, theirs) if t is not None]
+    if not pairs:
+        return [[w.name, "Triton crashed in every round", *[""] * 7]]
+    ours, theirs = [o for o, _ in pairs], [t for _, t in pairs]
     thr = statistics.median(ratio(o.step.throughput_rps, t.step.throughput_rps) for o, t in zip(ours, theirs))
     p50 = statistics.median(ratio(o.p50, t.p50) for o, t in zip(ours, theirs))
     p99 = statistics.median(ratio(o.p99, t.p99) for o, t in zip(ours, theirs))
@@ -158,6 +209,7 @@ def cpu_table(results: dict[Workload, tuple[list[Run], list[Run]]]) -> str:
     rows = [["workload", *roles, "batchline total", "client (Triton)", "triton", "Triton total"]]
     for w, (ours, theirs) in results.items():
         med = {r: statistics.median(o.cpu_ms.get(r, 0.0) for o in ours) for r in roles}
+        theirs = [t for t in theirs if t is not None] or [Run(StepResult(mode="closed"))]
         client_t = statistics.median(t.cpu_ms.get("client", 0.0) for t in theirs)
         server_t = statistics.median(t.cpu_ms.get("triton", 0.0) for t in theirs)
         rows.append([w.name, *(f"{med[r]:.3f}" for r in roles), f"{sum(med.values()):.3f}",
@@ -181,16 +233,22 @@ def main() -> int:
     repo = _common.ensure_repository(args.model_repository)
     print(f"machine: {_common.machine()}")
     results: dict[Workload, tuple[list[Run], list[Run]]] = {w: ([], []) for w in workloads}
-    with _common.mesh(repo, log_level=args.log_level) as ours, triton(repo, args.peer_python) as theirs:
-        for r in range(args.rounds):
-            for w in workloads:
-                order = [(0, ours), (1, theirs)] if r % 2 == 0 else [(1, theirs), (0, ours)]
-                for side, address in order:
-                    run = measure(address, w, args)
-                    results[w][side].append(run)
-                    who = "batchline" if side == 0 else "Triton"
-                    print(f"round {r + 1} {w.name:32s} {who:9s} {run.step.throughput_rps:8.0f}/s "
-                          f"p50 {run.p50:6.1f} ms p99 {run.p99:6.1f} ms  {run.step.status_counts}", flush=True)
+    peer = Triton(repo, args.peer_python)
+    with _common.mesh(repo, log_level=args.log_level) as ours:
+        peer.start()
+        try:
+            for r in range(args.rounds):
+                for w in workloads:
+                    for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+                        run = measure(ours, w, args) if side == 0 else measure_peer(peer, w, args)
+                        results[w][side].append(run)
+                        if run is None:
+                            continue
+                        who = "batchline" if side == 0 else "Triton"
+                        print(f"round {r + 1} {w.name:32s} {who:9s} {run.step.throughput_rps:8.0f}/s "
+                              f"p50 {run.p50:6.1f} ms p99 {run.p99:6.1f} ms  {run.step.status_counts}", flush=True)
+        finally:
+            peer.stop()
     head = ["workload", "thr ratio", "p50 ratio", "p99 ratio", "p50 bl", "p50 Triton", "p99 bl", "p99 Triton",
             "rounds (req/s, batchline vs Triton)"]
     rows = [head] + [row for w, (o, t) in results.items() for row in report(w, o, t)]
@@ -201,6 +259,8 @@ def main() -> int:
     print()
     print("CPU per request, ms (median over rounds; the warm-up's requests included):")
     print(cpu_table(results))
+    if peer.crashes:
+        print(f"\nTriton's Python backend died {peer.crashes} time(s) during the run; those steps were measured again.")
     return 0
 
 
