@@ -1,32 +1,14 @@
 """The model repository: config files, ONNX Runtime sessions, and their metadata.
 
 Layout: ``<repo>/<model>/config.toml`` and ``<repo>/<model>/<version>/model.onnx``.
-config.toml keys (all optional):
-
-=========================  ==========================================================
-max_batch_size             rows per batch; 0 = the model has no batch dimension (8)
-max_queue_delay_ms         longest a request waits for company, while company is expected (2.0)
-default_timeout_ms         latency budget of a request that names none (10000)
-preferred_batch_sizes      batch sizes to send as soon as they are reached; with more queued
-                           (short of a full batch), the largest one the queue's head makes ([])
-default_priority           priority of a request that names none; 1 is highest (1)
-priority_levels            number of priority levels; 0 = any value is accepted (0)
-max_queue_size             queued requests beyond which new ones are refused; 0 = no cap (0)
-instance_count             batches of this model an executor runs at once, like Triton's
-                           instance_group count; each run gets cpu_cores / instance_count
-                           intra-op threads unless the executor sets intra_op_threads (1)
-[padding]                  input name -> pad value: inputs whose non-batch dims may be
-                           padded so that requests of different lengths share a batch
-providers                  execution providers for this model, overriding the executor's
-[provider_options.<EP>]    options for one provider, e.g. trt_fp16_enable = true
-=========================  ==========================================================
+The config.toml keys, their defaults and checks are `executor.model_config.ModelConfig`
+(documented in docs/reference/settings.md).
 """
 from __future__ import annotations
 
 import logging
 import os
 import pathlib
-import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,22 +17,9 @@ import onnxruntime as ort
 
 from batchline.codec import DATATYPES, onnx_datatype
 from batchline.protocol import internal_pb2 as pb
+from executor.model_config import ConfigError, read_model_config
 
 log = logging.getLogger(__name__)
-
-_CONFIG_DEFAULTS: dict[str, Any] = {
-    "max_batch_size": 8,
-    "max_queue_delay_ms": 2.0,
-    "default_timeout_ms": 10_000.0,
-    "preferred_batch_sizes": [],
-    "default_priority": 1,
-    "priority_levels": 0,
-    "max_queue_size": 0,
-    "instance_count": 1,
-    "padding": {},
-    "providers": None,
-    "provider_options": {},
-}
 
 
 class RepositoryError(Exception):
@@ -78,25 +47,11 @@ class LoadedModel:
 
 
 def read_config(model_dir: pathlib.Path) -> dict[str, Any]:
-    path = model_dir / "config.toml"
-    config = dict(_CONFIG_DEFAULTS)
-    if path.exists():
-        with path.open("rb") as f:
-            loaded = tomllib.load(f)
-        unknown = set(loaded) - set(_CONFIG_DEFAULTS)
-        if unknown:
-            raise RepositoryError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(_CONFIG_DEFAULTS)}")
-        config.update(loaded)
-    if config["max_batch_size"] < 0:
-        raise RepositoryError(f"{path}: max_batch_size must be >= 0")
-    if not isinstance(config["instance_count"], int) or config["instance_count"] < 1:
-        raise RepositoryError(f"{path}: instance_count must be an integer >= 1")
-    if not config["default_timeout_ms"] > 0:
-        # Every request that names no budget would be refused as already past its deadline.
-        raise RepositoryError(f"{path}: default_timeout_ms must be > 0 (it is the budget of requests that name none)")
-    if config["max_queue_delay_ms"] < 0:
-        raise RepositoryError(f"{path}: max_queue_delay_ms must be >= 0")
-    return config
+    """The model's config.toml as a dict of every key (defaults filled in), checked on entry."""
+    try:
+        return read_model_config(model_dir / "config.toml").model_dump()
+    except ConfigError as exc:
+        raise RepositoryError(str(exc)) from None
 
 
 def choose_providers(

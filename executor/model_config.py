@@ -1,0 +1,133 @@
+"""A model's config.toml: every key, its default, its check and its documentation, in one place.
+
+`ModelConfig` is what `executor.repository.read_config` validates a config.toml
+against, and what scripts/gen_docs.py renders as the config.toml table of
+docs/reference/settings.md: a key added here is documented there (a test
+fails until the page is regenerated).
+"""
+from __future__ import annotations
+
+import pathlib
+import tomllib
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+
+class ConfigError(ValueError):
+    """A config.toml that cannot be served; the message names the file and the key."""
+
+
+def _problem(message: str) -> PydanticCustomError:
+    # A custom error type keeps the message as written (ValueError's would gain a "Value error, " prefix).
+    return PydanticCustomError("model_config", message)
+
+
+class ModelConfig(BaseModel):
+    """The keys of ``<repo>/<model>/config.toml``; every one is optional."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(
+        8, description="Most rows in one batch, and in one request. 0 = the model has no batch dimension: "
+        "every request runs alone.",
+    )
+    max_queue_delay_ms: float = Field(
+        2.0, description="Longest the oldest queued request waits for company before its batch is sent "
+        "(the deadline policy waits only while another arrival is expected within it).",
+    )
+    default_timeout_ms: float = Field(
+        10_000.0, description="Latency budget of a request that sets neither a gRPC deadline nor a `timeout` parameter.",
+    )
+    preferred_batch_sizes: list[int] = Field(
+        default_factory=list,
+        description="Batch sizes sent as soon as they are queued; with more queued but short of a full batch, "
+        "the largest of them that the queue's head makes exactly.",
+    )
+    default_priority: int = Field(
+        1, description="Priority level of a request whose `priority` parameter is absent or 0 (1 is the highest).",
+    )
+    priority_levels: int = Field(
+        0, description="Priority levels a request may ask for, 1 to this; 0 = 1 to 900.",
+    )
+    max_queue_size: int = Field(
+        0, description="Queued requests beyond which new ones are refused with RESOURCE_EXHAUSTED; 0 = no cap.",
+    )
+    instance_count: int = Field(
+        1, description="Batches of this model an executor runs at once (Triton's instance_group count), each a lane "
+        "of its own on cpu_cores / instance_count intra-op threads unless the executor sets intra_op_threads.",
+    )
+    padding: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Input name = pad value: inputs whose non-batch dims may be padded so that requests of "
+        "different lengths share a batch. Only for models that mask the padding and whose outputs do not "
+        "depend on the padded length (outputs are not un-padded).",
+    )
+    providers: list[str] | None = Field(
+        None, description="ONNX Runtime execution providers for this model, in order of preference, instead of "
+        "the executor's `--providers`.",
+    )
+    provider_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Options per execution provider, a table each: `[provider_options.TensorrtExecutionProvider]` "
+        "with `trt_fp16_enable = true`.",
+    )
+
+    @field_validator("max_batch_size")
+    @classmethod
+    def _batch_size(cls, value: int) -> int:
+        if value < 0:
+            raise _problem("max_batch_size must be >= 0")
+        return value
+
+    @field_validator("instance_count", mode="before")
+    @classmethod
+    def _instances(cls, value: Any) -> Any:
+        # Checked before coercion: 2.0 or "2" is a mistake to point out, not to round.
+        if not isinstance(value, int) or value < 1:
+            raise _problem("instance_count must be an integer >= 1")
+        return value
+
+    @field_validator("default_timeout_ms")
+    @classmethod
+    def _default_timeout(cls, value: float) -> float:
+        if not value > 0:
+            # Every request that names no budget would be refused as already past its deadline.
+            raise _problem("default_timeout_ms must be > 0 (it is the budget of requests that name none)")
+        return value
+
+    @field_validator("max_queue_delay_ms")
+    @classmethod
+    def _queue_delay(cls, value: float) -> float:
+        if value < 0:
+            raise _problem("max_queue_delay_ms must be >= 0")
+        return value
+
+
+KEYS = sorted(ModelConfig.model_fields)
+
+
+def _message(error: dict[str, Any]) -> str:
+    if error["type"] == "model_config":
+        return error["msg"]
+    key = ".".join(str(part) for part in error["loc"])
+    return f"{key}: {error['msg']} (got {error['input']!r})"
+
+
+def read_model_config(path: pathlib.Path) -> ModelConfig:
+    """The config at `path` (every default when the file does not exist); ConfigError names what is wrong."""
+    loaded: dict[str, Any] = {}
+    if path.exists():
+        with path.open("rb") as f:
+            try:
+                loaded = tomllib.load(f)
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    unknown = set(loaded) - set(KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; known: {KEYS}")
+    try:
+        return ModelConfig(**loaded)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: " + "; ".join(_message(e) for e in exc.errors())) from None
