@@ -1,18 +1,15 @@
 """Admission control: refuse at once what the mesh cannot answer within its budget.
 
-Pure: the scheduler publishes, per model and priority level, where its plan
-for the queue ends (the last batch, its room, when each executor is free
-after it: `scheduler.policy.queue_tail`). The gateway adds to the end of that
-plan the rows it admitted since the view was taken and then the new request,
-the way the scheduler will serve them: into the last batch while it has room,
-then in batches of up to max_batch_size on whichever executor is free first.
-A batch costs what the profile predicts for its rows times its longest
-member's length (batchline.sizing): a 16-token request is not judged by what
-128-token ones cost.
-If that finishes past the budget, the request is refused now. Refusing on
-arrival costs the client microseconds and keeps the queue short enough that
-every admitted request still makes its deadline; letting it in would only
-have it shed later, after it delayed others.
+Pure: the scheduler publishes, per model and priority level, its play of the
+queue from the point where arrivals can still change it (batchline.planning.view).
+The gateway plays on from there with the requests it admitted since the view
+was taken and then the new one, by the scheduler's own batching rule and cost
+model (batchline.planning): the batch each joins, padded to its longest
+member (a 16-token request is not judged by what 128-token ones cost), and
+when it runs. If the request finishes past its budget, or the rule would shed
+it, it is refused now. Refusing on arrival costs the client microseconds and
+keeps the queue short enough that every admitted request still makes its
+deadline; letting it in would only have it shed later, after it delayed others.
 
 How much of the budget a prediction may fill (the headroom) is a setting, or
 learned: on a shared host batches overrun the profile when other processes
@@ -23,123 +20,97 @@ in time and moves the headroom until the target share of them (e.g. 99%) is.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Sequence
 
 from batchline.errors import BatchlineError, DeadlineExceeded, ResourceExhausted, duration_text
+from batchline.planning import BatchCost, Pending, resume
 from batchline.protocol import internal_pb2 as pb
-from batchline.sizing import margin_for
 
-
-def margin_s(load: pb.ModelLoad, units: int) -> float:
-    """The profile's margin for a batch of `units`: larger batches overrun by more."""
-    return margin_for(load.margin_by_size_s, units, load.cost_margin_s)
-
-
-def batch_cost_s(load: pb.ModelLoad, units: int) -> float:
-    """Predicted service time of one batch of `units` (rows x length), as the scheduler plans it."""
-    return max(0.0, load.cost_per_unit_s * units + load.cost_fixed_s) + margin_s(load, units) + load.overhead_s
-
-
-# A plan's last batch that starts sooner than this (or should have started
-# already: the view is a few ms old) is on its way to an executor: too late to join.
+# A batch that leaves sooner than this after a request arrives (or should have left already: the
+# view is a few ms old) is on its way to an executor: the request is not queued in time to join it.
 JOIN_LEAD_S = 0.005
 
 
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A request asking to be admitted."""
+    rows: int
+    priority: int
+    budget_s: float                       # the time it has to be run in
+    length: int = 1                       # elements per row at the model's variable dims
+    stated_budget_s: float | None = None  # the client's whole budget (with the answer's way back), for messages
+
+
 def _tail(load: pb.ModelLoad, priority: int, now_s: float) -> pb.QueueTail:
-    # The plan of the lowest published level at or above this priority (1 is the highest).
+    # The play of the lowest published level at or above this priority (1 is the highest).
     chosen = None
     for i, tail in enumerate(load.tails):
         if (tail.level or i + 1) <= max(1, priority):
             chosen = tail
-    if chosen is not None:
+    if chosen is not None and chosen.free_s:
         return chosen
-    # A view without a plan: executors free once the dispatched work is done.
+    # A view without a play: executors free once the dispatched work is done.
     executors = max(1, load.executors)
     return pb.QueueTail(free_s=[now_s + load.backlog_s / executors] * executors)
 
 
-def predicted_finish_s(load: pb.ModelLoad, max_batch_size: int, priority: int, rows: int,
-                       now_s: float, admitted_since: int = 0, length: int = 1, since_length: int = 1) -> float:
-    """Seconds from `now_s` until a new request of `rows` x `length` at `priority` is predicted answered.
+def predicted_finish_s(load: pb.ModelLoad, model: pb.ModelInfo, request: Candidate, now_s: float,
+                       since: Sequence[Pending] = ()) -> float:
+    """Seconds from `now_s` until `request`, arriving now, is predicted answered.
 
-    Behind the plan's rows at its priority or higher come the `admitted_since`
-    rows this gateway let in after the view was taken (the longest of them
-    `since_length`), then the request. They join the plan's last batch only
-    while it has not left yet; the batches they fill are as long as the
-    longest of them.
+    The scheduler's play of the queue at the request's priority or higher, resumed from the view
+    with the requests this gateway admitted since the view was taken (`since`, queued already)
+    and then the request behind them: the scheduler's own batching rule (batchline.planning)
+    decides which batch each joins and when it runs. The request's own deadline cuts nothing
+    here: the rule could only put a request that is late in its batch into a later one, and
+    either way it is refused.
     """
-    tail = _tail(load, priority, now_s)
-    cap = max_batch_size if max_batch_size > 0 else 0
-    free = [max(now_s, f) for f in tail.free_s] or [now_s]
-    left = admitted_since + rows
-    longest = max(1, length, since_length)
-    finish = now_s
-    if tail.rows and cap and tail.executor < len(free) and tail.start_s - now_s >= JOIN_LEAD_S:
-        join = min(left, max(0, tail.limit_rows - tail.rows))
-        if join:
-            finish = max(now_s, tail.start_s) + batch_cost_s(load, (tail.rows + join) * max(longest, tail.length))
-            free[tail.executor] = max(free[tail.executor], finish)
-            left -= join
-    while left > 0:
-        n = min(left, cap) if cap else 1  # without a batch dim, every request is a batch of its own
-        e = min(range(len(free)), key=free.__getitem__)
-        if left - n < rows < left and free[e] - now_s < JOIN_LEAD_S:
-            # A batch leaving about now takes the requests admitted before this one, which are
-            # queued already; this one is not yet, and goes in the next batch.
-            n = left - rows
-        free[e] += batch_cost_s(load, n * longest)
-        finish = free[e]
-        left -= n
-    return finish - now_s
+    tail = _tail(load, request.priority, now_s)
+    arrival = Pending("", request.rows, request.priority, float("inf"), now_s, length=max(1, request.length),
+                      queued=False)
+    played = resume(tail, since, arrival, model.max_batch_size, model.preferred_batch_sizes,
+                    BatchCost.of_load(load), JOIN_LEAD_S)
+    return played.finish_of(arrival) - now_s
 
 
-def admit(
-    load: pb.ModelLoad,
-    model: pb.ModelInfo,
-    priority: int,
-    rows: int,
-    budget_s: float,
-    now_s: float,
-    admitted_since: int = 0,
-    headroom: float = 1.0,
-    length: int = 1,
-    since_length: int = 1,
-    retries_at_s: float = 0.0,
-    stated_budget_s: float | None = None,
-) -> BatchlineError | None:
+def admit(load: pb.ModelLoad, model: pb.ModelInfo, request: Candidate, now_s: float, since: Sequence[Pending] = (),
+          headroom: float = 1.0, retries_at_s: float = 0.0) -> BatchlineError | None:
     """None to admit; else the error to answer with (carrying a retry-after hint).
 
-    `budget_s` is the time the request has to be run in; `stated_budget_s`, the client's whole
-    budget (it includes the gateway's answer margin), is what the messages quote.
-
-    The hint is when the request would fit if nothing else arrived, but no earlier than
-    `retries_at_s`, where the requests refused before it are expected back (see `retry_spacing_s`):
-    clients that all came back on the first would mostly be refused again, and each refusal is a
-    whole gRPC call's CPU taken from the model on a shared host. It is at most one budget later
-    than the request's own: refused requests that never come back (an open-loop client's) would
-    otherwise push it ever later while the overload lasts.
+    `since` are the requests this gateway admitted that the view does not count yet; `headroom`
+    the share of the budget a prediction may fill. The hint is when the request would fit if
+    nothing else arrived, but no earlier than `retries_at_s`, where the requests refused before
+    it are expected back (see `retry_spacing_s`): clients that all came back on the first would
+    mostly be refused again, and each refusal is a whole gRPC call's CPU taken from the model on
+    a shared host. It is at most one budget later than the request's own: refused requests that
+    never come back (an open-loop client's) would otherwise push it ever later while the
+    overload lasts.
     """
-    units = rows * max(1, length)
-    alone = batch_cost_s(load, units)
+    cost = BatchCost.of_load(load)
+    budget_s = request.budget_s
+    units = request.rows * max(1, request.length)
+    alone = cost.predict(units)
+    stated = f"{duration_text(request.stated_budget_s or budget_s)} budget"
+    if request.stated_budget_s is not None and request.stated_budget_s > budget_s:
+        stated += f" ({duration_text(budget_s)} to run in, once the answer's way back is kept)"
     # Judged without the margin, as the scheduler judges a request hopeless: the margin is a
     # high quantile of past overruns, and a spell of slow runs can push it past every client's
     # budget. Refusing on it would then refuse everything, so nothing would run and report, and
     # the margin would never come down again.
-    typical = alone - margin_s(load, units)
-    stated = f"{duration_text(stated_budget_s or budget_s)} budget"
-    if stated_budget_s is not None and stated_budget_s > budget_s:
-        stated += f" ({duration_text(budget_s)} to run in, once the answer's way back is kept)"
-    if typical > budget_s:
+    if cost.typical(units) > budget_s:
         return DeadlineExceeded(
             f"the {stated} is shorter than model '{model.name}' takes to run this request "
-            f"alone (about {typical * 1e3:.1f} ms): raise the timeout"
+            f"alone (about {cost.typical(units) * 1e3:.1f} ms): raise the timeout"
         )
-    finish = predicted_finish_s(load, model.max_batch_size, priority, rows, now_s, admitted_since, length, since_length)
+    finish = predicted_finish_s(load, model, request, now_s, since)
     if finish <= budget_s * headroom or finish <= alone + 1e-6:  # (1 µs: float error of now + cost - now)
         # No later than alone means it starts at once on an idle executor: there is no queue to
         # mispredict. Refusing it would also leave a learned headroom that fell too low with no
         # answer to learn from, ever again.
         return None
-    queued = sum(load.queued_rows[: max(1, priority)]) + admitted_since
+    priority = request.priority
+    queued = sum(load.queued_rows[: max(1, priority)]) + sum(p.rows for p in since if p.priority <= priority)
     own = finish - budget_s * headroom
     wait = max(own, min(retries_at_s - now_s, own + budget_s))
     return ResourceExhausted(

@@ -35,9 +35,10 @@ from batchline.errors import (
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, REDIS_REFUSALS, ListPop, connect, connect_blocking
+from batchline.planning import Pending
 from batchline.registry import Registry
 from batchline.sizing import row_length
-from gateway.admission import Calibration, admit, retry_spacing_s
+from gateway.admission import Calibration, Candidate, admit, retry_spacing_s
 from gateway.linger import Linger
 from gateway.settings import GatewaySettings
 from gateway.validation import request_priority, request_timeout_us, validate
@@ -78,9 +79,7 @@ class _Write:
 class _Admitted:
     """A request this gateway admitted, counted ahead of later arrivals until a load view
     counts it (its seen_us for this gateway, or taken after the enqueue was confirmed), or it is over."""
-    priority: int
-    rows: int
-    length: int
+    item: Pending          # as admission plays it: queued, so any batch may take it
     enqueued_us: int = 0   # its QueueEntry's: a view whose seen_us for this gateway reaches it counts it
     confirmed_us: int = 0  # when Redis confirmed the enqueue (0: not yet)
     # Answered or given up: ahead of nobody. An idle scheduler publishes no view after its
@@ -367,15 +366,12 @@ class Gateway:
                 # Redis had a request may still predate its confirmation here: seen_us says which
                 # it read. This gateway's requests reach Redis in the order they were stamped.)
                 admitted.popleft()
-            since = since_length = 0
-            for a in admitted:
-                if a.priority <= priority and not a.over:
-                    since += a.rows
-                    since_length = max(since_length, a.length)
+            since = [a.item for a in admitted if a.item.priority <= priority and not a.over]
             calibration = self.calibration(key) if self.settings.admission_target > 0 else None
             headroom = calibration.headroom if calibration else self.settings.admission_headroom
-            refusal = admit(load, model, priority, rows, plan_budget, arrived_us / 1e6, since, headroom, length, since_length,
-                            self._retries_at.get((*key, priority), 0.0), stated_budget_s=budget)
+            candidate = Candidate(rows, priority, plan_budget, length, stated_budget_s=budget)
+            refusal = admit(load, model, candidate, arrived_us / 1e6, since, headroom,
+                            self._retries_at.get((*key, priority), 0.0))
             if refusal is not None:
                 if refusal.retry_after_s is not None:
                     self._retries_at[(*key, priority)] = (arrived_us / 1e6 + refusal.retry_after_s
@@ -414,7 +410,7 @@ class Gateway:
         self._pending[request_id] = fut
         mine = None
         if admitted is not None:
-            mine = _Admitted(priority, rows, length, enqueued)
+            mine = _Admitted(Pending(request_id, rows, priority, deadline / 1e6, float("-inf"), length=length), enqueued)
             admitted.append(mine)
         try:
             write = _Write(request_id, request.SerializeToString(), contract.payload_ttl_ms(deadline, enqueued), queue,

@@ -25,6 +25,7 @@ from collections import deque
 
 import numpy as np
 
+from batchline.planning import BatchCost
 from batchline.sizing import margin_for
 
 # Samples a size class (with its neighbours) needs for a margin of its own.
@@ -84,14 +85,18 @@ class LatencyProfile:
     def margin(self, units: int) -> float:
         return margin_for(self.margins(), units, self.coefficients()[2])
 
+    def cost(self, overhead_s: float = 0.0) -> BatchCost:
+        """What a batch costs by the current fit, with `overhead_s` per batch outside the model."""
+        a, b, margin = self.coefficients()
+        return BatchCost(a, b, margin, self._margins, overhead_s)
+
     def expected(self, units: int) -> float:
         """The central estimate (no margin)."""
-        a, b, _ = self.coefficients()
-        return max(0.0, a * units + b)
+        return self.cost().typical(units)
 
     def predict(self, units: int) -> float:
         """The estimate plus the margin of its size: late rather than early."""
-        return self.expected(units) + self.margin(units)
+        return self.cost().predict(units)
 
     def _refit(self) -> tuple[tuple[float, float, float], tuple[float, ...]]:
         samples = self._samples or self._warm_up

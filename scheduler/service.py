@@ -39,9 +39,9 @@ from batchline.protocol import internal_pb2_grpc
 from batchline.recovery import requeue_held_batches
 from batchline.redis_client import REDIS_ERRORS, ListPop, connect, connect_blocking
 from batchline.registry import Registry
-from batchline.sizing import margin_for
 from scheduler.company import CompanyRate
-from scheduler.policy import FIFO, ModelPolicy, Pending, PlannedBatch, busy_until, free_after, plan, queue_tail
+from batchline.planning import BatchCost, Pending, queue_tails
+from scheduler.policy import FIFO, ModelPolicy, PlannedBatch, busy_until, free_after, plan
 from scheduler.profile import LatencyProfile
 from scheduler.settings import SchedulerSettings
 
@@ -455,12 +455,12 @@ class Scheduler:
             max_batch_size=info.max_batch_size,
             max_queue_delay=info.max_queue_delay_ms / 1000,
             preferred_batch_sizes=tuple(info.preferred_batch_sizes),
-            overhead=self.settings.overhead_ms / 1000,
             kind=self.settings.policy,
         )
+        cost = profile.cost(self.settings.overhead_ms / 1000)
         ready = [e for e in holders if free_at[e] != float("inf")]
         decision = plan(
-            now, queue, policy, [free_at[e] for e in ready], profile.predict, profile.expected,
+            now, queue, policy, [free_at[e] for e in ready], cost,
             lead=self.settings.dispatch_lead_ms / 1000, company=company,
         )
         if decision.blocked:
@@ -482,7 +482,7 @@ class Scheduler:
             gone = {m.request_id for b in decision.batches for m in b.members} | {p.request_id for p in decision.expired}
             left = [p for p in queue if p.request_id not in gone] if gone else queue
             self._left[key] = (now, len(left))
-            self._publish_load(pipe, key, info, holders, profile, left, now, changed=bool(gone))
+            self._publish_load(pipe, key, info, holders, cost, left, now, changed=bool(gone))
             try:
                 results = await pipe.execute() if len(pipe) else []
             finally:
@@ -496,7 +496,8 @@ class Scheduler:
             self._sent(key, sent, results[i])
         return decision.wake_at
 
-    def _publish_load(self, pipe, key, info, holders, profile, queue, now, changed: bool = True) -> None:
+    def _publish_load(self, pipe, key, info: pb.ModelInfo, holders: list[str], cost: BatchCost,
+                      queue: list[Pending], now: float, changed: bool = True) -> None:
         """Queue on `pipe` the model's load view for the gateways' admission control (deadline
         policy only): at most every 20 ms, unless the step changed the queue."""
         if self.settings.policy == FIFO or (not changed and now - self._load_at.get(key, 0.0) < _LOAD_EVERY_S):
@@ -505,32 +506,15 @@ class Scheduler:
         seen = self._seen.setdefault(key, {})
         for gateway in [g for g, t in seen.items() if now - t / 1e6 > _SEEN_KEEP_S]:
             del seen[gateway]
-        a, b, margin = profile.coefficients()
-        margins = profile.margins()
         # One slot per level up to the lowest queued, so that a request is only
         # counted behind rows of its own priority or higher.
         rows = [0] * max([1, info.priority_levels, *(p.priority for p in queue)])
         for p in queue:
             rows[p.priority - 1] += p.rows
-        overhead = self.settings.overhead_ms / 1000
-
-        def cost(units: int) -> float:  # profile.predict(units) + overhead, without its calls per member
-            return max(0.0, a * units + b) + margin_for(margins, units, margin) + overhead
-
-        def typical(units: int) -> float:  # what `plan` sheds by: profile.expected(units) + overhead
-            return max(0.0, a * units + b) + overhead
-
         idle_at = [max(now, self._idle_at.get(e, now)) for e in holders]
-        tails: list[pb.QueueTail] = []
-        for level in range(1, len(rows) + 1):
-            if level > 1 and not rows[level - 1]:
-                continue  # nothing queued at this level: the plan of the level above holds for it
-            t = queue_tail(now, [p for p in queue if p.priority <= level], info.max_batch_size, idle_at,
-                           cost, info.preferred_batch_sizes, typical)
-            tails.append(pb.QueueTail(rows=t.rows, limit_rows=t.limit, start_s=t.start, executor=t.executor,
-                                      free_s=t.free, level=level, length=t.length))
+        tails = queue_tails(queue, idle_at or [now], info.max_batch_size, info.preferred_batch_sizes, cost)
         load = pb.ModelLoad(
-            cost_per_unit_s=a, cost_fixed_s=b, cost_margin_s=margin, margin_by_size_s=margins, overhead_s=overhead,
+            **cost.load_fields(),
             executors=len(holders),
             backlog_s=sum(t - now for t in idle_at),
             queued_rows=rows, policy=self.settings.policy, updated_us=int(min(now, self._scanned_at or now) * 1e6),

@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 
 from batchline.errors import DeadlineExceeded, ResourceExhausted, duration_text
+from batchline.planning import BatchCost, Pending
 from batchline.protocol import internal_pb2 as pb
-from gateway.admission import Calibration, admit, batch_cost_s, predicted_finish_s, retry_spacing_s
+from gateway.admission import Calibration, Candidate, admit, predicted_finish_s, retry_spacing_s
 
 MODEL = pb.ModelInfo(name="m", version="1", max_batch_size=8)
 NOW = 1000.0
+INF = float("inf")
 
 
 def cost(n: int) -> float:
@@ -20,7 +22,15 @@ def cost(n: int) -> float:
 
 
 def tail(rows=0, limit=0, start=NOW, executor=0, free=(NOW,), length=0):
-    return pb.QueueTail(rows=rows, limit_rows=limit, start_s=start, executor=executor, free_s=list(free), length=length)
+    """The view of a play whose last batch holds `rows` one-row requests starting at `start` on
+    `executor` (free after it at free[executor]), with room for `limit` rows by its deadline."""
+    free = list(free)
+    if not rows:
+        return pb.QueueTail(free_s=free)
+    free[executor] = start
+    deadline = INF if limit >= MODEL.max_batch_size else start + cost(limit * max(1, length)) + 1e-9
+    item = pb.QueueTail.Item(rows=1, length=length, deadline_s=deadline)
+    return pb.QueueTail(free_s=free, items=[item] * rows)
 
 
 def load(*tails, margin=0.0, overhead=0.0, queued=(0,), executors=1, backlog=0.0):
@@ -29,8 +39,18 @@ def load(*tails, margin=0.0, overhead=0.0, queued=(0,), executors=1, backlog=0.0
                         tails=list(tails))
 
 
+def queued(n: int, length: int = 1, priority: int = 1) -> list[Pending]:
+    """`n` one-row requests this gateway admitted since the view (queued already, far deadlines)."""
+    return [Pending(f"s{i}", 1, priority, INF, -INF, length=length) for i in range(n)]
+
+
 def finish(view, rows=1, priority=1, since=0, max_batch_size=8, length=1, since_length=1):
-    return predicted_finish_s(view, max_batch_size, priority, rows, NOW, since, length, since_length)
+    model = pb.ModelInfo(name="m", version="1", max_batch_size=max_batch_size)
+    return predicted_finish_s(view, model, Candidate(rows, priority, INF, length), NOW, queued(since, since_length))
+
+
+def batch_cost_s(view: pb.ModelLoad, units: int) -> float:
+    return BatchCost.of_load(view).predict(units)
 
 
 def test_batch_cost_is_the_profile_plus_margin_and_overhead():
@@ -48,7 +68,7 @@ def test_a_batch_costs_the_margin_of_its_size_class():
     # 1 unit takes 31 ms predicted, within 0.9 of a 40 ms budget (with 0.3 s of margin it would not be).
     idle = pb.ModelLoad(cost_per_unit_s=0.01, cost_fixed_s=0.02, cost_margin_s=0.3, margin_by_size_s=[0.001, 0.001, 0.005, 0.03],
                         executors=1, queued_rows=[0], policy="deadline", tails=[tail(free=(NOW + 0.001,))])
-    assert admit(idle, MODEL, 1, 1, budget_s=0.04, now_s=NOW, headroom=0.9) is None
+    assert admit(idle, MODEL, Candidate(1, 1, 0.04), NOW, headroom=0.9) is None
 
 
 def test_nothing_queued_and_an_idle_executor_is_the_run_time_alone():
@@ -114,12 +134,12 @@ def test_a_view_without_a_plan_counts_the_dispatched_work():
 
 
 def test_admits_what_fits_in_the_budget():
-    assert admit(load(tail()), MODEL, 1, 1, budget_s=1.0, now_s=NOW) is None
+    assert admit(load(tail()), MODEL, Candidate(1, 1, 1.0), NOW) is None
 
 
 def test_overload_is_resource_exhausted_with_a_retry_hint():
     view = load(tail(rows=8, limit=8, start=NOW + 0.6, free=(NOW + 0.6 + cost(8),)), queued=(64,))
-    err = admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW)
+    err = admit(view, MODEL, Candidate(1, 1, 0.2), NOW)
     assert isinstance(err, ResourceExhausted)
     assert err.retry_after_s == pytest.approx(finish(view) - 0.2)
     assert "overloaded" in str(err) and "64 rows queued ahead" in str(err) and "200 ms budget" in str(err)
@@ -129,17 +149,17 @@ def test_a_refusal_is_told_to_come_back_after_those_refused_before_it():
     view = load(tail(rows=8, limit=8, start=NOW + 0.6, free=(NOW + 0.6 + cost(8),)), queued=(64,))
     own = finish(view) - 0.2
     # Earlier refusals expected back later than this one's own wait: it goes after them.
-    later = admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW, retries_at_s=NOW + own + 0.15)
+    later = admit(view, MODEL, Candidate(1, 1, 0.2), NOW, retries_at_s=NOW + own + 0.15)
     assert later.retry_after_s == pytest.approx(own + 0.15)
     assert f"retry in {round((own + 0.15) * 1e3)} ms" in str(later)
     # ... but at most one budget after its own: those refused before may never come back.
-    capped = admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW, retries_at_s=NOW + own + 60)
+    capped = admit(view, MODEL, Candidate(1, 1, 0.2), NOW, retries_at_s=NOW + own + 60)
     assert capped.retry_after_s == pytest.approx(own + 0.2)
     # Expected back before this one could fit anyway (or long gone): its own wait stands.
     for retries_at in (NOW + own - 0.1, 0.0):
-        assert admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW, retries_at_s=retries_at).retry_after_s == pytest.approx(own)
+        assert admit(view, MODEL, Candidate(1, 1, 0.2), NOW, retries_at_s=retries_at).retry_after_s == pytest.approx(own)
     # Only overload is hinted: a budget below the run alone is not worth retrying as is.
-    assert admit(view, MODEL, 1, 4, budget_s=0.05, now_s=NOW, retries_at_s=NOW + 9).retry_after_s is None
+    assert admit(view, MODEL, Candidate(4, 1, 0.05), NOW, retries_at_s=NOW + 9).retry_after_s is None
 
 
 def test_refused_requests_are_spaced_by_their_share_of_a_batch_on_one_executor():
@@ -153,16 +173,16 @@ def test_refused_requests_are_spaced_by_their_share_of_a_batch_on_one_executor()
 
 def test_rows_admitted_since_the_view_can_tip_the_balance():
     view = load(tail(rows=4, limit=8, start=NOW, free=(NOW + cost(4),)))
-    assert admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW) is None
-    assert isinstance(admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW, admitted_since=16), ResourceExhausted)
+    assert admit(view, MODEL, Candidate(1, 1, 0.2), NOW) is None
+    assert isinstance(admit(view, MODEL, Candidate(1, 1, 0.2), NOW, since=queued(16)), ResourceExhausted)
 
 
 def test_a_budget_below_the_run_time_alone_is_deadline_exceeded():
-    err = admit(load(tail()), MODEL, 1, 4, budget_s=0.05, now_s=NOW)  # alone: 0.06 s
+    err = admit(load(tail()), MODEL, Candidate(4, 1, 0.05), NOW)  # alone: 0.06 s
     assert isinstance(err, DeadlineExceeded)
     assert "raise the timeout" in str(err) and "the 50 ms budget" in str(err)
     # A client's sub-millisecond budget is quoted in µs, not as "0 ms".
-    err = admit(load(tail()), MODEL, 1, 4, budget_s=0.0004, now_s=NOW)
+    err = admit(load(tail()), MODEL, Candidate(4, 1, 0.0004), NOW)
     assert isinstance(err, DeadlineExceeded) and "the 400 µs budget" in str(err)
 
 
@@ -175,24 +195,24 @@ def test_a_margin_past_the_budget_does_not_refuse_what_runs_in_time_on_an_idle_e
     # A spell of slow runs left a 0.3 s margin. Refusing every 0.2 s request on it would leave nothing
     # to run and report, so the margin would stay: only the typical run alone decides DEADLINE_EXCEEDED.
     stale = load(tail(), margin=0.3)
-    assert admit(stale, MODEL, 1, 4, budget_s=0.2, now_s=NOW) is None  # typical 0.06 s, starts at once
-    assert isinstance(admit(stale, MODEL, 1, 4, budget_s=0.05, now_s=NOW), DeadlineExceeded)
+    assert admit(stale, MODEL, Candidate(4, 1, 0.2), NOW) is None  # typical 0.06 s, starts at once
+    assert isinstance(admit(stale, MODEL, Candidate(4, 1, 0.05), NOW), DeadlineExceeded)
     # Behind a queue the margin still counts, as it does for everything admission predicts.
     busy = load(tail(free=(NOW + 0.05,)), margin=0.3)
-    assert isinstance(admit(busy, MODEL, 1, 4, budget_s=0.2, now_s=NOW), ResourceExhausted)
+    assert isinstance(admit(busy, MODEL, Candidate(4, 1, 0.2), NOW), ResourceExhausted)
 
 
 def test_headroom_refuses_earlier():
     view = load(tail(rows=4, limit=8, start=NOW + 0.1, free=(NOW + 0.1 + cost(4),)))
     f = finish(view)
-    assert admit(view, MODEL, 1, 1, budget_s=f * 1.1, now_s=NOW) is None
-    assert isinstance(admit(view, MODEL, 1, 1, budget_s=f * 1.1, now_s=NOW, headroom=0.8), ResourceExhausted)
+    assert admit(view, MODEL, Candidate(1, 1, f * 1.1), NOW) is None
+    assert isinstance(admit(view, MODEL, Candidate(1, 1, f * 1.1), NOW, headroom=0.8), ResourceExhausted)
 
 
 def test_higher_priority_is_admitted_where_lower_is_refused():
     view = load(tail(), tail(rows=8, limit=8, start=NOW + 0.7, free=(NOW + 0.7 + cost(8),)), queued=(0, 64))
-    assert admit(view, MODEL, 1, 1, budget_s=0.2, now_s=NOW) is None
-    assert isinstance(admit(view, MODEL, 2, 1, budget_s=0.2, now_s=NOW), ResourceExhausted)
+    assert admit(view, MODEL, Candidate(1, 1, 0.2), NOW) is None
+    assert isinstance(admit(view, MODEL, Candidate(1, 2, 0.2), NOW), ResourceExhausted)
 
 
 def test_a_last_batch_about_to_leave_cannot_be_joined():
@@ -251,8 +271,8 @@ def test_calibration_stays_between_its_floor_and_the_plan_itself():
 
 def test_a_request_that_starts_at_once_on_an_idle_executor_is_admitted_whatever_the_headroom():
     idle, busy = load(tail()), load(tail(free=(NOW + 0.001,)))  # busy: the same, 1 ms later
-    assert admit(idle, MODEL, 1, 1, budget_s=cost(1) * 1.1, now_s=NOW, headroom=0.25) is None
-    assert isinstance(admit(busy, MODEL, 1, 1, budget_s=cost(1) * 1.1, now_s=NOW, headroom=0.25), ResourceExhausted)
+    assert admit(idle, MODEL, Candidate(1, 1, cost(1) * 1.1), NOW, headroom=0.25) is None
+    assert isinstance(admit(busy, MODEL, Candidate(1, 1, cost(1) * 1.1), NOW, headroom=0.25), ResourceExhausted)
 
 
 # --- lengths: a request is costed at its own length, not at what others cost ----------
@@ -262,8 +282,8 @@ def test_a_request_is_costed_at_its_rows_times_its_length():
     assert finish(load(tail()), length=16) == pytest.approx(cost(16))
     assert finish(load(tail()), rows=2, length=16) == pytest.approx(cost(32))
     # 0.2 s: 16 units fit alone (0.18), 32 do not (0.34)
-    assert admit(load(tail()), MODEL, 1, 1, 0.2, NOW, length=16) is None
-    refusal = admit(load(tail()), MODEL, 1, 1, 0.2, NOW, length=32)
+    assert admit(load(tail()), MODEL, Candidate(1, 1, 0.2, length=16), NOW) is None
+    refusal = admit(load(tail()), MODEL, Candidate(1, 1, 0.2, length=32), NOW)
     assert isinstance(refusal, DeadlineExceeded)
 
 

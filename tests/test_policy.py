@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.policy import DEADLINE, DELAY, FIFO, FULL, NO_COMPANY, PREFERRED, ModelPolicy, Pending, PlannedBatch, plan, free_after, queue_tail
+from batchline.planning import FunctionCost, Pending, play, queue_tail
+from scheduler.policy import DEADLINE, DELAY, FIFO, FULL, NO_COMPANY, PREFERRED, ModelPolicy, PlannedBatch, free_after, plan
 from scheduler.profile import LatencyProfile
 
 FAR = 1000.0  # a deadline far enough never to matter
@@ -43,9 +44,9 @@ class RecordingPredict:
 
 
 def test_full_queue_dispatches_immediately_with_reason_full():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0)
     queue = [req(f"r{i}") for i in range(4)]
-    p = plan(0.0, queue, policy, free_at=IDLE * 1, predict=fixed(0.25))
+    p = plan(0.0, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert len(p.batches) == 1
     b = p.batches[0]
     assert b.reason == FULL
@@ -58,9 +59,9 @@ def test_full_queue_dispatches_immediately_with_reason_full():
 
 
 def test_multi_row_request_counts_its_rows():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0)
     queue = [req("a", rows=3), req("b", rows=1)]
-    p = plan(0.0, queue, policy, free_at=IDLE * 1, predict=fixed(0.25))
+    p = plan(0.0, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert len(p.batches) == 1
     assert p.batches[0].reason == FULL
     assert p.batches[0].rows == 4
@@ -68,9 +69,9 @@ def test_multi_row_request_counts_its_rows():
 
 
 def test_request_that_does_not_fit_stays_queued():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0)
     queue = [req("a", rows=3, deadline=50.0), req("b", rows=2, deadline=40.0)]
-    p = plan(0.0, queue, policy, free_at=IDLE * 1, predict=fixed(0.25))
+    p = plan(0.0, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert len(p.batches) == 1
     # 'a' alone: the next request would overflow max_batch_size, so nothing more fits.
     assert ids(p.batches[0]) == ["a"]
@@ -81,9 +82,9 @@ def test_request_that_does_not_fit_stays_queued():
 
 
 def test_second_batch_with_two_slots_follows_the_same_rules_and_waits():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=0.5, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=0.5)
     queue = [req("a", rows=3), req("b", rows=2, enqueued=0.25)]
-    p = plan(0.5, queue, policy, free_at=IDLE * 2, predict=fixed(0.25))
+    p = plan(0.5, queue, policy, free_at=IDLE * 2, cost=FunctionCost(fixed(0.25)))
     # 'b' alone is not full, not preferred, far from its deadline, and has
     # waited only 0.25 of its 0.5 s: it must not be sent just because a slot is free.
     assert [ids(b) for b in p.batches] == [["a"]]
@@ -91,17 +92,17 @@ def test_second_batch_with_two_slots_follows_the_same_rules_and_waits():
 
 
 def test_second_batch_with_two_slots_goes_out_when_its_own_rule_fires():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=0.5, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=0.5)
     queue = [req("a", rows=3), req("b", rows=2, enqueued=0.25)]
-    p = plan(0.75, queue, policy, free_at=IDLE * 2, predict=fixed(0.25))
+    p = plan(0.75, queue, policy, free_at=IDLE * 2, cost=FunctionCost(fixed(0.25)))
     assert [(ids(b), b.rows, b.reason) for b in p.batches] == [(["a"], 3, FULL), (["b"], 2, DELAY)]
     assert p.blocked and p.wake_at == 1.0  # both executors busy until then
 
 
 def test_second_batch_with_two_slots_can_be_full_too():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0)
     queue = [req("a", rows=3), req("b", rows=2), req("c", rows=2), req("d", rows=1)]
-    p = plan(0.0, queue, policy, free_at=IDLE * 3, predict=fixed(0.25))
+    p = plan(0.0, queue, policy, free_at=IDLE * 3, cost=FunctionCost(fixed(0.25)))
     assert [(ids(b), b.rows, b.reason) for b in p.batches] == [(["a"], 3, FULL), (["b", "c"], 4, FULL)]
     # 'd' waits for company; wake when its delay is due
     assert p.wake_at == 10.0
@@ -111,18 +112,18 @@ def test_second_batch_with_two_slots_can_be_full_too():
 
 
 def test_delay_not_yet_due_waits_until_oldest_plus_delay():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5)
     queue = [req("a", enqueued=0.125), req("b", enqueued=0.25)]
-    p = plan(0.5, queue, policy, free_at=IDLE * 4, predict=fixed(0.25))
+    p = plan(0.5, queue, policy, free_at=IDLE * 4, cost=FunctionCost(fixed(0.25)))
     assert p.batches == []
     assert p.expired == []
     assert p.wake_at == 0.625  # oldest (0.125) + 0.5
 
 
 def test_delay_due_exactly_now_dispatches_with_reason_delay():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5)
     queue = [req("a", enqueued=0.125), req("b", enqueued=0.25)]
-    p = plan(0.625, queue, policy, free_at=IDLE * 4, predict=fixed(0.25))
+    p = plan(0.625, queue, policy, free_at=IDLE * 4, cost=FunctionCost(fixed(0.25)))
     assert len(p.batches) == 1
     assert p.batches[0].reason == DELAY
     assert ids(p.batches[0]) == ["a", "b"]
@@ -131,19 +132,19 @@ def test_delay_due_exactly_now_dispatches_with_reason_delay():
 
 
 def test_delay_past_dispatches_with_reason_delay():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0)
-    p = plan(3.0, [req("a", enqueued=0.125)], policy, free_at=IDLE * 1, predict=fixed(0.25))
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5)
+    p = plan(3.0, [req("a", enqueued=0.125)], policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert [(ids(b), b.reason) for b in p.batches] == [(["a"], DELAY)]
 
 
 def test_delay_is_measured_from_the_oldest_member_not_the_first():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5)
     # Queue order is priority-major, so the oldest request need not come first.
     queue = [req("new", enqueued=0.25, priority=1), req("old", enqueued=0.0, priority=2)]
-    before = plan(0.375, queue, policy, free_at=IDLE * 1, predict=fixed(0.25))
+    before = plan(0.375, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert before.batches == []
     assert before.wake_at == 0.5
-    at = plan(0.5, queue, policy, free_at=IDLE * 1, predict=fixed(0.25))
+    at = plan(0.5, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert [b.reason for b in at.batches] == [DELAY]
 
 
@@ -151,35 +152,35 @@ def test_delay_is_measured_from_the_oldest_member_not_the_first():
 
 
 def test_no_company_expected_sends_at_once_with_reason_no_company():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0)
-    p = plan(0.125, [req("a", enqueued=0.125)], policy, free_at=IDLE, predict=fixed(0.25), company=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5)
+    p = plan(0.125, [req("a", enqueued=0.125)], policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)), company=0.0)
     assert [(ids(b), b.reason) for b in p.batches] == [(["a"], NO_COMPANY)]
 
 
 def test_company_expected_waits_while_one_more_arrival_is_expected_before_the_delay_is_up():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5)
     queue = [req("a", enqueued=0.0)]
     # 4 arrivals/s: one is expected in the last 0.25 s of the wait, which ends at 0.5.
-    early = plan(0.125, queue, policy, free_at=IDLE, predict=fixed(0.25), company=4.0)
+    early = plan(0.125, queue, policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)), company=4.0)
     assert early.batches == [] and early.wake_at == 0.25
-    at = plan(0.25, queue, policy, free_at=IDLE, predict=fixed(0.25), company=4.0)
+    at = plan(0.25, queue, policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)), company=4.0)
     assert [b.reason for b in at.batches] == [NO_COMPANY]
     # Unknown (None): the whole max_queue_delay, as Triton waits.
-    unknown = plan(0.25, queue, policy, free_at=IDLE, predict=fixed(0.25), company=None)
+    unknown = plan(0.25, queue, policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)), company=None)
     assert unknown.batches == [] and unknown.wake_at == 0.5
 
 
 def test_the_wait_for_company_ends_by_the_deadline_rule_first():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0)
     queue = [req("a", deadline=1.0)]
     # send_by = 1.0 - 0.25 = 0.75; one arrival is expected within 0.25 s at 4/s: wait until 0.5.
-    p = plan(0.0, queue, policy, free_at=IDLE, predict=fixed(0.25), company=4.0)
+    p = plan(0.0, queue, policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)), company=4.0)
     assert p.batches == [] and p.wake_at == 0.5
 
 
 def test_fifo_waits_the_whole_delay_whatever_the_company():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0, kind=FIFO)
-    p = plan(0.125, [req("a", enqueued=0.0)], policy, free_at=IDLE, predict=fixed(0.25), company=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, kind=FIFO)
+    p = plan(0.125, [req("a", enqueued=0.0)], policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)), company=0.0)
     assert p.batches == [] and p.wake_at == 0.5
 
 
@@ -187,46 +188,46 @@ def test_fifo_waits_the_whole_delay_whatever_the_company():
 
 
 def test_deadline_not_yet_due_wakes_at_latest_dispatch_instant():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, overhead=0.125)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0)
     queue = [req("a", deadline=1.0)]
-    p = plan(0.5, queue, policy, free_at=IDLE * 1, predict=fixed(0.25))
+    p = plan(0.5, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25), overhead_s=0.125))
     assert p.batches == []
     assert p.wake_at == 0.625  # 1.0 - 0.25 - 0.125
 
 
 def test_deadline_due_dispatches_before_max_queue_delay():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, overhead=0.125)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0)
     queue = [req("a", deadline=1.0)]
-    p = plan(0.625, queue, policy, free_at=IDLE * 1, predict=fixed(0.25))
+    p = plan(0.625, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25), overhead_s=0.125))
     assert len(p.batches) == 1
     assert p.batches[0].reason == DEADLINE
     assert p.batches[0].slack == 0.0
     # later but still able to finish in time: still DEADLINE, not DELAY
-    p2 = plan(0.75, queue, policy, free_at=IDLE * 1, predict=fixed(0.25), expected=fixed(0.125))
+    p2 = plan(0.75, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25), fixed(0.125), overhead_s=0.125))
     assert [b.reason for b in p2.batches] == [DEADLINE]
     # too late to finish even if started now: shed, never executed
-    p3 = plan(0.875, queue, policy, free_at=IDLE * 1, predict=fixed(0.25))
+    p3 = plan(0.875, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25), overhead_s=0.125))
     assert p3.batches == [] and [e.request_id for e in p3.expired] == ["a"]
 
 
 def test_deadline_uses_earliest_deadline_member_even_when_not_first():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, overhead=0.125)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0)
     # The lower-priority request (second in queue order) has the earlier deadline.
     queue = [req("hi", deadline=5.0, priority=1), req("lo", deadline=1.0, priority=2)]
-    before = plan(0.5, queue, policy, free_at=IDLE * 1, predict=fixed(0.25))
+    before = plan(0.5, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25), overhead_s=0.125))
     assert before.batches == []
     assert before.wake_at == 0.625
-    at = plan(0.625, queue, policy, free_at=IDLE * 1, predict=fixed(0.25))
+    at = plan(0.625, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25), overhead_s=0.125))
     assert len(at.batches) == 1
     assert at.batches[0].reason == DEADLINE
     assert ids(at.batches[0]) == ["hi", "lo"]
 
 
 def test_deadline_prediction_is_for_the_batch_rows():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0)
     predict = RecordingPredict(per_row=0.125)
     queue = [req("a", rows=2, deadline=1.0), req("b", rows=3, deadline=2.0)]
-    p = plan(0.25, queue, policy, free_at=IDLE * 1, predict=predict, expected=fixed(0.0))
+    p = plan(0.25, queue, policy, free_at=IDLE * 1, cost=FunctionCost(predict, fixed(0.0)))
     assert set(predict.calls) == {5}  # only ever the whole batch
     assert p.batches == []
     assert p.wake_at == 0.375  # 1.0 - 5 * 0.125
@@ -236,9 +237,9 @@ def test_deadline_prediction_is_for_the_batch_rows():
 
 
 def test_preferred_size_when_everything_queued_is_taken():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, preferred_batch_sizes=(2, 4), overhead=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, preferred_batch_sizes=(2, 4))
     queue = [req("a", rows=1), req("b", rows=3)]
-    p = plan(0.0, queue, policy, free_at=IDLE * 1, predict=fixed(0.25))
+    p = plan(0.0, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert len(p.batches) == 1
     assert p.batches[0].reason == PREFERRED
     assert p.batches[0].rows == 4
@@ -246,9 +247,9 @@ def test_preferred_size_when_everything_queued_is_taken():
 
 
 def test_non_preferred_size_waits():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, preferred_batch_sizes=(2, 4), overhead=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, preferred_batch_sizes=(2, 4))
     queue = [req("a", rows=1), req("b", rows=2)]
-    p = plan(0.0, queue, policy, free_at=IDLE * 1, predict=fixed(0.25))
+    p = plan(0.0, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert p.batches == []
     assert p.wake_at == 10.0
 
@@ -257,7 +258,7 @@ def test_non_preferred_size_waits():
 
 
 def test_expired_requests_are_shed_and_the_rest_still_planned():
-    policy = ModelPolicy(max_batch_size=2, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=2, max_queue_delay=10.0)
     queue = [
         req("gone", deadline=0.5),
         req("a", deadline=5.0),
@@ -265,7 +266,7 @@ def test_expired_requests_are_shed_and_the_rest_still_planned():
         req("b", deadline=5.0),
         req("c", deadline=6.0),
     ]
-    p = plan(1.0, queue, policy, free_at=IDLE * 4, predict=fixed(0.25))
+    p = plan(1.0, queue, policy, free_at=IDLE * 4, cost=FunctionCost(fixed(0.25)))
     assert [e.request_id for e in p.expired] == ["gone", "at_now"]
     batched = [m.request_id for b in p.batches for m in b.members]
     assert "gone" not in batched and "at_now" not in batched
@@ -274,8 +275,8 @@ def test_expired_requests_are_shed_and_the_rest_still_planned():
 
 
 def test_all_expired_gives_no_batches_and_no_wake():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.0)
-    p = plan(2.0, [req("a", deadline=1.0), req("b", deadline=2.0)], policy, free_at=IDLE * 1, predict=fixed(0.25))
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0)
+    p = plan(2.0, [req("a", deadline=1.0), req("b", deadline=2.0)], policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert [e.request_id for e in p.expired] == ["a", "b"]
     assert p.batches == []
     assert p.wake_at is None
@@ -285,18 +286,18 @@ def test_all_expired_gives_no_batches_and_no_wake():
 
 
 def test_no_free_slots_no_batches_but_wake_at_earliest_deadline():
-    policy = ModelPolicy(max_batch_size=2, max_queue_delay=0.5, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=2, max_queue_delay=0.5)
     queue = [req("a", deadline=3.0), req("b", deadline=2.0), req("c", deadline=4.0)]
-    p = plan(1.0, queue, policy, free_at=[], predict=fixed(0.25))
+    p = plan(1.0, queue, policy, free_at=[], cost=FunctionCost(fixed(0.25)))
     assert p.batches == []
     assert p.expired == []
     assert p.wake_at == 2.0
 
 
 def test_free_slots_limit_the_number_of_batches():
-    policy = ModelPolicy(max_batch_size=2, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=2, max_queue_delay=10.0)
     queue = [req(f"r{i}", deadline=10.0 + i) for i in range(7)]
-    p = plan(0.0, queue, policy, free_at=IDLE * 2, predict=fixed(0.25))
+    p = plan(0.0, queue, policy, free_at=IDLE * 2, cost=FunctionCost(fixed(0.25)))
     assert [ids(b) for b in p.batches] == [["r0", "r1"], ["r2", "r3"]]
     assert all(b.reason == FULL for b in p.batches)
     assert p.wake_at == 0.25  # both executors predicted free again
@@ -306,9 +307,9 @@ def test_free_slots_limit_the_number_of_batches():
 
 
 def test_max_batch_size_zero_means_one_request_per_batch():
-    policy = ModelPolicy(max_batch_size=0, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=0, max_queue_delay=10.0)
     queue = [req("a"), req("b"), req("c")]
-    p = plan(0.0, queue, policy, free_at=IDLE * 2, predict=fixed(0.25))
+    p = plan(0.0, queue, policy, free_at=IDLE * 2, cost=FunctionCost(fixed(0.25)))
     assert [ids(b) for b in p.batches] == [["a"], ["b"]]
     assert all(b.rows == 1 for b in p.batches)
     assert p.wake_at == 0.25  # 'c' waits for an executor to free up
@@ -318,10 +319,10 @@ def test_max_batch_size_zero_means_one_request_per_batch():
 
 
 def test_slack_is_earliest_deadline_minus_now_minus_predicted_cost():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.125)
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0)
     predict = RecordingPredict(per_row=0.0625)
     queue = [req("a", deadline=3.0), req("b", deadline=2.0), req("c", deadline=4.0), req("d", deadline=5.0)]
-    p = plan(0.5, queue, policy, free_at=IDLE * 1, predict=predict)
+    p = plan(0.5, queue, policy, free_at=IDLE * 1, cost=FunctionCost(predict, overhead_s=0.125))
     assert len(p.batches) == 1
     # earliest 2.0 - now 0.5 - (4 * 0.0625 + 0.125)
     assert p.batches[0].slack == 2.0 - 0.5 - 0.375
@@ -332,7 +333,7 @@ def test_slack_is_earliest_deadline_minus_now_minus_predicted_cost():
 
 
 def test_members_taken_in_given_queue_order():
-    policy = ModelPolicy(max_batch_size=3, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=3, max_queue_delay=10.0)
     # Deliberately not sorted by id, enqueue time, or deadline: the caller's order wins.
     queue = [
         req("z", priority=1, deadline=9.0, enqueued=0.5),
@@ -340,7 +341,7 @@ def test_members_taken_in_given_queue_order():
         req("a", priority=2, deadline=2.0, enqueued=0.0),
         req("q", priority=2, deadline=1.5, enqueued=0.0),
     ]
-    p = plan(0.75, queue, policy, free_at=IDLE * 1, predict=fixed(0.25))
+    p = plan(0.75, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert len(p.batches) == 1
     assert p.batches[0].members == tuple(queue[:3])
     assert p.wake_at == 1.0  # 'q' left behind: look again when the executor is predicted free
@@ -482,9 +483,9 @@ def test_profile_round_trips_its_samples():
 
 
 def test_a_batch_is_predicted_at_its_rows_times_its_longest_member():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0)
     per_unit = RecordingPredict(per_row=0.001)
-    p = plan(0.0, [req("short", length=16), req("long", length=128)], policy, IDLE, per_unit)
+    p = plan(0.0, [req("short", length=16), req("long", length=128)], policy, IDLE, FunctionCost(per_unit))
     [b] = p.batches
     assert ids(b) == ["short", "long"] and b.rows == 2
     # Each member alone (is it hopeless?) at its own length; the batch padded to the long one:
@@ -495,18 +496,18 @@ def test_a_batch_is_predicted_at_its_rows_times_its_longest_member():
 
 def test_a_short_request_is_not_shed_for_what_a_long_one_costs():
     # 1 ms per unit, 50 ms to go: 16 units make it, 128 cannot even alone.
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0)
     queue = [req("long", length=128, deadline=0.05), req("short", length=16, deadline=0.05)]
-    p = plan(0.0, queue, policy, IDLE, RecordingPredict(per_row=0.001))
+    p = plan(0.0, queue, policy, IDLE, FunctionCost(RecordingPredict(per_row=0.001)))
     assert [m.request_id for m in p.expired] == ["long"]
     [b] = p.batches
     assert ids(b) == ["short"] and b.finish == pytest.approx(0.016)
 
 
 def test_a_long_request_that_would_make_the_head_late_waits_for_the_next_batch():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0)
     queue = [req("head", length=16, deadline=0.05), req("long", length=128)]
-    p = plan(0.0, queue, policy, [0.0, 0.0], RecordingPredict(per_row=0.001))
+    p = plan(0.0, queue, policy, [0.0, 0.0], FunctionCost(RecordingPredict(per_row=0.001)))
     assert [ids(b) for b in p.batches] == [["head"], ["long"]]
     assert p.batches[0].reason == DEADLINE and p.expired == []
 
@@ -514,9 +515,10 @@ def test_a_long_request_that_would_make_the_head_late_waits_for_the_next_batch()
 def test_tail_counts_the_length_of_its_batches():
     per_unit = lambda units: 0.001 * units  # noqa: E731
     queue = [req("a", length=16), req("b", length=16), req("c", length=128), req("d", length=16)]
-    t = queue_tail(0.0, queue, 2, IDLE, per_unit)
+    t = play(queue, IDLE, 2, (), FunctionCost(per_unit))
     # (a, b) at 2 x 16, then (c, d) padded to 128: 0.032 + 0.256
-    assert (t.rows, t.length, t.start) == (2, 128, pytest.approx(0.032))
+    last = t.batches[-1]
+    assert (last.rows, max(m.length for m in last.members), last.start) == (2, 128, pytest.approx(0.032))
     assert t.free == pytest.approx((0.032 + 0.256,))
 
 
@@ -536,36 +538,36 @@ def test_profile_fits_one_line_through_batches_of_different_lengths():
 
 
 def test_batch_goes_to_the_executor_predicted_free_first():
-    policy = ModelPolicy(max_batch_size=2, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=2, max_queue_delay=10.0)
     queue = [req("a"), req("b")]
-    p = plan(1.0, queue, policy, free_at=[1.5, 0.5, 1.25], predict=fixed(0.25))
+    p = plan(1.0, queue, policy, free_at=[1.5, 0.5, 1.25], cost=FunctionCost(fixed(0.25)))
     assert [(ids(b), b.executor, b.finish) for b in p.batches] == [(["a", "b"], 1, 1.25)]
 
 
 def test_no_executor_ready_lets_the_queue_grow_until_one_is_about_to_be_free():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=0.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=0.0)
     queue = [req("a"), req("b")]
     # Busy until 2.0: nothing goes out now, even with the delay due; look again `lead` before.
-    p = plan(1.0, queue, policy, free_at=[2.0], predict=fixed(0.25), lead=0.125)
+    p = plan(1.0, queue, policy, free_at=[2.0], cost=FunctionCost(fixed(0.25)), lead=0.125)
     assert p.batches == [] and p.expired == []
     assert p.wake_at == 1.875
     # Within `lead` of free: dispatched, to start when the executor frees up.
-    p = plan(1.875, queue, policy, free_at=[2.0], predict=fixed(0.25), lead=0.125)
+    p = plan(1.875, queue, policy, free_at=[2.0], cost=FunctionCost(fixed(0.25)), lead=0.125)
     assert [(ids(b), b.reason, b.finish) for b in p.batches] == [(["a", "b"], DELAY, 2.25)]
 
 
 def test_one_executor_takes_batches_back_to_back_and_the_next_waits():
-    policy = ModelPolicy(max_batch_size=2, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=2, max_queue_delay=10.0)
     queue = [req(f"r{i}") for i in range(6)]
-    p = plan(0.0, queue, policy, free_at=[0.0, 0.0], predict=fixed(0.5))
+    p = plan(0.0, queue, policy, free_at=[0.0, 0.0], cost=FunctionCost(fixed(0.5)))
     # Two idle executors take one full batch each; the third batch waits for the first to free up.
     assert [(ids(b), b.executor) for b in p.batches] == [(["r0", "r1"], 0), (["r2", "r3"], 1)]
     assert p.wake_at == 0.5
 
 
 def test_slack_counts_the_wait_for_a_busy_executor():
-    policy = ModelPolicy(max_batch_size=1, max_queue_delay=10.0, overhead=0.0)
-    p = plan(1.0, [req("a", deadline=2.0)], policy, free_at=[1.25], predict=fixed(0.25), lead=0.5)
+    policy = ModelPolicy(max_batch_size=1, max_queue_delay=10.0)
+    p = plan(1.0, [req("a", deadline=2.0)], policy, free_at=[1.25], cost=FunctionCost(fixed(0.25)), lead=0.5)
     assert p.batches[0].finish == 1.5
     assert p.batches[0].slack == 0.5
 
@@ -574,41 +576,41 @@ def test_slack_counts_the_wait_for_a_busy_executor():
 
 
 def test_a_batch_is_trimmed_when_that_gets_more_members_done_in_time():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0)
     per_row = RecordingPredict(per_row=0.125)
     queue = [req("u1", deadline=0.3), req("u2", deadline=0.3), req("b", deadline=5.0)]
     # All three take 0.375 s: only 'b' in time. Two take 0.25 s: both urgent ones in time.
-    p = plan(0.0, queue, policy, free_at=[0.0, 1.0], predict=per_row)
+    p = plan(0.0, queue, policy, free_at=[0.0, 1.0], cost=FunctionCost(per_row))
     assert [(ids(b), b.reason) for b in p.batches] == [(["u1", "u2"], DEADLINE)]
     assert p.expired == []
     assert p.batches[0].slack == 0.3 - 0.25
 
 
 def test_one_urgent_member_does_not_shrink_a_batch_it_would_cost_more_than_it_saves():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0)
     per_row = RecordingPredict(per_row=0.125)
     queue = [req("urgent", deadline=0.4375), req("b", deadline=5.0), req("c", deadline=5.0), req("d", deadline=5.0),
              req("e", deadline=5.0)]
     # Three rows (0.375 s) would save 'urgent' and two others; five rows (0.625 s) get four done in time.
-    p = plan(0.0, queue, policy, free_at=IDLE, predict=per_row)
+    p = plan(0.0, queue, policy, free_at=IDLE, cost=FunctionCost(per_row))
     assert [(ids(b), b.reason) for b in p.batches] == [(["b", "c", "d", "e"], DEADLINE)]
     assert [e.request_id for e in p.expired] == ["urgent"]  # late even in the batch that serves most
 
 
 def test_hopeless_request_is_shed_by_the_central_estimate_not_the_margin():
-    policy = ModelPolicy(max_batch_size=1, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=1, max_queue_delay=10.0)
     queue = [req("tight", deadline=1.25), req("hopeless", deadline=1.0625)]
     # predict (with margin) says 0.5, expected (central) says 0.125
-    p = plan(1.0, queue, policy, free_at=[0.0, 0.0], predict=fixed(0.5), expected=fixed(0.125))
+    p = plan(1.0, queue, policy, free_at=[0.0, 0.0], cost=FunctionCost(fixed(0.5), fixed(0.125)))
     assert [e.request_id for e in p.expired] == ["hopeless"]
     assert [(ids(b), b.reason) for b in p.batches] == [(["tight"], FULL)]
 
 
 def test_requests_behind_a_busy_executor_are_shed_when_they_cannot_make_it():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0)
     queue = [req("a", deadline=1.5), req("b", deadline=3.0)]
     # The only executor is busy until 2.0: 'a' cannot finish by 1.5, 'b' can.
-    p = plan(1.0, queue, policy, free_at=[2.0], predict=fixed(0.25))
+    p = plan(1.0, queue, policy, free_at=[2.0], cost=FunctionCost(fixed(0.25)))
     assert [e.request_id for e in p.expired] == ["a"]
     assert p.batches == []
 
@@ -617,132 +619,153 @@ def test_requests_behind_a_busy_executor_are_shed_when_they_cannot_make_it():
 
 
 def test_fifo_orders_by_arrival_within_priority_and_ignores_deadlines():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, overhead=0.0, kind=FIFO)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, kind=FIFO)
     queue = [req("late_arrival", deadline=0.75, enqueued=0.25), req("early_arrival", deadline=5.0, enqueued=0.0),
              req("low", deadline=0.6, enqueued=0.0, priority=2)]
     # A deadline-aware plan would go now for 'late_arrival'; FIFO waits for the delay.
-    p = plan(0.25, queue, policy, free_at=IDLE, predict=fixed(0.25))
+    p = plan(0.25, queue, policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)))
     assert p.batches == [] and p.expired == []
     assert p.wake_at == 0.5
-    p = plan(0.5, queue, policy, free_at=IDLE, predict=fixed(0.25))
+    p = plan(0.5, queue, policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)))
     assert [(ids(b), b.reason) for b in p.batches] == [(["early_arrival", "late_arrival", "low"], DELAY)]
 
 
 def test_fifo_sheds_only_what_is_past_its_deadline():
-    policy = ModelPolicy(max_batch_size=1, max_queue_delay=0.0, overhead=0.0, kind=FIFO)
+    policy = ModelPolicy(max_batch_size=1, max_queue_delay=0.0, kind=FIFO)
     queue = [req("gone", deadline=1.0), req("doomed", deadline=1.125)]
-    p = plan(1.0, queue, policy, free_at=IDLE, predict=fixed(0.5))
+    p = plan(1.0, queue, policy, free_at=IDLE, cost=FunctionCost(fixed(0.5)))
     assert [e.request_id for e in p.expired] == ["gone"]
     assert [ids(b) for b in p.batches] == [["doomed"]]  # runs although it will miss
 
 
 def test_plan_says_when_requests_wait_for_an_executor_rather_than_for_company():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=1.0, overhead=0.0)
+    policy = ModelPolicy(max_batch_size=4, max_queue_delay=1.0)
     # Waiting for company (the executor is idle): a new arrival may fill the batch, look again.
-    assert not plan(0.0, [req("a")], policy, free_at=IDLE, predict=fixed(0.25)).blocked
+    assert not plan(0.0, [req("a")], policy, free_at=IDLE, cost=FunctionCost(fixed(0.25))).blocked
     # Waiting for the busy executor: nothing changes before it frees up.
-    assert plan(0.0, [req("a")], policy, free_at=[0.5], predict=fixed(0.25)).blocked
+    assert plan(0.0, [req("a")], policy, free_at=[0.5], cost=FunctionCost(fixed(0.25))).blocked
     # Every executor holds its maximum.
-    assert plan(0.0, [req("a")], policy, free_at=[], predict=fixed(0.25)).blocked
+    assert plan(0.0, [req("a")], policy, free_at=[], cost=FunctionCost(fixed(0.25))).blocked
     # Nothing waits and an executor is idle: an arrival may go out at once, look at it.
-    assert not plan(0.0, [], policy, free_at=[0.5, 0.0], predict=fixed(0.25)).blocked
+    assert not plan(0.0, [], policy, free_at=[0.5, 0.0], cost=FunctionCost(fixed(0.25))).blocked
     # Nothing left waiting, every executor busy: an arrival waits for the first to free up.
-    p = plan(0.0, [req(f"r{i}") for i in range(4)], policy, free_at=IDLE, predict=fixed(0.25), lead=0.05)
+    p = plan(0.0, [req(f"r{i}") for i in range(4)], policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)), lead=0.05)
     assert p.blocked and p.wake_at == 0.2
-    p = plan(0.0, [], policy, free_at=[0.5, 0.75], predict=fixed(0.25))
+    p = plan(0.0, [], policy, free_at=[0.5, 0.75], cost=FunctionCost(fixed(0.25)))
     assert p.blocked and p.wake_at == 0.5
     # ... unless it is ready within the dispatch lead.
-    assert not plan(0.0, [], policy, free_at=[0.04], predict=fixed(0.25), lead=0.05).blocked
+    assert not plan(0.0, [], policy, free_at=[0.04], cost=FunctionCost(fixed(0.25)), lead=0.05).blocked
     # No executor can take more before a report.
-    assert plan(0.0, [], policy, free_at=[], predict=fixed(0.25)).blocked
+    assert plan(0.0, [], policy, free_at=[], cost=FunctionCost(fixed(0.25))).blocked
 
 
-# --- the plan's tail, for admission control -------------------------------------
+# --- the play of the queue, for admission control -------------------------------
 
 
 def linear(n: int) -> float:
     return 0.1 + 0.01 * n
 
 
-def test_tail_of_an_empty_queue_is_when_each_executor_is_free():
-    t = queue_tail(1.0, [], 4, [0.5, 1.5], linear)
-    assert t.rows == 0 and t.free == (1.0, 1.5)
+def played(queue, max_batch_size, free=IDLE, cost=linear, typical=None, preferred=()):
+    return play(queue, free, max_batch_size, preferred, FunctionCost(cost, typical))
+
+
+def test_view_of_an_empty_queue_is_when_each_executor_is_free():
+    t = queue_tail(1, [], [1.0, 1.5], 4, (), FunctionCost(linear))
+    assert list(t.free_s) == [1.0, 1.5] and not t.items
 
 
 def test_tail_plays_the_queue_in_full_batches():
     queue = [req(f"r{i}") for i in range(10)]  # far deadlines
-    t = queue_tail(0.0, queue, 4, IDLE, linear)
+    t = played(queue, 4)
     # batches of 4, 4, 2: the last starts after two full ones and could take 2 more rows
-    assert (t.rows, t.limit, t.executor) == (2, 4, 0)
-    assert t.start == pytest.approx(2 * linear(4))
+    last = t.batches[-1]
+    assert (last.rows, last.executor) == (2, 0)
+    assert last.start == pytest.approx(2 * linear(4))
     assert t.free == pytest.approx((2 * linear(4) + linear(2),))
+    assert played(queue + [req("x"), req("y")], 4).batches[-1].rows == 4
+    # Only the last batch's head reached the end of the queue: a view resumes there.
+    assert (t.resume_at, t.resume_free) == (8, pytest.approx((2 * linear(4),)))
 
 
 def test_tail_batches_are_cut_to_meet_their_earliest_deadline():
-    # The head must finish by 0.125: a batch of 2 (0.12) makes it, 3 (0.13) would not.
+    # The head must finish by 0.125: a batch of 2 (0.12) makes it, 3 (0.13) would not; 4 (0.14)
+    # gets more done in time (b, c, d), so the plan sheds a and sends those, and so does the play.
     queue = [req("a", deadline=0.125), req("b"), req("c"), req("d")]
-    t = queue_tail(0.0, queue, 4, IDLE, linear)
-    assert t.rows == 2 and t.start == pytest.approx(linear(2))  # c, d after a, b
+    t = played(queue, 4)
+    first = plan(0.0, queue, ModelPolicy(max_batch_size=4, max_queue_delay=10.0), IDLE, FunctionCost(linear))
+    assert [ids(b) for b in first.batches] == [["b", "c", "d"]] and ids(PlannedBatch(tuple(first.expired), 0, "", 0)) == ["a"]
+    assert [[m.request_id for m in b.members] for b in t.batches] == [["b", "c", "d"]]
+    assert [p.request_id for p in t.shed] == ["a"]
+    # Two as tight: a batch of 4 gets no more done in time than the batch of 2, which goes first.
+    queue = [req("a", deadline=0.125), req("b", deadline=0.125), req("c"), req("d")]
+    t = played(queue, 4)
+    assert t.batches[-1].rows == 2 and t.batches[-1].start == pytest.approx(linear(2))  # c, d after a, b
     # The last batch's own earliest deadline bounds its room.
     queue = [req("a", deadline=0.115), req("b", deadline=linear(1) + linear(3) + 0.001)]
-    t = queue_tail(0.0, queue, 8, IDLE, linear)
-    assert (t.rows, t.limit, t.start) == (1, 3, linear(1))  # a alone, then b with room for 2 more
+    t = played(queue, 8)
+    assert (t.batches[-1].rows, t.batches[-1].start) == (1, linear(1))  # a alone, then b with room for 2 more
+    assert played(queue + [req("c"), req("d")], 8).batches[-1].rows == 3
+    assert played(queue + [req("c", deadline=0.3), req("d", deadline=0.3)], 8).batches[-1].rows == 3
 
 
 def test_tail_skips_what_would_be_shed():
     queue = [req("late", deadline=0.05), req("a")]
-    t = queue_tail(0.0, queue, 4, IDLE, linear)
-    assert (t.rows, t.start) == (1, 0.0)  # the hopeless head takes no executor time
+    t = played(queue, 4)
+    assert (t.batches[-1].rows, t.batches[-1].start) == (1, 0.0)  # the hopeless head takes no executor time
+    assert [p.request_id for p in t.shed] == ["late"]
 
 
 def test_tail_keeps_a_head_that_is_late_only_by_the_margin():
     # With a 0.2 s margin the head (deadline 0.15) misses on cost, but a typical run (0.11) makes it:
-    # plan sends it rather than shed it, so the tail counts its executor time.
+    # plan sends it rather than shed it, so the play counts its executor time.
     margin = lambda n: linear(n) + 0.2  # noqa: E731
     queue = [req("tight", deadline=0.15), req("a")]
-    decision = plan(0.0, queue, ModelPolicy(max_batch_size=4, max_queue_delay=10.0, overhead=0.0), IDLE, margin, linear)
+    decision = plan(0.0, queue, ModelPolicy(max_batch_size=4, max_queue_delay=10.0), IDLE, FunctionCost(margin, linear))
     assert not decision.expired and decision.batches[0].members[0].request_id == "tight"
-    t = queue_tail(0.0, queue, 4, IDLE, margin, typical=linear)
-    assert (t.rows, t.start) == (1, pytest.approx(margin(1)))
-    assert queue_tail(0.0, queue, 4, IDLE, margin).start == 0.0  # judged by the margin, it was skipped
+    t = played(queue, 4, cost=margin, typical=linear)
+    assert [p.request_id for b in t.batches for p in b.members] == ["tight", "a"]
+    assert not t.shed
+    assert played(queue, 4, cost=margin).batches[0].start == 0.0  # judged by the margin, it was skipped
+    assert [p.request_id for p in played(queue, 4, cost=margin).shed] == ["tight"]
 
 
 def test_tail_spreads_batches_over_executors():
     queue = [req(f"r{i}") for i in range(8)]
-    t = queue_tail(0.0, queue, 4, [0.0, 0.05], linear)
-    assert (t.rows, t.executor, t.start) == (4, 1, 0.05)
+    t = played(queue, 4, free=[0.0, 0.05])
+    assert (t.batches[-1].rows, t.batches[-1].executor, t.batches[-1].start) == (4, 1, 0.05)
     assert t.free == pytest.approx((linear(4), 0.05 + linear(4)))
 
 
 def test_tail_of_a_model_without_batch_dim_is_one_request_per_batch():
     queue = [req("a", rows=1), req("b", rows=1)]
-    t = queue_tail(0.0, queue, 0, IDLE, linear)
-    assert (t.rows, t.limit, t.start) == (1, 1, linear(1))
+    t = played(queue, 0)
+    assert [(b.rows, b.start) for b in t.batches] == [(1, 0.0), (1, linear(1))]
 
 
 def test_tail_agrees_with_the_plans_first_batch():
     queue = [req(f"r{i}", deadline=0.2 + 0.01 * i) for i in range(12)]
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0, overhead=0.0)
-    first = plan(0.0, queue, policy, IDLE, linear).batches[0]
-    t = queue_tail(0.0, queue[: len(first.members)], 8, IDLE, linear)
-    assert t.rows == first.rows and t.free[0] == pytest.approx(first.finish)
+    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0)
+    first = plan(0.0, queue, policy, IDLE, FunctionCost(linear)).batches[0]
+    t = played(queue, 8)
+    assert t.batches[0].members == first.members and t.batches[0].finish == pytest.approx(first.finish)
 
 
 def test_more_than_a_preferred_size_queued_sends_the_largest_preferred_size():
     # Triton's rule: 31 queued, preferred 16 and 32, max 32: a batch of 16 now, 15 wait for company.
-    policy = ModelPolicy(max_batch_size=32, max_queue_delay=0.0, preferred_batch_sizes=(16, 32), overhead=0.0)
+    policy = ModelPolicy(max_batch_size=32, max_queue_delay=0.0, preferred_batch_sizes=(16, 32))
     queue = [req(f"r{i}") for i in range(31)]
-    p = plan(0.0, queue, policy, free_at=IDLE, predict=fixed(0.25))
+    p = plan(0.0, queue, policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)))
     assert [(b.rows, b.reason) for b in p.batches] == [(16, PREFERRED)]
     assert ids(p.batches[0]) == [f"r{i}" for i in range(16)]
     # With a second executor free, the 15 left go too once their delay is due (0 here).
-    p = plan(0.0, queue, policy, free_at=IDLE * 2, predict=fixed(0.25))
+    p = plan(0.0, queue, policy, free_at=IDLE * 2, cost=FunctionCost(fixed(0.25)))
     assert [(b.rows, b.reason) for b in p.batches] == [(16, PREFERRED), (15, DELAY)]
     # Whole requests only: no prefix of these makes 16 rows exactly, so all 20 rows go (delay due).
-    p = plan(0.0, [req("a", rows=10), req("b", rows=10)], policy, free_at=IDLE, predict=fixed(0.25))
+    p = plan(0.0, [req("a", rows=10), req("b", rows=10)], policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)))
     assert [(b.rows, b.reason) for b in p.batches] == [(20, DELAY)]
     # A full batch is full, preferred or not.
-    p = plan(0.0, [req(f"r{i}") for i in range(40)], policy, free_at=IDLE, predict=fixed(0.25))
+    p = plan(0.0, [req(f"r{i}") for i in range(40)], policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)))
     assert [(b.rows, b.reason) for b in p.batches] == [(32, FULL)]
 
 
@@ -769,7 +792,9 @@ def test_a_batch_fetched_behind_an_overrun_starts_when_that_run_ended():
 def test_tail_cuts_batches_to_preferred_sizes_like_the_plan():
     queue = [req(f"r{i}") for i in range(20)]
     # max 32, preferred 8 and 16: 20 queued go as 16, then 4.
-    t = queue_tail(0.0, queue, 32, IDLE, linear, preferred_batch_sizes=(8, 16))
-    assert (t.rows, t.start) == (4, linear(16))
-    policy = ModelPolicy(max_batch_size=32, max_queue_delay=10.0, preferred_batch_sizes=(8, 16), overhead=0.0)
-    assert [b.rows for b in plan(0.0, queue, policy, IDLE, linear).batches] == [16]
+    t = played(queue, 32, preferred=(8, 16))
+    assert [(b.rows, b.start) for b in t.batches] == [(16, 0.0), (4, linear(16))]
+    policy = ModelPolicy(max_batch_size=32, max_queue_delay=10.0, preferred_batch_sizes=(8, 16))
+    assert [b.rows for b in plan(0.0, queue, policy, IDLE, FunctionCost(linear)).batches] == [16]
+    # The first batch's head reached the end of the queue: arrivals can change it.
+    assert t.resume_at == 0

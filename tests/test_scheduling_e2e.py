@@ -224,7 +224,7 @@ def _backed_up(m, cost_per_unit_s: float = 0.001) -> redis.Redis:
     for an mlp queue backed up for 5 s (5000 rows queued at priority 1); returns the Redis client."""
     r = _hold_lease(m)
     now = time.time()
-    backed_up = pb.QueueTail(rows=8, limit_rows=8, start_s=now + 5.0, free_s=[now + 5.02])
+    backed_up = pb.QueueTail(free_s=[now + 5.02])  # the executor's queued work, nothing more to join
     view = pb.ModelLoad(cost_per_unit_s=cost_per_unit_s, cost_fixed_s=0.01, executors=1, queued_rows=[5000, 0],
                         policy="deadline", updated_us=now_us() + 60_000_000, tails=[backed_up, backed_up])
     r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
@@ -412,7 +412,7 @@ def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(me
     def publish(queued_rows: int) -> int:
         # 80 ms per row, an idle executor, `queued_rows` rows in the plan's one batch.
         now = time.time()
-        tail = pb.QueueTail(rows=queued_rows, limit_rows=queued_rows, start_s=now, free_s=[now + 0.08 * queued_rows])
+        tail = pb.QueueTail(free_s=[now + 0.08 * queued_rows])  # a full batch of them on its way
         view = pb.ModelLoad(cost_per_unit_s=0.08, executors=1, queued_rows=[queued_rows], policy="deadline",
                             updated_us=now_us(), tails=[tail] if queued_rows else [pb.QueueTail(free_s=[now])])
         r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
@@ -462,7 +462,7 @@ def test_a_view_that_read_a_request_before_its_gateway_heard_it_was_queued_count
         # The view as the gateway reads it, at once: the executor is busy with the queued rows for
         # 80 ms each from now, which must not have passed when the next request arrives.
         now = time.time()
-        tail = pb.QueueTail(rows=queued_rows, limit_rows=queued_rows, start_s=now, free_s=[now + 0.08 * queued_rows])
+        tail = pb.QueueTail(free_s=[now + 0.08 * queued_rows])  # a full batch of them on its way
         view = pb.ModelLoad(cost_per_unit_s=0.08, executors=1, queued_rows=[queued_rows], policy="deadline",
                             updated_us=updated_us, tails=[tail] if queued_rows else [pb.QueueTail(free_s=[now])],
                             seen_us=seen_us)
@@ -732,7 +732,7 @@ def test_an_executor_that_cannot_finish_in_time_hands_its_work_back(mesh_factory
 
 
 def test_the_load_view_counts_queued_rows_per_priority_level(mesh_factory):
-    from scheduler.policy import Pending
+    from batchline.planning import Pending
 
     m = mesh_factory(models=["mlp"])
     r = _hold_lease(m)  # no step publishes meanwhile
@@ -746,19 +746,18 @@ def test_the_load_view_counts_queued_rows_per_priority_level(mesh_factory):
 
     async def publish():
         async with scheduler.redis.pipeline(transaction=False) as pipe:
-            scheduler._publish_load(pipe, key, info, [], scheduler._profile((*key, "test")), queue, now)
+            scheduler._publish_load(pipe, key, info, [], scheduler._profile((*key, "test")).cost(), queue, now)
             await pipe.execute()
 
     m.call(publish())
     view = pb.ModelLoad.FromString(r.get(contract.load(*key)))
     # A priority-1 request is behind 2 rows only, not behind the priority-5 ones.
     assert list(view.queued_rows) == [2, 0, 0, 0, 4]
-    # The plan's tail for level 1 and each level with rows queued (no executor holds the model here,
-    # so one virtual one, idle now): level 1 (and 2-4, empty) ends with a's batch of 2 rows, level 5
-    # with one batch of all 6 (max_batch_size 64).
-    assert [(t.level, t.rows) for t in view.tails] == [(1, 2), (5, 6)]
-    assert all(t.limit_rows == info.max_batch_size and t.start_s == pytest.approx(now) for t in view.tails)
-    assert all(t.free_s[0] > now for t in view.tails)
+    # The play for level 1 and each level with rows queued (no executor holds the model here,
+    # so one virtual one, idle now): level 1 (and 2-4, empty) is a's batch of 2 rows, level 5
+    # one batch of all 6 (max_batch_size 64); each may still take arrivals, and starts now.
+    assert [(t.level, [i.rows for i in t.items]) for t in view.tails] == [(1, [2]), (5, [2, 3, 1])]
+    assert all(list(t.free_s) == [pytest.approx(now)] for t in view.tails)
 
 
 def _text_request(tokens: int, timeout_us: int | None = None, token_id: int = 1) -> ipb.ModelInferRequest:

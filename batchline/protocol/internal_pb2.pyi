@@ -158,22 +158,23 @@ class ExecutorInfo(_message.Message):
     def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class QueueTail(_message.Message):
-    __slots__ = ("rows", "limit_rows", "start_s", "executor", "free_s", "level", "length")
-    ROWS_FIELD_NUMBER: _ClassVar[int]
-    LIMIT_ROWS_FIELD_NUMBER: _ClassVar[int]
-    START_S_FIELD_NUMBER: _ClassVar[int]
-    EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("free_s", "level", "items")
+    class Item(_message.Message):
+        __slots__ = ("rows", "length", "deadline_s")
+        ROWS_FIELD_NUMBER: _ClassVar[int]
+        LENGTH_FIELD_NUMBER: _ClassVar[int]
+        DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+        rows: int
+        length: int
+        deadline_s: float
+        def __init__(self, rows: _Optional[int] = ..., length: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
     FREE_S_FIELD_NUMBER: _ClassVar[int]
     LEVEL_FIELD_NUMBER: _ClassVar[int]
-    LENGTH_FIELD_NUMBER: _ClassVar[int]
-    rows: int
-    limit_rows: int
-    start_s: float
-    executor: int
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
     free_s: _containers.RepeatedScalarFieldContainer[float]
     level: int
-    length: int
-    def __init__(self, rows: _Optional[int] = ..., limit_rows: _Optional[int] = ..., start_s: _Optional[float] = ..., executor: _Optional[int] = ..., free_s: _Optional[_Iterable[float]] = ..., level: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    items: _containers.RepeatedCompositeFieldContainer[QueueTail.Item]
+    def __init__(self, free_s: _Optional[_Iterable[float]] = ..., level: _Optional[int] = ..., items: _Optional[_Iterable[_Union[QueueTail.Item, _Mapping]]] = ...) -> None: ...
 
 class ModelLoad(_message.Message):
     __slots__ = ("cost_per_unit_s", "cost_fixed_s", "cost_margin_s", "overhead_s", "executors", "backlog_s", "queued_rows", "policy", "updated_us", "tails", "seen_us", "margin_by_size_s")

@@ -1,0 +1,11 @@
+"""Planning shared by the scheduler and the gateways: what a batch costs, how a queue is served.
+
+One model of both, so that the gateways' admission control predicts what the
+scheduler's plan will do (docs/design/scheduling.md).
+"""
+from batchline.planning.cost import BatchCost, Cost, FunctionCost
+from batchline.planning.simulation import Formed, Pending, Played, SimulatedBatch, form_batch, play, units
+from batchline.planning.view import queue_tail, queue_tails, resume
+
+__all__ = ["BatchCost", "Cost", "Formed", "FunctionCost", "Pending", "Played", "SimulatedBatch", "form_batch",
+           "play", "queue_tail", "queue_tails", "resume", "units"]

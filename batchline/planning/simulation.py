@@ -1,0 +1,202 @@
+"""How a model's queue is served, batch after batch: one rule, and one simulation of it.
+
+The rule (`form_batch`): a batch that starts at a given moment takes
+1. the head of the queue, in order, up to max_batch_size rows (one request
+   when the model has no batch dim);
+2. when that is short of full and of every preferred size, the largest
+   preferred size its head makes exactly (Triton's rule): the rest waits;
+3. when one of its members would finish past its deadline, the prefix that
+   gets the most of them done in time (the shortest such); a member late even
+   on a typical run of it is shed, since no later batch can make it either.
+
+`play` serves a whole queue by that rule, each batch on the executor free
+first. It has three callers, so that they cannot drift apart:
+- the scheduler's plan (scheduler.policy.plan) forms every batch it sends now
+  with `form_batch`;
+- the scheduler's load view plays what is left queued and publishes the play
+  from its resume point: the first batch whose head reached the end of the
+  queue, the first that a later arrival could change (batchline.planning.view);
+- a gateway's admission control resumes the play there with the requests it
+  admitted since and the new one (gateway/admission.py), and so predicts
+  what the scheduler will do with them.
+
+Pure: time is passed in, nothing is read from a clock.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from batchline.planning.cost import Cost
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A queued request, as planning sees it."""
+    request_id: str
+    rows: int
+    priority: int
+    deadline: float      # seconds, same clock as the plan's
+    enqueued: float      # seconds, same clock; a batch cannot take a request before it is queued
+    member: bytes = b""  # opaque to planning: the queue member to move
+    length: int = 1      # elements per row at the model's variable dims (batchline.sizing)
+    # False: arriving, not in Redis yet. It cannot join a batch that leaves less than the play's
+    # join_lead after it arrives (at `enqueued`), unless it would be alone in it.
+    queued: bool = True
+
+    @property
+    def units(self) -> int:
+        return self.rows * self.length
+
+
+def units(members: Iterable[Pending]) -> int:
+    """A batch's size for the profile: its rows, padded to its longest member."""
+    rows = longest = 0
+    for m in members:
+        rows += m.rows
+        longest = max(longest, m.length)
+    return rows * longest
+
+
+@dataclass(frozen=True, slots=True)
+class Formed:
+    """The batch `form_batch` makes of a queue's head."""
+    send: list[Pending]   # to run
+    late: list[Pending]   # to shed: late even on a typical run of this batch
+    window: int           # requests of the head it looked at: a batch that looked at the queue's end changes when more arrive
+    preferred: bool       # cut to a preferred size
+    shrunk: bool          # cut so that its members make their deadlines
+
+    @property
+    def taken(self) -> int:
+        """Requests of the head it uses up, run or shed: the next batch starts after them."""
+        return len(self.send) + len(self.late)
+
+
+def form_batch(
+    queue: Sequence[Pending], start: float, max_batch_size: int, preferred_batch_sizes: Sequence[int], cost: Cost,
+    *, at: int = 0, deadline_aware: bool = True, join_lead: float = 0.0,
+) -> Formed:
+    """The batch that starts at `start` with `queue[at]` (the rule in the module's docstring).
+
+    max_batch_size 0: the model has no batch dim, a batch is one request. A batch takes no request
+    queued after it starts, nor one still arriving (`queued` False) less than `join_lead` before.
+    Without `deadline_aware` (the FIFO policy) deadlines cut nothing.
+    """
+    cap = max_batch_size if max_batch_size > 0 else None
+    window = _take(queue, at, cap, start, join_lead)
+    members = window
+    preferred = False
+    rows = sum(m.rows for m in members)
+    if preferred_batch_sizes and rows not in preferred_batch_sizes and (cap is None or rows < cap):
+        cut = _preferred_prefix(members, preferred_batch_sizes)
+        if cut:
+            members, preferred = members[:cut], True
+    if deadline_aware and start + cost.predict(units(members)) > min(m.deadline for m in members):
+        send, late = _most_on_time(members, start, cost)
+        return Formed(send, late, len(window), preferred, len(send) < len(members))
+    return Formed(members, [], len(window), preferred, False)
+
+
+def _take(queue: Sequence[Pending], at: int, cap: int | None, start: float, join_lead: float) -> list[Pending]:
+    """The head of the queue from `at`, in order, up to `cap` rows (one request when no batch dim)."""
+    if cap is None:
+        return [queue[at]]
+    members: list[Pending] = []
+    rows = 0
+    for k in range(at, len(queue)):
+        p = queue[k]
+        if members and (rows + p.rows > cap or p.enqueued + (0.0 if p.queued else join_lead) > start):
+            break
+        members.append(p)
+        rows += p.rows
+    return members
+
+
+def _preferred_prefix(members: Sequence[Pending], preferred: Sequence[int]) -> int:
+    """How many of `members` make up the largest preferred size exactly (0: none does)."""
+    sizes = {}
+    rows = 0
+    for n, m in enumerate(members, 1):
+        rows += m.rows
+        sizes[rows] = n
+    return max(((p, sizes[p]) for p in preferred if p in sizes), default=(0, 0))[1]
+
+
+def _most_on_time(members: list[Pending], start: float, cost: Cost) -> tuple[list[Pending], list[Pending]]:
+    """The head of `members` that finishes the most of them by their deadlines (the shortest such),
+    split into those to send and those already hopeless in it."""
+    best_n, best_on_time, rows, longest = 1, -1, 0, 0
+    deadlines: list[float] = []
+    for n, m in enumerate(members, 1):
+        rows += m.rows
+        longest = max(longest, m.length)
+        insort(deadlines, m.deadline)
+        on_time = n - bisect_left(deadlines, start + cost.predict(rows * longest))
+        if on_time > best_on_time:
+            best_n, best_on_time = n, on_time
+    chosen = members[:best_n]
+    finish = start + cost.typical(units(chosen))
+    return [m for m in chosen if m.deadline >= finish], [m for m in chosen if m.deadline < finish]
+
+
+@dataclass(frozen=True, slots=True)
+class SimulatedBatch:
+    members: tuple[Pending, ...]
+    executor: int   # index into the `free` given to play()
+    start: float
+    finish: float
+
+    @property
+    def rows(self) -> int:
+        return sum(m.rows for m in self.members)
+
+
+@dataclass(frozen=True, slots=True)
+class Played:
+    """A queue served to its end."""
+    batches: list[SimulatedBatch]
+    shed: list[Pending]
+    free: tuple[float, ...]         # when each executor is free after it all
+    # The resume point: the first batch whose head reached the end of the queue. Requests that
+    # arrive later can change it and what follows it, nothing before it.
+    resume_at: int                  # its first request's index in the queue (len(queue): nothing queued)
+    resume_free: tuple[float, ...]  # when each executor is free before it
+
+    def finish_of(self, request: Pending) -> float | None:
+        """When `request` is predicted answered (None: shed)."""
+        for b in reversed(self.batches):
+            if any(m is request for m in b.members):
+                return b.finish
+        return None
+
+
+def play(
+    queue: Sequence[Pending], free: Sequence[float], max_batch_size: int, preferred_batch_sizes: Sequence[int],
+    cost: Cost, join_lead: float = 0.0,
+) -> Played:
+    """Serve `queue` (in service order) by `form_batch`, each batch on the executor free first.
+
+    `free[i]`: when executor i can start its next batch (at least one executor). A batch starts
+    then, or once its first request is queued if that is later.
+    """
+    free = list(free)
+    batches: list[SimulatedBatch] = []
+    shed: list[Pending] = []
+    resume: tuple[int, tuple[float, ...]] | None = None
+    i = 0
+    while i < len(queue):
+        e = min(range(len(free)), key=free.__getitem__)
+        start = max(free[e], queue[i].enqueued)
+        formed = form_batch(queue, start, max_batch_size, preferred_batch_sizes, cost, at=i, join_lead=join_lead)
+        if resume is None and i + formed.window >= len(queue):
+            resume = (i, tuple(free))
+        shed.extend(formed.late)
+        if formed.send:
+            finish = start + cost.predict(units(formed.send))
+            batches.append(SimulatedBatch(tuple(formed.send), e, start, finish))
+            free[e] = finish
+        i += formed.taken
+    resume_at, resume_free = resume or (len(queue), tuple(free))
+    return Played(batches, shed, tuple(free), resume_at, resume_free)

@@ -1,0 +1,62 @@
+"""The load view: where the scheduler's play of a queue can still change, as it travels to the gateways.
+
+Per model and priority level the scheduler plays what is queued at that level
+or higher (batchline.planning.simulation.play) and publishes the play from its
+resume point: when each executor is free there, and the requests from there
+on. A gateway resumes the same play with the requests it admitted since the
+view was taken and the new one: what it predicts is what the scheduler's rule
+will do with them, not an approximation of it.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from batchline.planning.cost import Cost
+from batchline.planning.simulation import Pending, Played, play
+from batchline.protocol import internal_pb2 as pb
+
+# A queued request, as a view carries it: it is queued already, so any batch may take it.
+_QUEUED = float("-inf")
+
+
+def queue_tail(
+    level: int, queue: Sequence[Pending], free: Sequence[float], max_batch_size: int,
+    preferred_batch_sizes: Sequence[int], cost: Cost,
+) -> pb.QueueTail:
+    """The view of priority `level`: `queue` holds what is queued at that level or higher, in
+    service order; `free` when each executor holding the model is free (none: the view says so)."""
+    if not free:
+        return pb.QueueTail(level=level)
+    played = play(queue, free, max_batch_size, preferred_batch_sizes, cost)
+    return pb.QueueTail(
+        level=level, free_s=played.resume_free,
+        items=[pb.QueueTail.Item(rows=p.rows, length=p.length, deadline_s=p.deadline) for p in queue[played.resume_at:]],
+    )
+
+
+def queue_tails(
+    queue: Sequence[Pending], free: Sequence[float], max_batch_size: int, preferred_batch_sizes: Sequence[int],
+    cost: Cost,
+) -> list[pb.QueueTail]:
+    """A model's views: level 1 and each lower level with requests queued (a level without any has
+    the play of the level above). `queue` in service order, priority-major."""
+    levels = sorted({1, *(p.priority for p in queue)})
+    return [queue_tail(level, [p for p in queue if p.priority <= level], free, max_batch_size,
+                       preferred_batch_sizes, cost) for level in levels]
+
+
+def resume(
+    tail: pb.QueueTail, since: Sequence[Pending], arrival: Pending, max_batch_size: int,
+    preferred_batch_sizes: Sequence[int], cost: Cost, join_lead: float,
+) -> Played:
+    """The play of `tail` with `since` queued behind what it holds and then `arrival` (`queued`
+    False), which arrives at its `enqueued` and joins no batch leaving less than `join_lead` later.
+
+    `since` are queued already but not in the view: the scheduler has not planned them, and
+    starts no batch of theirs before the arrival.
+    """
+    queue = [Pending("", i.rows, 0, i.deadline_s, _QUEUED, length=i.length or 1) for i in tail.items]
+    now = arrival.enqueued
+    queue += [p if p.enqueued >= now else replace(p, enqueued=now) for p in since]
+    return play([*queue, arrival], tail.free_s, max_batch_size, preferred_batch_sizes, cost, join_lead)

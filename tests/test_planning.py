@@ -1,0 +1,101 @@
+"""The scheduler and the gateways plan with one model (batchline.planning): randomized checks that
+they agree on the same queue.
+
+- The load view the scheduler publishes, resumed by a gateway's admission control with the
+  requests it admitted since and a new one, predicts the same finish for the new one as the
+  scheduler's play of the whole queue with them behind it.
+- The batches the scheduler's plan sends now are the first batches of that play.
+
+Pure: explicit times and a linear cost, no I/O.
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchline.planning import BatchCost, FunctionCost, Pending, play, queue_tails
+from batchline.protocol import internal_pb2 as pb
+from gateway.admission import JOIN_LEAD_S, Candidate, admit, predicted_finish_s
+from scheduler.policy import ModelPolicy, plan
+
+NOW = 100.0
+INF = float("inf")
+
+times = st.floats(min_value=0.0, max_value=0.3, allow_nan=False).map(lambda t: round(t, 4))
+
+
+@st.composite
+def scenarios(draw):
+    max_batch_size = draw(st.sampled_from([0, 1, 4, 8]))
+    preferred = draw(st.sampled_from([(), (2,), (4,), (2, 4)])) if max_batch_size > 1 else ()
+    cost = BatchCost(
+        per_unit_s=draw(st.sampled_from([0.0, 0.001, 0.01])), fixed_s=draw(st.sampled_from([0.002, 0.02])),
+        margin_s=draw(st.sampled_from([0.0, 0.005])), overhead_s=0.001,
+    )
+    free = [NOW + draw(times) for _ in range(draw(st.integers(1, 3)))]
+    queue = []
+    for i in range(draw(st.integers(0, 14))):
+        rows = draw(st.integers(1, max(1, max_batch_size // 2))) if max_batch_size else 1
+        # Queued a while ago (they are in Redis), deadlines from already hopeless to loose.
+        queue.append(Pending(f"q{i}", rows, draw(st.integers(1, 3)), NOW + draw(times), NOW - 1.0,
+                             length=draw(st.sampled_from([1, 1, 4]))))
+    queue.sort(key=lambda p: (p.priority, p.deadline))  # the queue's order: priority-major, earliest deadline first
+    return max_batch_size, preferred, cost, free, queue
+
+
+@settings(max_examples=400, deadline=None)
+@given(scenarios(), st.integers(1, 3), st.integers(0, 4), st.integers(1, 2), st.sampled_from([1, 4]))
+def test_admission_resumes_the_schedulers_play_and_predicts_what_it_will_do(scenario, priority, since_n, rows, length):
+    max_batch_size, preferred, cost, free, queue = scenario
+    model = pb.ModelInfo(name="m", version="1", max_batch_size=max_batch_size, preferred_batch_sizes=preferred)
+    rows = min(rows, max_batch_size) if max_batch_size else 1
+    view = pb.ModelLoad(**cost.load_fields(), executors=len(free), policy="deadline",
+                        tails=queue_tails(queue, free, max_batch_size, preferred, cost))
+    # Admitted since the view by this gateway: queued, and planned from now on.
+    since = [Pending(f"s{i}", 1, priority, NOW + 0.5, NOW, length=length) for i in range(since_n)]
+
+    predicted = predicted_finish_s(view, model, Candidate(rows, priority, INF, length), NOW, since)
+
+    # The scheduler's play of everything at this priority or higher, then what this gateway admitted
+    # since, then the new request (not in Redis until it arrives: a batch leaving about now is gone).
+    arrival = Pending("new", rows, priority, INF, NOW, length=length, queued=False)
+    ahead = [p for p in queue if p.priority <= priority]
+    truth = play([*ahead, *since, arrival], free, max_batch_size, preferred, cost, JOIN_LEAD_S)
+    assert predicted == pytest.approx(truth.finish_of(arrival) - NOW, abs=1e-9)
+
+    # ... and admission admits exactly when that finish is within the budget.
+    budget = truth.finish_of(arrival) - NOW + 0.001
+    assert admit(view, model, Candidate(rows, priority, budget, length), NOW, since) is None
+    if predicted > 2 * cost.predict(rows * length):  # (not alone on an idle executor: that is always admitted)
+        assert admit(view, model, Candidate(rows, priority, predicted / 2, length), NOW, since) is not None
+
+
+@settings(max_examples=400, deadline=None)
+@given(scenarios())
+def test_the_batches_the_plan_sends_now_are_the_first_of_the_play(scenario):
+    max_batch_size, preferred, cost, free, queue = scenario
+    policy = ModelPolicy(max_batch_size=max_batch_size, max_queue_delay=0.0, preferred_batch_sizes=preferred)
+    decision = plan(NOW, queue, policy, free, cost, lead=1.0)
+    # The plan first sheds what is hopeless even alone on the first free executor; the play of the
+    # rest forms the same batches, on the same executors, at the same times.
+    first_start = max(NOW, min(free))
+    live = [p for p in queue if p.deadline > NOW and first_start + cost.typical(p.units) <= p.deadline]
+    played = play(live, free, max_batch_size, preferred, cost)
+    assert len(decision.batches) <= len(played.batches)
+    for sent, simulated in zip(decision.batches, played.batches):
+        assert (sent.members, sent.executor, sent.start, sent.finish) == (
+            simulated.members, simulated.executor, simulated.start, simulated.finish)
+
+
+def test_a_request_between_two_batches_joins_the_one_the_plan_would_put_it_in():
+    # Known case: one executor busy for 50 ms, 6 rows queued, max 4, preferred 4. The play sends 4
+    # then 2; a new row joins the second batch (the first's head did not reach the queue's end).
+    cost = FunctionCost(lambda units: 0.01 * units)
+    queue = [Pending(f"q{i}", 1, 1, NOW + 1.0, NOW - 1.0) for i in range(6)]
+    played = play(queue, [NOW + 0.05], 4, (4,), cost)
+    assert [b.rows for b in played.batches] == [4, 2] and played.resume_at == 4
+    arrival = Pending("new", 1, 1, INF, NOW, queued=False)
+    again = play([*queue, arrival], [NOW + 0.05], 4, (4,), cost, JOIN_LEAD_S)
+    assert [b.rows for b in again.batches] == [4, 3]
+    assert again.finish_of(arrival) == pytest.approx(NOW + 0.05 + 0.04 + 0.03)
