@@ -391,16 +391,8 @@ class Executor:
         if len(ok) < len(members):
             failed = [m for m in members if m not in ok]
             stats += ("fail_count", len(failed), "fail_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in failed))
-        keys = [contract.REPORTS, contract.inflight(self.executor_id), contract.stats(batch.model_name, batch.model_version),
-                contract.batch(batch.batch_id), *(contract.reply(g) for g in replies),
-                *(contract.payload(m.request_id) for m in batch.members)]
-        args: list = [len(replies), len(batch.members), batch.batch_id, report.SerializeToString(), contract.REPORTS_CAP,
-                      contract.QUEUE_TTL, contract.REPLY_TTL, contract.STATS_TTL, done_us // 1000 if succeeded else 0]
-        for items in replies.values():
-            args += (len(items), *items)
-        args += stats
         async with metrics.redis_rtt("executor", "write"):
-            await self.redis.eval(contract.BATCH_DONE_LUA, len(keys), *keys, *args)
+            await contract.batch_done(self.redis, batch, report, replies, stats, done_us // 1000 if succeeded else 0)
         metrics.EXECUTOR_BUSY.labels(self.executor_id).inc((now_us() - start_us) / 1e6)
         if succeeded:
             labels = (model.name, model.version)
@@ -431,10 +423,10 @@ class Executor:
             "compute_output_ns", output_ns * n,
             "inference_count", rows,
             "execution_count", 1,
-            f"batch:{rows}:count", 1,
-            f"batch:{rows}:compute_input_ns", input_ns,
-            f"batch:{rows}:compute_infer_ns", infer_ns,
-            f"batch:{rows}:compute_output_ns", output_ns,
+            contract.batch_stat(rows, "count"), 1,
+            contract.batch_stat(rows, "compute_input_ns"), input_ns,
+            contract.batch_stat(rows, "compute_infer_ns"), infer_ns,
+            contract.batch_stat(rows, "compute_output_ns"), output_ns,
         ]
 
 

@@ -56,7 +56,7 @@ def _tail(load: pb.ModelLoad, priority: int, now_s: float) -> pb.QueueTail:
 
 
 def predicted_finish_s(load: pb.ModelLoad, model: pb.ModelInfo, request: Candidate, now_s: float,
-                       since: Sequence[Pending] = ()) -> float:
+                       since: Sequence[Pending] = (), cost: BatchCost | None = None) -> float:
     """Seconds from `now_s` until `request`, arriving now, is predicted answered.
 
     The scheduler's play of the queue at the request's priority or higher, resumed from the view
@@ -70,7 +70,7 @@ def predicted_finish_s(load: pb.ModelLoad, model: pb.ModelInfo, request: Candida
     arrival = Pending("", request.rows, request.priority, float("inf"), now_s, length=max(1, request.length),
                       queued=False)
     played = resume(tail, since, arrival, model.max_batch_size, model.preferred_batch_sizes,
-                    BatchCost.of_load(load), JOIN_LEAD_S)
+                    cost or BatchCost.of_load(load), JOIN_LEAD_S)
     return played.finish_of(arrival) - now_s
 
 
@@ -103,7 +103,7 @@ def admit(load: pb.ModelLoad, model: pb.ModelInfo, request: Candidate, now_s: fl
             f"the {stated} is shorter than model '{model.name}' takes to run this request "
             f"alone (about {cost.typical(units) * 1e3:.1f} ms): raise the timeout"
         )
-    finish = predicted_finish_s(load, model, request, now_s, since)
+    finish = predicted_finish_s(load, model, request, now_s, since, cost)
     if finish <= budget_s * headroom or finish <= alone + 1e-6:  # (1 µs: float error of now + cost - now)
         # No later than alone means it starts at once on an idle executor: there is no queue to
         # mispredict. Refusing it would also leave a learned headroom that fell too low with no

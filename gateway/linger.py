@@ -4,7 +4,7 @@ Each commit is one Redis call, and its CPU (redis-py's and the socket's, on
 both ends) is the same for one request as for ten. Under load, a commit that
 waits a moment for the requests arriving right behind it carries several, and
 the queue then grows in clumps, which also wakes the scheduler less often and
-gives it larger batches (benchmarks/README.md, thirteenth session). A request
+gives it larger batches (docs/design/scheduling.md). A request
 arriving alone must not wait, so the commit waits only while requests arrive
 at least one per window (the recent gaps between them decide) and enough are
 in flight in this gateway that it is busy, like PostgreSQL's commit_delay with

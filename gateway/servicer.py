@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from batchline import metrics, telemetry
+from batchline import contract, metrics, telemetry
 from batchline.errors import RETRY_AFTER_KEY, BatchlineError, Internal, grpc_status
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
@@ -44,8 +44,13 @@ def _duration(stats: dict[str, int], prefix: str) -> ipb.StatisticDuration:
     return ipb.StatisticDuration(count=stats.get(f"{prefix}_count", 0), ns=stats.get(f"{prefix}_ns", 0))
 
 
+def _batch_duration(stats: dict[str, int], rows: int, field: str) -> ipb.StatisticDuration:
+    return ipb.StatisticDuration(count=stats[contract.batch_stat(rows, "count")],
+                                 ns=stats.get(contract.batch_stat(rows, field), 0))
+
+
 def model_statistics(info, stats: dict[str, int]) -> ipb.ModelStatistics:
-    batch_sizes = sorted({int(k.split(":")[1]) for k in stats if k.startswith("batch:")})
+    batch_sizes = contract.batch_sizes(stats)
     return ipb.ModelStatistics(
         name=info.name,
         version=info.version,
@@ -63,9 +68,9 @@ def model_statistics(info, stats: dict[str, int]) -> ipb.ModelStatistics:
         batch_stats=[
             ipb.InferBatchStatistics(
                 batch_size=n,
-                compute_input=ipb.StatisticDuration(count=stats[f"batch:{n}:count"], ns=stats.get(f"batch:{n}:compute_input_ns", 0)),
-                compute_infer=ipb.StatisticDuration(count=stats[f"batch:{n}:count"], ns=stats.get(f"batch:{n}:compute_infer_ns", 0)),
-                compute_output=ipb.StatisticDuration(count=stats[f"batch:{n}:count"], ns=stats.get(f"batch:{n}:compute_output_ns", 0)),
+                compute_input=_batch_duration(stats, n, "compute_input_ns"),
+                compute_infer=_batch_duration(stats, n, "compute_infer_ns"),
+                compute_output=_batch_duration(stats, n, "compute_output_ns"),
             )
             for n in batch_sizes
         ],

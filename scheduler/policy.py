@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from batchline.planning import Cost, Pending, form_batch, units
+from batchline.planning import DEADLINE_AWARE, FIFO, POLICIES, Cost, Pending, form_batch, units  # noqa: F401
 
 # Why a batch went out; also the label of the dispatch-reason metric.
 FULL = "full"            # no more rows fit (max_batch_size reached)
@@ -40,9 +40,6 @@ DEADLINE = "deadline"    # waiting longer would make the earliest deadline miss
 DELAY = "delay"          # the oldest member waited max_queue_delay
 NO_COMPANY = "no_company"  # nothing more is expected to arrive before the delay is up
 
-DEADLINE_AWARE = "deadline"
-FIFO = "fifo"
-POLICIES = (DEADLINE_AWARE, FIFO)
 
 
 @dataclass(frozen=True)
@@ -132,7 +129,7 @@ def plan(
         if not members:
             continue
         rows = sum(m.rows for m in members)
-        batch_cost = cost.predict(units(members))
+        batch_cost = cost.predict(formed.units)
         earliest = min(m.deadline for m in members)
         oldest = min(m.enqueued for m in members)
         send_by = earliest - batch_cost - (start - now)  # latest dispatch that still meets the earliest deadline
@@ -196,6 +193,13 @@ def free_after(now: float, batches: Iterable[tuple[float, float]], not_before: f
         if i == 0:
             t = max(t, now)
     return max(now, t)
+
+
+def rank_free(free: float, ran_until: float, busy: bool) -> float:
+    """An executor's free time as the plan ranks executors (it takes the earliest): an idle one
+    ranks by when its last run ended, so that work spreads over idle executors; by its free
+    time alone, the first in order would take every batch that finds them all idle."""
+    return free if busy else min(free, ran_until)
 
 
 def busy_until(now: float, free_at: Sequence[float], lead: float = 0.0) -> tuple[bool, float | None]:

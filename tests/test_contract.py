@@ -103,37 +103,33 @@ def test_group_commit_script_queues_refuses_when_full_and_clears_abandoned():
 
 
 def _group_commit_checks(r: redis.Redis) -> None:
-    bounded, open_ = "bl:queue:t-bounded:1", "bl:queue:t-open:1"
-    notify = {bounded: contract.notify("t-bounded", "1"), open_: contract.notify("t-open", "1")}
-    r.zadd(bounded, {b"gone": 1})
-    r.set("bl:payload:gone", b"x")
-    r.rpush(notify[open_], 1)  # a token the scheduler has not read yet
-    writes = [("a", bounded, b"ma", 2), ("b", bounded, b"mb", 2), ("c", open_, b"mc", 0), ("d", open_, b"md", 0)]
-    keys = ["bl:gateway:t-gw"]
-    args = [len(writes), 1, "127.0.0.1:1", 30_000, contract.QUEUE_TTL]
-    for rid, q, member, cap in writes:
-        keys += [f"bl:payload:{rid}", q, notify[q]]
-        args += [b"payload-" + rid.encode(), 60_000, 5, member, cap]
-    keys += [bounded, "bl:payload:gone"]
-    args.append(b"gone")
+    bounded, open_ = ("t-bounded", "1"), ("t-open", "1")
+    r.zadd(contract.queue(*bounded), {b"gone": 1})
+    r.set(contract.payload("gone"), b"x")
+    r.rpush(contract.notify(*open_), 1)  # a token the scheduler has not read yet
+    writes = [contract.QueueWrite(rid, model, b"payload-" + rid.encode(), 60_000, member, 5, cap)
+              for rid, model, member, cap in [("a", bounded, b"ma", 2), ("b", bounded, b"mb", 2),
+                                              ("c", open_, b"mc", 0), ("d", open_, b"md", 0)]]
     # "gone" holds one of the bounded queue's two places: "a" takes the other and "b" is refused
     # (abandoned requests are cleared after the writes of the same commit).
-    assert r.eval(contract.ENQUEUE_LUA, len(keys), *keys, *args) == [1, 0, 1, 1]
-    assert r.zrange(bounded, 0, -1) == [b"ma"]
-    assert sorted(r.zrange(open_, 0, -1)) == [b"mc", b"md"]
-    assert r.get("bl:payload:a") == b"payload-a" and 0 < r.pttl("bl:payload:a") <= 60_000
-    assert r.get("bl:payload:b") is None and r.get("bl:payload:gone") is None
+    assert contract.enqueue(r, "t-gw", "127.0.0.1:1", 30_000, writes,
+                            [contract.Abandoned("gone", bounded, b"gone")]) == [1, 0, 1, 1]
+    assert r.zrange(contract.queue(*bounded), 0, -1) == [b"ma"]
+    assert sorted(r.zrange(contract.queue(*open_), 0, -1)) == [b"mc", b"md"]
+    assert r.get(contract.payload("a")) == b"payload-a" and 0 < r.pttl(contract.payload("a")) <= 60_000
+    assert r.get(contract.payload("b")) is None and r.get(contract.payload("gone")) is None
     # One token per queue, however many writes: the scheduler takes a list's tokens all at once.
-    assert r.llen(notify[bounded]) == 1 and r.llen(notify[open_]) == 1
-    assert 0 < r.ttl(notify[bounded]) <= contract.QUEUE_TTL
-    assert 0 < r.ttl(bounded) <= contract.QUEUE_TTL and 0 < r.ttl(open_) <= contract.QUEUE_TTL
-    assert r.get("bl:gateway:t-gw") == b"127.0.0.1:1" and 0 < r.pttl("bl:gateway:t-gw") <= 30_000
+    notify = [contract.notify(*bounded), contract.notify(*open_)]
+    assert [r.llen(n) for n in notify] == [1, 1]
+    assert 0 < r.ttl(notify[0]) <= contract.QUEUE_TTL
+    assert all(0 < r.ttl(contract.queue(*m)) <= contract.QUEUE_TTL for m in (bounded, open_))
+    heartbeat = contract.gateway("t-gw")
+    assert r.get(heartbeat) == b"127.0.0.1:1" and 0 < r.pttl(heartbeat) <= 30_000
     # Only abandoned requests: nothing announced, no heartbeat written.
-    r.delete(*notify.values(), "bl:gateway:t-gw")
-    assert r.eval(contract.ENQUEUE_LUA, 3, "bl:gateway:t-gw", open_, "bl:payload:c",
-                  0, 1, "127.0.0.1:1", 30_000, contract.QUEUE_TTL, b"mc") == []
-    assert r.zrange(open_, 0, -1) == [b"md"] and r.get("bl:payload:c") is None
-    assert not r.exists(*notify.values()) and not r.exists("bl:gateway:t-gw")
+    r.delete(*notify, heartbeat)
+    assert contract.enqueue(r, "t-gw", "127.0.0.1:1", 30_000, [], [contract.Abandoned("c", open_, b"mc")]) == []
+    assert r.zrange(contract.queue(*open_), 0, -1) == [b"md"] and r.get(contract.payload("c")) is None
+    assert not r.exists(*notify) and not r.exists(heartbeat)
 
 
 def test_batch_done_script_writes_a_batch_of_thousands():
@@ -144,22 +140,23 @@ def test_batch_done_script_writes_a_batch_of_thousands():
     with EmbeddedRedis() as server:
         r = redis.Redis.from_url(server.url)
         try:
-            payloads = [f"bl:payload:p{i}" for i in range(n)]
-            r.mset({k: b"x" for k in payloads} | {"bl:batch:b1": b"batch"})
-            r.sadd("bl:inflight:e1", "b1")
-            keys = [contract.REPORTS, "bl:inflight:e1", "bl:stats:m:1", "bl:batch:b1", "bl:reply:g1", *payloads]
+            batch = pb.Batch(batch_id="b1", model_name="m", model_version="1", executor_id="e1",
+                             members=[pb.QueueEntry(request_id=f"p{i}") for i in range(n)])
+            payloads = [contract.payload(f"p{i}") for i in range(n)]
+            r.mset({k: b"x" for k in payloads} | {contract.batch("b1"): b"batch"})
+            r.sadd(contract.inflight("e1"), "b1")
             replies = [f"r{i}".encode() for i in range(n)]
-            args = [1, n, "b1", b"report", contract.REPORTS_CAP, contract.QUEUE_TTL, contract.REPLY_TTL,
-                    contract.STATS_TTL, 1234, n, *replies, "success_count", n, "execution_count", 1]
-            r.eval(contract.BATCH_DONE_LUA, len(keys), *keys, *args)
-            assert r.lrange("bl:reply:g1", 0, -1) == replies
-            assert 0 < r.ttl("bl:reply:g1") <= contract.REPLY_TTL
-            assert r.exists(*payloads, "bl:batch:b1") == 0
-            assert r.smembers("bl:inflight:e1") == set()
-            assert r.lrange(contract.REPORTS, 0, -1) == [b"report"]
-            assert r.hgetall("bl:stats:m:1") == {b"success_count": str(n).encode(), b"execution_count": b"1",
-                                                 b"last_inference_ms": b"1234"}
-            assert 0 < r.ttl("bl:stats:m:1") <= contract.STATS_TTL
+            report = pb.ExecutionReport(executor_id="e1", batch_id="b1")
+            contract.batch_done(r, batch, report, {"g1": replies}, ["success_count", n, "execution_count", 1], 1234)
+            assert r.lrange(contract.reply("g1"), 0, -1) == replies
+            assert 0 < r.ttl(contract.reply("g1")) <= contract.REPLY_TTL
+            assert r.exists(*payloads, contract.batch("b1")) == 0
+            assert r.smembers(contract.inflight("e1")) == set()
+            assert r.lrange(contract.REPORTS, 0, -1) == [report.SerializeToString()]
+            stats = contract.stats("m", "1")
+            assert r.hgetall(stats) == {b"success_count": str(n).encode(), b"execution_count": b"1",
+                                        b"last_inference_ms": b"1234"}
+            assert 0 < r.ttl(stats) <= contract.STATS_TTL
         finally:
             r.close()
 
@@ -167,7 +164,7 @@ def test_batch_done_script_writes_a_batch_of_thousands():
 def test_an_idle_queue_outlives_the_longest_budget_its_entries_can_have():
     # Only arrivals refresh a queue's expiry: one whose executors are down keeps its entries only
     # if it outlives every budget the gateway grants (it caps longer ones at MAX_BUDGET_S).
-    from gateway.core import MAX_BUDGET_S
+    from gateway.request import MAX_BUDGET_S
 
     assert contract.QUEUE_TTL > contract.MAX_BUDGET_S == MAX_BUDGET_S
 
@@ -176,15 +173,16 @@ def test_push_with_ttl_appends_and_sets_the_expiry_in_one_command():
     with EmbeddedRedis() as server:
         r = redis.Redis.from_url(server.url)
         try:
-            r.rpush("bl:reply:t", b"old")  # a list that lost its expiry, or never had one
-            r.eval(contract.PUSH_WITH_TTL_LUA, 1, "bl:reply:t", contract.REPLY_TTL, b"a", b"b")
-            assert r.lrange("bl:reply:t", 0, -1) == [b"old", b"a", b"b"]
-            assert 0 < r.ttl("bl:reply:t") <= contract.REPLY_TTL
+            replies, many_replies = contract.reply("t"), contract.reply("many")
+            r.rpush(replies, b"old")  # a list that lost its expiry, or never had one
+            contract.push_with_ttl(r, replies, contract.REPLY_TTL, [b"a", b"b"])
+            assert r.lrange(replies, 0, -1) == [b"old", b"a", b"b"]
+            assert 0 < r.ttl(replies) <= contract.REPLY_TTL
             # More values than Lua's unpack() takes (a scheduler shedding a backlog at once).
             many = [f"r{i}".encode() for i in range(9_000)]
-            r.eval(contract.PUSH_WITH_TTL_LUA, 1, "bl:reply:many", contract.REPLY_TTL, *many)
-            assert r.lrange("bl:reply:many", 0, -1) == many
-            assert 0 < r.ttl("bl:reply:many") <= contract.REPLY_TTL
+            contract.push_with_ttl(r, many_replies, contract.REPLY_TTL, many)
+            assert r.lrange(many_replies, 0, -1) == many
+            assert 0 < r.ttl(many_replies) <= contract.REPLY_TTL
         finally:
             r.close()
 
@@ -193,9 +191,10 @@ def test_count_with_ttl_adds_and_sets_the_expiry_in_one_command():
     with EmbeddedRedis() as server:
         r = redis.Redis.from_url(server.url)
         try:
-            r.hset("bl:stats:m:1", "fail_count", 2)  # a hash that lost its expiry, or never had one
-            r.eval(contract.COUNT_WITH_TTL_LUA, 1, "bl:stats:m:1", contract.STATS_TTL, "fail_count", 3)
-            assert r.hget("bl:stats:m:1", "fail_count") == b"5"
-            assert 0 < r.ttl("bl:stats:m:1") <= contract.STATS_TTL
+            stats = contract.stats("m", "1")
+            r.hset(stats, "fail_count", 2)  # a hash that lost its expiry, or never had one
+            contract.count(r, ("m", "1"), "fail_count", 3)
+            assert r.hget(stats, "fail_count") == b"5"
+            assert 0 < r.ttl(stats) <= contract.STATS_TTL
         finally:
             r.close()

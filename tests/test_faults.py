@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 import pytest
 
+from batchline import contract
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
 from processes import LoadClient, MeshError, ProcessMesh, Record, format_summary, poll
@@ -253,7 +254,7 @@ def test_standby_scheduler_never_dispatches_and_takes_over(process_mesh, mlp_mod
     with load_for(mesh, mlp_model) as load:
         load.wait_ok(100, since=0, timeout=30, check=mesh.check_alive)
         dispatched = {n: mesh.scheduler_status(n).dispatched_batches for n in mesh.schedulers}
-        lease_ttl_ms = mesh.redis.pttl("bl:leader")
+        lease_ttl_ms = mesh.redis.pttl(contract.LEADER)
         active = [n for n, d in dispatched.items() if d > 0]
         assert len(active) == 1, f"batches dispatched per scheduler: {dispatched} (exactly one should be the leader)"
         (leader,) = active

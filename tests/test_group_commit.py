@@ -45,7 +45,7 @@ def _stand_by(m) -> redis.Redis:
     scheduler = m.scheduler.scheduler
     taken = time.monotonic()
     r.set(contract.LEADER, "someone-else", px=120_000)
-    poll(lambda: scheduler._lease_at > taken and not scheduler.leader, 15, "the scheduler to stand by")
+    poll(lambda: scheduler.lease.attempted_at > taken and not scheduler.leader, 15, "the scheduler to stand by")
     return r
 
 

@@ -83,7 +83,7 @@ def test_a_request_waiting_when_redis_dies_is_answered_unavailable_at_once(mesh_
     redis.Redis.from_url(m.redis_url).set(contract.LEADER, "someone-else", px=60_000)
     deadline = time.monotonic() + 10
     scheduler = m.scheduler.scheduler
-    while scheduler.leader or scheduler._lease_at <= taken:  # it notices at its next renewal
+    while scheduler.leader or scheduler.lease.attempted_at <= taken:  # it notices at its next renewal
         assert time.monotonic() < deadline, "the scheduler kept dispatching without the lease"
         time.sleep(0.02)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -116,7 +116,7 @@ def test_a_request_lost_in_a_quick_redis_restart_is_answered_unavailable(mesh_fa
     r.set(contract.LEADER, "someone-else", px=60_000)  # keep the request queued
     deadline = time.monotonic() + 10
     scheduler = m.scheduler.scheduler
-    while scheduler.leader or scheduler._lease_at <= taken:
+    while scheduler.leader or scheduler.lease.attempted_at <= taken:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

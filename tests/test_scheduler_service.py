@@ -13,7 +13,7 @@ from batchline.clock import now_us
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from processes import poll
-from scheduler.service import pending_by_level
+from scheduler.load_views import pending_by_level
 
 
 def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferRequest, rows: int = 1) -> str:
@@ -119,10 +119,10 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
     r.set(contract.executor("idle-x"), idle.SerializeToString(), px=120_000)
     r.sadd(contract.EXECUTORS, "idle-x")
     m.loop.call_soon_threadsafe(setattr, s, "_registry_at", 0.0)
-    m.loop.call_soon_threadsafe(s._wake.set)
+    m.loop.call_soon_threadsafe(s.wakeups.wake)
     poll(lambda: s.leader and ("other", "1") in s.registry.models and ("mlp", "1") in s.registry.models,
            15, "the leader to see both models")
-    poll(lambda: {mlp, other} <= s._listening, 15, "the leader to listen to both queues' arrivals")
+    poll(lambda: {mlp, other} <= s.wakeups.listening, 15, "the leader to listen to both queues' arrivals")
 
     # mlp's executor holds as many batches as it may: its queue waits for a report.
     eid = s.registry.holders[("mlp", "1")][0]
@@ -131,16 +131,16 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
     report = pb.ExecutionReport(executor_id="idle-x", model_name="other", model_version="1", rows=1,
                                 compute_infer_ns=1_000_000).SerializeToString()
     r.rpush(contract.REPORTS, report)  # a step, which finds it so
-    poll(lambda: contract.queue("mlp", "1") in s._blocked, 15, "mlp's queue to wait for its executor")
+    poll(lambda: contract.queue("mlp", "1") in s.wakeups.blocked, 15, "mlp's queue to wait for its executor")
     r.rpush(mlp, 1)  # the wait begun before that verdict may take this one, and then leave the list
-    poll(lambda: mlp not in s._listening and other in s._listening, 15, "the wait to leave mlp's arrivals alone")
+    poll(lambda: mlp not in s.wakeups.listening and other in s.wakeups.listening, 15, "the wait to leave mlp's arrivals alone")
 
-    waiting = s._listening
+    waiting = s.wakeups.listening
     rid = _enqueue(r, "gw-blocked", now_us() + 30_000_000, _mlp_request(np.ones((1, 32))))
     # End that wait through the scheduler's own wake list, which it lists after every queue's: a
     # wait that listened to mlp's arrivals would take the arrival's token first.
     r.rpush(contract.scheduler_wake(s.scheduler_id), 1)
-    poll(lambda: s._listening is not waiting, 15, "the next wait to begin")
+    poll(lambda: s.wakeups.listening is not waiting, 15, "the next wait to begin")
     assert r.llen(mlp) == 1, "the leader woke for an arrival that cannot be dispatched before a report"
     assert r.zcard(contract.queue("mlp", "1")) == 1
 
@@ -160,7 +160,7 @@ def test_batches_handed_back_by_the_executor_a_queue_waits_for_are_dispatched_at
     m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
     r = redis.Redis.from_url(m.redis_url)
     s = m.scheduler.scheduler
-    m.loop.call_soon_threadsafe(s._wake.set)
+    m.loop.call_soon_threadsafe(s.wakeups.wake)
     poll(lambda: s.leader and ("mlp", "1") in s.registry.models, 15, "the leader to see mlp")
     eid = s.registry.holders[("mlp", "1")][0]
     # The executor holds as many batches as it may (one of them with a live request); mlp's queue waits.
@@ -176,7 +176,7 @@ def test_batches_handed_back_by_the_executor_a_queue_waits_for_are_dispatched_at
     r.set(contract.batch(held[0]), batch.SerializeToString(), px=60_000)
     r.sadd(contract.inflight(eid), *held)
     r.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1").SerializeToString())
-    poll(lambda: contract.queue("mlp", "1") in s._blocked, 15, "mlp's queue to wait for its executor")
+    poll(lambda: contract.queue("mlp", "1") in s.wakeups.blocked, 15, "mlp's queue to wait for its executor")
 
     # A restarted executor hands back what it held: the request goes back to the queue.
     requeued = m.call(requeue_held_batches(s.redis, eid, include_queued=False))
@@ -190,14 +190,14 @@ def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mes
     r = redis.Redis.from_url(m.redis_url)
     s = m.scheduler.scheduler
     gateway_id, queue = "gw-race", contract.queue("mlp", "1")
-    m.loop.call_soon_threadsafe(s._wake.set)  # the first step, which takes the lease, without waiting 30 s
+    m.loop.call_soon_threadsafe(s.wakeups.wake)  # the first step, which takes the lease, without waiting 30 s
     deadline = time.monotonic() + 10
     while not s.leader:
         assert time.monotonic() < deadline, "the scheduler never took the lease"
         time.sleep(0.02)
     warm = _enqueue(r, gateway_id, now_us() + 30_000_000, _mlp_request(np.zeros((1, 32))))
     assert _replies(r, gateway_id, 1)[warm].code == 0  # the executor is idle again
-    real_load_profiles, arrived, missed = s._load_profiles, [], []
+    real_load_profiles, arrived, missed = s.profiles.adopt, [], []
 
     async def arrival_after_the_scan(keys):
         # Called by the step once it has read the queues (still empty), before it decides on them.
@@ -205,7 +205,7 @@ def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mes
             # The race, made certain: the step before counted the queue as waiting for a busy
             # executor; the next request arrives now, and the listener takes its notice while
             # this step, which will find the executor free, is still under way.
-            s._blocked.add(queue)
+            s.wakeups.blocked.add(queue)
             arrived.append(_enqueue(r, gateway_id, now_us() + 30_000_000, _mlp_request(np.ones((1, 32)))))
             for _ in range(500):
                 if not await s.redis.llen(contract.notify("mlp", "1")):
@@ -215,7 +215,7 @@ def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mes
                 missed.append("the listener never took the arrival's notice: the race did not happen")
         return await real_load_profiles(keys)
 
-    s._load_profiles = arrival_after_the_scan
+    s.profiles.adopt = arrival_after_the_scan
     r.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="other", model_version="1", rows=1,
                                                  compute_infer_ns=1_000_000).SerializeToString())  # a step
     replies = _replies(r, gateway_id, 1)

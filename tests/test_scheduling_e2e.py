@@ -56,7 +56,7 @@ def _hold_lease(m) -> redis.Redis:
     r.set(contract.LEADER, "someone-else", px=120_000)
     scheduler = m.scheduler.scheduler
     # Only a lease attempt made after ours counts: one in flight may have taken it just before.
-    _wait(lambda: scheduler._lease_at > taken and not scheduler.leader, "the scheduler to stand by")
+    _wait(lambda: scheduler.lease.attempted_at > taken and not scheduler.leader, "the scheduler to stand by")
     return r
 
 
@@ -101,7 +101,7 @@ def test_a_second_scheduler_stands_by_and_takes_over_when_the_leader_stops(mesh_
     first = m.scheduler
     second = m.call(SchedulerApp(SchedulerSettings(redis_url=m.redis_url, port=0, metrics_port=-1)).start())
     try:
-        _wait(lambda: first.scheduler.leader and second.scheduler._lease_at, "both schedulers to try the lease")
+        _wait(lambda: first.scheduler.leader and second.scheduler.lease.attempted_at, "both schedulers to try the lease")
         assert not second.scheduler.leader
         channel, stub = _stub(m)
         with channel:
@@ -143,8 +143,8 @@ def test_a_standby_leaves_the_shared_event_lists_to_the_leader(mesh_factory):
 
     def next_lease_attempt():
         # Attempts are a third of the lease TTL (1 s) apart, as long as a blocking wait at most.
-        attempt = scheduler._lease_at
-        _wait(lambda: scheduler._lease_at > attempt, "a lease attempt")
+        attempt = scheduler.lease.attempted_at
+        _wait(lambda: scheduler.lease.attempted_at > attempt, "a lease attempt")
 
     next_lease_attempt()  # the wait begun while it led has ended
     report = pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1", rows=3,
@@ -161,7 +161,7 @@ def test_a_standby_leaves_the_shared_event_lists_to_the_leader(mesh_factory):
     _wait(lambda: scheduler.leader, "the scheduler to take the lease")
     _wait(lambda: r.llen(contract.REPORTS) == 0 and r.llen(contract.notify("mlp", "1")) == 0, "the leader to take the events")
     # An unregistered executor's report counts for its model's "unknown" kind.
-    _wait(lambda: (3, 0.003) in scheduler._profile(("mlp", "1", "unknown")).samples(), "the report in the profile")
+    _wait(lambda: (3, 0.003) in scheduler.profiles.of(("mlp", "1", "unknown")).samples(), "the report in the profile")
 
 
 def test_a_dead_executors_batch_is_requeued_and_answered_by_another(mesh_factory):
@@ -193,7 +193,7 @@ def test_warm_up_seeds_the_profile_and_a_restarted_scheduler_loads_it(mesh_facto
     m = mesh_factory(models=["mlp"])
     key = ("mlp", "1", "CPUExecutionProvider")
     # Before any request, the executor's warm-up runs (batch sizes 1..64, twice each) are the profile.
-    profile = _wait(lambda: m.scheduler.scheduler.profiles.get(key), "the warm-up reports")
+    profile = _wait(lambda: m.scheduler.scheduler.profiles.by_key.get(key), "the warm-up reports")
     _wait(lambda: len(profile) >= 14, "all warm-up samples")
     assert {rows for rows, _ in profile.warm_up_samples()} == {1, 2, 4, 8, 16, 32, 64}
     assert profile.samples() == []  # no real batch yet
@@ -208,7 +208,7 @@ def test_warm_up_seeds_the_profile_and_a_restarted_scheduler_loads_it(mesh_facto
     with channel:
         stub.ModelInfer(_request(), timeout=10)
     answered = time.time()
-    loaded = again.scheduler.profiles[key]
+    loaded = again.scheduler.profiles.by_key[key]
     assert len(loaded) >= len(profile)  # it started from the saved samples, not from nothing
     # ... still told apart: the warm-up runs, and the one real batch that now steers the fit.
     assert {rows for rows, _ in loaded.warm_up_samples()} == {1, 2, 4, 8, 16, 32, 64}
@@ -216,7 +216,7 @@ def test_warm_up_seeds_the_profile_and_a_restarted_scheduler_loads_it(mesh_facto
     assert {rows for rows, _ in loaded.samples()} == {1}
     # The report said when the batch released the model: batches fetched behind it date their start from it.
     [executor_id] = [e.settings.executor_id for e in m.executors]
-    assert before < again.scheduler._ran_until[executor_id] < answered
+    assert before < again.scheduler.timeline.ran_until[executor_id] < answered
 
 
 def _backed_up(m, cost_per_unit_s: float = 0.001) -> redis.Redis:
@@ -352,9 +352,9 @@ def _count_load_reads(gw) -> list[float]:
 
 
 def test_an_idle_gateway_leaves_the_load_views_alone_until_a_request_arrives(mesh_factory, monkeypatch):
-    import gateway.core
+    import gateway.views
 
-    monkeypatch.setattr(gateway.core, "LOAD_IDLE_REFRESH_S", 60.0)  # idle: no read within the test
+    monkeypatch.setattr(gateway.views, "IDLE_REFRESH_S", 60.0)  # idle: no read within the test
     m = mesh_factory(models=["mlp"])
     r = _hold_lease(m)  # the scheduler stands by and publishes no view of its own
     gw = m.gateway.gateway
@@ -375,9 +375,9 @@ def test_an_idle_gateway_leaves_the_load_views_alone_until_a_request_arrives(mes
 
 
 def test_the_gateway_reads_the_load_views_as_often_as_the_budgets_in_play_need(mesh_factory, monkeypatch):
-    import gateway.core
+    import gateway.views
 
-    monkeypatch.setattr(gateway.core, "LOAD_IDLE_REFRESH_S", 60.0)  # only requests ask for reads
+    monkeypatch.setattr(gateway.views, "IDLE_REFRESH_S", 60.0)  # only requests ask for reads
     m = mesh_factory(models=["mlp"])
     r = _hold_lease(m)  # nothing is dispatched: requests stay queued until their deadlines
     gw = m.gateway.gateway
@@ -450,9 +450,9 @@ def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(me
 def test_a_view_that_read_a_request_before_its_gateway_heard_it_was_queued_counts_it_once(mesh_factory, monkeypatch):
     """The scheduler can read a request from Redis before the gateway's write returns: a view dated
     before the confirmation still counts it, and says so in seen_us, so the gateway stops counting it."""
-    import gateway.core
+    import gateway.views
 
-    monkeypatch.setattr(gateway.core, "LOAD_IDLE_REFRESH_S", 60.0)  # the views below are read when set
+    monkeypatch.setattr(gateway.views, "IDLE_REFRESH_S", 60.0)  # the views below are read when set
     m = mesh_factory(models=["mlp"], gateway_overrides={"admission_headroom": 0.7})
     r = _hold_lease(m)  # nothing is dispatched: admitted requests stay queued
     gw = m.gateway.gateway
@@ -467,7 +467,7 @@ def test_a_view_that_read_a_request_before_its_gateway_heard_it_was_queued_count
                             updated_us=updated_us, tails=[tail] if queued_rows else [pb.QueueTail(free_s=[now])],
                             seen_us=seen_us)
         r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
-        gw.loads = {**gw.loads, ("mlp", "1"): view}
+        gw.views.loads = {**gw.views.loads, ("mlp", "1"): view}
 
     publish(0, now_us(), {})
     channel, stub = _stub(m)
@@ -742,11 +742,11 @@ def test_the_load_view_counts_queued_rows_per_priority_level(mesh_factory):
     assert info.priority_levels == 0  # levels not configured: any priority up to the cap
     now = time.time()
     queue = [Pending("a", 2, 1, now + 5, now), Pending("b", 3, 5, now + 5, now), Pending("c", 1, 5, now + 5, now)]
-    scheduler._load_at.clear()
+    scheduler.views.published_at.clear()
 
     async def publish():
         async with scheduler.redis.pipeline(transaction=False) as pipe:
-            scheduler._publish_load(pipe, key, info, [], scheduler._profile((*key, "test")).cost(), queue, now)
+            scheduler.views.publish(pipe, key, info, [], scheduler.profiles.of((*key, "test")).cost(), queue, now, now)
             await pipe.execute()
 
     m.call(publish())
@@ -814,7 +814,7 @@ def test_a_short_sequence_is_judged_by_its_own_cost_after_long_ones_taught_the_p
     m = mesh_factory(models=["minilm"])
     r = redis.Redis.from_url(m.redis_url)
     eid = m.executors[0].executor.executor_id
-    _wait(lambda: m.scheduler.scheduler.profiles.get(("minilm", "1", "CPUExecutionProvider")), "the warm-up reports")
+    _wait(lambda: m.scheduler.scheduler.profiles.by_key.get(("minilm", "1", "CPUExecutionProvider")), "the warm-up reports")
     # Batches of 8 sequences of 64 and of 128 tokens took 2 ms per token (a very slow host): 1 s and 2 s.
     reports = [pb.ExecutionReport(executor_id=eid, batch_id=f"long{i}", model_name="minilm", model_version="1",
                                   rows=8, requests=8, units=8 * tokens, compute_infer_ns=8 * tokens * 2_000_000)
@@ -845,7 +845,7 @@ def test_a_spell_of_slow_runs_does_not_lock_tight_budgets_out(mesh_factory):
     r = redis.Redis.from_url(m.redis_url)
     eid = m.executors[0].executor.executor_id
     key = ("mlp", "1")
-    _wait(lambda: m.scheduler.scheduler.profiles.get((*key, "CPUExecutionProvider")), "the warm-up reports")
+    _wait(lambda: m.scheduler.scheduler.profiles.by_key.get((*key, "CPUExecutionProvider")), "the warm-up reports")
     reports = [pb.ExecutionReport(executor_id=eid, batch_id=f"slow{i}", model_name="mlp", model_version="1",
                                   rows=4, requests=4, units=4, compute_infer_ns=20 * 10**9 if i % 5 == 0 else 2_000_000)
                for i in range(50)]
@@ -870,7 +870,7 @@ def test_what_a_stopping_gateway_cannot_get_answered_is_told_why(mesh_factory):
     channel, stub = _stub(m)
     with channel:
         call = stub.ModelInfer.future(_request(), timeout=30)
-        _wait(lambda: gateway.gateway._pending, "the request to wait in the gateway")
+        _wait(lambda: gateway.gateway.replies.waiting, "the request to wait in the gateway")
         m.call(gateway.stop())
         m.gateway = None
         with pytest.raises(grpc.RpcError) as err:

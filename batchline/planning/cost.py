@@ -32,7 +32,7 @@ class Cost(Protocol):
         """Without the margin: what a request is judged hopeless by."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BatchCost:
     per_unit_s: float = 0.0          # the fit's a
     fixed_s: float = 0.0             # the fit's b

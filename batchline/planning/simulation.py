@@ -30,6 +30,11 @@ from typing import Iterable, Sequence
 
 from batchline.planning.cost import Cost
 
+# The scheduling policies (SchedulerSettings.policy), as load views name them.
+DEADLINE_AWARE = "deadline"  # batches cut and requests shed by deadline; admission control on
+FIFO = "fifo"                # Triton-style max-delay batching, kept as the baseline
+POLICIES = (DEADLINE_AWARE, FIFO)
+
 
 @dataclass(frozen=True)
 class Pending:
@@ -59,7 +64,7 @@ def units(members: Iterable[Pending]) -> int:
     return rows * longest
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Formed:
     """The batch `form_batch` makes of a queue's head."""
     send: list[Pending]   # to run
@@ -67,6 +72,7 @@ class Formed:
     window: int           # requests of the head it looked at: a batch that looked at the queue's end changes when more arrive
     preferred: bool       # cut to a preferred size
     shrunk: bool          # cut so that its members make their deadlines
+    units: int            # what those sent cost, in the profile's units (batchline.sizing)
 
     @property
     def taken(self) -> int:
@@ -85,33 +91,45 @@ def form_batch(
     Without `deadline_aware` (the FIFO policy) deadlines cut nothing.
     """
     cap = max_batch_size if max_batch_size > 0 else None
-    window = _take(queue, at, cap, start, join_lead)
+    window, rows, longest, earliest = _take(queue, at, cap, start, join_lead)
     members = window
     preferred = False
-    rows = sum(m.rows for m in members)
     if preferred_batch_sizes and rows not in preferred_batch_sizes and (cap is None or rows < cap):
         cut = _preferred_prefix(members, preferred_batch_sizes)
         if cut:
             members, preferred = members[:cut], True
-    if deadline_aware and start + cost.predict(units(members)) > min(m.deadline for m in members):
+            rows, longest, earliest = _measure(members)
+    if deadline_aware and start + cost.predict(rows * longest) > earliest:
         send, late = _most_on_time(members, start, cost)
-        return Formed(send, late, len(window), preferred, len(send) < len(members))
-    return Formed(members, [], len(window), preferred, False)
+        return Formed(send, late, len(window), preferred, len(send) < len(members), units(send))
+    return Formed(members, [], len(window), preferred, False, rows * longest)
 
 
-def _take(queue: Sequence[Pending], at: int, cap: int | None, start: float, join_lead: float) -> list[Pending]:
-    """The head of the queue from `at`, in order, up to `cap` rows (one request when no batch dim)."""
+def _take(queue: Sequence[Pending], at: int, cap: int | None, start: float,
+          join_lead: float) -> tuple[list[Pending], int, int, float]:
+    """The head of the queue from `at`, in order, up to `cap` rows (one request when no batch dim),
+    with its rows, longest length and earliest deadline."""
     if cap is None:
-        return [queue[at]]
+        p = queue[at]
+        return [p], p.rows, p.length, p.deadline
     members: list[Pending] = []
-    rows = 0
+    rows = longest = 0
+    earliest = float("inf")
     for k in range(at, len(queue)):
         p = queue[k]
         if members and (rows + p.rows > cap or p.enqueued + (0.0 if p.queued else join_lead) > start):
             break
         members.append(p)
         rows += p.rows
-    return members
+        if p.length > longest:
+            longest = p.length
+        if p.deadline < earliest:
+            earliest = p.deadline
+    return members, rows, longest, earliest
+
+
+def _measure(members: Sequence[Pending]) -> tuple[int, int, float]:
+    return sum(m.rows for m in members), max(m.length for m in members), min(m.deadline for m in members)
 
 
 def _preferred_prefix(members: Sequence[Pending], preferred: Sequence[int]) -> int:
@@ -141,7 +159,7 @@ def _most_on_time(members: list[Pending], start: float, cost: Cost) -> tuple[lis
     return [m for m in chosen if m.deadline >= finish], [m for m in chosen if m.deadline < finish]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SimulatedBatch:
     members: tuple[Pending, ...]
     executor: int   # index into the `free` given to play()
@@ -153,7 +171,7 @@ class SimulatedBatch:
         return sum(m.rows for m in self.members)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Played:
     """A queue served to its end."""
     batches: list[SimulatedBatch]
@@ -174,12 +192,14 @@ class Played:
 
 def play(
     queue: Sequence[Pending], free: Sequence[float], max_batch_size: int, preferred_batch_sizes: Sequence[int],
-    cost: Cost, join_lead: float = 0.0,
+    cost: Cost, join_lead: float = 0.0, unplanned_from: int | None = None, now: float = float("-inf"),
 ) -> Played:
     """Serve `queue` (in service order) by `form_batch`, each batch on the executor free first.
 
     `free[i]`: when executor i can start its next batch (at least one executor). A batch starts
-    then, or once its first request is queued if that is later.
+    then, or once its first request is queued if that is later. Requests from index
+    `unplanned_from` on are ones the scheduler has not planned yet: no batch they lead starts
+    before `now`.
     """
     free = list(free)
     batches: list[SimulatedBatch] = []
@@ -187,14 +207,16 @@ def play(
     resume: tuple[int, tuple[float, ...]] | None = None
     i = 0
     while i < len(queue):
-        e = min(range(len(free)), key=free.__getitem__)
+        e = 0 if len(free) == 1 else min(range(len(free)), key=free.__getitem__)
         start = max(free[e], queue[i].enqueued)
+        if unplanned_from is not None and i >= unplanned_from and start < now:
+            start = now
         formed = form_batch(queue, start, max_batch_size, preferred_batch_sizes, cost, at=i, join_lead=join_lead)
         if resume is None and i + formed.window >= len(queue):
             resume = (i, tuple(free))
         shed.extend(formed.late)
         if formed.send:
-            finish = start + cost.predict(units(formed.send))
+            finish = start + cost.predict(formed.units)
             batches.append(SimulatedBatch(tuple(formed.send), e, start, finish))
             free[e] = finish
         i += formed.taken

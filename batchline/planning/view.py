@@ -9,7 +9,6 @@ will do with them, not an approximation of it.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Sequence
 
 from batchline.planning.cost import Cost
@@ -54,9 +53,26 @@ def resume(
     False), which arrives at its `enqueued` and joins no batch leaving less than `join_lead` later.
 
     `since` are queued already but not in the view: the scheduler has not planned them, and
-    starts no batch of theirs before the arrival.
+    starts no batch they lead before the arrival.
     """
+    queue = _queued(tail)
+    return play([*queue, *since, arrival], tail.free_s, max_batch_size, preferred_batch_sizes, cost, join_lead,
+                unplanned_from=len(queue), now=arrival.enqueued)
+
+
+# The requests of the views last resumed, by the view: a gateway resumes one view for every
+# request until it reads the next, and converting its requests each time would cost more than
+# playing them.
+_converted: dict[int, tuple[pb.QueueTail, list[Pending]]] = {}
+_CONVERTED_KEEP = 64
+
+
+def _queued(tail: pb.QueueTail) -> list[Pending]:
+    held = _converted.get(id(tail))
+    if held is not None and held[0] is tail:
+        return held[1]
+    if len(_converted) >= _CONVERTED_KEEP:
+        _converted.clear()
     queue = [Pending("", i.rows, 0, i.deadline_s, _QUEUED, length=i.length or 1) for i in tail.items]
-    now = arrival.enqueued
-    queue += [p if p.enqueued >= now else replace(p, enqueued=now) for p in since]
-    return play([*queue, arrival], tail.free_s, max_batch_size, preferred_batch_sizes, cost, join_lead)
+    _converted[id(tail)] = (tail, queue)
+    return queue

@@ -1,0 +1,30 @@
+"""The Redis contract: key layout, message schema, expiry, and the calls that write them.
+
+Redis is the only state the services share, so everything a restarted
+service needs lives here, and every key expires so that nothing leaks when
+a service dies (the TTLs bound how long anything can outlive its use).
+`keys` holds the layout (its docstring is the table), `scripts` the Lua
+scripts, `calls` the functions that run them from typed arguments.
+"""
+from batchline.contract.calls import (  # noqa: F401
+    Abandoned,
+    QueueWrite,
+    batch_done,
+    count,
+    dispatch,
+    enqueue,
+    push_with_ttl,
+    release_lease,
+    shed,
+    take_lease,
+)
+from batchline.contract.keys import *  # noqa: F401,F403
+from batchline.contract.scripts import (  # noqa: F401
+    BATCH_DONE_LUA,
+    COUNT_WITH_TTL_LUA,
+    DISPATCH_LUA,
+    ENQUEUE_LUA,
+    LEASE_LUA,
+    PUSH_WITH_TTL_LUA,
+    RELEASE_LUA,
+)

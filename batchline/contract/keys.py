@@ -1,0 +1,132 @@
+"""The Redis contract's key layout, expiries and queue order.
+
+Keys (all under the ``bl:`` prefix; messages are protobufs from
+``protos/batchline/protocol/internal.proto``):
+
+============================  ===========  ==================================================
+key                           type         holds
+============================  ===========  ==================================================
+bl:q:{model}:{version}        sorted set   QueueEntry, scored priority-major, deadline-minor
+bl:req:{request_id}           string       the ModelInferRequest (tensors); TTL = budget + grace
+bl:batch:{batch_id}           string       Batch while dispatched; TTL = latest deadline + grace
+bl:work:{executor_id}         list         Batch messages waiting for that executor
+bl:inflight:{executor_id}     set          batch ids dispatched to it and not yet answered
+bl:reply:{gateway_id}         list         Reply messages for that gateway's waiting clients
+bl:exec:{executor_id}         string       ExecutorInfo; TTL = heartbeat TTL (presence)
+bl:executors                  set          executor ids ever seen (members pruned when stale)
+bl:gateway:{gateway_id}       string       the gateway's address; TTL = heartbeat TTL
+bl:gateways                   sorted set   gateway ids scored by their last heartbeat (ms): how many are live
+bl:notify:{model}:{version}   list         a wake-up token for the scheduler: arrivals in that queue (one at most)
+bl:reports                    list         ExecutionReport messages for the scheduler (capped; rows 0: batches handed back)
+bl:stats:{model}:{version}    hash         Triton-style statistics counters
+bl:leader                     string       id of the scheduler holding the lease; TTL = lease
+bl:load:{model}:{version}     string       ModelLoad, the scheduler's view for admission; short TTL
+bl:profile-units:{m}:{v}:{k}  string       latency-profile samples (units, seconds) as float32 pairs
+============================  ===========  ==================================================
+"""
+from __future__ import annotations
+
+PREFIX = "bl:"
+
+EXECUTORS = PREFIX + "executors"
+REPORTS = PREFIX + "reports"
+LEADER = PREFIX + "leader"
+GATEWAYS = PREFIX + "gateways"
+
+# Ordering within a queue: priority level first (1 is highest), then the
+# earliest deadline. deadline_ms is ~1.8e12, so a 1e13 stride keeps both exact
+# in a double (the score type) for hundreds of priority levels.
+_PRIORITY_STRIDE = 10**13
+
+# The longest latency budget a request can have (the gateway caps longer ones).
+MAX_BUDGET_S = 24 * 3_600
+
+# Expiries, in seconds unless the name says ms.
+PAYLOAD_GRACE_MS = 5_000        # a payload outlives its deadline by this much
+# An idle queue (no arrival refreshed it) disappears after this: longer than any budget, so that
+# the entries of requests still waiting (say, for executors that are down) do not go with it.
+QUEUE_TTL = MAX_BUDGET_S + 3_600
+REPLY_TTL = 60                  # a gateway that died leaves its replies this long
+GATEWAYS_TTL = 60               # the gateway set, once the last gateway is gone
+WORK_TTL = 3_600
+STATS_TTL = 7 * 24 * 3_600
+REGISTRY_TTL = 24 * 3_600
+LOAD_TTL_MS = 2_000             # admission ignores a load view older than this
+PROFILE_TTL = 7 * 24 * 3_600
+SCHEDULER_WAKE_TTL_MS = 10_000  # a scheduler's own wake list, should it die before reading it
+REPORTS_CAP = 100_000
+
+
+def scheduler_wake(scheduler_id: str) -> str:
+    """A list only this scheduler waits on: it pushes to it to stop its own blocking wait early."""
+    return f"{PREFIX}scheduler:{scheduler_id}:wake"
+
+
+def queue(model: str, version: str) -> str:
+    return f"{PREFIX}q:{model}:{version}"
+
+
+def notify(model: str, version: str) -> str:
+    """Wake-up tokens for arrivals in one queue: one list per queue, so that the scheduler can
+    leave alone those of a queue that waits for a busy executor (it wakes for that executor's report)."""
+    return f"{PREFIX}notify:{model}:{version}"
+
+
+def payload(request_id: str) -> str:
+    return f"{PREFIX}req:{request_id}"
+
+
+def batch(batch_id: str) -> str:
+    return f"{PREFIX}batch:{batch_id}"
+
+
+def work(executor_id: str) -> str:
+    return f"{PREFIX}work:{executor_id}"
+
+
+def inflight(executor_id: str) -> str:
+    return f"{PREFIX}inflight:{executor_id}"
+
+
+def reply(gateway_id: str) -> str:
+    return f"{PREFIX}reply:{gateway_id}"
+
+
+def executor(executor_id: str) -> str:
+    return f"{PREFIX}exec:{executor_id}"
+
+
+def gateway(gateway_id: str) -> str:
+    return f"{PREFIX}gateway:{gateway_id}"
+
+
+def stats(model: str, version: str) -> str:
+    return f"{PREFIX}stats:{model}:{version}"
+
+
+def load(model: str, version: str) -> str:
+    return f"{PREFIX}load:{model}:{version}"
+
+
+def profile(model: str, version: str, kind: str) -> str:
+    # Not "profile:": samples saved under that name counted rows, whatever the sequence length.
+    return f"{PREFIX}profile-units:{model}:{version}:{kind}"
+
+
+def queue_score(priority: int, deadline_us: int) -> int:
+    return priority * _PRIORITY_STRIDE + deadline_us // 1000
+
+
+def payload_ttl_ms(deadline_us: int, now_us: int) -> int:
+    return max(1, (deadline_us - now_us) // 1000) + PAYLOAD_GRACE_MS
+
+
+# A model's statistics hash (stats()) counts, per batch size n, under these fields.
+def batch_stat(rows: int, what: str) -> str:
+    """The statistics field of `what` (count, compute_input_ns, ...) for batches of `rows`."""
+    return f"batch:{rows}:{what}"
+
+
+def batch_sizes(stats: dict[str, int]) -> list[int]:
+    """The batch sizes a statistics hash has counters for, ascending."""
+    return sorted({int(k.split(":")[1]) for k in stats if k.startswith("batch:")})

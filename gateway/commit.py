@@ -1,0 +1,140 @@
+"""The gateway's group commit: the requests that arrive while one write to Redis is in flight go
+out together in the next, in one command (contract.enqueue) with a single scheduler wake-up, so
+Redis round trips grow with time, not with the request rate. Under load a commit may wait a
+moment for company (gateway/linger.py)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from redis.asyncio import Redis
+
+from batchline import contract, metrics
+from batchline.clock import now_us
+from batchline.errors import BatchlineError, Internal, ResourceExhausted, Unavailable
+from batchline.redis_client import REDIS_ERRORS, REDIS_REFUSALS
+from gateway.linger import Linger
+
+log = logging.getLogger(__name__)
+
+# A commit waits for company at most this share of the tightest budget among its requests.
+LINGER_BUDGET_SHARE = 0.1
+# A request refused because its queue is full is told to come back this much later.
+QUEUE_FULL_RETRY_S = 0.1
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A write and the request waiting for it."""
+    write: contract.QueueWrite
+    deadline_us: int
+    done: asyncio.Future
+
+
+def _end_wait(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class GroupCommit:
+    def __init__(self, redis: Redis, gateway_id: str, heartbeat_ttl_ms: int, linger_s: float,
+                 in_flight: Callable[[], int]) -> None:
+        self.redis = redis
+        self.gateway_id = gateway_id
+        self.address = ""  # written with every commit: executors skip a gateway without a heartbeat key
+        self.heartbeat_ttl_ms = heartbeat_ttl_ms
+        self.in_flight = in_flight  # requests in the gateway now: a busy gateway's commits wait for company
+        self._outbox: list[_Waiting] = []
+        self._abandoned: list[contract.Abandoned] = []
+        self._flusher: asyncio.Task | None = None
+        self._linger = Linger(linger_s)
+        self._lingering: asyncio.Future | None = None  # a commit's wait for company, while it lasts
+        self._linger_until = 0.0  # when that wait ends (loop time)
+
+    async def write(self, write: contract.QueueWrite, deadline_us: int, run_budget_s: float) -> None:
+        """Queue `write` with the next commit; returns once Redis has it, or raises why not
+        (ResourceExhausted: its queue is full; Unavailable: Redis is unreachable or refusing)."""
+        loop = asyncio.get_running_loop()
+        waiting = _Waiting(write, deadline_us, loop.create_future())
+        self._linger.arrived(now_us() / 1e6)
+        self._outbox.append(waiting)
+        if self._lingering is not None and loop.time() + run_budget_s * LINGER_BUDGET_SHARE < self._linger_until:
+            _end_wait(self._lingering)  # a waiting commit must not spend more than its share of this budget
+        self._kick()
+        await waiting.done
+
+    def abandon(self, request_id: str, model: tuple[str, str], member: bytes) -> None:
+        """Remove a request nobody waits for any more, with the next commit (if Redis is gone,
+        its keys expire on their own)."""
+        self._abandoned.append(contract.Abandoned(request_id, model, member))
+        self._kick()
+
+    def fail(self, error: BatchlineError) -> None:
+        """Answer every write not yet committed with `error` (shutting down)."""
+        for w in self._outbox:
+            if not w.done.done():
+                w.done.set_exception(error)
+
+    def _kick(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        """Write everything queued for Redis in one command, until nothing is left."""
+        while self._outbox or self._abandoned:
+            if self._outbox:
+                wait = self._linger.wait_s(self.in_flight())
+                if wait:
+                    await self._wait_for_company(wait)
+            batch, self._outbox = self._outbox, []
+            abandoned, self._abandoned = self._abandoned, []
+            try:
+                async with metrics.redis_rtt("gateway", "enqueue"):
+                    queued = await contract.enqueue(self.redis, self.gateway_id, self.address, self.heartbeat_ttl_ms,
+                                                    [w.write for w in batch], abandoned)
+            except Exception as exc:  # noqa: BLE001 - every writer must hear how its write ended
+                error = _commit_error(exc)
+                for w in batch:
+                    if not w.done.done():
+                        w.done.set_exception(error)
+                continue
+            for w, ok in zip(batch, queued):
+                if w.done.done():
+                    continue
+                if ok:
+                    w.done.set_result(None)
+                    continue
+                name, version = w.write.model
+                metrics.REJECTED.labels(name, version, "queue_full").inc()
+                w.done.set_exception(ResourceExhausted(
+                    f"the queue of model '{name}' is full ({w.write.max_queue_size} requests, its "
+                    "max_queue_size): retry later", retry_after_s=QUEUE_FULL_RETRY_S))
+
+    async def _wait_for_company(self, wait: float) -> None:
+        """Let more requests join the next commit for `wait` s, or the tightest waiting budget's
+        share; a request whose budget is tighter still cuts the wait short (see `write`)."""
+        tightest_s = (min(w.deadline_us for w in self._outbox) - now_us()) / 1e6
+        wait = min(wait, tightest_s * LINGER_BUDGET_SHARE)
+        if wait <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        self._lingering = loop.create_future()
+        self._linger_until = loop.time() + wait
+        timer = loop.call_later(wait, _end_wait, self._lingering)
+        try:
+            await self._lingering
+        finally:
+            timer.cancel()
+            self._lingering = None
+
+
+def _commit_error(exc: Exception) -> BatchlineError:
+    if isinstance(exc, REDIS_ERRORS):
+        return Unavailable(f"cannot queue the request: Redis is unreachable ({exc})")
+    if isinstance(exc, REDIS_REFUSALS):
+        # Out of memory (maxmemory) or a replica mid-failover: the server's state, and passing.
+        return Unavailable(f"cannot queue the request: Redis refuses writes right now ({exc}): retry")
+    log.exception("group commit failed")
+    return Internal(f"cannot queue the request: {exc}")

@@ -1,0 +1,96 @@
+"""The gateway's side of admission control: what it admitted that the scheduler's load view does
+not show yet, the learned headroom per model, and when refused clients are expected back.
+
+The pure decision is gateway/admission.py; this keeps its state. A request the gateway admitted
+counts ahead of later arrivals until a view counts it (the view's seen_us for this gateway
+reaches its enqueue, or the view was taken after Redis confirmed it), or it is over: answered or
+given up (an idle scheduler publishes no view after its answer, so waiting for one would count it
+ahead of every arrival until the view expires).
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+from batchline import contract, metrics
+from batchline.errors import BatchlineError, DeadlineExceeded
+from batchline.planning import DEADLINE_AWARE, Pending
+from batchline.protocol import internal_pb2 as pb
+from gateway.admission import Calibration, Candidate, admit, retry_spacing_s
+from gateway.request import Call
+
+ModelKey = tuple[str, str]
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A request this gateway admitted, counted ahead of later arrivals until a view counts it."""
+    item: Pending          # as admission plays it
+    enqueued_us: int = 0   # its QueueEntry's: a view whose seen_us for this gateway reaches it counts it
+    confirmed_us: int = 0  # when Redis confirmed the enqueue (0: not yet)
+    over: bool = False     # answered or given up: ahead of nobody
+
+
+class AdmissionLedger:
+    def __init__(self, gateway_id: str, headroom: float, target: float) -> None:
+        self.gateway_id = gateway_id
+        self.headroom = headroom  # the setting: used as is, or where the learned one starts
+        self.target = target      # share of admitted requests to answer in time (0: do not learn)
+        self._admitted: dict[ModelKey, deque[Admitted]] = defaultdict(deque)
+        self._calibrations: dict[ModelKey, Calibration] = {}
+        # When the requests refused so far are expected back (time.time()), per model and
+        # priority level: later refusals are told to come after them (admission.retry_spacing_s).
+        self._retries_at: dict[tuple[str, str, int], float] = {}
+
+    def check(self, load: pb.ModelLoad, call: Call, arrived_us: int,
+              gateways: int) -> tuple[Admitted, Calibration | None]:
+        """Admit `call` by the view `load`, or raise the refusal. Returns the record that counts it
+        ahead of later arrivals (the caller fills in when it was queued, and marks it over) and
+        the calibration to tell whether it was answered in time."""
+        key = call.key
+        admitted = self._admitted[key]
+        seen_us = load.seen_us.get(self.gateway_id, 0)
+        while admitted and (admitted[0].over or 0 < admitted[0].confirmed_us <= load.updated_us
+                            or admitted[0].enqueued_us <= seen_us):
+            # The scheduler's view already counts these, or they are over. (A view taken after
+            # Redis had a request may still predate its confirmation here: seen_us says which
+            # it read. This gateway's requests reach Redis in the order they were stamped.)
+            admitted.popleft()
+        since = [a.item for a in admitted if a.item.priority <= call.priority and not a.over]
+        calibration = self.calibration(key)
+        headroom = calibration.headroom if calibration else self.headroom
+        candidate = Candidate(call.rows, call.priority, call.run_budget_s, call.length, stated_budget_s=call.budget_s)
+        now_s = arrived_us / 1e6
+        retry_key = (*key, call.priority)
+        refusal = admit(load, call.model, candidate, now_s, since, headroom, self._retries_at.get(retry_key, 0.0))
+        if refusal is not None:
+            self._refused(load, call, retry_key, refusal, now_s, gateways)
+        record = Admitted(Pending("", call.rows, call.priority, now_s + call.run_budget_s, float("-inf"),
+                                  length=call.length))
+        admitted.append(record)
+        return record, calibration
+
+    def _refused(self, load: pb.ModelLoad, call: Call, retry_key: tuple[str, str, int], refusal: BatchlineError,
+                 now_s: float, gateways: int) -> None:
+        if refusal.retry_after_s is not None:
+            spacing = retry_spacing_s(load, call.rows * max(1, call.length), gateways)
+            self._retries_at[retry_key] = now_s + refusal.retry_after_s + spacing
+        reason = "deadline" if isinstance(refusal, DeadlineExceeded) else "overload"
+        metrics.REJECTED.labels(call.model.name, call.model.version, reason).inc()
+        raise refusal
+
+    def calibration(self, key: ModelKey) -> Calibration | None:
+        """Admission's learned headroom for a model (None: the headroom is the setting)."""
+        if self.target <= 0:
+            return None
+        calibration = self._calibrations.get(key)
+        if calibration is None:
+            calibration = self._calibrations[key] = Calibration(self.target, self.headroom)
+            metrics.ADMISSION_HEADROOM.labels(*key).set_function(lambda: calibration.headroom)
+        return calibration
+
+
+def usable(load: pb.ModelLoad | None, arrived_us: int) -> bool:
+    """Whether admission goes by this view: the deadline policy's, and fresh enough."""
+    return (load is not None and load.policy == DEADLINE_AWARE
+            and arrived_us - load.updated_us < contract.LOAD_TTL_MS * 1000)

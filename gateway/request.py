@@ -1,0 +1,59 @@
+"""One inference request as the gateway handles it: validated once, on entry, into the facts that
+admission, queueing and answering need."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchline import contract
+from batchline.errors import DeadlineExceeded, duration_text
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import internal_pb2 as pb
+from batchline.sizing import row_length
+from gateway.validation import request_priority, request_timeout_us, validate
+
+# Budgets are capped so that an absurd `timeout` (Triton's is a 64-bit µs
+# count) cannot overflow a deadline; nothing is served after a day anyway.
+MAX_BUDGET_S = float(contract.MAX_BUDGET_S)
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    request: ipb.ModelInferRequest
+    model: pb.ModelInfo
+    rows: int            # its batch size
+    length: int          # elements per row at the model's variable dims (batchline.sizing)
+    priority: int        # 1 is the highest
+    budget_s: float      # the client's: the tighter of its gRPC deadline and `timeout`, else the model's default
+    run_budget_s: float  # what the mesh plans by: the budget less the time kept for the answer's way back
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.model.name, self.model.version
+
+
+def budget_s(request: ipb.ModelInferRequest, model: pb.ModelInfo, grpc_remaining: float | None) -> float:
+    """The latency budget: the tighter of the gRPC deadline and `timeout`, else the model default."""
+    candidates = []
+    if grpc_remaining is not None:
+        candidates.append(grpc_remaining)
+    timeout_us = request_timeout_us(request)
+    if timeout_us is not None:
+        candidates.append(timeout_us / 1e6)
+    if not candidates:
+        return min(model.default_timeout_ms / 1000, MAX_BUDGET_S)
+    return min(*candidates, MAX_BUDGET_S)
+
+
+def parse(request: ipb.ModelInferRequest, model: pb.ModelInfo, grpc_remaining: float | None,
+          answer_margin_s: float) -> Call:
+    """Validate `request` against `model` (InvalidArgument naming what is wrong) and take its facts.
+
+    The mesh plans to finish a little before the client's deadline, keeping `answer_margin_s`
+    (at most half the budget) for the answer's way back.
+    """
+    rows = validate(request, model)
+    budget = budget_s(request, model, grpc_remaining)
+    if budget <= 0:
+        raise DeadlineExceeded(f"the request's deadline had passed {duration_text(-budget)} before it reached the gateway")
+    return Call(request, model, rows, row_length(model, {t.name: t.shape for t in request.inputs}),
+                request_priority(request, model), budget, budget - min(answer_margin_s, budget / 2))

@@ -1,0 +1,83 @@
+"""The scheduler's latency profiles: one per (model, version, execution provider), learned from
+execution reports and kept in Redis, so that a scheduler that takes over plans from what its
+predecessor learned rather than from nothing (scheduler/profile.py is one profile)."""
+from __future__ import annotations
+
+import struct
+import time
+
+from redis.asyncio import Redis
+
+from batchline import contract
+from batchline.protocol import internal_pb2 as pb
+from batchline.registry import Registry
+from scheduler.profile import LatencyProfile
+
+# The provider of an executor not registered (any more): its reports still count somewhere.
+UNKNOWN_KIND = "unknown"
+# One sample as saved: units and seconds; warm-up samples are saved with negative units.
+_SAMPLE = struct.Struct("<ff")
+
+ProfileKey = tuple[str, str, str]  # model, version, execution provider
+
+
+def kind(registry: Registry, executor_id: str, model: tuple[str, str]) -> str:
+    """The execution provider an executor runs a model on: executors of one kind share a profile."""
+    info = registry.executors.get(executor_id)
+    if info is not None:
+        for m in info.models:
+            if (m.name, m.version) == model and m.providers:
+                return m.providers[0]
+    return UNKNOWN_KIND
+
+
+class Profiles:
+    def __init__(self, redis: Redis, default_s: float, margin_quantile: float) -> None:
+        self.redis = redis
+        self.default_s = default_s
+        self.margin_quantile = margin_quantile
+        self.by_key: dict[ProfileKey, LatencyProfile] = {}
+        self.saved_at = time.monotonic()
+
+    def of(self, key: ProfileKey) -> LatencyProfile:
+        """The profile of `key`, new if this scheduler has none yet."""
+        p = self.by_key.get(key)
+        if p is None:
+            p = self.by_key[key] = LatencyProfile(default=self.default_s, margin_quantile=self.margin_quantile)
+        return p
+
+    def for_model(self, registry: Registry, model: tuple[str, str], holders: list[str]) -> LatencyProfile:
+        """The profile to plan with: the slowest kind among the holders errs late, not early."""
+        profiles = [self.of((*model, kind(registry, e, model))) for e in holders] or [self.of((*model, UNKNOWN_KIND))]
+        return max(profiles, key=lambda p: p.predict(1))
+
+    def observe(self, registry: Registry, report: pb.ExecutionReport) -> None:
+        if report.rows:
+            seconds = (report.compute_input_ns + report.compute_infer_ns + report.compute_output_ns) / 1e9
+            model = (report.model_name, report.model_version)
+            self.of((*model, kind(registry, report.executor_id, model))).observe(
+                report.units or report.rows, seconds, warm_up=report.warmup)
+
+    async def adopt(self, keys: list[ProfileKey]) -> None:
+        """Adopt the samples a previous scheduler saved, for profiles this one has not seen yet."""
+        missing = [k for k in keys if k not in self.by_key]
+        if not missing:
+            return
+        blobs = await self.redis.mget([contract.profile(*k) for k in missing])
+        for key, blob in zip(missing, blobs):
+            profile = self.of(key)
+            if blob:
+                for units, seconds in _SAMPLE.iter_unpack(blob):
+                    profile.observe(abs(int(units)), float(seconds), warm_up=units < 0)
+
+    async def save(self) -> None:
+        self.saved_at = time.monotonic()
+        if not self.by_key:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key, profile in self.by_key.items():
+                if len(profile):
+                    blob = b"".join([*(_SAMPLE.pack(-r, s) for r, s in profile.warm_up_samples()),
+                                     *(_SAMPLE.pack(r, s) for r, s in profile.samples())])
+                    pipe.set(contract.profile(*key), blob, ex=contract.PROFILE_TTL)
+            await pipe.execute()

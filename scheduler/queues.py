@@ -1,0 +1,79 @@
+"""What the scheduler knows of each model's queue between steps: its entries, parsed once for as
+long as they stay queued; how much company arrivals bring (scheduler/company.py); and the
+pending-requests gauges it reports per priority level."""
+from __future__ import annotations
+
+from batchline import metrics
+from batchline.planning import Pending
+from batchline.protocol import internal_pb2 as pb
+from scheduler.company import CompanyRate
+from scheduler.load_views import LoadViews, pending_by_level
+
+ModelKey = tuple[str, str]
+
+
+class Queues:
+    def __init__(self, views: LoadViews) -> None:
+        self.views = views
+        self.pending: dict[bytes, Pending] = {}       # queue member -> parsed, while it is queued
+        self.entries: dict[bytes, pb.QueueEntry] = {}  # queue member -> its QueueEntry
+        self.depths: dict[ModelKey, int] = {}
+        self._company: dict[ModelKey, CompanyRate] = {}  # per queue: arrivals seen while n requests waited
+        self._left: dict[ModelKey, tuple[float, int]] = {}  # per queue: last step's time, requests it left queued
+        self._levels: dict[ModelKey, set[int]] = {}  # priority levels with a pending gauge
+
+    def read(self, key: ModelKey, members: list[bytes]) -> tuple[list[Pending], int]:
+        """The queue's scanned head as planning sees it, and how many of it are new since the last step."""
+        arrivals = 0
+        queue = []
+        for member in members:
+            p = self.pending.get(member)
+            if p is None:
+                arrivals += 1
+                e = self.entries[member] = pb.QueueEntry.FromString(member)
+                self.views.count(key, e)  # every view of this model from now on counts it, queued or sent on
+                p = self.pending[member] = Pending(e.request_id, e.rows, e.priority, e.deadline_us / 1e6,
+                                                   e.enqueued_us / 1e6, member, e.length or 1)
+            queue.append(p)
+        return queue, arrivals
+
+    def company(self, key: ModelKey, waiting: int, arrivals: int, now: float) -> float | None:
+        """Arrivals per second expected while `waiting` requests wait, counting the `arrivals` of
+        this step against what the last step left queued."""
+        rate = self._company.setdefault(key, CompanyRate())
+        at, left = self._left.get(key, (now, 0))
+        rate.observe(left, arrivals, now - at, now)
+        return rate.rate(waiting, now)
+
+    def left(self, key: ModelKey, now: float, waiting: int) -> None:
+        """What a step left queued, for the next step's company count."""
+        self._left[key] = (now, waiting)
+
+    def forget_steps(self) -> None:
+        """Another scheduler stepped meanwhile: what it left queued, and when, is not known here."""
+        self._left.clear()
+
+    def keep_only(self, members: set[bytes]) -> None:
+        """Forget parsed entries that left every queue."""
+        for member in [m for m in self.pending if m not in members]:
+            del self.pending[member]
+            del self.entries[member]
+
+    def report(self, key: ModelKey, priority_levels: int, queue: list[Pending]) -> None:
+        """Set the pending-requests gauges of the model's priority levels; levels reported before
+        are set back to 0 once they empty."""
+        by_priority = pending_by_level([p.priority for p in queue], self.depths.get(key, len(queue)))
+        levels = self._levels.setdefault(key, set(range(1, max(1, priority_levels) + 1)))
+        levels.update(by_priority)
+        for level in levels:
+            metrics.PENDING_REQUESTS.labels(key[0], key[1], str(level)).set(by_priority.get(level, 0))
+
+    def forget_gauges(self) -> None:
+        """Drop the queue depths this scheduler reported: only the leader's count (an autoscaler sums them)."""
+        for (name, version), levels in self._levels.items():
+            for level in levels:
+                try:
+                    metrics.PENDING_REQUESTS.remove(name, version, str(level))
+                except KeyError:
+                    pass
+        self._levels.clear()
