@@ -74,7 +74,7 @@ class EmbeddedRedis:
     def unix_url(self) -> str:
         """The same server over its Unix socket: for clients on this host, each round trip
         skips the loopback TCP stack, which costs the services and Redis a good share of
-        their CPU when requests are small (benchmarks/README.md)."""
+        their CPU when requests are small (docs/design/scheduling.md, cheaper I/O)."""
         return f"unix://{self.socket}?db=0"
 
     def start(self, timeout: float = 10.0) -> "EmbeddedRedis":

@@ -3,7 +3,7 @@
 Every request crosses several event loops (gRPC in the gateway and the load
 generator, Redis round trips in all three services). uvloop's callbacks and
 transports cost less CPU than the stdlib loop's, and on small models that CPU
-is what limits throughput (benchmarks/README.md has the measurements), so it
+is what limits throughput (docs/design/scheduling.md, cheaper I/O), so it
 is used whenever it is installed. BATCHLINE_EVENT_LOOP=asyncio opts out.
 """
 from __future__ import annotations

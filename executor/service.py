@@ -27,13 +27,22 @@ from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.sizing import row_length
+from executor import outcome
 from executor.batching import assemble, split
+from executor.outcome import Timing
 from executor.repository import LoadedModel, warmup_inputs
 from executor.settings import ExecutorSettings
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("batchline.executor")
 _REDIS_ATTEMPTS = 4
+# After a failed wait for work, the next one begins this much later; a batch whose processing
+# Redis failed is tried again after this times its attempt number.
+_REDIS_RETRY_S = 0.5
+# How often drain() looks whether the batches sent here are done.
+_DRAIN_POLL_S = 0.05
+# The longest wait for work in one blocking pop (s): a stopping worker notices within it.
+_WORK_WAIT_S = 1
 _ORPHAN_SWEEP_S = 2.0  # also the age below which a batch may still be on its way to a worker
 
 
@@ -148,7 +157,7 @@ class Executor:
             while time.monotonic() < deadline:
                 if self.busy_batches == 0 and not await self.redis.llen(contract.work(self.executor_id)):
                     break
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(_DRAIN_POLL_S)
         except REDIS_ERRORS as exc:
             log.warning("drain: Redis failed (%s); handing back what is left", exc)
         await stop_tasks(self._workers)
@@ -197,10 +206,10 @@ class Executor:
         key = contract.work(self.executor_id)
         while True:
             try:
-                item = await self.blocking.blpop([key], timeout=1)
+                item = await self.blocking.blpop([key], timeout=_WORK_WAIT_S)
             except REDIS_ERRORS as exc:
                 log.warning("waiting for work failed: %s", exc)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(_REDIS_RETRY_S)
                 continue
             if item is None:
                 continue
@@ -219,7 +228,7 @@ class Executor:
                         # A dropped connection (Redis restarted or failed over) must not strand
                         # the batch: try again; if Redis stays away, the orphan sweep hands it back.
                         log.warning("batch %s: Redis failed while processing (attempt %d): %s", batch.batch_id, attempt, exc)
-                        await asyncio.sleep(0.5 * attempt)
+                        await asyncio.sleep(_REDIS_RETRY_S * attempt)
             except Exception:  # noqa: BLE001 - one bad batch must not kill the worker
                 log.exception("batch %s failed", batch.batch_id)
             finally:
@@ -304,9 +313,9 @@ class Executor:
         for m in members:
             replies[m.entry.gateway_id].append(self._reply(model, m).SerializeToString())
         t3 = time.perf_counter_ns()
-        ran_until_us = start_us + (t2 - t0) // 1000 if t2 > t1 else 0
+        timing = Timing(start_us, t1 - t0, t2 - t_run, t3 - t2, start_us + (t2 - t0) // 1000 if t2 > t1 else 0, units)
         with _phase("write", traced):
-            await self._write(batch, model, members, replies, start_us, (t1 - t0, t2 - t_run, t3 - t2), ran_until_us, units)
+            await outcome.write(self.redis, self.executor_id, batch, model, members, replies, timing)
         if traced:
             rows = sum(m.rows for m in batch.members)
             for e in batch.members:
@@ -366,68 +375,6 @@ class Executor:
             response.outputs.add(name=name, datatype=datatype, shape=shape)
             response.raw_output_contents.append(raw)
         return pb.Reply(request_id=m.entry.request_id, code=0, response=response)
-
-    async def _write(self, batch, model, members, replies, start_us, phases, ran_until_us: int = 0, units: int = 0) -> None:
-        input_ns, infer_ns, output_ns = phases
-        done_us = now_us()
-        ok = [m for m in members if m.error is None and m.outputs is not None]
-        rows = sum(m.entry.rows for m in ok)
-        report = pb.ExecutionReport(
-            executor_id=self.executor_id,
-            batch_id=batch.batch_id,
-            model_name=batch.model_name,
-            model_version=batch.model_version,
-            rows=rows,
-            requests=len(members),
-            compute_input_ns=input_ns,
-            compute_infer_ns=infer_ns,
-            compute_output_ns=output_ns,
-            failed=len(members) - len(ok),
-            ran_until_us=ran_until_us,
-            units=units,
-        )
-        succeeded = model is not None and bool(ok)
-        stats: list = self._stats(ok, rows, start_us, done_us, phases) if succeeded else []
-        if len(ok) < len(members):
-            failed = [m for m in members if m not in ok]
-            stats += ("fail_count", len(failed), "fail_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in failed))
-        async with metrics.redis_rtt("executor", "write"):
-            await contract.batch_done(self.redis, batch, report, replies, stats, done_us // 1000 if succeeded else 0)
-        metrics.EXECUTOR_BUSY.labels(self.executor_id).inc((now_us() - start_us) / 1e6)
-        if succeeded:
-            labels = (model.name, model.version)
-            metrics.INFERENCE_COUNT.labels(*labels).inc(rows)
-            metrics.EXECUTION_COUNT.labels(*labels).inc()
-            metrics.COMPUTE_INPUT_DURATION.labels(*labels).observe(input_ns / 1e9)
-            metrics.COMPUTE_INFER_DURATION.labels(*labels).observe(infer_ns / 1e9)
-            metrics.COMPUTE_OUTPUT_DURATION.labels(*labels).observe(output_ns / 1e9)
-            queue = metrics.QUEUE_DURATION.labels(*labels)
-            for m in ok:
-                queue.observe(max(0, start_us - m.entry.enqueued_us) / 1e6)
-
-    @staticmethod
-    def _stats(ok, rows, start_us, done_us, phases) -> list:
-        """The statistics counters a batch adds to (field, increment, ...), Triton's per model and per batch size."""
-        input_ns, infer_ns, output_ns = phases
-        n = len(ok)
-        return [
-            "success_count", n,
-            "success_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in ok),
-            "queue_count", n,
-            "queue_ns", sum(max(0, start_us - m.entry.enqueued_us) * 1000 for m in ok),
-            "compute_input_count", n,
-            "compute_input_ns", input_ns * n,
-            "compute_infer_count", n,
-            "compute_infer_ns", infer_ns * n,
-            "compute_output_count", n,
-            "compute_output_ns", output_ns * n,
-            "inference_count", rows,
-            "execution_count", 1,
-            contract.batch_stat(rows, "count"), 1,
-            contract.batch_stat(rows, "compute_input_ns"), input_ns,
-            contract.batch_stat(rows, "compute_infer_ns"), infer_ns,
-            contract.batch_stat(rows, "compute_output_ns"), output_ns,
-        ]
 
 
 class ExecutorControl(internal_pb2_grpc.ExecutorServicer):

@@ -38,7 +38,7 @@ class GatewaySettings(CommonSettings):
         description="Admit a request when its predicted finish is within this fraction of its budget: where "
         "the learned headroom starts (admission_target), or always when admission_target is 0. The rest is room "
         "for prediction error beyond the profile's margin (the scheduler's margin_quantile) "
-        "(benchmarks/README.md); 1 admits whatever the plan says can make it.",
+        "(docs/design/scheduling.md); 1 admits whatever the plan says can make it.",
     )
     load_refresh_s: float = Field(
         0.02,

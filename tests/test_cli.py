@@ -16,6 +16,7 @@ import tritonclient.grpc as tc
 
 from batchline import contract
 from batchline.cli import executors_up
+from processes import MeshError, poll
 
 IN_FLIGHT = 96
 
@@ -34,9 +35,11 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    """The processes of `pids` still alive after waiting up to `timeout` for all to end."""
+    try:
+        poll(lambda: not any(_pid_alive(p) for p in pids), timeout, "the processes to end", interval=0.1)
+    except MeshError:
+        pass
     return [p for p in pids if _pid_alive(p)]
 
 
@@ -98,10 +101,8 @@ def test_up_serves_and_ctrl_c_stops_everything(model_repository):
             client.async_infer("minilm", inputs, on_answer)
         # Admitted: each is answered already or has its payload in Redis until it is.
         with redis.Redis.from_url(redis_url) as r:
-            deadline = time.monotonic() + 30
-            while len(answers) + sum(1 for _ in r.scan_iter(contract.payload("*"), count=1000)) < IN_FLIGHT:
-                assert time.monotonic() < deadline, f"only {len(answers)} answered of {IN_FLIGHT} sent"
-                time.sleep(0.01)
+            poll(lambda: len(answers) + sum(1 for _ in r.scan_iter(contract.payload("*"), count=1000)) >= IN_FLIGHT,
+                 30, f"all {IN_FLIGHT} sent to be answered or queued", interval=0.01)
         assert len(answers) < IN_FLIGHT  # most still wait for a lane
     finally:
         os.killpg(proc.pid, signal.SIGINT)

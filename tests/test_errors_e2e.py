@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 from batchline import contract
 from batchline.protocol import inference_pb2 as ipb
 from gateway.app import GatewayApp
+from processes import poll
 from gateway.settings import GatewaySettings
 
 INVALID_ARGUMENT = "StatusCode.INVALID_ARGUMENT"
@@ -35,18 +36,6 @@ MLP_FEATURES = 32
 
 
 # -- helpers -----------------------------------------------------------------
-
-
-def poll(condition, timeout: float, interval: float = 0.01, what: str = "condition"):
-    """Wait until condition() is truthy (returning it), failing after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what} (last value: {value!r})")
-        time.sleep(interval)
 
 
 def expect_error(call, status: str, *fragments: str) -> InferenceServerException:
@@ -509,7 +498,7 @@ def test_redis_out_of_memory_is_unavailable_and_the_mesh_serves_once_it_has_room
             expect_error(lambda: c.infer("mlp", mlp_inputs()), "StatusCode.UNAVAILABLE", "Redis refuses writes", "maxmemory")
             # Until the executors' registrations lapse (their heartbeats are refused): they come
             # back only if the heartbeats outlived the refusals.
-            poll(lambda: not any(r.scan_iter(contract.executor("*"))), 15, 0.1, "the registrations to lapse")
+            poll(lambda: not any(r.scan_iter(contract.executor("*"))), 15, "the registrations to lapse", interval=0.1)
         finally:
             r.config_set("maxmemory", 0)
 
@@ -519,7 +508,7 @@ def test_redis_out_of_memory_is_unavailable_and_the_mesh_serves_once_it_has_room
             except InferenceServerException:
                 return None
 
-        poll(served, 15, 0.1, "the mesh to serve again once Redis had room")
+        poll(served, 15, "the mesh to serve again once Redis had room", interval=0.1)
     finally:
         c.close()
 

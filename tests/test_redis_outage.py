@@ -11,19 +11,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from batchline.grpc_server import LIVENESS
+from processes import poll
 
 
 def _wait_health(address: str, want: int, timeout: float = 10, service: str = "") -> None:
     """Poll the gRPC health service until it reports `want`."""
-    deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
-            if status == want:
-                return
-            assert time.monotonic() < deadline, f"{address} health stayed {status}, wanted {want}"
-            time.sleep(0.05)
+        poll(lambda: stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status == want,
+             timeout, f"{address} health to report {want}")
 
 
 def _features() -> tc.InferInput:
@@ -53,14 +49,14 @@ def test_unavailable_while_redis_is_down_then_served_again(mesh_factory):
         _wait_health(address, health_pb2.HealthCheckResponse.SERVING, timeout=0, service=LIVENESS)
 
     m.own_redis.start()  # same port, empty: executors re-register on their next heartbeat
-    deadline = time.monotonic() + 20
-    while True:
+
+    def served():
         try:
-            result = client.infer("mlp", [_features()], client_timeout=2)
-            break
+            return client.infer("mlp", [_features()], client_timeout=2)
         except InferenceServerException:
-            assert time.monotonic() < deadline, "the mesh did not serve again after Redis came back"
-            time.sleep(0.1)
+            return None
+
+    result = poll(served, 20, "the mesh to serve again after Redis came back", interval=0.1)
     assert result.as_numpy("probability").shape == (1, 1)
     assert client.is_server_ready()
     for address in addresses:  # ... and SERVING again once it is back

@@ -24,8 +24,11 @@ from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
+from processes import poll
 from scheduler.app import SchedulerApp
 from scheduler.settings import SchedulerSettings
+
+WAIT_S = 15.0  # how long a test waits for the mesh to reach a state
 
 
 def _request(value: float = 0.0, timeout_us: int | None = None, priority: int | None = None) -> ipb.ModelInferRequest:
@@ -39,16 +42,6 @@ def _request(value: float = 0.0, timeout_us: int | None = None, priority: int | 
     return req
 
 
-def _wait(predicate, what: str, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def _hold_lease(m) -> redis.Redis:
     """Make the mesh's scheduler a standby: nothing gets dispatched until the lease is released."""
     r = redis.Redis.from_url(m.redis_url)
@@ -56,7 +49,7 @@ def _hold_lease(m) -> redis.Redis:
     r.set(contract.LEADER, "someone-else", px=120_000)
     scheduler = m.scheduler.scheduler
     # Only a lease attempt made after ours counts: one in flight may have taken it just before.
-    _wait(lambda: scheduler.lease.attempted_at > taken and not scheduler.leader, "the scheduler to stand by")
+    poll(lambda: scheduler.lease.attempted_at > taken and not scheduler.leader, WAIT_S, "the scheduler to stand by")
     return r
 
 
@@ -101,7 +94,7 @@ def test_a_second_scheduler_stands_by_and_takes_over_when_the_leader_stops(mesh_
     first = m.scheduler
     second = m.call(SchedulerApp(SchedulerSettings(redis_url=m.redis_url, port=0, metrics_port=-1)).start())
     try:
-        _wait(lambda: first.scheduler.leader and second.scheduler.lease.attempted_at, "both schedulers to try the lease")
+        poll(lambda: first.scheduler.leader and second.scheduler.lease.attempted_at, WAIT_S, "both schedulers to try the lease")
         assert not second.scheduler.leader
         channel, stub = _stub(m)
         with channel:
@@ -111,7 +104,7 @@ def test_a_second_scheduler_stands_by_and_takes_over_when_the_leader_stops(mesh_
             assert first.scheduler.counts["requests"] == 5
             m.call(first.stop(0))  # a clean stop gives the lease up at once
             m.scheduler = second
-            _wait(lambda: second.scheduler.leader, "the standby to take the lease")
+            poll(lambda: second.scheduler.leader, WAIT_S, "the standby to take the lease")
             stub.ModelInfer(_request(7), timeout=10)
         assert second.scheduler.counts["requests"] == 1
     finally:
@@ -128,12 +121,12 @@ def test_only_the_leader_reports_queue_depths(mesh_factory):
     def reported():
         return prometheus_client.REGISTRY.get_sample_value("batchline_pending_requests", depth)
 
-    _wait(lambda: m.scheduler.scheduler.leader and reported() is not None, "the leader to report mlp's depth")
+    poll(lambda: m.scheduler.scheduler.leader and reported() is not None, WAIT_S, "the leader to report mlp's depth")
     _hold_lease(m)
     assert reported() is None
     r = redis.Redis.from_url(m.redis_url)
     r.delete(contract.LEADER)
-    _wait(lambda: m.scheduler.scheduler.leader and reported() is not None, "the depth back with the lease")
+    poll(lambda: m.scheduler.scheduler.leader and reported() is not None, WAIT_S, "the depth back with the lease")
 
 
 def test_a_standby_leaves_the_shared_event_lists_to_the_leader(mesh_factory):
@@ -144,7 +137,7 @@ def test_a_standby_leaves_the_shared_event_lists_to_the_leader(mesh_factory):
     def next_lease_attempt():
         # Attempts are a third of the lease TTL (1 s) apart, as long as a blocking wait at most.
         attempt = scheduler.lease.attempted_at
-        _wait(lambda: scheduler.lease.attempted_at > attempt, "a lease attempt")
+        poll(lambda: scheduler.lease.attempted_at > attempt, WAIT_S, "a lease attempt")
 
     next_lease_attempt()  # the wait begun while it led has ended
     report = pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1", rows=3,
@@ -158,10 +151,10 @@ def test_a_standby_leaves_the_shared_event_lists_to_the_leader(mesh_factory):
     assert r.llen(contract.notify("mlp", "1")) == 1
 
     r.delete(contract.LEADER)
-    _wait(lambda: scheduler.leader, "the scheduler to take the lease")
-    _wait(lambda: r.llen(contract.REPORTS) == 0 and r.llen(contract.notify("mlp", "1")) == 0, "the leader to take the events")
+    poll(lambda: scheduler.leader, WAIT_S, "the scheduler to take the lease")
+    poll(lambda: r.llen(contract.REPORTS) == 0 and r.llen(contract.notify("mlp", "1")) == 0, WAIT_S, "the leader to take the events")
     # An unregistered executor's report counts for its model's "unknown" kind.
-    _wait(lambda: (3, 0.003) in scheduler.profiles.of(("mlp", "1", "unknown")).samples(), "the report in the profile")
+    poll(lambda: (3, 0.003) in scheduler.profiles.of(("mlp", "1", "unknown")).samples(), WAIT_S, "the report in the profile")
 
 
 def test_a_dead_executors_batch_is_requeued_and_answered_by_another(mesh_factory):
@@ -193,8 +186,8 @@ def test_warm_up_seeds_the_profile_and_a_restarted_scheduler_loads_it(mesh_facto
     m = mesh_factory(models=["mlp"])
     key = ("mlp", "1", "CPUExecutionProvider")
     # Before any request, the executor's warm-up runs (batch sizes 1..64, twice each) are the profile.
-    profile = _wait(lambda: m.scheduler.scheduler.profiles.by_key.get(key), "the warm-up reports")
-    _wait(lambda: len(profile) >= 14, "all warm-up samples")
+    profile = poll(lambda: m.scheduler.scheduler.profiles.by_key.get(key), WAIT_S, "the warm-up reports")
+    poll(lambda: len(profile) >= 14, WAIT_S, "all warm-up samples")
     assert {rows for rows, _ in profile.warm_up_samples()} == {1, 2, 4, 8, 16, 32, 64}
     assert profile.samples() == []  # no real batch yet
     assert profile.predict(64) >= profile.predict(1) > 0  # mlp is so cheap that noise may flatten the slope
@@ -212,7 +205,7 @@ def test_warm_up_seeds_the_profile_and_a_restarted_scheduler_loads_it(mesh_facto
     assert len(loaded) >= len(profile)  # it started from the saved samples, not from nothing
     # ... still told apart: the warm-up runs, and the one real batch that now steers the fit.
     assert {rows for rows, _ in loaded.warm_up_samples()} == {1, 2, 4, 8, 16, 32, 64}
-    _wait(lambda: len(loaded.samples()) >= 1, "the request's execution report")
+    poll(lambda: len(loaded.samples()) >= 1, WAIT_S, "the request's execution report")
     assert {rows for rows, _ in loaded.samples()} == {1}
     # The report said when the batch released the model: batches fetched behind it date their start from it.
     [executor_id] = [e.settings.executor_id for e in m.executors]
@@ -229,8 +222,7 @@ def _backed_up(m, cost_per_unit_s: float = 0.001) -> redis.Redis:
                         policy="deadline", updated_us=now_us() + 60_000_000, tails=[backed_up, backed_up])
     r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
     # (the real scheduler published a view of its own before standing by: wait for ours)
-    _wait(lambda: getattr(m.gateway.gateway.loads.get(("mlp", "1")), "queued_rows", [0])[0] == 5000,
-          "the gateway to read the load view")
+    poll(lambda: getattr(m.gateway.gateway.loads.get(("mlp", "1")), "queued_rows", [0])[0] == 5000, WAIT_S, "the gateway to read the load view")
     return r
 
 
@@ -292,7 +284,7 @@ def test_with_two_gateways_each_spaces_its_own_refusals_twice_as_far(mesh_factor
                                               heartbeat_interval_s=0.1)).start())
     try:
         _backed_up(m, cost_per_unit_s=0.05)
-        _wait(lambda: m.gateway.gateway.gateways == 2, "the gateway to count two live gateways")
+        poll(lambda: m.gateway.gateway.gateways == 2, WAIT_S, "the gateway to count two live gateways")
         assert redis.Redis.from_url(m.redis_url).zcard(contract.GATEWAYS) == 2
         back_at = _refusal_hints(m, 3)
         # 100 ms apart, not 50 (give or take how much longer one answer took than another)
@@ -301,7 +293,7 @@ def test_with_two_gateways_each_spaces_its_own_refusals_twice_as_far(mesh_factor
         m.call(other.stop(0))
     # A gateway that stops leaves the set at once; the others count one fewer at their next heartbeat.
     assert redis.Redis.from_url(m.redis_url).zcard(contract.GATEWAYS) == 1
-    _wait(lambda: m.gateway.gateway.gateways == 1, "the gateway to count one live gateway")
+    poll(lambda: m.gateway.gateway.gateways == 1, WAIT_S, "the gateway to count one live gateway")
 
 
 def test_a_refusal_on_a_stream_carries_the_retry_hint_and_the_stream_goes_on(mesh_factory):
@@ -369,7 +361,7 @@ def test_an_idle_gateway_leaves_the_load_views_alone_until_a_request_arrives(mes
     with channel:
         pending = stub.ModelInfer.future(_request(1.0), timeout=10)  # stays queued: nothing dispatches
         # The request woke the loop: the view is read now, not a minute later.
-        _wait(lambda: gw.loads.get(("mlp", "1")) == view, "the gateway to read the view after a request", timeout=10)
+        poll(lambda: gw.loads.get(("mlp", "1")) == view, 10, "the gateway to read the view after a request")
         assert reads
         pending.cancel()
 
@@ -389,7 +381,7 @@ def test_the_gateway_reads_the_load_views_as_often_as_the_budgets_in_play_need(m
         for _ in range(10):
             relaxed.append(stub.ModelInfer.future(_request(1.0), timeout=60))
             time.sleep(0.05)
-        _wait(lambda: r.zcard(contract.queue("mlp", "1")) == 10, "all ten admitted and queued")
+        poll(lambda: r.zcard(contract.queue("mlp", "1")) == 10, WAIT_S, "all ten admitted and queued")
         assert len(reads) == 1
         for f in relaxed:
             f.cancel()
@@ -416,7 +408,7 @@ def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(me
         view = pb.ModelLoad(cost_per_unit_s=0.08, executors=1, queued_rows=[queued_rows], policy="deadline",
                             updated_us=now_us(), tails=[tail] if queued_rows else [pb.QueueTail(free_s=[now])])
         r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
-        _wait(lambda: gateway.loads.get(("mlp", "1")) == view, "the gateway to read the view")
+        poll(lambda: gateway.loads.get(("mlp", "1")) == view, WAIT_S, "the gateway to read the view")
         return view.updated_us
 
     publish(0)
@@ -425,16 +417,16 @@ def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(me
     with channel:
         # Budget 300 ms, planned to 290, admitted up to 0.7 of that (203 ms): 2 rows of 80 ms fit, 3 do not.
         first = stub.ModelInfer.future(_request(1.0), timeout=5)
-        _wait(lambda: r.zcard(queue) == 1, "the first request queued")
+        poll(lambda: r.zcard(queue) == 1, WAIT_S, "the first request queued")
         second = stub.ModelInfer.future(_request(2.0), timeout=5)  # admitted: 1 row ahead
-        _wait(lambda: r.zcard(queue) == 2, "the second request queued")
+        poll(lambda: r.zcard(queue) == 2, WAIT_S, "the second request queued")
         with pytest.raises(grpc.RpcError) as info:
             stub.ModelInfer(_request(3.0), timeout=0.3)  # behind the 2 queued since the view: refused
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "2 rows queued ahead" in info.value.details()
         # A request whose client gave up is ahead of nobody.
         second.cancel()
-        _wait(lambda: r.zcard(queue) == 1, "the second request to leave its queue")
+        poll(lambda: r.zcard(queue) == 1, WAIT_S, "the second request to leave its queue")
         with pytest.raises(grpc.RpcError) as info:
             stub.ModelInfer(_request(4.0), timeout=0.3)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # admitted (1 row ahead), then timed out
@@ -473,7 +465,7 @@ def test_a_view_that_read_a_request_before_its_gateway_heard_it_was_queued_count
     channel, stub = _stub(m)
     with channel:
         first = stub.ModelInfer.future(_request(1.0), timeout=5)
-        [member] = _wait(lambda: r.zrange(queue, 0, -1), "the first request queued")
+        [member] = poll(lambda: r.zrange(queue, 0, -1), WAIT_S, "the first request queued")
         entry = pb.QueueEntry.FromString(member)
         # A view with the request in its plan, taken before the gateway heard back from Redis.
         # Budget 300 ms, admitted up to 0.7 of 290: 1 row ahead (160 ms with the new one) fits, 2 do not.
@@ -500,9 +492,8 @@ def test_the_load_view_says_up_to_which_request_of_each_gateway_it_has_read(mesh
             stub.ModelInfer(_request(float(i)), timeout=10)
             # Dispatched, run and answered: its view has counted it (queued or sent on), even if the
             # scheduler never published while it was queued.
-            _wait(lambda: (b := r.get(contract.load("mlp", "1"))) and
-                         pb.ModelLoad.FromString(b).seen_us.get(gateway_id, 0) >= before,
-                         "a view that has read the request")
+            poll(lambda: (b := r.get(contract.load("mlp", "1"))) and
+                         pb.ModelLoad.FromString(b).seen_us.get(gateway_id, 0) >= before, WAIT_S, "a view that has read the request")
             assert pb.ModelLoad.FromString(r.get(contract.load("mlp", "1"))).seen_us[gateway_id] <= now_us()
 
 
@@ -514,19 +505,18 @@ def test_an_answered_request_is_ahead_of_nobody_while_no_newer_view_comes(mesh_f
     view = pb.ModelLoad(cost_per_unit_s=0.08, executors=1, queued_rows=[0], policy="deadline",
                         updated_us=now_us(), tails=[pb.QueueTail(free_s=[now])])
     r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
-    _wait(lambda: gateway.loads.get(("mlp", "1")) == view, "the gateway to read the view")
+    poll(lambda: gateway.loads.get(("mlp", "1")) == view, WAIT_S, "the gateway to read the view")
     channel, stub = _stub(m)
     with channel:
         queue = contract.queue("mlp", "1")
         first = stub.ModelInfer.future(_request(1.0), timeout=10)  # admitted after the view was taken
-        members = _wait(lambda: r.zrange(queue, 0, -1), "the first request queued")
+        members = poll(lambda: r.zrange(queue, 0, -1), WAIT_S, "the first request queued")
         _dispatch_queued(r, m, "mlp", members, "answered")
         assert first.result(timeout=10).outputs
         # Budget 200 ms, planned to 190, admitted up to 133 ms: 80 ms alone fits; behind the answered
         # request, still counted, 160 ms would not.
         second = stub.ModelInfer.future(_request(2.0), timeout=0.2)
-        seen = _wait(lambda: "queued" if r.zcard(queue) else ("over" if second.done() else None),
-                     "the second request admitted or refused")
+        seen = poll(lambda: "queued" if r.zcard(queue) else ("over" if second.done() else None), WAIT_S, "the second request admitted or refused")
         assert seen == "queued", second.exception().details()
         assert second.exception(timeout=5).code() == grpc.StatusCode.DEADLINE_EXCEEDED  # admitted, never run
 
@@ -542,20 +532,20 @@ def test_a_gateway_whose_admitted_requests_come_late_admits_less(mesh_factory):
     view = pb.ModelLoad(cost_per_unit_s=0.08, executors=1, queued_rows=[0], policy="deadline",
                         updated_us=now_us(), tails=[pb.QueueTail(free_s=[time.time()])])
     r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
-    _wait(lambda: gateway.loads.get(("mlp", "1")) == view, "the gateway to read the view")
+    poll(lambda: gateway.loads.get(("mlp", "1")) == view, WAIT_S, "the gateway to read the view")
     channel, stub = _stub(m)
     with channel:
         # A request with a long budget is admitted first and stays queued, so the requests below
         # share its batch (2 rows, 160 ms) rather than start alone on the idle executor, which
         # admission allows whatever the headroom.
         ahead = stub.ModelInfer.future(_request(0.0), timeout=30)
-        _wait(lambda: r.zcard(contract.queue("mlp", "1")) == 1, "the first request queued")
+        poll(lambda: r.zcard(contract.queue("mlp", "1")) == 1, WAIT_S, "the first request queued")
         # Budget 280 ms, planned to 270: 160 ms is within 0.7 of it, so the request is admitted, and comes late.
         with pytest.raises(grpc.RpcError) as info:
             stub.ModelInfer(_request(1.0), timeout=0.28)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         # (the client's deadline and the gateway's own end the call at about the same moment)
-        _wait(lambda: calibration.headroom < 0.7, "the gateway to count the late answer")
+        poll(lambda: calibration.headroom < 0.7, WAIT_S, "the gateway to count the late answer")
         assert calibration.headroom == pytest.approx(0.7 - 0.2 * 0.99)
         # The same request against the same view: 160 ms is past 0.5 of 270 now.
         with pytest.raises(grpc.RpcError) as info:
@@ -580,7 +570,7 @@ def test_max_queue_size_refuses_with_resource_exhausted(mesh_factory, model_repo
         channel = grpc.insecure_channel(m.address)
         stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
         waiting = [stub.ModelInfer.future(_request(i), timeout=30) for i in range(2)]
-        _wait(lambda: r.zcard(contract.queue("mlp", "1")) == 2, "two queued requests")
+        poll(lambda: r.zcard(contract.queue("mlp", "1")) == 2, WAIT_S, "two queued requests")
         with pytest.raises(grpc.RpcError) as info:
             stub.ModelInfer(_request(9), timeout=10)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -642,13 +632,12 @@ def test_a_model_with_two_instances_runs_on_two_lanes_of_one_executor(model_repo
         held = _hold_lease(m)
         channel, stub = _stub(m)
         futures = [stub.ModelInfer.future(_request(i), timeout=30) for i in range(16)]
-        _wait(lambda: held.zcard(contract.queue("mlp", "1")) == 16, "16 queued requests")
+        poll(lambda: held.zcard(contract.queue("mlp", "1")) == 16, WAIT_S, "16 queued requests")
         held.delete(contract.LEADER)
         assert all(f.result().id == "t" for f in futures)
         channel.close()
         ran = {e: pb.ExecutorInfo.FromString(r.get(contract.executor(e))).executed_batches for e in lanes}
-        _wait(lambda: all(pb.ExecutorInfo.FromString(r.get(contract.executor(e))).executed_batches for e in lanes),
-              f"both lanes to report batches run (so far {ran})")
+        poll(lambda: all(pb.ExecutorInfo.FromString(r.get(contract.executor(e))).executed_batches for e in lanes), WAIT_S, f"both lanes to report batches run (so far {ran})")
         # The process's control endpoint counts the batches of both lanes.
         app = m.executors[0]
         with grpc.insecure_channel(f"127.0.0.1:{app.port}") as control:
@@ -686,7 +675,7 @@ def test_a_stopping_executor_finishes_the_batch_sent_to_it(mesh_factory):
     assert not r.exists(contract.executor(eid))
     # Left registered so that anything sent after its hand-back is recovered; the scheduler then forgets it.
     r.delete(contract.LEADER)
-    _wait(lambda: not r.sismember(contract.EXECUTORS, eid), "the scheduler to forget the stopped executor")
+    poll(lambda: not r.sismember(contract.EXECUTORS, eid), WAIT_S, "the scheduler to forget the stopped executor")
 
 
 def test_an_executor_does_not_run_a_member_whose_deadline_passed_while_it_waited(mesh_factory):
@@ -778,7 +767,7 @@ def test_a_text_requests_length_travels_with_it_and_its_batch_reports_the_padded
     channel, stub = _stub(m)
     with channel:
         calls = [stub.ModelInfer.future(_text_request(n), timeout=30) for n in (5, 12)]
-        members = _wait(lambda: (q := r.zrange(queue, 0, -1)) and len(q) == 2 and q, "both requests queued")
+        members = poll(lambda: (q := r.zrange(queue, 0, -1)) and len(q) == 2 and q, WAIT_S, "both requests queued")
         assert sorted(pb.QueueEntry.FromString(x).length for x in members) == [5, 12]
         # One batch of both, as the scheduler would send it: the executor pads the 5 tokens to 12.
         _dispatch_queued(r, m, "minilm", members, "mixed")
@@ -800,7 +789,7 @@ def test_a_batch_retried_member_by_member_reports_every_run_it_made(mesh_factory
     with channel:
         good = stub.ModelInfer.future(_text_request(5), timeout=30)
         bad = stub.ModelInfer.future(_text_request(12, token_id=10**9), timeout=30)
-        members = _wait(lambda: (q := r.zrange(queue, 0, -1)) and len(q) == 2 and q, "both requests queued")
+        members = poll(lambda: (q := r.zrange(queue, 0, -1)) and len(q) == 2 and q, WAIT_S, "both requests queued")
         _dispatch_queued(r, m, "minilm", members, "poisoned")
         assert good.result(timeout=30).outputs[0].shape == [1, 384]
         with pytest.raises(grpc.RpcError) as failed:
@@ -814,19 +803,19 @@ def test_a_short_sequence_is_judged_by_its_own_cost_after_long_ones_taught_the_p
     m = mesh_factory(models=["minilm"])
     r = redis.Redis.from_url(m.redis_url)
     eid = m.executors[0].executor.executor_id
-    _wait(lambda: m.scheduler.scheduler.profiles.by_key.get(("minilm", "1", "CPUExecutionProvider")), "the warm-up reports")
+    poll(lambda: m.scheduler.scheduler.profiles.by_key.get(("minilm", "1", "CPUExecutionProvider")), WAIT_S, "the warm-up reports")
     # Batches of 8 sequences of 64 and of 128 tokens took 2 ms per token (a very slow host): 1 s and 2 s.
     reports = [pb.ExecutionReport(executor_id=eid, batch_id=f"long{i}", model_name="minilm", model_version="1",
                                   rows=8, requests=8, units=8 * tokens, compute_infer_ns=8 * tokens * 2_000_000)
                for i, tokens in enumerate([64, 128] * 20)]
     r.rpush(contract.REPORTS, *(x.SerializeToString() for x in reports))
-    _wait(lambda: (view := r.get(contract.load("minilm", "1"))) and
-          pb.ModelLoad.FromString(view).cost_per_unit_s == pytest.approx(0.002, rel=0.01), "the profile's new cost")
+    poll(lambda: (view := r.get(contract.load("minilm", "1"))) and
+          pb.ModelLoad.FromString(view).cost_per_unit_s == pytest.approx(0.002, rel=0.01), WAIT_S, "the profile's new cost")
     channel, stub = _stub(m)
     with channel:
         # Long budgets, until this gateway reads that view (a request asks for a fresher one).
-        _wait(lambda: stub.ModelInfer(_text_request(8, timeout_us=10_000_000), timeout=30) and
-              m.gateway.gateway.loads[("minilm", "1")].cost_per_unit_s > 0.0015, "the gateway to read the view")
+        poll(lambda: stub.ModelInfer(_text_request(8, timeout_us=10_000_000), timeout=30) and
+              m.gateway.gateway.loads[("minilm", "1")].cost_per_unit_s > 0.0015, WAIT_S, "the gateway to read the view")
         # 8 tokens: about 16 ms predicted, well within 200 ms. A profile per row would have said 256.
         assert stub.ModelInfer(_text_request(8, timeout_us=200_000), timeout=30).outputs[0].shape == [1, 384]
         # 128 tokens: about 256 ms alone, past the budget: refused at once.
@@ -845,13 +834,13 @@ def test_a_spell_of_slow_runs_does_not_lock_tight_budgets_out(mesh_factory):
     r = redis.Redis.from_url(m.redis_url)
     eid = m.executors[0].executor.executor_id
     key = ("mlp", "1")
-    _wait(lambda: m.scheduler.scheduler.profiles.by_key.get((*key, "CPUExecutionProvider")), "the warm-up reports")
+    poll(lambda: m.scheduler.scheduler.profiles.by_key.get((*key, "CPUExecutionProvider")), WAIT_S, "the warm-up reports")
     reports = [pb.ExecutionReport(executor_id=eid, batch_id=f"slow{i}", model_name="mlp", model_version="1",
                                   rows=4, requests=4, units=4, compute_infer_ns=20 * 10**9 if i % 5 == 0 else 2_000_000)
                for i in range(50)]
     r.rpush(contract.REPORTS, *(x.SerializeToString() for x in reports))
     gateway = m.gateway.gateway
-    _wait(lambda: (view := gateway.loads.get(key)) and view.cost_margin_s > 10, "the gateway to read the new margin")
+    poll(lambda: (view := gateway.loads.get(key)) and view.cost_margin_s > 10, WAIT_S, "the gateway to read the new margin")
 
     def idle_in_view() -> bool:
         return all(f <= time.time() for t in gateway.loads[key].tails for f in t.free_s)
@@ -859,7 +848,7 @@ def test_a_spell_of_slow_runs_does_not_lock_tight_budgets_out(mesh_factory):
     channel, stub = _stub(m)
     with channel:
         for i in range(3):
-            _wait(idle_in_view, "the gateway's view to show the executor free")
+            poll(idle_in_view, WAIT_S, "the gateway's view to show the executor free")
             assert stub.ModelInfer(_request(float(i), timeout_us=200_000), timeout=30).outputs[0].shape == [1, 1]
 
 
@@ -870,7 +859,7 @@ def test_what_a_stopping_gateway_cannot_get_answered_is_told_why(mesh_factory):
     channel, stub = _stub(m)
     with channel:
         call = stub.ModelInfer.future(_request(), timeout=30)
-        _wait(lambda: gateway.gateway.replies.waiting, "the request to wait in the gateway")
+        poll(lambda: gateway.gateway.replies.waiting, WAIT_S, "the request to wait in the gateway")
         m.call(gateway.stop())
         m.gateway = None
         with pytest.raises(grpc.RpcError) as err:
