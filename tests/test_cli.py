@@ -117,6 +117,8 @@ def test_up_serves_and_ctrl_c_stops_everything(model_repository):
     assert code == 0, output
     assert "batchline: stopped" in output
     assert "the services use unix://" in output  # they served the requests above through Redis's socket
+    # ... whose directory goes with it: nothing is left in the temp directory.
+    assert not os.path.exists(re.search(r"the services use unix://(\S+)/redis\.sock", output).group(1))
     # Redis, in a session of its own, outlived the services' drain: they stopped without losing it.
     assert "Redis failed" not in output and "Redis is unreachable" not in output, output
     pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", output)]

@@ -56,6 +56,7 @@ class BenchConfig:
     progress: bool = False
     streaming: bool = False                   # ModelStreamInfer streams instead of unary calls
     retry_after: bool = True                  # closed loop: wait out a refusal's retry-after hint
+    connections: int = 1                      # gRPC connections, calls spread over them round robin
 
 
 async def _connect(config: BenchConfig, ep: Endpoint) -> RequestPool:
@@ -72,7 +73,7 @@ async def run_bench_async(config: BenchConfig) -> BenchResult:
         raise BenchError(f"unknown mode {config.mode!r} (closed or open)")
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     progress = Progress(config.progress)
-    async with Endpoint(config.url, config.model, config.version) as ep:
+    async with Endpoint(config.url, config.model, config.version, config.connections) as ep:
         pool = await _connect(config, ep)
         cfg = asdict(config)
         cfg.pop("url"), cfg.pop("model"), cfg.pop("version"), cfg.pop("progress")
@@ -100,14 +101,14 @@ def run_bench(config: BenchConfig) -> BenchResult:
 def run_closed(url: str, model: str, concurrency: int, duration: float, *, warmup: float = 1.0,
                version: str = "", budget_ms: float | None = None, priority: int = 0,
                inputs: InputOptions | None = None, progress: bool = False, streaming: bool = False,
-               retry_after: bool = True) -> StepResult:
+               retry_after: bool = True, connections: int = 1) -> StepResult:
     """One closed-loop step: `concurrency` requests kept in flight for `duration` s after `warmup` s
     (with `streaming`, each on a ModelStreamInfer stream of its own; with `retry_after`, a refused
     request's retry-after hint is waited out before the next)."""
     config = BenchConfig(url=url, model=model, version=version, mode="closed", concurrency=[concurrency],
                          duration=duration, warmup=warmup, budget_ms=budget_ms, priority=priority,
                          inputs=inputs or InputOptions(), progress=progress, streaming=streaming,
-                         retry_after=retry_after)
+                         retry_after=retry_after, connections=connections)
     return run_bench(config).steps[0]
 
 

@@ -77,6 +77,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "closed loop, one stream per in-flight slot, one request at a time; open loop, 4 streams "
                    "carrying every request, answers matched by id. The budget travels only in the `timeout` "
                    "parameter; a request unanswered 1 s past it counts DEADLINE_EXCEEDED")
+    m.add_argument("--connections", type=int, default=1,
+                   help="gRPC connections to open, calls and streams spread over them round robin: a server that "
+                   "runs several gateway processes on one port (SO_REUSEPORT) spreads connections, not calls "
+                   "(default: 1)")
     m.add_argument("--no-retry-after", dest="retry_after", action="store_false",
                    help="closed loop: resend a refused request at once, as perf_analyzer does (default: a worker "
                    "whose request was refused with a `retry-after-ms` hint, as batchline's admission control sends "
@@ -128,13 +132,15 @@ def main(args: argparse.Namespace) -> int:
         print(f"batchline bench: error: {message}", file=sys.stderr, flush=True)
         return 2
 
+    if args.connections < 1:
+        return fail(f"--connections must be >= 1, got {args.connections}")
     try:
         config = BenchConfig(
             url=args.url, model=args.model, version=args.model_version, mode=args.mode,
             concurrency=args.concurrency, rate=args.rate, burst=args.burst, duration=args.duration,
             warmup=args.warmup, budget_ms=args.budget_ms, priority=args.priority,
             inputs=_input_options(args), max_outstanding=args.max_outstanding, streaming=args.streaming,
-            retry_after=args.retry_after,
+            retry_after=args.retry_after, connections=args.connections,
             progress=not args.quiet and sys.stderr.isatty(),
         )
         result = run_bench(config)

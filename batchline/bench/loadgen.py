@@ -136,24 +136,35 @@ class Progress:
 class Endpoint:
     """A connection to one model of a KServe v2 gRPC server."""
 
-    def __init__(self, url: str, model: str, version: str = ""):
+    def __init__(self, url: str, model: str, version: str = "", connections: int = 1):
         self.url, self.model, self.version = url, model, version
+        self.connections = max(1, connections)
         self.client: tca.InferenceServerClient | None = None
-        self.channel: grpc.aio.Channel | None = None
+        self.channels: list[grpc.aio.Channel] = []
+        self._next = 0
 
     async def __aenter__(self) -> "Endpoint":
         self.client = tca.InferenceServerClient(self.url)
-        self.channel = grpc.aio.insecure_channel(
-            self.url, options=[("grpc.max_send_message_length", _MAX_MESSAGE),
-                               ("grpc.max_receive_message_length", _MAX_MESSAGE)])
+        options = [("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)]
+        if self.connections > 1:
+            # A channel of its own TCP connection each: channels to one target share one otherwise.
+            options.append(("grpc.use_local_subchannel_pool", 1))
+        self.channels = [grpc.aio.insecure_channel(self.url, options=options) for _ in range(self.connections)]
         # No serializers: requests go out as the pool's bytes, replies stay bytes.
-        self._infer = self.channel.unary_unary(MODEL_INFER)
-        self._stream = self.channel.stream_stream(MODEL_STREAM_INFER)
+        self._infers = [c.unary_unary(MODEL_INFER) for c in self.channels]
+        self._streams = [c.stream_stream(MODEL_STREAM_INFER) for c in self.channels]
+        self._infer, self._stream = self._infers[0], self._streams[0]
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
         await self.client.close()
+
+    def _turn(self) -> int:
+        """The connection the next call or stream takes: round robin."""
+        self._next = (self._next + 1) % self.connections
+        return self._next
 
     async def inputs(self, timeout_s: float = 10.0) -> list[TensorInfo]:
         """Check the endpoint is live and serves the model; return the model's inputs."""
@@ -185,9 +196,10 @@ class Endpoint:
     async def infer_hinted(self, payload: bytes, timeout_s: float | None) -> tuple[str, float, float | None]:
         """`infer`, plus the server's retry-after hint in seconds (batchline's `retry-after-ms`
         trailing metadata on a refusal), if any."""
+        infer = self._infers[self._turn()] if self.connections > 1 else self._infer
         t = time.perf_counter()
         try:
-            await self._infer(payload, timeout=timeout_s)
+            await infer(payload, timeout=timeout_s)
             return "OK", time.perf_counter() - t, None
         except grpc.aio.AioRpcError as exc:
             latency = time.perf_counter() - t
@@ -200,7 +212,7 @@ class Endpoint:
 
 
     def stream(self) -> "InferStream":
-        return InferStream(self._stream)
+        return InferStream(self._streams[self._turn()])
 
     def stream_mux(self, streams: int = OPEN_LOOP_STREAMS) -> "StreamMux":
         return StreamMux(self._stream, streams)

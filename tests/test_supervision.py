@@ -1,0 +1,162 @@
+"""`batchline up` keeps its mesh running: real services SIGKILLed under load from a stock client,
+and a real crash loop (a model ONNX Runtime cannot load)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections import Counter
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+from prometheus_client.parser import text_string_to_metric_families
+
+from processes import poll
+
+STARTUP_S = 120.0
+RESTART_S = 60.0
+
+
+class Up:
+    """A `batchline up` process, its output collected line by line."""
+
+    def __init__(self, *flags: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "batchline.cli", "up", "--log-level", "WARNING", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        return poll(lambda: re.search(pattern, self.output), timeout, f"`{pattern}` in the output of batchline up",
+                    check=self._alive)
+
+    def _alive(self) -> None:
+        if self.proc.poll() is not None and not re.search(r"stopping the mesh", self.output):
+            raise AssertionError(f"batchline up exited with {self.proc.returncode}:\n{self.output}")
+
+    def pid_of(self, service: str) -> int:
+        """The pid of the service's latest start."""
+        return int(re.findall(rf"(?:started|restarted) {service} \(pid (\d+)\)", self.output)[-1])
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+        code = self.proc.wait(120)
+        self._reader.join(10)
+        return code
+
+
+def _restarts(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {s.labels["service"]: s.value for f in text_string_to_metric_families(text)
+            if f.name == "batchline_restarts" for s in f.samples if s.name == "batchline_restarts_total"}
+
+
+@pytest.fixture
+def mlp_repository(model_repository, tmp_path):
+    repo = tmp_path / "repository"
+    shutil.copytree(model_repository / "mlp", repo / "mlp")
+    return repo
+
+
+_counted = threading.Lock()
+
+
+def _load(address: str, stop: threading.Event, outcomes: Counter) -> None:
+    """A stock client sending mlp requests one after another until `stop`, counting how each ended."""
+    client = tc.InferenceServerClient(address)
+    x = np.random.default_rng(0).standard_normal((1, 32)).astype(np.float32)
+    while not stop.is_set():
+        inp = tc.InferInput("features", [1, 32], "FP32")
+        inp.set_data_from_numpy(x)
+        with _counted:
+            outcomes["sent"] += 1
+        try:
+            client.infer("mlp", [inp], client_timeout=15)
+            outcome = "ok"
+        except tc.InferenceServerException as exc:
+            outcome = exc.status() or "error"
+        with _counted:
+            outcomes[outcome] += 1
+    client.close()
+
+
+def test_killed_services_are_restarted_under_load_and_every_call_is_answered(mlp_repository):
+    up = Up("--model-repository", str(mlp_repository), "--executors", "3", "--gateways", "2",
+            "--gateway-port", "0", "--metrics-port", "0")
+    stop, outcomes, clients = threading.Event(), Counter(), []
+    try:
+        ready = up.wait_for(r"listening on (\S+);.*restarts counted at http://\S+:(\d+)/metrics", STARTUP_S)
+        address, metrics_port = ready.group(1), int(ready.group(2))
+        for _ in range(4):
+            clients.append(threading.Thread(target=_load, args=(address, stop, outcomes), daemon=True))
+            clients[-1].start()
+        poll(lambda: outcomes["ok"] >= 50, 30, "the load to be served")
+        kills = ["executor-0"] * 3 + ["scheduler", "gateway-0"]
+        for n, service in enumerate(kills, 1):
+            before = outcomes["ok"]
+            os.kill(up.pid_of(service), signal.SIGKILL)
+            count = kills[:n].count(service)
+            poll(lambda: _restarts(metrics_port).get(service) == count, RESTART_S,
+                 f"{service} restarted {count} time(s)", check=up._alive)
+            poll(lambda: outcomes["ok"] > before + 20, RESTART_S, f"the load served again after killing {service}")
+        # Enough calls that the few in flight on the killed gateway's connections weigh under 1%.
+        poll(lambda: outcomes["sent"] >= 1000, RESTART_S, "1000 calls sent")
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(30)
+        code = up.stop()
+    output = up.output
+    print(f"calls: {dict(outcomes)}")  # the counts behind the assertions, for a reader of -s output
+    answered = sum(v for k, v in outcomes.items() if k != "sent")
+    assert answered == outcomes["sent"], (outcomes, output[-3000:])  # every call answered, none hangs
+    assert outcomes["ok"] >= 0.99 * outcomes["sent"], (outcomes, output[-3000:])
+    assert code == 0 and "batchline: stopped" in output, output[-3000:]
+    assert "exited with code -9; restarting it" in output
+    assert [len(re.findall(rf"restarted {s} \(pid", output)) for s in ("executor-0", "scheduler", "gateway-0")] == [3, 1, 1]
+
+
+def test_a_crash_loop_stops_up_and_names_the_service_with_its_last_output(tmp_path):
+    version = tmp_path / "repository" / "broken" / "1"
+    version.mkdir(parents=True)
+    (version / "model.onnx").write_bytes(b"this is not an ONNX model")
+    up = Up("--model-repository", str(tmp_path / "repository"), "--gateway-port", "0", "--metrics-port", "-1",
+            "--max-restarts", "1", "--startup-timeout", "300")
+    code = up.proc.wait(180)
+    up._reader.join(10)
+    output = up.output
+    assert code == 1, output
+    message = re.search(r"batchline: executor-0 crashed 2 times within 60 s .*stopping the mesh", output)
+    assert message, output
+    # Its last output follows: ONNX Runtime's reason.
+    assert "INVALID_PROTOBUF" in output[message.end():] or "Protobuf parsing failed" in output[message.end():], output
+    assert "restarting it in 0.5 s" in output
+    assert "batchline: stopped" in output
+
+
+def test_up_without_the_demo_extra_says_what_to_install(monkeypatch, tmp_path):
+    from batchline import cli
+
+    monkeypatch.setattr(cli, "DEMO_MODULES", ("batchline_no_such_module",))
+    with pytest.raises(SystemExit) as exc:
+        cli._build_demo(tmp_path / "repository")
+    message = str(exc.value.code)
+    assert "batchline_no_such_module" in message and "pip install 'batchline[demo]'" in message
+    assert "--model-repository" in message and "\n" not in message
