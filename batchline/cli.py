@@ -17,9 +17,9 @@ import time
 
 import redis
 
-from batchline import contract, metrics
+from batchline import contract, logs, metrics
 from batchline.embedded_redis import EmbeddedRedis
-from batchline.supervisor import Supervisor
+from batchline.supervisor import Supervisor, say
 
 DEFAULT_REPOSITORY = "model_repository"
 # What building the demo models imports beyond batchline's own dependencies (the [demo] extra).
@@ -88,8 +88,7 @@ class Mesh:
             self.redis = EmbeddedRedis(host="127.0.0.1", die_with_parent=True).start()
             # The services share this host with it: they talk over its Unix socket.
             self.redis_url = self.redis.unix_url
-            print(f"batchline: started Redis {self.redis.binary} at {self.redis.url} "
-                  f"(the services use {self.redis_url})", flush=True)
+            say(a, f"batchline: started Redis {self.redis.binary} at {self.redis.url} (the services use {self.redis_url})")
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
         client.ping()
         self.supervisor = Supervisor(a, self.redis_url, self.redis, self.env)
@@ -139,7 +138,7 @@ class Mesh:
         metrics.stop_metrics_server(self.metrics_port)
         if self.redis:
             self.redis.close()
-        print("batchline: stopped", flush=True)
+        say(self.args, "batchline: stopped")
 
 
 def executors_up(registered: list[str], executors: int) -> bool:
@@ -158,7 +157,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             mesh.hurry = True
             return
         starting, phase = phase == "starting", "stopping"
-        print("batchline: stopping (Ctrl-C again to kill what is left at once)", flush=True)
+        say(args, "batchline: stopping (Ctrl-C again to kill what is left at once)")
         if starting:
             raise KeyboardInterrupt  # give up starting at once; `finally` stops what did start
 
@@ -170,12 +169,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         if phase == "starting":
             phase = "up"
         restarts = f"restarts counted at http://{args.host}:{mesh.metrics_port}/metrics; " if mesh.metrics_port > 0 else ""
-        print(
-            f"batchline: up. Gateway (KServe v2 gRPC) listening on {address}; "
-            f"Redis at {mesh.redis.url if mesh.redis else mesh.redis_url}; {restarts}"
-            "Press Ctrl-C to stop.",
-            flush=True,
-        )
+        say(args, f"batchline: up. Gateway (KServe v2 gRPC) listening on {address}; "
+            f"Redis at {mesh.redis.url if mesh.redis else mesh.redis_url}; {restarts}Press Ctrl-C to stop.")
         while phase == "up":
             mesh.supervise()
             time.sleep(SUPERVISE_POLL_S)
@@ -183,7 +178,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         code = 130
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            print(exc.code, file=sys.stderr, flush=True)
+            say(args, str(exc.code), sys.stderr)
             code = 1
     finally:
         mesh.stop()
@@ -226,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
                     "scheduler, executor-0, executor-1, ..., then `batchline up` itself (batchline_restarts_total); "
                     "0 = any free ports, -1 = none (default: 8002)")
     up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"), help="log level of the services (default: $BATCHLINE_LOG_LEVEL, else INFO)")
+    up.add_argument("--log-format", choices=logs.FORMATS, default="text",
+                    help="text, or json: one JSON object a line, from every service and from `batchline up` itself, "
+                    "with the service and, when there is one, the request id, the batch id and the trace id "
+                    "(default: text)")
     up.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the mesh to come up (default: 120)")
     up.set_defaults(func=cmd_up)
 

@@ -9,7 +9,6 @@ Precedence: command-line flag > environment variable > default.
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import Any, Literal, Sequence, TypeVar, get_args, get_origin
 
 from pydantic import Field, ValidationError
@@ -25,6 +24,9 @@ class CommonSettings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="Interface the gRPC server binds to.")
     log_level: str = Field("INFO", description="Python logging level: DEBUG, INFO, WARNING or ERROR.")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text: one line for a terminal; json: one JSON object a line, with the service and, "
+        "when there is one, the request id, the batch id and the trace id.")
     redis_timeout_s: float = Field(
         1.0, description="Seconds a Redis command may take before the service treats Redis as unavailable."
     )
@@ -74,10 +76,3 @@ def parse_settings(cls: type[S], argv: Sequence[str] | None, prog: str, descript
             f"{_flag(str(e['loc'][0]))} ({env_prefix}{str(e['loc'][0]).upper()}): {e['msg']}" if e["loc"] else e["msg"]
             for e in exc.errors()
         ))
-
-
-def configure_logging(level: str, service: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
-    )

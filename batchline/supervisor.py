@@ -22,7 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from batchline import metrics
+from batchline import logs, metrics
 from batchline.embedded_redis import EmbeddedRedis
 from batchline.lifecycle import PARENT_ENV
 
@@ -97,11 +97,11 @@ class Supervisor:
 
     def spawn(self, name: str, module: str, *flags: str) -> Service:
         cmd = [sys.executable, "-m", module, "--redis-url", self.redis_url, "--host", self.args.host,
-               "--log-level", self.args.log_level, *flags]
+               "--log-level", self.args.log_level, "--log-format", getattr(self.args, "log_format", "text"), *flags]
         service = Service(name, cmd, self.env)
         service.start()
         self.services.append(service)
-        print(f"batchline: started {name} (pid {service.proc.pid})", flush=True)
+        say(self.args, f"batchline: started {name} (pid {service.proc.pid})")
         return service
 
     def supervise(self) -> None:
@@ -114,7 +114,7 @@ class Supervisor:
                 if s.restart_at is not None and now >= s.restart_at:
                     s.start()
                     metrics.RESTARTS.labels(s.name).inc()
-                    print(f"batchline: restarted {s.name} (pid {s.proc.pid})", flush=True)
+                    say(self.args, f"batchline: restarted {s.name} (pid {s.proc.pid})")
                 continue
             code = s.proc.poll()
             if code is None:
@@ -130,8 +130,7 @@ class Supervisor:
             raise CrashLoop(f"batchline: {s.name} crashed {len(s.crashes)} times within {CRASH_LOOP_WINDOW_S:.0f} s "
                             f"(last: pid {pid}, exit code {code}); stopping the mesh. Its last output:\n{last}")
         s.restart_at = now + s.backoff_s
-        print(f"batchline: {s.name} (pid {pid}) exited with code {code}; restarting it in {s.backoff_s:.1f} s",
-              flush=True)
+        say(self.args, f"batchline: {s.name} (pid {pid}) exited with code {code}; restarting it in {s.backoff_s:.1f} s")
         s.backoff_s = min(RESTART_BACKOFF_MAX_S, s.backoff_s * 2)
 
     def _restart_redis(self, now: float) -> None:
@@ -139,8 +138,8 @@ class Supervisor:
         if _too_many(self._redis_crashes, now, self.max_restarts):
             raise CrashLoop(f"batchline: Redis crashed {len(self._redis_crashes)} times within "
                             f"{CRASH_LOOP_WINDOW_S:.0f} s (last exit code {code}); stopping the mesh")
-        print(f"batchline: Redis exited with code {code}; restarting it (empty: the services re-register, "
-              "and the requests it held are answered UNAVAILABLE)", flush=True)
+        say(self.args, f"batchline: Redis exited with code {code}; restarting it (empty: the services re-register, "
+            "and the requests it held are answered UNAVAILABLE)")
         self.redis.stop()
         self.redis.start()
         metrics.RESTARTS.labels("redis").inc()
@@ -162,9 +161,14 @@ class Supervisor:
             time.sleep(STOP_POLL_S)
         if s.proc.poll() is None:
             why = "as asked" if self.hurry else f"as it did not stop within {STOP_TIMEOUT_S:.0f} s"
-            print(f"batchline: killing {s.name} {why}", flush=True)
+            say(self.args, f"batchline: killing {s.name} {why}")
             s.proc.kill()
             s.proc.wait()
+
+
+def say(args: argparse.Namespace, message: str, stream=None) -> None:
+    """A line of `batchline up`'s own, in its --log-format."""
+    print(logs.line("batchline", message, getattr(args, "log_format", "text")), file=stream or sys.stdout, flush=True)
 
 
 def _too_many(crashes: deque, now: float, limit: int) -> bool:

@@ -4,8 +4,9 @@ from __future__ import annotations
 import os
 import sys
 
+from batchline import logs
 from batchline.lifecycle import run_service
-from batchline.settings import configure_logging, parse_settings
+from batchline.settings import parse_settings
 from executor.app import ExecutorApp
 from executor.settings import ExecutorSettings
 
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
         description="batchline executor: loads a model repository into ONNX Runtime "
         "(TensorRT -> CUDA -> CPU, whichever the host has) and runs the batches the scheduler dispatches.",
     )
-    configure_logging(settings.log_level, "executor")
+    logs.configure(settings.log_level, "executor", settings.log_format)
     if settings.nice:
         os.nice(settings.nice)  # before ONNX Runtime starts its threads, which inherit it
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchline import contract, metrics, telemetry
+from batchline import contract, logs, metrics, telemetry, tracecontext
 from batchline.recovery import requeue_held_batches
 from batchline.clock import now_us
 from batchline.lifecycle import stop_tasks
@@ -239,7 +239,8 @@ class Executor:
     async def process(self, batch: pb.Batch) -> None:
         self.busy_batches += 1
         try:
-            await self._process(batch)
+            with logs.context(batch_id=batch.batch_id, trace_id=tracecontext.trace_id(batch.traceparent) or ""):
+                await self._process(batch)
         finally:
             self.busy_batches -= 1
             self.executed_batches += 1

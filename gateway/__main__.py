@@ -4,8 +4,9 @@ from __future__ import annotations
 import logging
 import sys
 
+from batchline import logs
 from batchline.lifecycle import run_service
-from batchline.settings import configure_logging, parse_settings
+from batchline.settings import parse_settings
 from gateway.app import GatewayApp
 from gateway.settings import GatewaySettings
 
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
         "(inference.GRPCInferenceService). Validates requests, stamps their latency budget and "
         "priority, queues them in Redis and answers when the result comes back.",
     )
-    configure_logging(settings.log_level, "gateway")
+    logs.configure(settings.log_level, "gateway", settings.log_format)
 
     async def start():
         app = await GatewayApp(settings).start()

@@ -5,6 +5,7 @@ moment for company (gateway/linger.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -79,7 +80,9 @@ class GroupCommit:
 
     def _kick(self) -> None:
         if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+            # In a context of its own: it writes for every request, not for the one that started it
+            # (whose log context, request id and all, it would otherwise carry).
+            self._flusher = asyncio.get_running_loop().create_task(self._flush(), context=contextvars.Context())
 
     async def _flush(self) -> None:
         """Write everything queued for Redis in one command, until nothing is left."""

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 
-from batchline import contract, telemetry, tracecontext
+from batchline import contract, logs, telemetry, tracecontext
 from batchline.clock import now_us
 from batchline.errors import BatchlineError, DeadlineExceeded, NotFound, Unavailable, duration_text, from_status_value
 from batchline.lifecycle import stop_tasks
@@ -211,6 +211,13 @@ class Gateway:
         enqueued = now_us()
         deadline = enqueued + int(call.run_budget_s * 1e6)
         entry = self._entry(call, enqueued, deadline, traceparent, tracestate)
+        if not logs.structured():
+            return await self._write_and_wait(call, entry, enqueued, deadline, admitted, calibration)
+        with logs.context(request_id=entry.request_id, trace_id=tracecontext.trace_id(entry.traceparent) or ""):
+            return await self._write_and_wait(call, entry, enqueued, deadline, admitted, calibration)
+
+    async def _write_and_wait(self, call: Call, entry: pb.QueueEntry, enqueued: int, deadline: int,
+                              admitted: Admitted | None, calibration: Calibration | None) -> pb.Reply:
         member = entry.SerializeToString()
         fut = self.replies.expect(entry.request_id)
         if admitted is not None:

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import sys
 
+from batchline import logs
 from batchline.lifecycle import run_service
-from batchline.settings import configure_logging, parse_settings
+from batchline.settings import parse_settings
 from scheduler.app import SchedulerApp
 from scheduler.settings import SchedulerSettings
 
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
         "and dispatches them to the executor holding the model that is predicted free first (of idle ones, the one "
         "idle longest).",
     )
-    configure_logging(settings.log_level, "scheduler")
+    logs.configure(settings.log_level, "scheduler", settings.log_format)
 
     async def start():
         app = await SchedulerApp(settings).start()

@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from batchline import contract, metrics, telemetry, tracecontext
+from batchline import contract, logs, metrics, telemetry, tracecontext
 from batchline.clock import now_us
 from batchline.errors import duration_text
 from batchline.planning import Pending
@@ -78,7 +78,9 @@ def book(key: ModelKey, sent: Sent, taken: int, counts: Counter) -> bool:
                 attributes={"batchline.batch_id": sent.batch_id, "batchline.dispatch_reason": planned.reason,
                             "batchline.slack_ms": (m.deadline - planned.finish) * 1e3},
             )
-    log.debug("%s:%s batch of %d rows (%s) -> %s", key[0], key[1], planned.rows, planned.reason, sent.executor_id)
+    if log.isEnabledFor(logging.DEBUG):
+        with logs.context(batch_id=sent.batch_id):
+            log.debug("%s:%s batch of %d rows (%s) -> %s", key[0], key[1], planned.rows, planned.reason, sent.executor_id)
     return True
 
 
