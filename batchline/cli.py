@@ -1,6 +1,7 @@
 """The `batchline` command: run the whole mesh locally, or build the demo models.
 
     batchline up                 Redis + executor(s) + scheduler + gateway, demo models by default
+    batchline status             the mesh on one screen: scheduler, executors, gateways, queues
     batchline build-models PATH  build the demo model repository (minilm, mlp) into PATH
     batchline bench ...          load a KServe v2 gRPC endpoint, closed or open loop (see --help)
 """
@@ -185,6 +186,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from batchline import status
+
+    return status.main(args.redis_url, args.json)
+
+
 def cmd_build_models(args: argparse.Namespace) -> int:
     _build_demo(pathlib.Path(args.path))
     return 0
@@ -227,6 +234,17 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: text)")
     up.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the mesh to come up (default: 120)")
     up.set_defaults(func=cmd_up)
+
+    st = sub.add_parser(
+        "status", help="show the mesh: leader scheduler, executors, gateways, queue depths",
+        description="Read the mesh's state from its Redis: the leader scheduler; each executor with its models, "
+        "the execution provider each runs on, its busy share over its last heartbeat interval and its heartbeat "
+        "age; each live gateway; the requests waiting per model and priority level.")
+    st.add_argument("--redis-url", default=os.environ.get("BATCHLINE_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                    help="the mesh's Redis (`batchline up` prints it) (default: $BATCHLINE_REDIS_URL, else "
+                    "redis://127.0.0.1:6379/0)")
+    st.add_argument("--json", action="store_true", help="print one JSON object instead of the screen")
+    st.set_defaults(func=cmd_status)
 
     build = sub.add_parser("build-models", help="build the demo model repository",
                            description="Export the demo models (minilm, mlp) to ONNX into PATH (needs the [demo] extra).")

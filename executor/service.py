@@ -70,6 +70,9 @@ class Executor:
         self.started_us = now_us()
         self.executed_batches = 0
         self.busy_batches = 0
+        self.busy_s = 0.0  # time spent on batches, fetch to write
+        self._busy_mark = (time.monotonic(), 0.0)  # (when, busy_s then) at the previous heartbeat
+        self.busy_share = 0.0  # of the time between the last two heartbeats
         # One run at a time per executor id, while fetching and answering overlap with it: a
         # model's runs use its share of the cores (all of them, unless instance_count splits
         # them), and a model with more instances gets more ids (executor lanes, executor/app.py).
@@ -118,9 +121,16 @@ class Executor:
             busy_batches=self.busy_batches,
             executed_batches=self.executed_batches,
             draining=self.draining,
+            busy_share=self.busy_share,
         )
 
     async def register(self) -> None:
+        # The busy share is measured from one registration (heartbeat) to the next.
+        now = time.monotonic()
+        since, busy_then = self._busy_mark
+        self._busy_mark = (now, self.busy_s)
+        if now > since:
+            self.busy_share = min(1.0, (self.busy_s - busy_then) / (now - since))
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
         # MULTI/EXEC: a connection lost part-way must not leave the set written without its expiry.
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -238,10 +248,12 @@ class Executor:
 
     async def process(self, batch: pb.Batch) -> None:
         self.busy_batches += 1
+        started = time.monotonic()
         try:
             with logs.context(batch_id=batch.batch_id, trace_id=tracecontext.trace_id(batch.traceparent) or ""):
                 await self._process(batch)
         finally:
+            self.busy_s += time.monotonic() - started
             self.busy_batches -= 1
             self.executed_batches += 1
 

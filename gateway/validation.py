@@ -7,6 +7,7 @@ so a bad request never reaches a batch.
 from __future__ import annotations
 
 from batchline.codec import decode_inputs
+from batchline import contract
 from batchline.errors import InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
@@ -32,9 +33,7 @@ def request_timeout_us(request: ipb.ModelInferRequest) -> int | None:
         raise InvalidArgument(f"parameter 'timeout' must be >= 0 microseconds, got {value}")
     return value or None
 
-# Queue scores keep priority and deadline exact in a double up to this many levels
-# (see batchline.contract.queue_score); a model without priority_levels accepts them all.
-MAX_PRIORITY_LEVELS = 900
+MAX_PRIORITY_LEVELS = contract.MAX_PRIORITY_LEVELS
 
 
 def request_priority(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:

@@ -213,11 +213,13 @@ def test_warm_up_seeds_the_profile_and_a_restarted_scheduler_loads_it(mesh_facto
 
 
 def _backed_up(m, cost_per_unit_s: float = 0.001) -> redis.Redis:
-    """Hold the scheduling lease and publish the load view the (deadline-policy) scheduler would
-    for an mlp queue backed up for 5 s (5000 rows queued at priority 1); returns the Redis client."""
+    """Hold the scheduling lease and publish the load view the (deadline-policy) scheduler would for
+    an mlp queue backed up for as long as the view lives, a minute (5000 rows queued at priority 1,
+    and the executor busy until then): however slow the host, no request fits in the test's time.
+    Returns the Redis client."""
     r = _hold_lease(m)
     now = time.time()
-    backed_up = pb.QueueTail(free_s=[now + 5.02])  # the executor's queued work, nothing more to join
+    backed_up = pb.QueueTail(free_s=[now + 60.0])  # the executor's queued work, nothing more to join
     view = pb.ModelLoad(cost_per_unit_s=cost_per_unit_s, cost_fixed_s=0.01, executors=1, queued_rows=[5000, 0],
                         policy="deadline", updated_us=now_us() + 60_000_000, tails=[backed_up, backed_up])
     r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
@@ -321,7 +323,7 @@ def test_the_bench_closed_loop_waits_out_a_refusals_retry_after_hint(mesh_factor
     from batchline.bench import run_closed
 
     m = mesh_factory(models=["mlp"])
-    _backed_up(m)  # every request with a 200 ms budget is refused, with a hint of about 4.8 s
+    _backed_up(m)  # every request with a 200 ms budget is refused, with a hint of about a minute
     waits = run_closed(m.address, "mlp", 2, 1.0, warmup=0.0, budget_ms=200, streaming=streaming)
     storm = run_closed(m.address, "mlp", 2, 1.0, warmup=0.0, budget_ms=200, retry_after=False, streaming=streaming)
     # Each of the two workers is refused once and waits out the rest of the second.

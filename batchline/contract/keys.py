@@ -35,8 +35,10 @@ GATEWAYS = PREFIX + "gateways"
 
 # Ordering within a queue: priority level first (1 is highest), then the
 # earliest deadline. deadline_ms is ~1.8e12, so a 1e13 stride keeps both exact
-# in a double (the score type) for hundreds of priority levels.
+# in a double (the score type) for hundreds of priority levels (MAX_PRIORITY_LEVELS).
 _PRIORITY_STRIDE = 10**13
+# The most priority levels a queue's score keeps apart (a model without priority_levels accepts them all).
+MAX_PRIORITY_LEVELS = 900
 
 # The longest latency budget a request can have (the gateway caps longer ones).
 MAX_BUDGET_S = 24 * 3_600
@@ -115,6 +117,16 @@ def profile(model: str, version: str, kind: str) -> str:
 
 def queue_score(priority: int, deadline_us: int) -> int:
     return priority * _PRIORITY_STRIDE + deadline_us // 1000
+
+
+def priority_scores(priority: int) -> tuple[int, int]:
+    """The lowest and highest score of a queue entry at `priority` (for ZCOUNT, ZRANGEBYSCORE)."""
+    return priority * _PRIORITY_STRIDE, (priority + 1) * _PRIORITY_STRIDE - 1
+
+
+def priority_of(score: float) -> int:
+    """The priority level of a queue entry's score."""
+    return int(score // _PRIORITY_STRIDE)
 
 
 def payload_ttl_ms(deadline_us: int, now_us: int) -> int:

@@ -138,7 +138,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., default_timeout_ms: _Optional[float] = ..., default_priority: _Optional[int] = ..., priority_levels: _Optional[int] = ..., preferred_batch_sizes: _Optional[_Iterable[int]] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., padded_inputs: _Optional[_Iterable[str]] = ..., max_queue_size: _Optional[int] = ...) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("executor_id", "address", "models", "started_us", "heartbeat_us", "busy_batches", "executed_batches", "draining")
+    __slots__ = ("executor_id", "address", "models", "started_us", "heartbeat_us", "busy_batches", "executed_batches", "draining", "busy_share")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class ExecutorInfo(_message.Message):
     BUSY_BATCHES_FIELD_NUMBER: _ClassVar[int]
     EXECUTED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SHARE_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     address: str
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
@@ -155,7 +156,8 @@ class ExecutorInfo(_message.Message):
     busy_batches: int
     executed_batches: int
     draining: bool
-    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    busy_share: float
+    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ..., busy_share: _Optional[float] = ...) -> None: ...
 
 class QueueTail(_message.Message):
     __slots__ = ("free_s", "level", "items")
