@@ -30,7 +30,7 @@ READY_POLL_S = 0.1
 SUPERVISE_POLL_S = 0.2
 
 
-def _build_demo(path: pathlib.Path) -> None:
+def build_demo(path: pathlib.Path) -> None:
     missing = [m for m in DEMO_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise SystemExit(
@@ -82,7 +82,7 @@ class Mesh:
         a = self.args
         repo = pathlib.Path(a.model_repository).resolve()
         if not repo.exists():
-            _build_demo(repo)
+            build_demo(repo)
         if a.redis_url:
             self.redis_url = a.redis_url
         else:
@@ -107,8 +107,13 @@ class Mesh:
                                   "--nice", "5")
         self.supervisor.spawn("scheduler", "scheduler", "--metrics-port", metrics_port(gateways))
         port = a.gateway_port
+        tls: list[str] = []
+        for flag, path in (("--tls-cert-file", getattr(a, "tls_cert", "")), ("--tls-key-file", getattr(a, "tls_key", "")),
+                           ("--tls-client-ca-file", getattr(a, "tls_client_ca", ""))):
+            if path:
+                tls += [flag, str(pathlib.Path(path).resolve())]
         for i in range(gateways):
-            gateway = self.supervisor.spawn(f"gateway-{i}", "gateway", "--port", str(port),
+            gateway = self.supervisor.spawn(f"gateway-{i}", "gateway", "--port", str(port), *tls,
                                             "--gateway-id", f"gateway-{i}", "--metrics-port", metrics_port(i))
             if port == 0:
                 # The others share the port the first one bound (SO_REUSEPORT); a restart binds it again.
@@ -128,7 +133,10 @@ class Mesh:
             self.supervise()
             address = client.get(contract.gateway(gateway))
             live = [e.decode() for e in client.smembers(contract.EXECUTORS) if client.exists(contract.executor(e.decode()))]
-            if address and executors_up(live, self.args.executors) and _server_ready(address.decode()):
+            # Over TLS this process has no client certificate to ask with: the gateway's heartbeat,
+            # written once its port serves, stands for its answer.
+            tls = bool(getattr(self.args, "tls_cert", ""))
+            if address and executors_up(live, self.args.executors) and (tls or _server_ready(address.decode())):
                 return address.decode()
             time.sleep(READY_POLL_S)
         raise SystemExit(f"batchline: the mesh did not come up within {self.args.startup_timeout} s")
@@ -193,7 +201,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_build_models(args: argparse.Namespace) -> int:
-    _build_demo(pathlib.Path(args.path))
+    build_demo(pathlib.Path(args.path))
     return 0
 
 
@@ -228,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
                     "scheduler, executor-0, executor-1, ..., then `batchline up` itself (batchline_restarts_total); "
                     "0 = any free ports, -1 = none (default: 8002)")
     up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"), help="log level of the services (default: $BATCHLINE_LOG_LEVEL, else INFO)")
+    up.add_argument("--tls-cert", default="", help="PEM certificate the gateways serve TLS with (with --tls-key); "
+                    "re-read when the file changes (default: plaintext)")
+    up.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    up.add_argument("--tls-client-ca", default="",
+                    help="PEM CA: clients must present a certificate signed by it (mutual TLS; needs --tls-cert)")
     up.add_argument("--log-format", choices=logs.FORMATS, default="text",
                     help="text, or json: one JSON object a line, from every service and from `batchline up` itself, "
                     "with the service and, when there is one, the request id, the batch id and the trace id "

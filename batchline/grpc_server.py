@@ -103,10 +103,12 @@ async def start_server(
     port: int,
     register: Callable[[grpc.aio.Server], Iterable[str]],
     options: list[tuple[str, int]] | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> ServerHandle:
     """Start a grpc.aio server on host:port (0 = any free port) with health and reflection.
 
-    `register` adds the service's servicers and returns their full service names.
+    `register` adds the service's servicers and returns their full service names. With
+    `credentials` the port serves TLS only (health and reflection too).
     """
     server = grpc.aio.server(options=options or [])
     services = list(register(server))
@@ -115,7 +117,8 @@ async def start_server(
     # Our stubs live in batchline's own descriptor pool, so reflection must be
     # pointed at it; it then describes exactly the services batchline defines.
     reflection.enable_server_reflection([*services, reflection.SERVICE_NAME], server, pool=POOL)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    target = f"{host}:{port}"
+    bound = server.add_secure_port(target, credentials) if credentials else server.add_insecure_port(target)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()

@@ -73,9 +73,9 @@ def mesh(model_repository: str | pathlib.Path, env: dict[str, str] | None = None
 def ensure_repository(path: str | pathlib.Path) -> pathlib.Path:
     path = pathlib.Path(path).resolve()
     if not path.exists():
-        from batchline.cli import _build_demo
+        from batchline.cli import build_demo
 
-        _build_demo(path)
+        build_demo(path)
     return path
 
 

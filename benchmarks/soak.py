@@ -3,7 +3,7 @@
     python benchmarks/soak.py --minutes 10            # capacity measured first, then 70 % of it
     python benchmarks/soak.py --minutes 1 --rate 150  # a fixed rate (requests/s)
 
-Runs the real services as subprocesses (tests/processes.py: a private Redis,
+Runs the real services as subprocesses (batchline/testing/processes.py: a private Redis,
 N executors, one scheduler, one gateway), measures what the mesh serves in a
 closed loop for --capacity-s seconds (unless --rate), then sends mlp requests
 at --load-fraction of that, open loop, for --minutes. Meanwhile, every
@@ -33,10 +33,9 @@ import threading
 import time
 from collections import Counter
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the harness lives with the fault tests: one copy
+from batchline.testing.processes import LoadClient, MeshError, ProcessMesh, Record, summarize
 
-from processes import LoadClient, MeshError, ProcessMesh, Record, summarize  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 MB = 1024 * 1024
 

@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from batchline import metrics
 from batchline.lifecycle import stop_tasks
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import inference_pb2, inference_pb2_grpc
+from batchline.tls import TlsFiles, server_credentials
 from gateway.core import Gateway
 from gateway.servicer import InferenceServicer
 from gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
 
 
 class GatewayApp:
@@ -39,8 +43,15 @@ class GatewayApp:
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
         ]
+        files = TlsFiles.of(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
+        if files is None:
+            log.info("the gRPC port is plaintext and unauthenticated: set tls_cert_file to serve TLS")
+        else:
+            log.info("the gRPC port serves TLS (%s)", "clients need a certificate signed by "
+                     f"{files.client_ca_file}" if files.client_ca_file else "no client certificate asked")
+        credentials = server_credentials(files) if files else None
         self.metrics_port = metrics.start_metrics_server(self.settings.host, self.settings.metrics_port)
-        self.server = await start_server(s.host, s.port, register, options)
+        self.server = await start_server(s.host, s.port, register, options, credentials)
         await self.gateway.start(self.address)
         self._health = asyncio.create_task(self.server.watch_redis(
             self.gateway.redis, on_change=self.gateway.on_redis, on_restart=self.gateway.on_redis_restart))

@@ -1,10 +1,11 @@
 """Gateway settings (environment prefix BATCHLINE_GATEWAY_)."""
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from batchline.settings import CommonSettings
+from batchline.tls import TlsConfigError, TlsFiles
 
 
 class GatewaySettings(CommonSettings):
@@ -61,3 +62,18 @@ class GatewaySettings(CommonSettings):
     drain_timeout_s: float = Field(
         30.0, description="On SIGTERM: seconds to wait for admitted requests to be answered before stopping."
     )
+    tls_cert_file: str = Field(
+        "", description="PEM certificate (chain) the gRPC port serves over TLS, with tls_key_file; re-read when "
+        "the file changes (rotation without restart). Empty: plaintext.")
+    tls_key_file: str = Field("", description="PEM private key of tls_cert_file.")
+    tls_client_ca_file: str = Field(
+        "", description="PEM CA certificate(s): when set, clients must present a certificate signed by one of "
+        "them (mutual TLS). Needs tls_cert_file.")
+
+    @model_validator(mode="after")
+    def _tls_files_work(self) -> "GatewaySettings":
+        try:
+            TlsFiles.of(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        except TlsConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self

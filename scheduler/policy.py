@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from batchline.planning import DEADLINE_AWARE, FIFO, POLICIES, Cost, Pending, form_batch, units  # noqa: F401
+from batchline.planning import DEADLINE_AWARE, FIFO, Cost, Formed, Pending, form_batch
 
 # Why a batch went out; also the label of the dispatch-reason metric.
 FULL = "full"            # no more rows fit (max_batch_size reached)
@@ -100,20 +100,7 @@ def plan(
     aware = policy.kind != FIFO
     out = Plan()
     free = list(free_at)
-    first_start = max(now, min(free)) if free else None
-    live: list[Pending] = []
-    for p in queue:
-        if p.deadline <= now:
-            out.expired.append(p)
-        elif aware and first_start is not None and first_start + cost.typical(p.units) > p.deadline:
-            # It cannot finish in time even alone on the first free executor.
-            out.expired.append(p)
-        else:
-            live.append(p)
-    if not aware:
-        live.sort(key=lambda p: (p.priority, p.enqueued))
-
-    cap = policy.max_batch_size if policy.max_batch_size > 0 else None
+    live = _hopeful(now, queue, free, cost, aware, out.expired)
     while live and free:
         i = min(range(len(free)), key=free.__getitem__)
         start = max(now, free[i])
@@ -125,38 +112,15 @@ def plan(
         for m in formed.late:
             out.expired.append(m)
             live.remove(m)
-        members = formed.send
-        if not members:
+        if not formed.send:
             continue
-        rows = sum(m.rows for m in members)
-        batch_cost = cost.predict(formed.units)
-        earliest = min(m.deadline for m in members)
-        oldest = min(m.enqueued for m in members)
-        send_by = earliest - batch_cost - (start - now)  # latest dispatch that still meets the earliest deadline
-        delay_due = oldest + policy.max_queue_delay
-        everything_taken = len(members) == len(live)
-
-        if formed.shrunk:
-            reason = DEADLINE
-        elif formed.preferred:
-            reason = PREFERRED
-        elif cap is None or rows >= cap or not everything_taken:
-            reason = FULL
-        elif rows in policy.preferred_batch_sizes:
-            reason = PREFERRED
-        elif aware and now >= send_by:
-            reason = DEADLINE
-        elif now >= delay_due:
-            reason = DELAY
-        elif now >= (worth := _worth_waiting_until(min(send_by, delay_due), company) if aware else delay_due):
-            reason = NO_COMPANY
-        else:
-            out._wake(worth)
+        batch, wait_until = _decide(now, start, i, formed, len(live), policy, cost, company)
+        if batch is None:
+            out._wake(wait_until)
             break
-        finish = start + batch_cost
-        out.batches.append(PlannedBatch(tuple(members), rows, reason, earliest - finish, i, start, finish))
-        free[i] = finish
-        del live[: len(members)]
+        out.batches.append(batch)
+        free[i] = batch.finish
+        del live[: len(formed.send)]
 
     # Whatever waits (for a free executor, or for company) must still be shed
     # the moment its deadline passes.
@@ -168,6 +132,56 @@ def plan(
         if ready_at is not None:
             out._wake(ready_at)
     return out
+
+
+def _hopeful(now: float, queue: Sequence[Pending], free: Sequence[float], cost: Cost, aware: bool,
+             expired: list[Pending]) -> list[Pending]:
+    """The requests that can still make their deadlines, in service order; the others go to `expired`."""
+    first_start = max(now, min(free)) if free else None
+    live: list[Pending] = []
+    for p in queue:
+        if p.deadline <= now:
+            expired.append(p)
+        elif aware and first_start is not None and first_start + cost.typical(p.units) > p.deadline:
+            # It cannot finish in time even alone on the first free executor.
+            expired.append(p)
+        else:
+            live.append(p)
+    if not aware:
+        live.sort(key=lambda p: (p.priority, p.enqueued))
+    return live
+
+
+def _decide(now: float, start: float, executor: int, formed: Formed, waiting: int, policy: ModelPolicy, cost: Cost,
+            company: float | None) -> tuple[PlannedBatch | None, float]:
+    """Whether the batch `formed` (of `waiting` requests left) goes now, and why: (the batch, 0), or
+    (None, when to look again) when it waits for company."""
+    aware = policy.kind != FIFO
+    cap = policy.max_batch_size if policy.max_batch_size > 0 else None
+    members = formed.send
+    rows = sum(m.rows for m in members)
+    batch_cost = cost.predict(formed.units)
+    earliest = min(m.deadline for m in members)
+    send_by = earliest - batch_cost - (start - now)  # latest dispatch that still meets the earliest deadline
+    delay_due = min(m.enqueued for m in members) + policy.max_queue_delay
+    if formed.shrunk:
+        reason = DEADLINE
+    elif formed.preferred:
+        reason = PREFERRED
+    elif cap is None or rows >= cap or len(members) < waiting:
+        reason = FULL
+    elif rows in policy.preferred_batch_sizes:
+        reason = PREFERRED
+    elif aware and now >= send_by:
+        reason = DEADLINE
+    elif now >= delay_due:
+        reason = DELAY
+    elif now >= (worth := _worth_waiting_until(min(send_by, delay_due), company) if aware else delay_due):
+        reason = NO_COMPANY
+    else:
+        return None, worth
+    finish = start + batch_cost
+    return PlannedBatch(tuple(members), rows, reason, earliest - finish, executor, start, finish), 0.0
 
 
 def _worth_waiting_until(wait_until: float, company: float | None) -> float:

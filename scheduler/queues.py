@@ -19,7 +19,7 @@ class Queues:
         self.entries: dict[bytes, pb.QueueEntry] = {}  # queue member -> its QueueEntry
         self.depths: dict[ModelKey, int] = {}
         self._company: dict[ModelKey, CompanyRate] = {}  # per queue: arrivals seen while n requests waited
-        self._left: dict[ModelKey, tuple[float, int]] = {}  # per queue: last step's time, requests it left queued
+        self._last_step: dict[ModelKey, tuple[float, int]] = {}  # per queue: last step's time, requests it left queued
         self._levels: dict[ModelKey, set[int]] = {}  # priority levels with a pending gauge
 
     def read(self, key: ModelKey, members: list[bytes]) -> tuple[list[Pending], int]:
@@ -41,17 +41,17 @@ class Queues:
         """Arrivals per second expected while `waiting` requests wait, counting the `arrivals` of
         this step against what the last step left queued."""
         rate = self._company.setdefault(key, CompanyRate())
-        at, left = self._left.get(key, (now, 0))
+        at, left = self._last_step.get(key, (now, 0))
         rate.observe(left, arrivals, now - at, now)
         return rate.rate(waiting, now)
 
     def left(self, key: ModelKey, now: float, waiting: int) -> None:
         """What a step left queued, for the next step's company count."""
-        self._left[key] = (now, waiting)
+        self._last_step[key] = (now, waiting)
 
     def forget_steps(self) -> None:
         """Another scheduler stepped meanwhile: what it left queued, and when, is not known here."""
-        self._left.clear()
+        self._last_step.clear()
 
     def keep_only(self, members: set[bytes]) -> None:
         """Forget parsed entries that left every queue."""

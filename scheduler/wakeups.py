@@ -43,7 +43,7 @@ class Wakeups:
         self.listening: set[str] = set()  # the lists the wait under way listens to
         self.reports: list[bytes] = []    # execution reports popped, for the next step
         self._stepping = False            # a step is under way: its verdicts on `blocked` are not in yet
-        self._noticed: set[str] = set()   # blocked queues whose arrivals were noticed during the step
+        self._arrived_during_step: set[str] = set()   # blocked queues whose arrivals were noticed during the step
 
     def wake(self) -> None:
         self.event.set()
@@ -91,7 +91,7 @@ class Wakeups:
                 # needs no new look before that executor reports or its timer fires. But the step
                 # under way may have read the queue before this arrival, woken by the report that
                 # frees the executor: if it no longer counts the queue as waiting, look again.
-                self._noticed.add(queue)
+                self._arrived_during_step.add(queue)
 
     async def relisten(self) -> None:
         """Interrupt the blocking wait when it should listen to a list it does not (a queue no
@@ -113,10 +113,10 @@ class Wakeups:
         """When to look again (epoch s), given the step's own answer: soon, if an arrival was
         noticed during the step at a queue it then found no longer blocked."""
         self._stepping = False
-        if self._noticed - self.blocked:
+        if self._arrived_during_step - self.blocked:
             # Looked at shortly, not at once: under load the next arrival's notice wakes the loop
             # sooner anyway, and a step per arrival would cost more than it saves.
             recheck = time.time() + NOTICE_RECHECK_S
             wake_at = recheck if wake_at is None else min(wake_at, recheck)
-        self._noticed.clear()
+        self._arrived_during_step.clear()
         return wake_at

@@ -16,7 +16,7 @@ import tritonclient.grpc as tc
 
 from batchline import contract
 from batchline.cli import executors_up
-from processes import MeshError, poll
+from batchline.testing.processes import MeshError, poll
 
 IN_FLIGHT = 96
 

@@ -1,6 +1,6 @@
 """Fault tolerance of the real services, each its own process, under continuous load.
 
-Every test starts a mesh of subprocesses (tests/processes.py) on a private
+Every test starts a mesh of subprocesses (batchline/testing/processes.py) on a private
 Redis, keeps 8 mlp requests in flight with a 10 s budget each, injects one
 kind of fault, and then judges every request that was sent:
 
@@ -29,7 +29,7 @@ import pytest
 from batchline import contract
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
-from processes import LoadClient, MeshError, ProcessMesh, Record, format_summary, poll
+from batchline.testing.processes import LoadClient, MeshError, ProcessMesh, Record, format_summary, poll
 
 BUDGET_S = 10.0
 HANG_SLACK_S = 2.0

@@ -17,7 +17,7 @@ import numpy as np
 import tritonclient.grpc as tc
 
 from batchline import logs
-from processes import poll
+from batchline.testing.processes import poll
 
 
 def _logger(monkeypatch) -> tuple[logging.Logger, io.StringIO]:
@@ -61,9 +61,12 @@ async def test_concurrent_work_keeps_its_own_ids(monkeypatch):
 
 
 def test_text_lines_carry_no_context_and_cost_nothing_to_enter(monkeypatch):
-    monkeypatch.setattr(logs, "_json", False)
+    logger, out = _logger(monkeypatch)
+    monkeypatch.setattr(logs, "_json", False)  # configured for text: a context is not even kept
+    assert not logs.structured()
     with logs.context(request_id="r1"):
-        assert logs._context.get() == {}
+        logger.info("inside")
+    assert "request_id" not in json.loads(out.getvalue())
     assert logs.line("batchline", "up") == "up"
     assert json.loads(logs.line("batchline", "up", "json"))["service"] == "batchline"
 

@@ -24,7 +24,7 @@ from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
-from processes import poll
+from batchline.testing.processes import poll
 from scheduler.app import SchedulerApp
 from scheduler.settings import SchedulerSettings
 

@@ -17,7 +17,7 @@ import pytest
 import tritonclient.grpc as tc
 from prometheus_client.parser import text_string_to_metric_families
 
-from processes import poll
+from batchline.testing.processes import poll
 
 STARTUP_S = 120.0
 RESTART_S = 60.0
@@ -31,8 +31,8 @@ class Up:
             [sys.executable, "-m", "batchline.cli", "up", "--log-level", "WARNING", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -44,9 +44,9 @@ class Up:
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match:
         return poll(lambda: re.search(pattern, self.output), timeout, f"`{pattern}` in the output of batchline up",
-                    check=self._alive)
+                    check=self.check_alive)
 
-    def _alive(self) -> None:
+    def check_alive(self) -> None:
         if self.proc.poll() is not None and not re.search(r"stopping the mesh", self.output):
             raise AssertionError(f"batchline up exited with {self.proc.returncode}:\n{self.output}")
 
@@ -58,7 +58,7 @@ class Up:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
         code = self.proc.wait(120)
-        self._reader.join(10)
+        self.reader.join(10)
         return code
 
 
@@ -114,7 +114,7 @@ def test_killed_services_are_restarted_under_load_and_every_call_is_answered(mlp
             os.kill(up.pid_of(service), signal.SIGKILL)
             count = kills[:n].count(service)
             poll(lambda: _restarts(metrics_port).get(service) == count, RESTART_S,
-                 f"{service} restarted {count} time(s)", check=up._alive)
+                 f"{service} restarted {count} time(s)", check=up.check_alive)
             poll(lambda: outcomes["ok"] > before + 20, RESTART_S, f"the load served again after killing {service}")
         # Enough calls that the few in flight on the killed gateway's connections weigh under 1%.
         poll(lambda: outcomes["sent"] >= 1000, RESTART_S, "1000 calls sent")
@@ -140,7 +140,7 @@ def test_a_crash_loop_stops_up_and_names_the_service_with_its_last_output(tmp_pa
     up = Up("--model-repository", str(tmp_path / "repository"), "--gateway-port", "0", "--metrics-port", "-1",
             "--max-restarts", "1", "--startup-timeout", "300")
     code = up.proc.wait(180)
-    up._reader.join(10)
+    up.reader.join(10)
     output = up.output
     assert code == 1, output
     message = re.search(r"batchline: executor-0 crashed 2 times within 60 s .*stopping the mesh", output)
@@ -156,7 +156,7 @@ def test_up_without_the_demo_extra_says_what_to_install(monkeypatch, tmp_path):
 
     monkeypatch.setattr(cli, "DEMO_MODULES", ("batchline_no_such_module",))
     with pytest.raises(SystemExit) as exc:
-        cli._build_demo(tmp_path / "repository")
+        cli.build_demo(tmp_path / "repository")
     message = str(exc.value.code)
     assert "batchline_no_such_module" in message and "pip install 'batchline[demo]'" in message
     assert "--model-repository" in message and "\n" not in message

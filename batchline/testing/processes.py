@@ -1,6 +1,6 @@
 """The real services as subprocesses, for fault-injection tests and the soak benchmark.
 
-Unlike tests/mesh.py (everything in one process), every gateway, scheduler
+Unlike the test suite's tests/mesh.py (everything in one process), every gateway, scheduler
 and executor here is its own `python -m <service>` process, so it can be
 SIGKILLed, SIGTERMed, SIGSTOPped or restarted exactly as in production, and
 its RSS measured. Redis is a private EmbeddedRedis that can be killed and
@@ -42,7 +42,7 @@ from batchline.protocol import inference_pb2_grpc, internal_pb2, internal_pb2_gr
 
 T = TypeVar("T")
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the checkout
 # Where `python -m <service>` runs, so the service code comes from there (the
 # modules of the working directory win over the installed ones). Point it at
 # another checkout to run these tests against that version of the services.
