@@ -107,9 +107,10 @@ class Mesh:
                                   "--nice", "5")
         self.supervisor.spawn("scheduler", "scheduler", "--metrics-port", metrics_port(gateways))
         port = a.gateway_port
-        tls: list[str] = []
+        tls: list[str] = []  # and the auth file: what secures the gateways' port
         for flag, path in (("--tls-cert-file", getattr(a, "tls_cert", "")), ("--tls-key-file", getattr(a, "tls_key", "")),
-                           ("--tls-client-ca-file", getattr(a, "tls_client_ca", ""))):
+                           ("--tls-client-ca-file", getattr(a, "tls_client_ca", "")),
+                           ("--auth-file", getattr(a, "auth_file", ""))):
             if path:
                 tls += [flag, str(pathlib.Path(path).resolve())]
         for i in range(gateways):
@@ -236,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                     "scheduler, executor-0, executor-1, ..., then `batchline up` itself (batchline_restarts_total); "
                     "0 = any free ports, -1 = none (default: 8002)")
     up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"), help="log level of the services (default: $BATCHLINE_LOG_LEVEL, else INFO)")
+    up.add_argument("--auth-file", default="",
+                    help="TOML file of the tokens that may call the gateways, with their tenants and model scopes "
+                    "(docs/guides/security.md) (default: none, unauthenticated)")
     up.add_argument("--tls-cert", default="", help="PEM certificate the gateways serve TLS with (with --tls-key); "
                     "re-read when the file changes (default: plaintext)")
     up.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")

@@ -56,6 +56,14 @@ class Internal(BatchlineError):
     """A bug or an unexpected runtime failure."""
 
 
+class Unauthenticated(BatchlineError):
+    """No token, or one the gateway does not know (batchline.auth)."""
+
+
+class PermissionDenied(BatchlineError):
+    """The token may not do this: a model outside its scope, or an admin call without admin rights."""
+
+
 _CODES: dict[type[BatchlineError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
@@ -63,6 +71,8 @@ _CODES: dict[type[BatchlineError], grpc.StatusCode] = {
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     Internal: grpc.StatusCode.INTERNAL,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 _ERRORS_BY_CODE: dict[int, type[BatchlineError]] = {c.value[0]: e for e, c in _CODES.items()}
 

@@ -8,6 +8,7 @@ from batchline import metrics
 from batchline.lifecycle import stop_tasks
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import inference_pb2, inference_pb2_grpc
+from batchline.auth import Tokens
 from batchline.tls import TlsFiles, server_credentials
 from gateway.core import Gateway
 from gateway.servicer import InferenceServicer
@@ -36,13 +37,16 @@ class GatewayApp:
         s = self.settings
 
         def register(server):
-            inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.gateway), server)
+            inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.gateway, tokens), server)
             return [inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name]
 
         options = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
         ]
+        tokens = Tokens(s.auth_file) if s.auth_file else None
+        if tokens is None:
+            log.info("no auth file: anyone who reaches the gRPC port may call every model")
         files = TlsFiles.of(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
         if files is None:
             log.info("the gRPC port is plaintext and unauthenticated: set tls_cert_file to serve TLS")

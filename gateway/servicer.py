@@ -12,6 +12,7 @@ from batchline import contract, metrics, telemetry
 from batchline.errors import RETRY_AFTER_KEY, BatchlineError, Internal, grpc_status
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
+from batchline.auth import Grant, Tokens
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
 
 log = logging.getLogger(__name__)
@@ -130,8 +131,28 @@ def stream_error(request: ipb.ModelInferRequest, exc: BatchlineError) -> ipb.Mod
 
 
 class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, gateway: Gateway):
+    """ServerLive and ServerReady are open, as probes; with `tokens`, every other call needs a token,
+    and a model call one whose scope holds the model (statistics: an admin token)."""
+
+    def __init__(self, gateway: Gateway, tokens: Tokens | None = None):
         self.gateway = gateway
+        self.tokens = tokens
+
+    def _grant(self, context) -> Grant | None:
+        """The caller's grant (None: the gateway is unauthenticated); raises Unauthenticated."""
+        return self.tokens.grant(context.invocation_metadata()) if self.tokens is not None else None
+
+    async def _allow(self, context, model: str = "", admin: str = "") -> None:
+        """Abort the call unless its token may call `model` (and is an admin's, for `admin`)."""
+        try:
+            grant = self._grant(context)
+            if grant is not None:
+                if admin:
+                    grant.check_admin(admin)
+                elif model:
+                    grant.check_model(model)
+        except BatchlineError as exc:
+            await _abort(context, exc)
 
     async def ServerLive(self, request, context):
         return ipb.ServerLiveResponse(live=True)
@@ -140,12 +161,15 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         return ipb.ServerReadyResponse(ready=await self.gateway.ready())
 
     async def ModelReady(self, request, context):
+        await self._allow(context, request.name)
         return ipb.ModelReadyResponse(ready=await self.gateway.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request, context):
+        await self._allow(context)
         return ipb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS)
 
     async def ModelMetadata(self, request, context):
+        await self._allow(context, request.name)
         try:
             info = await self.gateway.model(request.name, request.version)
         except BatchlineError as exc:
@@ -160,6 +184,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
     async def ModelConfig(self, request, context):
+        await self._allow(context, request.name)
         try:
             info = await self.gateway.model(request.name, request.version)
         except BatchlineError as exc:
@@ -195,6 +220,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         return response
 
     async def ModelInfer(self, request, context):
+        await self._allow(context, request.model_name)
         try:
             return await self._infer(request, context)
         except BatchlineError as exc:
@@ -203,11 +229,17 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(self, request_iterator, context):
         # Requests on a stream run concurrently and are answered as they
         # finish; clients match answers to requests by id.
+        try:
+            grant = self._grant(context)  # the stream's token: checked once, the model per request
+        except BatchlineError as exc:
+            await _abort(context, exc)
         answers: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
 
         async def one(request: ipb.ModelInferRequest) -> None:
             try:
+                if grant is not None:
+                    grant.check_model(request.model_name)
                 response = await self._infer(request, context, "ModelStreamInfer")
                 await answers.put(ipb.ModelStreamInferResponse(infer_response=response))
             except BatchlineError as exc:
@@ -232,6 +264,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 t.cancel()
 
     async def ModelStatistics(self, request, context):
+        await self._allow(context, admin="statistics")
         try:
             entries = await self.gateway.statistics(request.name, request.version)
         except BatchlineError as exc:

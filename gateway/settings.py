@@ -4,6 +4,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from batchline.auth import AuthFileError, load
 from batchline.settings import CommonSettings
 from batchline.tls import TlsConfigError, TlsFiles
 
@@ -62,6 +63,10 @@ class GatewaySettings(CommonSettings):
     drain_timeout_s: float = Field(
         30.0, description="On SIGTERM: seconds to wait for admitted requests to be answered before stopping."
     )
+    auth_file: str = Field(
+        "", description="TOML file of the tokens that may call the gateway, each with its tenant and the models "
+        "it may call (docs/guides/security.md); re-read when it changes. Empty: anyone who reaches the port may "
+        "call every model.")
     tls_cert_file: str = Field(
         "", description="PEM certificate (chain) the gRPC port serves over TLS, with tls_key_file; re-read when "
         "the file changes (rotation without restart). Empty: plaintext.")
@@ -71,9 +76,11 @@ class GatewaySettings(CommonSettings):
         "them (mutual TLS). Needs tls_cert_file.")
 
     @model_validator(mode="after")
-    def _tls_files_work(self) -> "GatewaySettings":
+    def _files_work(self) -> "GatewaySettings":
         try:
             TlsFiles.of(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
-        except TlsConfigError as exc:
+            if self.auth_file:
+                load(self.auth_file)
+        except (TlsConfigError, AuthFileError) as exc:
             raise ValueError(str(exc)) from None
         return self
