@@ -22,7 +22,7 @@ install() {
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   # torch first, pinned: a package that needs torch would otherwise pull a multi-GB CUDA build.
   "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-  "$VENV/bin/python" -m pip install --quiet -e ".[demo,dev]"
+  "$VENV/bin/python" -m pip install --quiet -e ".[demo,optimize,dev]"
   echo "$want" > "$STAMP"
 }
 

@@ -2,6 +2,7 @@
 
     batchline up                 Redis + executor(s) + scheduler + gateway, demo models by default
     batchline status             the mesh on one screen: scheduler, executors, gateways, queues
+    batchline optimize MODEL     write a faster version of a model that passes an accuracy gate
     batchline build-models PATH  build the demo model repository (minilm, mlp) into PATH
     batchline bench ...          load a KServe v2 gRPC endpoint, closed or open loop (see --help)
 """
@@ -20,6 +21,7 @@ import redis
 
 from batchline import contract, logs, metrics
 from batchline.embedded_redis import EmbeddedRedis
+from batchline.optimize import DEFAULT_VARIANTS, VARIANTS
 from batchline.supervisor import Supervisor, say
 
 DEFAULT_REPOSITORY = "model_repository"
@@ -201,6 +203,30 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status.main(args.redis_url, args.json)
 
 
+def cmd_optimize(args: argparse.Namespace) -> int:
+    try:
+        from batchline.optimize import gate, run, variants
+    except ImportError as exc:  # onnx: the quantizer's
+        raise SystemExit(f"batchline optimize needs {exc.name}: pip install 'batchline[optimize]'") from None
+
+    options = run.Options(
+        model=args.model, repository=pathlib.Path(args.repository), variants=tuple(args.variants.split(",")),
+        calibration=pathlib.Path(args.calibration) if args.calibration else None,
+        texts=pathlib.Path(args.texts) if args.texts else None,
+        thresholds=gate.Thresholds(args.min_mean_cosine, args.min_p1_cosine, args.min_neighbour_overlap,
+                                       max_abs_error=args.max_abs_error, min_argmax_agreement=args.min_argmax_agreement),
+        int8=variants.Int8Options(tuple(t for t in args.int8_ops.split(",") if t), not args.per_tensor, args.weight_type),
+        scratch=pathlib.Path(args.scratch) if args.scratch else None,
+    )
+    try:
+        report = run.optimize(options)
+    except (run.OptimizeError, run.InputsError) as exc:
+        print(f"batchline optimize: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(run.summary(report), flush=True)
+    return 0
+
+
 def cmd_build_models(args: argparse.Namespace) -> int:
     build_demo(pathlib.Path(args.path))
     return 0
@@ -262,6 +288,34 @@ def main(argv: list[str] | None = None) -> int:
                     "redis://127.0.0.1:6379/0)")
     st.add_argument("--json", action="store_true", help="print one JSON object instead of the screen")
     st.set_defaults(func=cmd_status)
+
+    opt = sub.add_parser(
+        "optimize", help="write a faster version of a model that passes an accuracy gate",
+        description="Try optimized variants of MODEL's latest version (ONNX Runtime's graph optimizations, INT8 "
+        "dynamic and static quantization, FP16), judge each against FP32 on the given inputs (or generated ones), "
+        "time each against FP32 here, and write the fastest that passes the gate as the next version, with its "
+        "report (optimize.json). A variant that fails the gate is never written: it stays in the scratch "
+        "directory for inspection. Needs the [optimize] extra.")
+    opt.add_argument("model", help="the model's name (its directory in the repository)")
+    opt.add_argument("--repository", default=DEFAULT_REPOSITORY, help=f"model repository (default: {DEFAULT_REPOSITORY})")
+    opt.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                     help=f"comma-separated, from {', '.join(VARIANTS)} (default: all; int8-static only with inputs)")
+    opt.add_argument("--calibration", default="", help=".npz with one array per model input (rows first): judges "
+                     "the variants and calibrates int8-static")
+    opt.add_argument("--texts", default="", help="text file, one sentence a line, tokenized with the model's "
+                     "tokenizer (<model>/tokenizer): as --calibration, for a text model")
+    opt.add_argument("--min-mean-cosine", type=float, default=0.99, help="embeddings: mean cosine to FP32 (default: 0.99)")
+    opt.add_argument("--min-p1-cosine", type=float, default=0.98, help="embeddings: 1st percentile cosine (default: 0.98)")
+    opt.add_argument("--min-neighbour-overlap", type=float, default=0.9,
+                     help="embeddings: share of each one's top-10 neighbours kept (default: 0.9)")
+    opt.add_argument("--max-abs-error", type=float, default=0.05, help="other outputs: largest absolute error (default: 0.05)")
+    opt.add_argument("--min-argmax-agreement", type=float, default=0.99,
+                     help="other outputs with a last dim > 1: share of rows whose argmax is kept (default: 0.99)")
+    opt.add_argument("--int8-ops", default="MatMul", help="op types INT8 quantizes, comma-separated; empty = all (default: MatMul)")
+    opt.add_argument("--per-tensor", action="store_true", help="quantize weights per tensor, not per channel")
+    opt.add_argument("--weight-type", choices=("QInt8", "QUInt8"), default="QUInt8", help="INT8 weight type (default: QUInt8)")
+    opt.add_argument("--scratch", default="", help="where the variants are written (default: a new temporary directory, kept)")
+    opt.set_defaults(func=cmd_optimize)
 
     build = sub.add_parser("build-models", help="build the demo model repository",
                            description="Export the demo models (minilm, mlp) to ONNX into PATH (needs the [demo] extra).")

@@ -1,0 +1,141 @@
+"""`batchline optimize` on real models: the gate, the written version, and refusals that leave
+nothing half-written."""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import tritonclient.grpc as tc
+from onnx import TensorProto, helper
+
+from batchline.bench.sentences import python_doc_sentences
+from batchline.optimize import gate
+from batchline.optimize.run import OptimizeError, Options, optimize
+from batchline.optimize.inputs import InputsError
+from batchline.optimize.variants import Int8Options
+
+SENTENCES = 256
+
+
+@pytest.fixture
+def repository(model_repository, tmp_path):
+    repo = tmp_path / "repository"
+    for name in ("minilm", "mlp"):
+        shutil.copytree(model_repository / name, repo / name)
+    return repo
+
+
+@pytest.fixture
+def texts(tmp_path):
+    path = tmp_path / "sentences.txt"
+    path.write_text("\n".join(python_doc_sentences(SENTENCES)) + "\n")
+    return path
+
+
+def _tree(root: pathlib.Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_the_default_int8_passes_the_gate_on_real_sentences_and_serves_as_the_next_version(repository, texts):
+    report = optimize(Options("minilm", repository, variants=("int8-dynamic",), texts=texts))
+    [variant] = report["variants"]
+    assert variant["gate"]["passed"], variant["gate"]
+    assert report["chosen"] == "int8-dynamic" and report["written_version"] == "2"
+    written = repository / "minilm" / "2"
+    assert sorted(p.name for p in written.iterdir()) == ["model.onnx", "optimize.json"]
+    assert json.loads((written / "optimize.json").read_text()) == report
+    assert all(s["throughput_ratio"] > 0 and s["p50_ms"] > 0 for s in variant["speed"].values())
+    # The report's gate values are what the written file gives: recomputed here.
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(repository / "minilm" / "tokenizer" / "tokenizer.json"))
+    tokenizer.enable_truncation(128)
+    tokenizer.enable_padding()
+    sessions = [ort.InferenceSession(str(repository / "minilm" / v / "model.onnx"), providers=["CPUExecutionProvider"])
+                for v in ("1", "2")]
+    outputs = []
+    for session in sessions:
+        rows = []
+        lines = texts.read_text().splitlines()
+        for i in range(0, len(lines), 16):
+            enc = tokenizer.encode_batch(lines[i:i + 16])
+            feeds = {"input_ids": np.array([e.ids for e in enc], np.int64),
+                     "attention_mask": np.array([e.attention_mask for e in enc], np.int64)}
+            rows.append(session.run(None, feeds)[0])
+        outputs.append(np.concatenate(rows))
+    cos = gate.cosines(*outputs)
+    measured = variant["gate"]["outputs"]["sentence_embedding"]
+    assert measured["mean_cosine"] == pytest.approx(float(cos.mean()), abs=1e-6)
+    assert measured["neighbour_overlap"] == pytest.approx(gate.neighbour_overlap(*outputs, 10), abs=1e-9)
+    # Served through the mesh: version 2 answers as the gate said, against version 1.
+    from mesh import Mesh
+
+    enc = tokenizer.encode_batch(texts.read_text().splitlines()[:8])
+    ids = np.array([e.ids for e in enc], np.int64)
+    with Mesh(None, str(repository), models=["minilm"]) as m, tc.InferenceServerClient(m.address) as client:
+        served = []
+        for version in ("1", "2"):
+            inputs = [tc.InferInput("input_ids", list(ids.shape), "INT64").set_data_from_numpy(ids),
+                      tc.InferInput("attention_mask", list(ids.shape), "INT64").set_data_from_numpy(
+                          np.array([e.attention_mask for e in enc], np.int64))]
+            served.append(client.infer("minilm", inputs, model_version=version).as_numpy("sentence_embedding"))
+    assert gate.cosines(*served).min() >= gate.Thresholds().min_p1_cosine
+
+
+def test_a_broken_variant_fails_the_gate_and_is_never_written(repository, texts, tmp_path):
+    # Every op quantized, per tensor: the naive settings that spoil embeddings.
+    report = optimize(Options("minilm", repository, variants=("int8-dynamic",), texts=texts,
+                              int8=Int8Options(op_types=(), per_channel=False, weight_type="QInt8"),
+                              scratch=tmp_path / "scratch", thresholds=gate.Thresholds(min_mean_cosine=0.995)))
+    [variant] = report["variants"]
+    assert not variant["gate"]["passed"]
+    assert any(f.startswith("sentence_embedding: mean_cosine") and "short by" in f for f in variant["gate"]["failed"])
+    assert report["written_version"] is None and not (repository / "minilm" / "2").exists()
+    assert (tmp_path / "scratch" / "int8-dynamic.onnx").exists()  # kept for inspection
+
+
+def _no_batch_model(repo: pathlib.Path) -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "flat", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    (repo / "flat" / "1").mkdir(parents=True)
+    onnx.save(model, str(repo / "flat" / "1" / "model.onnx"))
+    (repo / "flat" / "config.toml").write_text("max_batch_size = 0\n")
+
+
+def test_bad_requests_are_clear_errors_and_write_nothing(repository, tmp_path):
+    _no_batch_model(repository)
+    before = _tree(repository)
+    with pytest.raises(OptimizeError, match=r"model 'nope' is not in .* \(models there: flat, minilm, mlp\)"):
+        optimize(Options("nope", repository))
+    with pytest.raises(OptimizeError, match="model 'flat' has no batch dimension"):
+        optimize(Options("flat", repository))
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, features=np.zeros((8, 16), np.float32))
+    with pytest.raises(InputsError, match=r"input 'features' has shape \[8, 16\], model 'mlp' takes \[-1, 32\]"):
+        optimize(Options("mlp", repository, calibration=wrong))
+    np.savez(wrong, x=np.zeros((8, 32), np.float32))
+    with pytest.raises(InputsError, match=r"holds inputs \['x'\], model 'mlp' takes \['features'\]"):
+        optimize(Options("mlp", repository, calibration=wrong))
+    with pytest.raises(OptimizeError, match="unknown variant"):
+        optimize(Options("mlp", repository, variants=("int4",)))
+    assert _tree(repository) == before
+
+
+def test_the_command_prints_the_verdict_and_exits_2_on_a_bad_model(repository):
+    out = subprocess.run([sys.executable, "-m", "batchline.cli", "optimize", "mlp", "--repository", str(repository),
+                          "--variants", "graph,int8-dynamic"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "int8-dynamic:" in out.stdout and "gate" in out.stdout and ("wrote version 2" in out.stdout
+                                                                      or "wrote nothing" in out.stdout)
+    bad = subprocess.run([sys.executable, "-m", "batchline.cli", "optimize", "nope", "--repository", str(repository)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("batchline optimize: model 'nope' is not in")
