@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import secrets
 import pathlib
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import redis
 
 from batchline import contract, logs, metrics
 from batchline.embedded_redis import EmbeddedRedis
+from batchline.redis_client import mask
 from batchline.optimize import DEFAULT_VARIANTS, VARIANTS
 from batchline.supervisor import Supervisor, say
 
@@ -88,10 +90,13 @@ class Mesh:
         if a.redis_url:
             self.redis_url = a.redis_url
         else:
-            self.redis = EmbeddedRedis(host="127.0.0.1", die_with_parent=True).start()
+            password = getattr(a, "redis_password", None)
+            self.redis = EmbeddedRedis(host="127.0.0.1", die_with_parent=True,
+                                       password=secrets.token_urlsafe(24) if password is None else password).start()
             # The services share this host with it: they talk over its Unix socket.
             self.redis_url = self.redis.unix_url
-            say(a, f"batchline: started Redis {self.redis.binary} at {self.redis.url} (the services use {self.redis_url})")
+            say(a, f"batchline: started Redis {self.redis.binary} at {mask(self.redis.url)} "
+                   f"(the services use {mask(self.redis_url)})")
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
         client.ping()
         self.supervisor = Supervisor(a, self.redis_url, self.redis, self.env)
@@ -182,7 +187,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             phase = "up"
         restarts = f"restarts counted at http://{args.host}:{mesh.metrics_port}/metrics; " if mesh.metrics_port > 0 else ""
         say(args, f"batchline: up. Gateway (KServe v2 gRPC) listening on {address}; "
-            f"Redis at {mesh.redis.url if mesh.redis else mesh.redis_url}; {restarts}Press Ctrl-C to stop.")
+            f"Redis at {mask(mesh.redis.url if mesh.redis else mesh.redis_url)}; {restarts}Press Ctrl-C to stop.")
         while phase == "up":
             mesh.supervise()
             time.sleep(SUPERVISE_POLL_S)
@@ -249,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--model-repository", default=DEFAULT_REPOSITORY,
                     help=f"model repository to serve; the demo models are built there if it does not exist (default: {DEFAULT_REPOSITORY})")
     up.add_argument("--redis-url", default="", help="use this Redis instead of starting a private one")
+    up.add_argument("--redis-password", default=None,
+                    help="the password of the private Redis (default: a random one; '' for none): printed as ***, "
+                    "give it to `batchline status --redis-url redis://:PASSWORD@...`")
     up.add_argument("--executors", type=int, default=1, help="number of executor processes (default: 1)")
     up.add_argument("--gateways", type=int, default=1,
                     help="number of gateway processes, all on the gateway port (SO_REUSEPORT: the kernel spreads "

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -57,7 +58,8 @@ class EmbeddedRedis:
     """
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1", die_with_parent: bool = False,
-                 binary: str | None = None):
+                 binary: str | None = None, password: str = ""):
+        self.password = password  # "": none; else clients must AUTH (it is in the URLs below)
         self.host = host
         self.port = port or free_port(host)
         self.die_with_parent = die_with_parent and sys.platform == "linux"
@@ -67,19 +69,24 @@ class EmbeddedRedis:
         self.proc: subprocess.Popen | None = None
 
     @property
+    def _auth(self) -> str:
+        return f":{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
+
+    @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        return f"redis://{self._auth}{self.host}:{self.port}/0"
 
     @property
     def unix_url(self) -> str:
         """The same server over its Unix socket: for clients on this host, each round trip
         skips the loopback TCP stack, which costs the services and Redis a good share of
         their CPU when requests are small (docs/design/scheduling.md, cheaper I/O)."""
-        return f"unix://{self.socket}?db=0"
+        return f"unix://{self._auth}{self.socket}?db=0"
 
     def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
         args = [
             self.binary,
+            "-",  # the rest of the configuration on stdin: a password there is not in `ps`
             "--bind", self.host,
             "--port", str(self.port),
             "--save", "",
@@ -92,8 +99,11 @@ class EmbeddedRedis:
             # Blocking-command timeouts and expiry run off the server cron.
             "--hz", "100",
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-                                     preexec_fn=die_with_parent if self.die_with_parent else None)
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True, preexec_fn=die_with_parent if self.die_with_parent else None)
+        quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+        self.proc.stdin.write(f'requirepass "{quoted}"\n'.encode() if self.password else b"")
+        self.proc.stdin.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -101,8 +111,10 @@ class EmbeddedRedis:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err.strip()}")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    secret = self.password.encode()
+                    auth = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(secret), secret) if self.password else b""
+                    s.sendall(auth + b"PING\r\n")
+                    if s.recv(64).endswith(b"+PONG\r\n"):
                         return self
             except OSError:
                 time.sleep(0.05)

@@ -10,6 +10,7 @@ import sys
 from typing import Awaitable, Callable
 
 from batchline import eventloop, telemetry
+from batchline.redis_client import RedisAccessError, check_access
 from batchline.embedded_redis import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -56,14 +57,22 @@ def die_with_parent_if_asked() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run_service(service: str, start: Callable[[], Awaitable[Callable[[], Awaitable[None]]]]) -> None:
+def run_service(service: str, start: Callable[[], Awaitable[Callable[[], Awaitable[None]]]],
+                redis_url: str = "", redis_timeout_s: float = 1.0) -> None:
     """`start` brings the service up and returns the coroutine function that stops it.
 
     Tracing is set up from the OTEL_* environment first (off unless an
-    exporter or endpoint is configured) and flushed on the way out.
+    exporter or endpoint is configured) and flushed on the way out. A Redis at `redis_url` that
+    refuses the service's credentials or TLS stops it at once, in one line (exit code 2).
     """
 
     async def main() -> None:
+        if redis_url:
+            try:
+                await check_access(redis_url, redis_timeout_s)
+            except RedisAccessError as exc:
+                print(f"{service}: {exc}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
         stop = await start()
         # What start-up built (modules, sessions, protobuf descriptors) lives as long as the process:
         # moved out of the collector's reach, a full collection no longer walks it. The full

@@ -6,6 +6,8 @@ Blocking reads (BLMPOP, BLPOP) get their own connection without a read timeout.
 """
 from __future__ import annotations
 
+import urllib.parse
+
 import redis.asyncio as aioredis
 import redis.exceptions
 
@@ -14,6 +16,39 @@ REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
 # Redis answered, but refused a write for a state of its own that passes (maxmemory reached, a
 # replica during a failover): the caller may retry, as after an outage.
 REDIS_REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+
+
+class RedisAccessError(Exception):
+    """Redis answered but will not serve this service: wrong credentials, or a TLS certificate that
+    cannot be verified. Retrying cannot help, so the service stops with this message."""
+
+
+def mask(url: str) -> str:
+    """`url` with its password replaced by ***: what messages and logs may show."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
+async def check_access(url: str, timeout: float) -> None:
+    """Raise RedisAccessError if the Redis at `url` refuses this client for good (credentials,
+    TLS); a Redis that cannot be reached is left to the service, which keeps trying."""
+    client = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    try:
+        await client.ping()
+    except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+        raise RedisAccessError(f"Redis at {mask(url)} refuses the credentials: {exc}") from None
+    except redis.exceptions.ResponseError as exc:
+        if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+            raise RedisAccessError(f"Redis at {mask(url)} refuses the credentials: {exc}") from None
+        raise
+    except REDIS_ERRORS as exc:
+        if "CERTIFICATE_VERIFY_FAILED" in str(exc) or "SSL" in str(exc):
+            raise RedisAccessError(f"cannot verify the TLS certificate of Redis at {mask(url)}: {exc}") from None
+    finally:
+        await client.aclose()
 
 
 def connect(url: str, timeout: float) -> aioredis.Redis:

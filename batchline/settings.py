@@ -20,7 +20,10 @@ S = TypeVar("S", bound=BaseSettings)
 class CommonSettings(BaseSettings):
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
-        description="Redis server holding the queues, payloads and registry (redis:// or unix://).",
+        description="Redis server holding the queues, payloads and registry: redis://, unix:// or, over TLS, "
+        "rediss://...?ssl_ca_certs=CA.pem (with &ssl_certfile=...&ssl_keyfile=... for a client certificate); "
+        "user:password@ (or :password@) before the host to authenticate. A Redis that refuses the credentials "
+        "or whose certificate cannot be verified stops the service at start, in one line.",
     )
     host: str = Field("127.0.0.1", description="Interface the gRPC server binds to.")
     log_level: str = Field("INFO", description="Python logging level: DEBUG, INFO, WARNING or ERROR.")

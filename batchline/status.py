@@ -13,6 +13,7 @@ import redis
 
 from batchline import contract
 from batchline.protocol import internal_pb2 as pb
+from batchline.redis_client import mask
 
 
 def gather(client: redis.Redis) -> dict:
@@ -88,7 +89,7 @@ def main(redis_url: str, as_json: bool) -> int:
     try:
         status = gather(client)
     except redis.RedisError as exc:
-        print(f"batchline status: cannot read the mesh's state from Redis at {redis_url}: {exc}", flush=True)
+        print(f"batchline status: cannot read the mesh's state from Redis at {mask(redis_url)}: {exc}", flush=True)
         return 1
     finally:
         client.close()

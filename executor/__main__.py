@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
         app = await ExecutorApp(settings).start()
         return app.stop
 
-    run_service("executor", start)
+    run_service("executor", start, settings.redis_url, settings.redis_timeout_s)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("gateway").info("gateway %s listening on %s", app.gateway.gateway_id, app.address)
         return app.stop
 
-    run_service("gateway", start)
+    run_service("gateway", start, settings.redis_url, settings.redis_timeout_s)
 
 
 if __name__ == "__main__":

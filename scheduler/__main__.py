@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
         app = await SchedulerApp(settings).start()
         return app.stop
 
-    run_service("scheduler", start)
+    run_service("scheduler", start, settings.redis_url, settings.redis_timeout_s)
 
 
 if __name__ == "__main__":

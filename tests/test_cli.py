@@ -43,12 +43,16 @@ def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
     return [p for p in pids if _pid_alive(p)]
 
 
+REDIS_PASSWORD = "pw-of-the-test"
+
+
 def test_up_serves_and_ctrl_c_stops_everything(model_repository):
     # In a process group of its own, so that the Ctrl-C below reaches every process in
     # it the way a terminal's does.
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchline.cli", "up", "--model-repository", str(model_repository),
-         "--gateway-port", "0", "--metrics-port", "0", "--executors", "2", "--log-level", "WARNING"],
+         "--gateway-port", "0", "--metrics-port", "0", "--executors", "2", "--log-level", "WARNING",
+         "--redis-password", REDIS_PASSWORD],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -77,7 +81,10 @@ def test_up_serves_and_ctrl_c_stops_everything(model_repository):
         inp.set_data_from_numpy(x)
         assert client.infer("mlp", [inp]).as_numpy("probability").shape == (1, 1)
         # "up" means every executor asked for, not just as many lanes (minilm runs two per executor).
+        # The password is printed as ***, never in the clear.
         redis_url = re.search(r"started Redis \S+ at (\S+) ", "".join(lines)).group(1)
+        assert REDIS_PASSWORD not in "".join(lines) and ":***@" in redis_url
+        redis_url = redis_url.replace("***", REDIS_PASSWORD)
         with redis.Redis.from_url(redis_url) as r:
             registered = {e.decode().split("#")[0] for e in r.smembers(contract.EXECUTORS)}
         assert registered == {"executor-0", "executor-1"}
@@ -118,7 +125,7 @@ def test_up_serves_and_ctrl_c_stops_everything(model_repository):
     assert "batchline: stopped" in output
     assert "the services use unix://" in output  # they served the requests above through Redis's socket
     # ... whose directory goes with it: nothing is left in the temp directory.
-    assert not os.path.exists(re.search(r"the services use unix://(\S+)/redis\.sock", output).group(1))
+    assert not os.path.exists(re.search(r"the services use unix://:\*\*\*@(\S+)/redis\.sock", output).group(1))
     # Redis, in a session of its own, outlived the services' drain: they stopped without losing it.
     assert "Redis failed" not in output and "Redis is unreachable" not in output, output
     pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", output)]
