@@ -139,3 +139,17 @@ def test_the_command_prints_the_verdict_and_exits_2_on_a_bad_model(repository):
     bad = subprocess.run([sys.executable, "-m", "batchline.cli", "optimize", "nope", "--repository", str(repository)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("batchline optimize: model 'nope' is not in")
+
+
+def test_static_int8_is_calibrated_on_the_inputs_given(repository, tmp_path):
+    calibration = tmp_path / "calibration.npz"
+    np.savez(calibration, features=np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32))
+    report = optimize(Options("mlp", repository, variants=("int8-static",), calibration=calibration,
+                              scratch=tmp_path / "scratch"))
+    [variant] = report["variants"]
+    assert report["inputs"] == "calibration.npz: 64 rows"
+    assert "calibrated" in variant["notes"][0] and (tmp_path / "scratch" / "int8-static.onnx").exists()
+    assert set(variant["gate"]["outputs"]["probability"]) >= {"max_abs_error", "max_rel_error"}
+    # Without inputs there is nothing to calibrate on: skipped, and said so.
+    report = optimize(Options("mlp", repository, variants=("int8-static",)))
+    assert report["variants"] == [{"name": "int8-static", "skipped": "no calibration inputs (--calibration or --texts)"}]

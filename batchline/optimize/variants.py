@@ -69,8 +69,10 @@ def build(name: str, source: pathlib.Path, out: pathlib.Path, int8: Int8Options,
             def get_next(self):
                 return next(self._feeds, None)
 
+        # Unsigned activations: ONNX Runtime's CPU kernels take them with either weight type.
         quantize_static(source, path, Reader(), quant_format=QuantFormat.QDQ, op_types_to_quantize=list(int8.op_types) or None,
-                        per_channel=int8.per_channel, weight_type=getattr(QuantType, int8.weight_type))
+                        per_channel=int8.per_channel, activation_type=QuantType.QUInt8,
+                        weight_type=getattr(QuantType, int8.weight_type))
         return Variant(name, path, notes=["QDQ, activation ranges calibrated (MinMax) on the calibration inputs"])
     if name == "fp16":
         import onnx
