@@ -84,6 +84,7 @@ class EmbeddedRedis:
         return f"unix://{self._auth}{self.socket}?db=0"
 
     def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
+        os.makedirs(self.dir, exist_ok=True)  # again, if close() removed it
         args = [
             self.binary,
             "-",  # the rest of the configuration on stdin: a password there is not in `ps`

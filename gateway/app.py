@@ -49,7 +49,7 @@ class GatewayApp:
             log.info("no auth file: anyone who reaches the gRPC port may call every model")
         files = TlsFiles.of(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
         if files is None:
-            log.info("the gRPC port is plaintext and unauthenticated: set tls_cert_file to serve TLS")
+            log.info("the gRPC port is plaintext: set tls_cert_file to serve TLS")
         else:
             log.info("the gRPC port serves TLS (%s)", "clients need a certificate signed by "
                      f"{files.client_ca_file}" if files.client_ca_file else "no client certificate asked")

@@ -99,7 +99,7 @@ class Mesh:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
             if self.own_redis:
-                self.own_redis.stop()
+                self.own_redis.close()
 
     def __enter__(self) -> "Mesh":
         return self.start()

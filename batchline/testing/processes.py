@@ -478,6 +478,7 @@ class ProcessMesh:
             self._redis.close()
             self._redis = None
         self.redis_server.stop(kill=True)
+        self.redis_server.close()  # and its directory
         _LIVE.discard(self)
         return codes
 
