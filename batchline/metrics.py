@@ -42,7 +42,7 @@ REQUEST_DURATION = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 REJECTED = Counter(
-    "batchline_rejected", "Requests refused by admission control (reason: queue_full, overload, deadline).",
+    "batchline_rejected", "Requests refused before they were queued (reason: queue_full, overload, deadline; rate: the tenant's max_rate).",
     _MV + ("reason",),
 )
 ADMISSION_HEADROOM = Gauge(

@@ -13,9 +13,10 @@ import logging
 import time
 import uuid
 
-from batchline import contract, logs, telemetry, tracecontext
+from batchline import contract, logs, metrics, telemetry, tracecontext
 from batchline.clock import now_us
-from batchline.errors import BatchlineError, DeadlineExceeded, NotFound, Unavailable, duration_text, from_status_value
+from batchline.errors import (BatchlineError, DeadlineExceeded, NotFound, ResourceExhausted, Unavailable, duration_text,
+                              from_status_value)
 from batchline.lifecycle import stop_tasks
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
@@ -169,6 +170,18 @@ class Gateway:
                     # Served before: its executors are restarting or re-registering (e.g. Redis restarted).
                     raise Unavailable(f"no live executor serves model '{name}' right now (it was served before): retry") from None
                 raise
+
+    async def take_rate(self, tenant: str, max_rate: float, model: str) -> None:
+        """Let one more request of `tenant` through its `max_rate` cap, shared with every gateway
+        (a token bucket in Redis, one second's worth deep), or refuse it with when to come back."""
+        try:
+            taken, wait_ms = await contract.take_token(self.redis, tenant, max_rate, max(1.0, max_rate))
+        except REDIS_ERRORS as exc:
+            raise Unavailable(f"Redis is unreachable: {exc}") from None
+        if not taken:
+            metrics.REJECTED.labels(*self.metric_labels(model), "rate").inc()
+            raise ResourceExhausted(f"tenant '{tenant}' is over its rate of {max_rate:g} requests/s: "
+                                    f"retry in {int(wait_ms)} ms", retry_after_s=int(wait_ms) / 1000)
 
     async def _refresh_or_unavailable(self) -> None:
         try:

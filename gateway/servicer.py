@@ -142,8 +142,8 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         """The caller's grant (None: the gateway is unauthenticated); raises Unauthenticated."""
         return self.tokens.grant(context.invocation_metadata()) if self.tokens is not None else None
 
-    async def _allow(self, context, model: str = "", admin: str = "") -> None:
-        """Abort the call unless its token may call `model` (and is an admin's, for `admin`)."""
+    async def _allow(self, context, model: str = "", admin: str = "") -> Grant | None:
+        """Abort the call unless its token may call `model` (and is an admin's, for `admin`); its grant."""
         try:
             grant = self._grant(context)
             if grant is not None:
@@ -151,6 +151,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
                     grant.check_admin(admin)
                 elif model:
                     grant.check_model(model)
+            return grant
         except BatchlineError as exc:
             await _abort(context, exc)
 
@@ -220,8 +221,10 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         return response
 
     async def ModelInfer(self, request, context):
-        await self._allow(context, request.model_name)
+        grant = await self._allow(context, request.model_name)
         try:
+            if grant is not None and grant.max_rate > 0:
+                await self.gateway.take_rate(grant.tenant, grant.max_rate, request.model_name)
             return await self._infer(request, context)
         except BatchlineError as exc:
             await _abort(context, exc)
@@ -240,6 +243,8 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 if grant is not None:
                     grant.check_model(request.model_name)
+                    if grant.max_rate > 0:
+                        await self.gateway.take_rate(grant.tenant, grant.max_rate, request.model_name)
                 response = await self._infer(request, context, "ModelStreamInfer")
                 await answers.put(ipb.ModelStreamInferResponse(infer_response=response))
             except BatchlineError as exc:

@@ -6,6 +6,8 @@ import asyncio
 import hashlib
 import os
 import queue
+import re
+import time
 
 import grpc
 import numpy as np
@@ -170,3 +172,33 @@ def test_any_authorization_header_is_unauthenticated_or_a_grant(tmp_path_factory
         tokens.grant([("authorization", value)])
     except Unauthenticated:
         pass
+
+
+def test_a_tenants_max_rate_is_one_bucket_across_gateways(mesh_factory, tmp_path):
+    from gateway.app import GatewayApp
+    from gateway.settings import GatewaySettings
+
+    path = tmp_path / "auth.toml"
+    _write(path, _entry(SEARCH, "search", ["mlp"]).replace("max_rate = 0", "max_rate = 2"))
+    m = mesh_factory(models=["mlp"], gateway_overrides={"auth_file": str(path)})
+    second = m.call(GatewayApp(GatewaySettings(redis_url=m.redis_url, port=0, metrics_port=-1,
+                                               auth_file=str(path))).start())
+    outcomes, messages = [], []
+    try:
+        started = time.monotonic()
+        for i in range(12):  # alternating between the two gateways
+            address = m.address if i % 2 == 0 else second.address
+            with tc.InferenceServerClient(address) as client:
+                try:
+                    client.infer("mlp", [_input()], headers=_bearer(SEARCH))
+                    outcomes.append("OK")
+                except InferenceServerException as exc:
+                    outcomes.append(exc.status())
+                    messages.append(exc.message())
+        elapsed = time.monotonic() - started
+    finally:
+        m.call(second.stop(0))
+    # A bucket of 2, refilled at 2 a second, shared: no more than that got through, both gateways together.
+    assert outcomes.count("OK") <= 2 + 2 * elapsed + 1e-9, (outcomes, elapsed)
+    assert set(outcomes) == {"OK", "StatusCode.RESOURCE_EXHAUSTED"}, outcomes
+    assert all(re.search(r"tenant 'search' is over its rate of 2 requests/s: retry in \d+ ms", x) for x in messages)

@@ -198,3 +198,15 @@ def test_count_with_ttl_adds_and_sets_the_expiry_in_one_command():
             assert 0 < r.ttl(stats) <= contract.STATS_TTL
         finally:
             r.close()
+
+
+def test_a_token_bucket_holds_its_burst_says_when_the_next_token_comes_and_expires():
+    with EmbeddedRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        try:
+            takes = [contract.take_token(r, "t", 1, 3) for _ in range(4)]
+            assert [taken for taken, _ in takes] == [1, 1, 1, 0]
+            assert 0 < takes[3][1] <= 1000  # one token a second: the next within a second
+            assert 0 < r.pttl(contract.rate("t")) <= 4000  # gone once it would be full again
+        finally:
+            r.close()

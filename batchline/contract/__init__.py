@@ -17,6 +17,7 @@ from batchline.contract.calls import (  # noqa: F401
     release_lease,
     shed,
     take_lease,
+    take_token,
 )
 from batchline.contract.keys import *  # noqa: F401,F403
 from batchline.contract.scripts import (  # noqa: F401
@@ -27,4 +28,5 @@ from batchline.contract.scripts import (  # noqa: F401
     LEASE_LUA,
     PUSH_WITH_TTL_LUA,
     RELEASE_LUA,
+    TAKE_TOKEN_LUA,
 )

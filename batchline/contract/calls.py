@@ -106,3 +106,9 @@ def take_lease(client, holder_id: str, ttl_ms: int) -> Any:
 def release_lease(client, holder_id: str) -> Any:
     """Give the lease up, if `holder_id` holds it."""
     return client.eval(scripts.RELEASE_LUA, 1, k.LEADER, holder_id)
+
+
+def take_token(client, tenant: str, rate_per_s: float, burst: float) -> Any:
+    """Take one request's token from the tenant's bucket (scripts.TAKE_TOKEN_LUA): its result is
+    [1, 0] when taken, else [0, milliseconds until a token is there]."""
+    return client.eval(scripts.TAKE_TOKEN_LUA, 1, k.rate(tenant), rate_per_s, burst)

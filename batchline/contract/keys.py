@@ -22,6 +22,7 @@ bl:stats:{model}:{version}    hash         Triton-style statistics counters
 bl:leader                     string       id of the scheduler holding the lease; TTL = lease
 bl:load:{model}:{version}     string       ModelLoad, the scheduler's view for admission; short TTL
 bl:profile-units:{m}:{v}:{k}  string       latency-profile samples (units, seconds) as float32 pairs
+bl:rate:{tenant}              hash         a tenant's token bucket (max_rate): tokens, as of (ms); TTL = refill time
 ============================  ===========  ==================================================
 """
 from __future__ import annotations
@@ -108,6 +109,11 @@ def stats(model: str, version: str) -> str:
 
 def load(model: str, version: str) -> str:
     return f"{PREFIX}load:{model}:{version}"
+
+
+def rate(tenant: str) -> str:
+    """A tenant's token bucket, shared by every gateway."""
+    return f"{PREFIX}rate:{tenant}"
 
 
 def profile(model: str, version: str, kind: str) -> str:

@@ -166,3 +166,27 @@ if a < #ARGV then
 end
 return 1
 """
+
+# A tenant's request-rate cap, one token bucket for every gateway: refilled at ARGV[1] tokens a
+# second up to ARGV[2], on Redis's clock (gateways' clocks may disagree). Takes one token if it
+# can. Returns {1, 0} when taken, else {0, ms until one is there}. The bucket expires once it
+# would be full again, so an idle tenant leaves nothing behind.
+# KEYS: the bucket; ARGV: rate per second, burst.
+TAKE_TOKEN_LUA = """
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local tokens, at = tonumber(state[1]) or burst, tonumber(state[2]) or now
+tokens = math.min(burst, tokens + (now - at) * rate / 1000)
+local taken = 0
+if tokens >= 1 then
+  tokens, taken = tokens - 1, 1
+end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', now)
+redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) * 1000 / rate) + 1000)
+if taken == 1 then
+  return {1, 0}
+end
+return {0, math.ceil((1 - tokens) * 1000 / rate)}
+"""
