@@ -591,3 +591,55 @@ def test_k8s_gateway_service_scheduler_replicas_gpu_and_autoscaling():
     assert trigger["type"] == "prometheus"
     assert "sum(batchline_pending_requests)" in trigger["metadata"]["query"]
     assert metric_names(trigger["metadata"]["query"]) == {"batchline_pending_requests"}
+
+
+def test_k8s_services_reach_redis_with_the_password_of_its_secret():
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in k8s_documents()}
+    generated = {g["name"] for g in load_yaml(K8S / "kustomization.yaml")["secretGenerator"]}
+    assert "batchline-redis" in generated
+
+    def password_from_secret(env: list[dict]) -> bool:
+        (entry,) = [e for e in env if e["name"] == "REDIS_PASSWORD"]
+        return entry["valueFrom"]["secretKeyRef"] == {"name": "batchline-redis", "key": "password"}
+
+    redis_container = docs[("Deployment", "redis")]["spec"]["template"]["spec"]["containers"][0]
+    assert password_from_secret(redis_container["env"])
+    assert redis_container["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    assert "$REDIS_PASSWORD" in " ".join(redis_container["readinessProbe"]["exec"]["command"])
+    for service, deployments in containers_by_service().items():
+        prefix = SETTINGS[service].model_config["env_prefix"]
+        for name, pod, container, env in deployments:
+            names = [e["name"] for e in container["env"]]
+            # $(VAR) expands only from variables defined earlier in the list.
+            assert names.index("REDIS_PASSWORD") < names.index(prefix + "REDIS_URL"), name
+            assert password_from_secret(container["env"]), name
+            assert env[prefix + "REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@redis:6379/0", name
+
+
+def test_k8s_secure_overlay_serves_tls_and_tokens_from_secrets(monkeypatch):
+    overlay = K8S.parent / "k8s-secure"
+    kustomization = load_yaml(overlay / "kustomization.yaml")
+    assert kustomization["resources"] == ["../k8s"]
+    (patch,) = kustomization["patches"]
+    doc = load_yaml(overlay / patch["path"])
+    base = {(d["kind"], d["metadata"]["name"]) for _, d in k8s_documents()}
+    assert (doc["kind"], doc["metadata"]["name"]) in base
+    pod = doc["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["name"] == "gateway"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert set(env) == {"BATCHLINE_GATEWAY_TLS_CERT_FILE", "BATCHLINE_GATEWAY_TLS_KEY_FILE",
+                        "BATCHLINE_GATEWAY_AUTH_FILE"}
+    assert all(k in GatewaySettings.model_fields for k in (n.removeprefix("BATCHLINE_GATEWAY_").lower() for n in env))
+    # Each file is in a volume mounted from the Secret the comments tell to create (a TLS secret
+    # holds tls.crt and tls.key).
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"]}
+    assert env["BATCHLINE_GATEWAY_TLS_CERT_FILE"] == f"{mounts['tls']}/tls.crt"
+    assert env["BATCHLINE_GATEWAY_TLS_KEY_FILE"] == f"{mounts['tls']}/tls.key"
+    assert env["BATCHLINE_GATEWAY_AUTH_FILE"] == f"{mounts['auth']}/auth.toml"
+    comments = (overlay / "kustomization.yaml").read_text()
+    assert f"create secret tls {secrets['tls']}" in comments and f"generic {secrets['auth']} --from-file=auth.toml" in comments
+    # Kubernetes' gRPC probes speak plaintext: over TLS the probes are TCP, on the gRPC port.
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["$patch"] == "replace" and container[probe]["tcpSocket"] == {"port": 8001}
