@@ -27,7 +27,7 @@ from gateway.commit import GroupCommit
 from gateway.ledger import Admitted, AdmissionLedger, usable
 from gateway import presence
 from gateway.replies import Replies
-from gateway.request import Call, parse
+from gateway.request import Call, parse, queue_entry
 from gateway.settings import GatewaySettings
 from gateway.views import LoadViews
 
@@ -223,7 +223,7 @@ class Gateway:
         """Write the request to Redis with the next group commit and wait for its reply."""
         enqueued = now_us()
         deadline = enqueued + int(call.run_budget_s * 1e6)
-        entry = self._entry(call, enqueued, deadline, traceparent, tracestate)
+        entry = queue_entry(call, self.gateway_id, enqueued, deadline, traceparent, tracestate)
         if not logs.structured():
             return await self._write_and_wait(call, entry, enqueued, deadline, admitted, calibration)
         with logs.context(request_id=entry.request_id, trace_id=tracecontext.trace_id(entry.traceparent) or ""):
@@ -263,29 +263,6 @@ class Gateway:
                 fut.exception()  # failed by an outage while we were still queueing: already answered
             self.commit.abandon(entry.request_id, call.key, member)
             raise
-
-    def _entry(self, call: Call, enqueued_us: int, deadline_us: int, traceparent: str, tracestate: str) -> pb.QueueEntry:
-        """The request's queue entry. It carries the gateway's ModelInfer span (or, with tracing
-        off, a child of the client's traceparent) to the other services."""
-        request_id = uuid.uuid4().hex
-        span_parent = span_state = ""
-        if telemetry.enabled():
-            span = telemetry.current_span()
-            span.set_attribute("batchline.model_version", call.model.version)
-            span.set_attribute("batchline.request_id", request_id)
-            span_parent, span_state = telemetry.inject(span)
-        return pb.QueueEntry(
-            request_id=request_id,
-            gateway_id=self.gateway_id,
-            model_version=call.model.version,
-            rows=call.rows,
-            length=call.length,
-            deadline_us=deadline_us,
-            enqueued_us=enqueued_us,
-            priority=call.priority,
-            traceparent=span_parent or tracecontext.child(traceparent),
-            tracestate=span_state if span_parent else (tracestate if tracecontext.parse(traceparent) else ""),
-        )
 
     # -- metadata and statistics ------------------------------------------
 

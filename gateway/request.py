@@ -1,10 +1,11 @@
 """One inference request as the gateway handles it: validated once, on entry, into the facts that
-admission, queueing and answering need."""
+admission, queueing and answering need, and the queue entry that carries them through Redis."""
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
-from batchline import contract
+from batchline import contract, telemetry, tracecontext
 from batchline.errors import DeadlineExceeded, duration_text
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
@@ -57,3 +58,28 @@ def parse(request: ipb.ModelInferRequest, model: pb.ModelInfo, grpc_remaining: f
         raise DeadlineExceeded(f"the request's deadline had passed {duration_text(-budget)} before it reached the gateway")
     return Call(request, model, rows, row_length(model, {t.name: t.shape for t in request.inputs}),
                 request_priority(request, model), budget, budget - min(answer_margin_s, budget / 2))
+
+
+def queue_entry(call: Call, gateway_id: str, enqueued_us: int, deadline_us: int, traceparent: str,
+                tracestate: str) -> pb.QueueEntry:
+    """The request's queue entry. It carries the gateway's ModelInfer span (or, with tracing off, a
+    child of the client's traceparent) to the other services."""
+    request_id = uuid.uuid4().hex
+    span_parent = span_state = ""
+    if telemetry.enabled():
+        span = telemetry.current_span()
+        span.set_attribute("batchline.model_version", call.model.version)
+        span.set_attribute("batchline.request_id", request_id)
+        span_parent, span_state = telemetry.inject(span)
+    return pb.QueueEntry(
+        request_id=request_id,
+        gateway_id=gateway_id,
+        model_version=call.model.version,
+        rows=call.rows,
+        length=call.length,
+        deadline_us=deadline_us,
+        enqueued_us=enqueued_us,
+        priority=call.priority,
+        traceparent=span_parent or tracecontext.child(traceparent),
+        tracestate=span_state if span_parent else (tracestate if tracecontext.parse(traceparent) else ""),
+    )
