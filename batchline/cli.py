@@ -14,7 +14,6 @@ import os
 import secrets
 import pathlib
 import signal
-import subprocess
 import sys
 import time
 

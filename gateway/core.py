@@ -15,8 +15,7 @@ import uuid
 
 from batchline import contract, logs, metrics, telemetry, tracecontext
 from batchline.clock import now_us
-from batchline.errors import (BatchlineError, DeadlineExceeded, NotFound, ResourceExhausted, Unavailable, duration_text,
-                              from_status_value)
+from batchline.errors import DeadlineExceeded, NotFound, ResourceExhausted, Unavailable, duration_text, from_status_value
 from batchline.lifecycle import stop_tasks
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb

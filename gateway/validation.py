@@ -33,8 +33,6 @@ def request_timeout_us(request: ipb.ModelInferRequest) -> int | None:
         raise InvalidArgument(f"parameter 'timeout' must be >= 0 microseconds, got {value}")
     return value or None
 
-MAX_PRIORITY_LEVELS = contract.MAX_PRIORITY_LEVELS
-
 
 def request_priority(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
     """Priority level, 1 highest; 0 or absent means the model's default."""
@@ -45,7 +43,7 @@ def request_priority(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int
         raise InvalidArgument(f"parameter 'priority' must be >= 0, got {value}")
     if value == 0:
         return max(1, model.default_priority)
-    levels = model.priority_levels or MAX_PRIORITY_LEVELS
+    levels = model.priority_levels or contract.MAX_PRIORITY_LEVELS
     if value > levels:
         raise InvalidArgument(
             f"priority {value} is out of range for model '{model.name}': levels are 1 (highest) to {levels}"

@@ -165,8 +165,7 @@ def test_any_auth_file_text_parses_or_is_an_auth_file_error(text):
 @given(st.one_of(st.text(max_size=100), st.binary(max_size=100)))
 def test_any_authorization_header_is_unauthenticated_or_a_grant(tmp_path_factory, value):
     path = tmp_path_factory.mktemp("auth") / "auth.toml"
-    if not path.exists():
-        _write(path, _entry(SEARCH, "search", ["mlp"]))
+    _write(path, _entry(SEARCH, "search", ["mlp"]))
     tokens = auth.Tokens(str(path))
     try:
         tokens.grant([("authorization", value)])
