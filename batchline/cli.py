@@ -106,11 +106,15 @@ class Mesh:
             # Consecutive ports from the base; 0 = any free, -1 = none.
             return str(base + offset if base > 0 else base)
 
+        mode = getattr(a, "model_control_mode", "none")
+        control = ["--model-control-mode", mode, "--repository-poll-s", str(getattr(a, "repository_poll_s", 5.0))]
+        if getattr(a, "load_model", None):
+            control += ["--load-model", *a.load_model]
         for i in range(a.executors):
             # Everything shares this host: model runs yield the CPU to ingress and scheduling.
             self.supervisor.spawn(f"executor-{i}", "executor", "--model-repository", str(repo),
                                   "--executor-id", f"executor-{i}", "--metrics-port", metrics_port(gateways + 1 + i),
-                                  "--nice", "5")
+                                  "--nice", "5", *control)
         self.supervisor.spawn("scheduler", "scheduler", "--metrics-port", metrics_port(gateways))
         port = a.gateway_port
         tls: list[str] = []  # and the auth file: what secures the gateways' port
@@ -121,6 +125,7 @@ class Mesh:
                 tls += [flag, str(pathlib.Path(path).resolve())]
         for i in range(gateways):
             gateway = self.supervisor.spawn(f"gateway-{i}", "gateway", "--port", str(port), *tls,
+                                            "--model-control-mode", mode,
                                             "--gateway-id", f"gateway-{i}", "--metrics-port", metrics_port(i))
             if port == 0:
                 # The others share the port the first one bound (SO_REUSEPORT); a restart binds it again.
@@ -143,7 +148,9 @@ class Mesh:
             # Over TLS this process has no client certificate to ask with: the gateway's heartbeat,
             # written once its port serves, stands for its answer.
             tls = bool(getattr(self.args, "tls_cert", ""))
-            if address and executors_up(live, self.args.executors) and (tls or _server_ready(address.decode())):
+            # Explicit mode with nothing to load at start: ready to be asked for a load, serving no model yet.
+            empty = getattr(self.args, "model_control_mode", "none") == "explicit" and not getattr(self.args, "load_model", [])
+            if address and executors_up(live, self.args.executors) and (tls or empty or _server_ready(address.decode())):
                 return address.decode()
             time.sleep(READY_POLL_S)
         raise SystemExit(f"batchline: the mesh did not come up within {self.args.startup_timeout} s")
@@ -252,6 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     up.add_argument("--model-repository", default=DEFAULT_REPOSITORY,
                     help=f"model repository to serve; the demo models are built there if it does not exist (default: {DEFAULT_REPOSITORY})")
+    up.add_argument("--model-control-mode", choices=("none", "poll", "explicit"), default="none",
+                    help="none: serve what the repository holds at start; poll: re-scan it every --repository-poll-s "
+                    "and load new versions / release removed ones while serving; explicit: serve the --load-model "
+                    "models and what RepositoryModelLoad / RepositoryModelUnload ask for (default: none)")
+    up.add_argument("--repository-poll-s", type=float, default=5.0,
+                    help="poll mode: seconds between scans of the repository (default: 5)")
+    up.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                    help="explicit mode: load this model at start (repeatable)")
     up.add_argument("--redis-url", default="", help="use this Redis instead of starting a private one")
     up.add_argument("--redis-password", default=None,
                     help="the password of the private Redis (default: a random one; '' for none): printed as ***, "

@@ -78,3 +78,19 @@ async def requeue_held_batches(
         pipe.expire(contract.REPORTS, contract.QUEUE_TTL)
         await pipe.execute()
     return Counter((b.model_name, b.model_version) for b, _ in entries)
+
+
+async def hand_back(redis: aioredis.Redis, executor_id: str, batch: pb.Batch) -> int:
+    """Put one batch sent to `executor_id` back in its queue, untouched (it no longer serves the
+    model); returns how many members went back."""
+    key = contract.queue(batch.model_name, batch.model_version)
+    async with redis.pipeline(transaction=True) as pipe:
+        if batch.members:
+            pipe.zadd(key, {e.SerializeToString(): contract.queue_score(e.priority, e.deadline_us) for e in batch.members})
+            pipe.expire(key, contract.QUEUE_TTL)
+        pipe.delete(contract.batch(batch.batch_id))
+        pipe.srem(contract.inflight(executor_id), batch.batch_id)
+        pipe.rpush(contract.REPORTS, pb.ExecutionReport(executor_id=executor_id).SerializeToString())
+        pipe.expire(contract.REPORTS, contract.QUEUE_TTL)
+        await pipe.execute()
+    return len(batch.members)

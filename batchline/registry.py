@@ -22,8 +22,10 @@ def _version_key(version: str) -> tuple[int, str]:
 @dataclass
 class Registry:
     executors: dict[str, pb.ExecutorInfo] = field(default_factory=dict)
+    # Every version some executor advertises, serving or being released (its queue is still served).
     models: dict[tuple[str, str], pb.ModelInfo] = field(default_factory=dict)
-    holders: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    holders: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # executors serving it
+    leaving: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # executors releasing it
     # Registered but without a live heartbeat: dead, or stopped. The
     # scheduler hands their batches back and then forgets them.
     stale: list[str] = field(default_factory=list)
@@ -46,24 +48,45 @@ class Registry:
         self.executors[info.executor_id] = info
         for m in info.models:
             key = (m.name, m.version)
-            self.models.setdefault(key, m)
-            self.holders.setdefault(key, []).append(info.executor_id)
+            if key not in self.models or (self.models[key].unloading and not m.unloading):
+                self.models[key] = m
+            (self.leaving if m.unloading else self.holders).setdefault(key, []).append(info.executor_id)
 
     def versions(self, name: str) -> list[str]:
-        return sorted({v for (n, v) in self.models if n == name}, key=_version_key)
+        """The versions of `name` that take requests (some executor serves them, not just releases them)."""
+        return sorted({v for (n, v) in self.holders if n == name}, key=_version_key)
 
     def model_names(self) -> list[str]:
-        return sorted({n for (n, _) in self.models})
+        return sorted({n for (n, _) in self.holders})
+
+    def releasing(self, name: str) -> bool:
+        """Every advertised version of `name` is being released: it is unloading."""
+        return any(n == name for n, _ in self.leaving) and not self.versions(name)
+
+    def repository(self) -> list[pb.RepositoryEntry]:
+        """The model repository as the executors see it: per model and version, the best state any
+        executor has it in (READY, LOADING, UNLOADING, UNAVAILABLE with a reason, never loaded)."""
+        rank = {"READY": 0, "LOADING": 1, "UNLOADING": 2, "UNAVAILABLE": 3, "": 4}
+        best: dict[tuple[str, str], pb.RepositoryEntry] = {}
+        for info in self.executors.values():
+            for e in info.repository:
+                seen = best.get((e.name, e.version))
+                if seen is None or rank.get(e.state, 5) < rank.get(seen.state, 5):
+                    best[(e.name, e.version)] = e
+        versioned = {n for n, v in best if v}
+        # A model that some executor has a version of is shown by its versions only.
+        return [best[k] for k in sorted(best, key=lambda k: (k[0], _version_key(k[1]))) if k[1] or k[0] not in versioned]
 
     def resolve(self, name: str, version: str = "") -> pb.ModelInfo:
         """The served ModelInfo for name/version ('' = the latest version)."""
         versions = self.versions(name)
         if not versions:
+            if self.releasing(name):
+                raise NotFound(f"model '{name}' is being unloaded: it takes no new requests")
             served = ", ".join(self.model_names()) or "none"
             raise NotFound(f"model '{name}' is not served by any live executor (served models: {served})")
         if not version:
             version = versions[-1]
-        info = self.models.get((name, version))
-        if info is None:
+        if (name, version) not in self.holders:
             raise NotFound(f"model '{name}' has no version '{version}' (available: {', '.join(versions)})")
-        return info
+        return self.models[(name, version)]

@@ -16,6 +16,10 @@ from pydantic_settings import BaseSettings
 
 S = TypeVar("S", bound=BaseSettings)
 
+# Triton's --model-control-mode: none (what is in the repository at start, fixed), poll (the
+# repository re-scanned while serving), explicit (RepositoryModelLoad / RepositoryModelUnload).
+ModelControlMode = Literal["none", "poll", "explicit"]
+
 
 class CommonSettings(BaseSettings):
     redis_url: str = Field(
@@ -61,6 +65,7 @@ def parse_settings(cls: type[S], argv: Sequence[str] | None, prog: str, descript
             inner = get_args(annotation)[0] if get_args(annotation) else str
             kwargs["type"] = inner
             kwargs["nargs"] = "*"
+            kwargs["action"] = "extend"  # --flag a b and --flag a --flag b alike
         elif annotation in (int, float, str):
             kwargs["type"] = annotation
         else:

@@ -32,8 +32,8 @@ def gather(client: redis.Redis) -> dict:
             "heartbeat_age_s": round(max(0.0, now - info.heartbeat_us / 1e6), 3),
             "busy_share": round(info.busy_share, 3), "busy_batches": info.busy_batches,
             "executed_batches": info.executed_batches,
-            "models": [{"name": m.name, "version": m.version, "provider": m.providers[0] if m.providers else ""}
-                       for m in info.models],
+            "models": [{"name": m.name, "version": m.version, "provider": m.providers[0] if m.providers else "",
+                        "unloading": m.unloading} for m in info.models],
         })
         models.update((m.name, m.version) for m in info.models)
     gateways = []
@@ -66,7 +66,8 @@ def render(status: dict) -> str:
     if not status["executors"]:
         lines.append("  (none registered)")
     for e in status["executors"]:
-        models = ", ".join(f"{m['name']}:{m['version']} on {m['provider'] or '?'}" for m in e["models"])
+        models = ", ".join(f"{m['name']}:{m['version']} on {m['provider'] or '?'}" + (" (unloading)" if m["unloading"] else "")
+                           for m in e["models"])
         state = " draining" if e["draining"] else ""
         lines.append(f"  {e['id']}{state}: busy {e['busy_share']:.0%}, {e['busy_batches']} batches now, "
                      f"{e['executed_batches']} run, heartbeat {e['heartbeat_age_s']:.1f} s ago; {models}")

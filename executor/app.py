@@ -9,7 +9,11 @@ from batchline import metrics
 from batchline.lifecycle import stop_tasks
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import internal_pb2, internal_pb2_grpc
-from executor.repository import LoadedModel, load_repository
+import time
+
+from batchline.protocol import internal_pb2 as pb
+from executor.live import LiveRepository
+from executor.repository import LoadedModel
 from executor.service import Executor, ExecutorControl
 from executor.settings import ExecutorSettings
 
@@ -29,7 +33,7 @@ def executor_lanes(settings: ExecutorSettings, models: list[LoadedModel]) -> lis
     and keeps the configured executor id.
     """
     base = settings.executor_id or f"exec-{uuid.uuid4().hex[:12]}"
-    lanes = max(m.instances for m in models)
+    lanes = max([m.instances for m in models], default=1)
     return [Executor(settings, [m for m in models if m.instances > i], lane_id(base, i)) for i in range(lanes)]
 
 
@@ -39,7 +43,10 @@ class ExecutorApp:
         self.lanes: list[Executor] = []
         self.server: ServerHandle | None = None
         self._health: asyncio.Task | None = None
+        self._follow: asyncio.Task | None = None
         self.metrics_port = -1
+        self.repository = LiveRepository(self)
+        self._address = ""
 
     @property
     def executor(self) -> Executor | None:
@@ -52,11 +59,9 @@ class ExecutorApp:
 
     async def start(self) -> "ExecutorApp":
         s = self.settings
-        models = await asyncio.to_thread(
-            load_repository, s.model_repository, s.models or None, s.providers, s.trt_engine_cache_dir, s.intra_op_threads,
-            s.allow_spinning, s.cpu_cores,
-        )
+        models = await self.repository.initial()
         self.lanes = executor_lanes(s, models)
+        self.executor.catalog = self._catalog
         if s.warmup:
             await asyncio.to_thread(self.executor.warmup)
 
@@ -66,17 +71,60 @@ class ExecutorApp:
 
         self.metrics_port = metrics.start_metrics_server(self.settings.host, self.settings.metrics_port)
         self.server = await start_server(s.host, s.port, register)
+        self._address = f"{s.host}:{self.server.port}"
         for lane in self.lanes:
-            await lane.start(f"{s.host}:{self.server.port}")
+            await lane.start(self._address)
         self._health = asyncio.create_task(self.server.watch_redis(self.executor.redis))
+        self._follow = asyncio.create_task(self.repository.run(), name="repository")
         return self
+
+    # -- the live repository's hands (executor/live.py) ---------------------
+
+    def _catalog(self) -> tuple[list[pb.RepositoryEntry], str, dict[str, int]]:
+        return self.repository.entries(), self.settings.model_control_mode, dict(self.repository.applied)
+
+    async def place(self, model: LoadedModel) -> None:
+        """Serve `model` on its lanes (one per instance), replacing a loaded copy of the same version."""
+        key = (model.name, model.version)
+        while len(self.lanes) < model.instances:
+            lane = Executor(self.settings, [], lane_id(self.executor.executor_id, len(self.lanes)))
+            self.lanes.append(lane)
+            await lane.start(self._address)
+        for i, lane in enumerate(self.lanes):
+            if i < model.instances:
+                lane.models[key] = model
+                lane.released.pop(key, None)
+            elif key in lane.models:
+                self._drop(lane, key)
+
+    def mark_unloading(self, key: tuple[str, str], unloading: bool = True) -> None:
+        for lane in self.lanes:
+            if key in lane.models:
+                lane.models[key].info.unloading = unloading
+
+    def release(self, key: tuple[str, str]) -> None:
+        for lane in self.lanes:
+            if key in lane.models:
+                self._drop(lane, key)
+
+    @staticmethod
+    def _drop(lane: Executor, key: tuple[str, str]) -> None:
+        del lane.models[key]
+        lane.released[key] = time.monotonic()
+
+    async def announce(self) -> None:
+        """Register every lane now, so that the gateways and the scheduler see the change at their next read."""
+        await asyncio.gather(*(lane.register() for lane in self.lanes))
+
+    async def publish_reports(self, reports: list[pb.ExecutionReport]) -> None:
+        await self.executor.publish_reports(reports)
 
     async def stop(self, grace: float = 2.0) -> None:
         """Drain (finish or hand back the batches sent here), then deregister and stop."""
         if self.server:
             await self.server.start_draining()
         if self._health:
-            await stop_tasks([self._health])
+            await stop_tasks([self._health, self._follow])
         if self.lanes:
             await asyncio.gather(*(lane.drain(self.settings.drain_timeout_s) for lane in self.lanes))
             await asyncio.gather(*(lane.stop() for lane in self.lanes))

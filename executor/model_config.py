@@ -74,6 +74,31 @@ class ModelConfig(BaseModel):
         "with `trt_fp16_enable = true`.",
     )
 
+    version_policy: dict[str, Any] = Field(
+        default_factory=lambda: {"latest": 1},
+        description="Which of the model's version directories are served (Triton's version_policy): "
+        "`{ latest = N }` the N highest numbers, `{ all = true }` every one, `{ specific = [1, 3] }` those. "
+        "When the policy stops selecting a served version (a newer one arrived), it finishes what is queued for it and is released.",
+    )
+
+    @field_validator("version_policy")
+    @classmethod
+    def _version_policy(cls, value: dict[str, Any]) -> dict[str, Any]:
+        usage = "version_policy must be one of { latest = N }, { all = true }, { specific = [N, ...] }"
+        if len(value) != 1:
+            raise _problem(f"{usage} (got {value!r})")
+        (kind, arg), = value.items()
+        if kind == "latest" and not (isinstance(arg, int) and not isinstance(arg, bool) and arg >= 1):
+            raise _problem(f"version_policy.latest must be an integer >= 1 (got {arg!r})")
+        if kind == "all" and arg is not True:
+            raise _problem(f"version_policy.all must be true (got {arg!r})")
+        if kind == "specific" and not (isinstance(arg, list) and arg
+                                       and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in arg)):
+            raise _problem(f"version_policy.specific must be a non-empty list of version numbers (got {arg!r})")
+        if kind not in ("latest", "all", "specific"):
+            raise _problem(f"{usage} (got {value!r})")
+        return value
+
     @field_validator("max_batch_size")
     @classmethod
     def _batch_size(cls, value: int) -> int:
@@ -106,6 +131,17 @@ class ModelConfig(BaseModel):
 
 
 KEYS = sorted(ModelConfig.model_fields)
+
+
+def select_versions(policy: dict[str, Any], available: list[str]) -> list[str]:
+    """The version directories (numeric names) that `policy` serves, ascending."""
+    numbered = sorted((v for v in available if v.isdigit()), key=int)
+    (kind, arg), = policy.items()
+    if kind == "latest":
+        return numbered[-arg:]
+    if kind == "specific":
+        return [v for v in numbered if int(v) in set(arg)]
+    return numbered
 
 
 def _message(error: dict[str, Any]) -> str:

@@ -17,7 +17,7 @@ import onnxruntime as ort
 
 from batchline.codec import DATATYPES, onnx_datatype
 from batchline.protocol import internal_pb2 as pb
-from executor.model_config import ConfigError, read_model_config
+from executor.model_config import ConfigError, read_model_config, select_versions
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ class LoadedModel:
     session: ort.InferenceSession
     padding: dict[str, Any] = field(default_factory=dict)
     instances: int = 1  # batches run at once: each instance is a lane the scheduler dispatches to
+    fingerprint: tuple[int, ...] = ()  # of config.toml and model.onnx as loaded (executor/live.py reloads on change)
 
     @property
     def string_inputs(self) -> list[str]:
@@ -159,7 +160,54 @@ def load_model(
         padded_inputs=sorted(padding),
         max_queue_size=int(config["max_queue_size"]),
     )
+    log.info("loaded %s version %s on %s (max_batch_size %d, %d instance(s))",
+             name, version, list(info.providers), info.max_batch_size, instances)
     return LoadedModel(info=info, session=session, padding=padding, instances=instances)
+
+
+@dataclass
+class ModelDir:
+    """One model directory as scanned: its config and the versions its version_policy serves."""
+    path: pathlib.Path
+    config: dict[str, Any]
+    versions: dict[str, tuple[int, ...]]  # selected version -> fingerprint of its files (a change reloads it)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def fingerprint(*paths: pathlib.Path) -> tuple[int, ...]:
+    """What tells a changed file from the one loaded: modification time and size of each."""
+    out: list[int] = []
+    for p in paths:
+        try:
+            st = p.stat()
+            out += [st.st_mtime_ns, st.st_size]
+        except OSError:
+            out += [0, -1]
+    return tuple(out)
+
+
+def model_names(root: pathlib.Path, only: list[str] | None = None) -> list[str]:
+    """The model directories of the repository (those in `only`, when given)."""
+    if not root.is_dir():
+        raise RepositoryError(f"model repository {root} does not exist")
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (not only or p.name in only))
+
+
+def scan_model(model_dir: pathlib.Path) -> ModelDir:
+    """The model's config and selected versions; RepositoryError when its config cannot be served."""
+    if ":" in model_dir.name:
+        # Redis keys are built as prefix:model:version (batchline.contract).
+        raise RepositoryError(f"{model_dir}: a model name may not contain ':'")
+    if not model_dir.is_dir():
+        raise RepositoryError(f"model '{model_dir.name}' is not in the repository {model_dir.parent}")
+    config = read_config(model_dir)
+    present = [p.name for p in model_dir.iterdir() if p.is_dir() and (p / "model.onnx").exists()]
+    selected = select_versions(config["version_policy"], present)
+    config_file = model_dir / "config.toml"
+    return ModelDir(model_dir, config, {v: fingerprint(config_file, model_dir / v / "model.onnx") for v in selected})
 
 
 def load_repository(
@@ -171,29 +219,17 @@ def load_repository(
     allow_spinning: bool = True,
     cpu_cores: int = 0,
 ) -> list[LoadedModel]:
+    """Every model's selected versions, or RepositoryError at the first that fails (model control mode none)."""
     root = pathlib.Path(root)
-    if not root.is_dir():
-        raise RepositoryError(f"model repository {root} does not exist")
     models = []
-    for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        if only and model_dir.name not in only:
-            continue
-        if ":" in model_dir.name:
-            # Redis keys are built as prefix:model:version (batchline.contract).
-            raise RepositoryError(f"{model_dir}: a model name may not contain ':'")
-        versions = sorted(p for p in model_dir.iterdir() if p.is_dir() and (p / "model.onnx").exists())
-        if not versions:
-            continue
-        config = read_config(model_dir)
-        for version_dir in versions:
+    for name in model_names(root, only):
+        scanned = scan_model(root / name)
+        for version in scanned.versions:
             model = load_model(
-                model_dir, version_dir, config, providers or ["CPUExecutionProvider"], trt_cache_dir, intra_op_threads,
-                allow_spinning, cpu_cores,
+                scanned.path, scanned.path / version, scanned.config, providers or ["CPUExecutionProvider"],
+                trt_cache_dir, intra_op_threads, allow_spinning, cpu_cores,
             )
-            log.info(
-                "loaded %s version %s on %s (max_batch_size %d, %d instance(s))",
-                model.name, model.version, list(model.info.providers), model.info.max_batch_size, model.instances,
-            )
+            model.fingerprint = scanned.versions[version]
             models.append(model)
     if only:
         missing = set(only) - {m.name for m in models}

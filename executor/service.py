@@ -11,13 +11,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from batchline import contract, logs, metrics, telemetry, tracecontext
-from batchline.recovery import requeue_held_batches
+from batchline.recovery import hand_back, requeue_held_batches
 from batchline.clock import now_us
 from batchline.lifecycle import stop_tasks
 from batchline.codec import decode_inputs, encode_array, onnx_strings
@@ -30,7 +31,8 @@ from batchline.sizing import row_length
 from executor import outcome
 from executor.batching import assemble, split
 from executor.outcome import Timing
-from executor.repository import LoadedModel, warmup_inputs
+from executor.repository import LoadedModel
+from executor.warmup import warm_up
 from executor.settings import ExecutorSettings
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ _REDIS_RETRY_S = 0.5
 _DRAIN_POLL_S = 0.05
 # The longest wait for work in one blocking pop (s): a stopping worker notices within it.
 _WORK_WAIT_S = 1
+# How long after releasing a model version a batch of it is handed back rather than failed.
+_HAND_BACK_S = 30.0
 _ORPHAN_SWEEP_S = 2.0  # also the age below which a batch may still be on its way to a worker
 
 
@@ -82,37 +86,26 @@ class Executor:
         self._in_progress: set[str] = set()
         self.draining = False
         self._warmup_reports: list[pb.ExecutionReport] = []
+        self.running: Counter[tuple[str, str]] = Counter()  # batches being processed, per model version
+        # Versions released here (time.monotonic()): a batch of one that a scheduler sent before it saw
+        # the release goes back to its queue for another executor instead of failing.
+        self.released: dict[tuple[str, str], float] = {}
+        # The first lane publishes the process's model repository: (entries, control mode, calls applied).
+        self.catalog: Callable[[], tuple[list[pb.RepositoryEntry], str, dict[str, int]]] | None = None
 
     # -- lifecycle ---------------------------------------------------------
 
     def warmup(self) -> None:
-        """Run each model once per batch size (powers of two up to its maximum) before serving.
-
-        The first run pays for allocations and kernel selection; the timed
-        ones become the scheduler's first latency samples, so the first
-        requests are not scheduled blind.
-        """
+        """Run each model before serving (executor/warmup.py); the reports go out at start()."""
         for model in self.models.values():
-            t = time.perf_counter()
-            model.session.run(None, warmup_inputs(model))
-            log.info("warmed up %s:%s in %.1f ms", model.name, model.version, (time.perf_counter() - t) * 1e3)
-            sizes = [1]
-            while sizes[-1] * 2 <= model.info.max_batch_size:
-                sizes.append(sizes[-1] * 2)
-            for rows in sizes:
-                feeds = warmup_inputs(model, rows)
-                units = rows * row_length(model.info, {name: arr.shape for name, arr in feeds.items()})
-                for _ in range(2):
-                    t0 = time.perf_counter_ns()
-                    model.session.run(None, feeds)
-                    self._warmup_reports.append(pb.ExecutionReport(
-                        executor_id=self.executor_id, batch_id="warmup", model_name=model.name,
-                        model_version=model.version, rows=rows, requests=rows, units=units,
-                        compute_infer_ns=time.perf_counter_ns() - t0, warmup=True,
-                    ))
+            self._warmup_reports += warm_up(model, self.executor_id)
 
     def info(self) -> pb.ExecutorInfo:
+        entries, mode, applied = self.catalog() if self.catalog is not None else ([], "", {})
         return pb.ExecutorInfo(
+            repository=entries,
+            model_control_mode=mode,
+            control_applied=applied,
             executor_id=self.executor_id,
             address=self.address,
             models=[m.info for m in self.models.values()],
@@ -147,16 +140,20 @@ class Executor:
         if n:
             log.warning("requeued %d requests a previous %s had taken but not answered", n, self.executor_id)
         await self.register()
-        if self._warmup_reports:
-            async with self.redis.pipeline(transaction=True) as pipe:  # (never without its expiry)
-                pipe.rpush(contract.REPORTS, *(r.SerializeToString() for r in self._warmup_reports))
-                pipe.ltrim(contract.REPORTS, -contract.REPORTS_CAP, -1)
-                pipe.expire(contract.REPORTS, contract.QUEUE_TTL)
-                await pipe.execute()
+        await self.publish_reports(self._warmup_reports)
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         for i in range(max(1, self.settings.concurrent_batches)):
             self._workers.append(asyncio.create_task(self._work_loop(), name=f"worker-{i}"))
         log.info("executor %s serving %s", self.executor_id, sorted(f"{n}:{v}" for n, v in self.models))
+
+    async def publish_reports(self, reports: list[pb.ExecutionReport]) -> None:
+        """Warm-up runs' reports, which seed the scheduler's latency profiles."""
+        if reports:
+            async with self.redis.pipeline(transaction=True) as pipe:  # (never without its expiry)
+                pipe.rpush(contract.REPORTS, *(r.SerializeToString() for r in reports))
+                pipe.ltrim(contract.REPORTS, -contract.REPORTS_CAP, -1)
+                pipe.expire(contract.REPORTS, contract.QUEUE_TTL)
+                await pipe.execute()
 
     async def drain(self, timeout: float) -> None:
         """Take no new batches; finish the ones already sent here, or hand them back after `timeout`."""
@@ -248,6 +245,8 @@ class Executor:
 
     async def process(self, batch: pb.Batch) -> None:
         self.busy_batches += 1
+        key = (batch.model_name, batch.model_version)
+        self.running[key] += 1
         started = time.monotonic()
         try:
             with logs.context(batch_id=batch.batch_id, trace_id=tracecontext.trace_id(batch.traceparent) or ""):
@@ -255,10 +254,16 @@ class Executor:
         finally:
             self.busy_s += time.monotonic() - started
             self.busy_batches -= 1
+            self.running[key] -= 1
             self.executed_batches += 1
 
     async def _process(self, batch: pb.Batch) -> None:
         model = self.models.get((batch.model_name, batch.model_version))
+        if model is None and time.monotonic() - self.released.get((batch.model_name, batch.model_version), -1e9) < _HAND_BACK_S:
+            n = await hand_back(self.redis, self.executor_id, batch)
+            log.info("batch %s: %s version %s was released here; %d requests went back to its queue",
+                     batch.batch_id, batch.model_name, batch.model_version, n)
+            return
         provider = model.info.providers[0] if model is not None and model.info.providers else ""
         if not telemetry.enabled():
             await self._run_batch(batch, model, provider, False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from batchline.settings import CommonSettings
+from batchline.settings import CommonSettings, ModelControlMode
 
 DEFAULT_PROVIDERS = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
 
@@ -17,6 +17,18 @@ class ExecutorSettings(CommonSettings):
     )
     models: list[str] = Field(
         default_factory=list, description="Only load these models (default: every model in the repository)."
+    )
+    model_control_mode: ModelControlMode = Field(
+        "none", description="none: serve what the repository holds at start (a model that fails to load stops the "
+        "executor); poll: also re-scan it every repository_poll_s, loading new or changed versions and releasing "
+        "removed ones; explicit: serve only the models named by load_model and by RepositoryModelLoad / "
+        "RepositoryModelUnload calls to a gateway. In poll and explicit mode a model that fails to load is "
+        "reported (RepositoryIndex) and the others serve."
+    )
+    repository_poll_s: float = Field(5.0, description="poll mode: seconds between scans of the repository.", gt=0)
+    load_model: list[str] = Field(
+        default_factory=list, description="explicit mode: models to load at start (repeat the flag, or list several), "
+        "unless a RepositoryModelUnload since has unloaded them."
     )
     metrics_port: int = Field(
         8004, description="Port of the Prometheus endpoint (http://HOST:PORT/metrics); 0 = any free port, -1 = none."

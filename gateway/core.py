@@ -26,6 +26,7 @@ from gateway.commit import GroupCommit
 from gateway.ledger import Admitted, AdmissionLedger, usable
 from gateway import presence
 from gateway.replies import Replies
+from gateway.repository import RepositoryControl, absent
 from gateway.request import Call, parse, queue_entry
 from gateway.settings import GatewaySettings
 from gateway.views import LoadViews
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 SERVER_NAME = "batchline"
 SERVER_VERSION = "0.1.0"
-EXTENSIONS = ["statistics", "model_configuration"]
+EXTENSIONS = ["statistics", "model_configuration", "model_repository"]
 # How often drain() looks whether every admitted request has been answered.
 DRAIN_POLL_S = 0.05
 
@@ -57,6 +58,7 @@ class Gateway:
         self.views = LoadViews(self.redis, lambda: sorted(self.registry.models), settings.load_refresh_s)
         self.ledger = AdmissionLedger(self.gateway_id, settings.admission_headroom, settings.admission_target)
         self.gateways = 1  # live gateways (from the heartbeats): each spaces only the refusals it gives itself
+        self.repository = RepositoryControl(self.redis, settings.model_control_mode)
 
     @property
     def loads(self) -> dict[tuple[str, str], pb.ModelLoad]:
@@ -165,6 +167,9 @@ class Gateway:
             try:
                 return self.registry.resolve(name, version)
             except NotFound:
+                why = absent(self.registry, name) if not self.registry.versions(name) else None
+                if why is not None:
+                    raise why from None
                 if name in self._served and not self.registry.versions(name):
                     # Served before: its executors are restarting or re-registering (e.g. Redis restarted).
                     raise Unavailable(f"no live executor serves model '{name}' right now (it was served before): retry") from None
@@ -262,6 +267,16 @@ class Gateway:
                 fut.exception()  # failed by an outage while we were still queueing: already answered
             self.commit.abandon(entry.request_id, call.key, member)
             raise
+
+    # -- the model repository ---------------------------------------------
+
+    async def load_model(self, name: str, parameters: dict, timeout_s: float | None) -> None:
+        await self.repository.load(name, parameters, timeout_s)
+        await self._refresh_or_unavailable()  # this gateway's next request finds it
+
+    async def unload_model(self, name: str, timeout_s: float | None) -> None:
+        await self.repository.unload(name, timeout_s)
+        await self._refresh_or_unavailable()
 
     # -- metadata and statistics ------------------------------------------
 

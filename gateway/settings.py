@@ -5,7 +5,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from batchline.auth import AuthFileError, load
-from batchline.settings import CommonSettings
+from batchline.settings import CommonSettings, ModelControlMode
 from batchline.tls import TlsConfigError, TlsFiles
 
 
@@ -20,6 +20,11 @@ class GatewaySettings(CommonSettings):
     max_message_bytes: int = Field(
         64 * 1024 * 1024,
         description="Largest gRPC message accepted or sent; a larger request is refused with RESOURCE_EXHAUSTED.",
+    )
+    model_control_mode: ModelControlMode = Field(
+        "none", description="The executors' model control mode. explicit: RepositoryModelLoad and RepositoryModelUnload "
+        "are served (an admin's token, when auth_file is set); otherwise they are refused UNAVAILABLE, as Triton does. "
+        "RepositoryIndex is served in every mode."
     )
     registry_refresh_s: float = Field(0.5, description="Seconds between re-reads of the executor registry (served models).")
     heartbeat_interval_s: float = Field(1.0, description="Seconds between registrations of this gateway in Redis.")

@@ -209,8 +209,13 @@ class Scheduler:
             self.profiles.observe(self.registry, r)
 
     def _holders(self, key: ModelKey, free_at: dict[str, float]) -> list[str]:
-        """The executors that may take batches of this model."""
-        return [e for e in self.registry.holders.get(key, []) if e in free_at and not self.registry.executors[e].draining]
+        """The executors that may take batches of this model: those serving it; when none does,
+        those releasing it (they finish what was queued before they stop)."""
+        for executors in (self.registry.holders.get(key, []), self.registry.leaving.get(key, [])):
+            usable = [e for e in executors if e in free_at and not self.registry.executors[e].draining]
+            if usable:
+                return usable
+        return []
 
     async def _schedule(self, key: ModelKey, members: list[bytes], free_at: dict[str, float], now: float) -> float | None:
         """Plan one model's queue and write what the plan says; when to look at it again."""

@@ -124,6 +124,21 @@ def test_an_admin_token_reads_statistics(guarded):
     assert [s.name for s in stats.model_stats] == ["mlp"]
 
 
+def test_the_repository_shows_a_token_only_its_models_and_takes_loads_only_from_admins(guarded):
+    m, _ = guarded
+    with tc.InferenceServerClient(m.address) as client:
+        def index(token):
+            return [(e.name, e.state) for e in client.get_model_repository_index(headers=_bearer(token)).models]
+
+        assert index(SEARCH) == index(ADMIN) == [("mlp", "READY")]
+        assert index(OTHER) == []  # mlp is outside its scope: not even named
+        assert _status_of(lambda: client.load_model("mlp", headers=_bearer(SEARCH))) == "StatusCode.PERMISSION_DENIED"
+        assert _status_of(lambda: client.unload_model("mlp", headers=_bearer(OTHER))) == "StatusCode.PERMISSION_DENIED"
+        assert _status_of(lambda: client.get_model_repository_index()) == "StatusCode.UNAUTHENTICATED"
+        # An admin passes; this mesh is not in explicit mode, which is what refuses it.
+        assert _status_of(lambda: client.load_model("mlp", headers=_bearer(ADMIN))) == "StatusCode.UNAVAILABLE"
+
+
 def test_a_model_outside_the_scope_is_refused_whether_it_exists_or_not(tmp_path):
     path = tmp_path / "auth.toml"
     _write(path, _entry(SEARCH, "search", ["ml*"]))

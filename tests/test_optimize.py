@@ -79,6 +79,8 @@ def test_the_default_int8_passes_the_gate_on_real_sentences_and_serves_as_the_ne
 
     enc = tokenizer.encode_batch(texts.read_text().splitlines()[:8])
     ids = np.array([e.ids for e in enc], np.int64)
+    config = repository / "minilm" / "config.toml"  # both versions served side by side
+    config.write_text("version_policy = { all = true }\n" + config.read_text())
     with Mesh(None, str(repository), models=["minilm"]) as m, tc.InferenceServerClient(m.address) as client:
         served = []
         for version in ("1", "2"):

@@ -23,6 +23,8 @@ bl:leader                     string       id of the scheduler holding the lease
 bl:load:{model}:{version}     string       ModelLoad, the scheduler's view for admission; short TTL
 bl:profile-units:{m}:{v}:{k}  string       latency-profile samples (units, seconds) as float32 pairs
 bl:rate:{tenant}              hash         a tenant's token bucket (max_rate): tokens, as of (ms); TTL = refill time
+bl:control:models             hash         model name -> "load:{seq}" | "unload:{seq}": the latest repository call
+bl:control:seq                string       the sequence number of the latest repository call (INCR)
 ============================  ===========  ==================================================
 """
 from __future__ import annotations
@@ -33,6 +35,8 @@ EXECUTORS = PREFIX + "executors"
 REPORTS = PREFIX + "reports"
 LEADER = PREFIX + "leader"
 GATEWAYS = PREFIX + "gateways"
+CONTROL = PREFIX + "control:models"
+CONTROL_SEQ = PREFIX + "control:seq"
 
 # Ordering within a queue: priority level first (1 is highest), then the
 # earliest deadline. deadline_ms is ~1.8e12, so a 1e13 stride keeps both exact
@@ -58,6 +62,23 @@ LOAD_TTL_MS = 2_000             # admission ignores a load view older than this
 PROFILE_TTL = 7 * 24 * 3_600
 SCHEDULER_WAKE_TTL_MS = 10_000  # a scheduler's own wake list, should it die before reading it
 REPORTS_CAP = 100_000
+CONTROL_TTL = 30 * 24 * 3_600    # the repository calls are remembered this long after the last one
+
+# A model version being released still takes the batches of what was queued for it this long
+# (and until its queue is empty or another executor serves it): longer than the gateways and
+# the scheduler take to see it leave the registry (their registry_refresh_s, 0.5 s by default).
+UNLOAD_GRACE_S = 2.0
+
+
+def control_record(action: str, seq: int) -> str:
+    return f"{action}:{seq}"
+
+
+def parse_control(record: bytes | str) -> tuple[str, int]:
+    """(action, sequence number) of a bl:control:models value."""
+    text = record.decode() if isinstance(record, bytes) else record
+    action, _, seq = text.partition(":")
+    return action, int(seq)
 
 
 def scheduler_wake(scheduler_id: str) -> str:

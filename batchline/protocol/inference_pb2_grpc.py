@@ -79,6 +79,21 @@ class GRPCInferenceServiceStub:
                 request_serializer=batchline_dot_protocol_dot_inference__pb2.ModelConfigRequest.SerializeToString,
                 response_deserializer=batchline_dot_protocol_dot_inference__pb2.ModelConfigResponse.FromString,
                 _registered_method=True)
+        self.RepositoryIndex = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryIndex',
+                request_serializer=batchline_dot_protocol_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
+                response_deserializer=batchline_dot_protocol_dot_inference__pb2.RepositoryIndexResponse.FromString,
+                _registered_method=True)
+        self.RepositoryModelLoad = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelLoad',
+                request_serializer=batchline_dot_protocol_dot_inference__pb2.RepositoryModelLoadRequest.SerializeToString,
+                response_deserializer=batchline_dot_protocol_dot_inference__pb2.RepositoryModelLoadResponse.FromString,
+                _registered_method=True)
+        self.RepositoryModelUnload = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelUnload',
+                request_serializer=batchline_dot_protocol_dot_inference__pb2.RepositoryModelUnloadRequest.SerializeToString,
+                response_deserializer=batchline_dot_protocol_dot_inference__pb2.RepositoryModelUnloadResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -141,6 +156,26 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RepositoryIndex(self, request, context):
+        """Triton's model repository extension: what the repository holds and in what
+        state, and loading / unloading models while serving (--model-control-mode explicit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryModelLoad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryModelUnload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +223,21 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelConfig,
                     request_deserializer=batchline_dot_protocol_dot_inference__pb2.ModelConfigRequest.FromString,
                     response_serializer=batchline_dot_protocol_dot_inference__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryIndex,
+                    request_deserializer=batchline_dot_protocol_dot_inference__pb2.RepositoryIndexRequest.FromString,
+                    response_serializer=batchline_dot_protocol_dot_inference__pb2.RepositoryIndexResponse.SerializeToString,
+            ),
+            'RepositoryModelLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelLoad,
+                    request_deserializer=batchline_dot_protocol_dot_inference__pb2.RepositoryModelLoadRequest.FromString,
+                    response_serializer=batchline_dot_protocol_dot_inference__pb2.RepositoryModelLoadResponse.SerializeToString,
+            ),
+            'RepositoryModelUnload': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelUnload,
+                    request_deserializer=batchline_dot_protocol_dot_inference__pb2.RepositoryModelUnloadRequest.FromString,
+                    response_serializer=batchline_dot_protocol_dot_inference__pb2.RepositoryModelUnloadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -433,6 +483,87 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelConfig',
             batchline_dot_protocol_dot_inference__pb2.ModelConfigRequest.SerializeToString,
             batchline_dot_protocol_dot_inference__pb2.ModelConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryIndex',
+            batchline_dot_protocol_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
+            batchline_dot_protocol_dot_inference__pb2.RepositoryIndexResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryModelLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryModelLoad',
+            batchline_dot_protocol_dot_inference__pb2.RepositoryModelLoadRequest.SerializeToString,
+            batchline_dot_protocol_dot_inference__pb2.RepositoryModelLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryModelUnload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryModelUnload',
+            batchline_dot_protocol_dot_inference__pb2.RepositoryModelUnloadRequest.SerializeToString,
+            batchline_dot_protocol_dot_inference__pb2.RepositoryModelUnloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

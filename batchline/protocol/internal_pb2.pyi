@@ -106,7 +106,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "platform", "max_batch_size", "max_queue_delay_ms", "default_timeout_ms", "default_priority", "priority_levels", "preferred_batch_sizes", "inputs", "outputs", "providers", "padded_inputs", "max_queue_size")
+    __slots__ = ("name", "version", "platform", "max_batch_size", "max_queue_delay_ms", "default_timeout_ms", "default_priority", "priority_levels", "preferred_batch_sizes", "inputs", "outputs", "providers", "padded_inputs", "max_queue_size", "unloading")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class ModelInfo(_message.Message):
     PROVIDERS_FIELD_NUMBER: _ClassVar[int]
     PADDED_INPUTS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    UNLOADING_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     platform: str
@@ -135,10 +136,30 @@ class ModelInfo(_message.Message):
     providers: _containers.RepeatedScalarFieldContainer[str]
     padded_inputs: _containers.RepeatedScalarFieldContainer[str]
     max_queue_size: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., default_timeout_ms: _Optional[float] = ..., default_priority: _Optional[int] = ..., priority_levels: _Optional[int] = ..., preferred_batch_sizes: _Optional[_Iterable[int]] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., padded_inputs: _Optional[_Iterable[str]] = ..., max_queue_size: _Optional[int] = ...) -> None: ...
+    unloading: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., default_timeout_ms: _Optional[float] = ..., default_priority: _Optional[int] = ..., priority_levels: _Optional[int] = ..., preferred_batch_sizes: _Optional[_Iterable[int]] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., padded_inputs: _Optional[_Iterable[str]] = ..., max_queue_size: _Optional[int] = ..., unloading: _Optional[bool] = ...) -> None: ...
+
+class RepositoryEntry(_message.Message):
+    __slots__ = ("name", "version", "state", "reason")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    state: str
+    reason: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("executor_id", "address", "models", "started_us", "heartbeat_us", "busy_batches", "executed_batches", "draining", "busy_share")
+    __slots__ = ("executor_id", "address", "models", "started_us", "heartbeat_us", "busy_batches", "executed_batches", "draining", "busy_share", "repository", "model_control_mode", "control_applied")
+    class ControlAppliedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +169,9 @@ class ExecutorInfo(_message.Message):
     EXECUTED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     BUSY_SHARE_FIELD_NUMBER: _ClassVar[int]
+    REPOSITORY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONTROL_MODE_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_APPLIED_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     address: str
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
@@ -157,7 +181,10 @@ class ExecutorInfo(_message.Message):
     executed_batches: int
     draining: bool
     busy_share: float
-    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ..., busy_share: _Optional[float] = ...) -> None: ...
+    repository: _containers.RepeatedCompositeFieldContainer[RepositoryEntry]
+    model_control_mode: str
+    control_applied: _containers.ScalarMap[str, int]
+    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ..., busy_share: _Optional[float] = ..., repository: _Optional[_Iterable[_Union[RepositoryEntry, _Mapping]]] = ..., model_control_mode: _Optional[str] = ..., control_applied: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class QueueTail(_message.Message):
     __slots__ = ("free_s", "level", "items")

@@ -505,6 +505,7 @@ class Record:
     code: str  # grpc.StatusCode name, "OK" on success
     correct: bool | None = None  # OK only: the output matched the local reference run
     message: str = ""
+    version: str = ""  # OK only: the model version that answered
 
     @property
     def latency(self) -> float:
@@ -566,7 +567,8 @@ class LoadClient:
             record = Record(seq, rows, sent, time.monotonic(), exc.code().name, None, exc.details() or "")
         else:
             end = time.monotonic()
-            record = Record(seq, rows, sent, end, "OK", self._correct(response, str(seq), expected))
+            record = Record(seq, rows, sent, end, "OK", self._correct(response, str(seq), expected),
+                            version=response.model_version)
         with self._lock:
             self.in_flight -= 1
             self.records.append(record)

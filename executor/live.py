@@ -1,0 +1,287 @@
+"""The live model repository of one executor process: which versions it serves, loaded and
+released while it serves (Triton's model control modes).
+
+- none: what the repository holds at start, under each model's version_policy; a model that
+  fails to load stops the executor.
+- poll: the same at start, then the repository is re-scanned every repository_poll_s: a version
+  the policy newly selects (or whose files changed) is loaded, one it no longer selects is released.
+- explicit: the models of load_model at start, then what RepositoryModelLoad / Unload ask for
+  through Redis (bl:control:models, each call numbered by bl:control:seq); each call applied is
+  reported back in the registration (control_applied), which is what a gateway's call waits for.
+
+A version is loaded, warmed up (its latency profile seeded) and only then advertised. A version
+being released is advertised as unloading: gateways admit no new requests to it, the scheduler
+sends it only what was queued while no other executor serves it, and after UNLOAD_GRACE_S, once
+its queue is empty (or another executor serves it) and no batch of it is here, it is dropped.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import pathlib
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from batchline import contract
+from batchline.protocol import internal_pb2 as pb
+from batchline.redis_client import REDIS_ERRORS, connect
+from batchline.registry import Registry
+from executor.repository import LoadedModel, ModelDir, RepositoryError, load_model, model_names, scan_model
+from executor.warmup import warm_up
+
+if TYPE_CHECKING:
+    from executor.app import ExecutorApp
+
+log = logging.getLogger(__name__)
+
+READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
+UNLOADED = "unloaded"  # the reason of a version released here (Triton's word)
+CONTROL_POLL_S = 0.25  # explicit mode: how often the repository calls are read; also the release check
+Key = tuple[str, str]
+
+
+@dataclass
+class Slot:
+    """One version of a model on this executor."""
+    state: str
+    reason: str = ""
+    fingerprint: tuple[int, ...] = ()
+    since: float = 0.0  # time.monotonic() it entered the state
+
+
+class LiveRepository:
+    def __init__(self, app: "ExecutorApp"):
+        self.app = app
+        self.settings = app.settings
+        self.root = pathlib.Path(self.settings.model_repository)
+        self.mode = self.settings.model_control_mode
+        self.slots: dict[Key, Slot] = {}
+        self.notes: dict[str, str] = {}      # model -> why none of its versions serves ("unloaded", a config error)
+        self.listed: set[str] = set()        # model directories of the repository at the last scan
+        self.applied: dict[str, int] = {}    # model -> sequence number of the last repository call applied
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- what the registration shows ------------------------------------
+
+    def entries(self) -> list[pb.RepositoryEntry]:
+        out = []
+        for name in sorted(self.listed | {n for n, _ in self.slots}):
+            versions = sorted((v for n, v in self.slots if n == name), key=lambda v: (len(v), v))
+            for v in versions:
+                slot = self.slots[(name, v)]
+                out.append(pb.RepositoryEntry(name=name, version=v, state=slot.state, reason=slot.reason))
+            if not versions:
+                note = self.notes.get(name, "")
+                out.append(pb.RepositoryEntry(name=name, state=UNAVAILABLE if note else "", reason=note))
+        return out
+
+    # -- start ------------------------------------------------------------
+
+    async def initial(self) -> list[LoadedModel]:
+        """The models to serve from the start (loaded, not yet warmed up or placed)."""
+        s = self.settings
+        names = await asyncio.to_thread(model_names, self.root, s.models or None)
+        self.listed = set(names)
+        if self.mode == "explicit":
+            wanted = [n for n in s.load_model if not s.models or n in s.models]
+            # Before the lanes (and their Redis clients) exist: a client of its own for this one read.
+            redis = connect(s.redis_url, s.redis_timeout_s)
+            try:
+                calls = await self._calls(redis)
+            finally:
+                await redis.aclose()
+            for name, (action, seq) in calls.items():
+                self.applied[name] = seq
+                if action == "load" and name not in wanted:
+                    wanted.append(name)
+                elif action == "unload" and name in wanted:
+                    wanted.remove(name)
+                    self.notes[name] = UNLOADED
+            names = wanted
+        models = []
+        for name in names:
+            try:
+                scanned = await asyncio.to_thread(scan_model, self.root / name)
+                for version, print_ in scanned.versions.items():
+                    models.append(await self._load(scanned, version, print_))
+            except RepositoryError as exc:
+                if self.mode == "none":
+                    raise
+                self._failed(name, str(exc))
+        if self.mode == "none" and s.models:
+            missing = set(s.models) - {m.name for m in models}
+            if missing:
+                raise RepositoryError(f"models {sorted(missing)} not found in {self.root}")
+        if self.mode == "none" and not models:
+            raise RepositoryError(f"no models found in {self.root} (expected <model>/<version>/model.onnx)")
+        return models
+
+    async def run(self) -> None:
+        """Follow the repository (poll) or the repository calls (explicit); release what is unloading."""
+        polled = time.monotonic()
+        while True:
+            await asyncio.sleep(CONTROL_POLL_S)
+            try:
+                if self.mode == "poll" and time.monotonic() - polled >= self.settings.repository_poll_s:
+                    polled = time.monotonic()
+                    await self.poll()
+                elif self.mode == "explicit":
+                    await self.follow_calls()
+                await self.release_finished()
+            except REDIS_ERRORS as exc:
+                log.warning("model repository: Redis failed (%s); trying again", exc)
+            except Exception:  # noqa: BLE001 - the repository loop must outlive one bad scan
+                log.exception("model repository: a scan failed")
+
+    # -- changes ------------------------------------------------------------
+
+    async def poll(self) -> None:
+        names = await asyncio.to_thread(model_names, self.root, self.settings.models or None)
+        self.listed = set(names)
+        for name in sorted(set(names) | {n for n, _ in self.slots}):
+            await self.sync(name)
+
+    async def follow_calls(self) -> None:
+        for name, (action, seq) in sorted((await self._calls()).items(), key=lambda kv: kv[1][1]):
+            if seq <= self.applied.get(name, 0):
+                continue
+            if self.settings.models and name not in self.settings.models:
+                pass  # not this executor's to serve: applied, so that the caller need not wait for it
+            elif action == "load":
+                self.listed = set(await asyncio.to_thread(model_names, self.root, self.settings.models or None))
+                await self.sync(name)
+            else:
+                self.unload(name)
+            self.applied[name] = seq
+            await self.app.announce()
+
+    async def sync(self, name: str) -> None:
+        """Bring one model to what its directory and version_policy say now."""
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            try:
+                scanned = await asyncio.to_thread(scan_model, self.root / name)
+            except RepositoryError as exc:
+                if not (self.root / name).is_dir():
+                    self.listed.discard(name)
+                    self._unload_versions(name, {})
+                    return
+                self._failed(name, str(exc))
+                return
+            self.notes.pop(name, None)
+            for version, print_ in scanned.versions.items():
+                slot = self.slots.get((name, version))
+                # A version that failed is tried again when its files change (or on an explicit load).
+                if slot is None or slot.fingerprint != print_ or slot.state == UNLOADING or (
+                        slot.state == UNAVAILABLE and (self.mode == "explicit" or slot.reason == UNLOADED)):
+                    await self._load_and_place(scanned, version, print_)
+            if any(self.slots.get((name, v), Slot("")).state == READY for v in scanned.versions):
+                self._unload_versions(name, scanned.versions)
+
+    def unload(self, name: str) -> None:
+        self._unload_versions(name, {})
+        if not any(n == name for n, _ in self.slots):
+            self.notes[name] = UNLOADED
+
+    def _unload_versions(self, name: str, keep: dict[str, tuple[int, ...]]) -> None:
+        for (n, v), slot in list(self.slots.items()):
+            if n != name or v in keep:
+                continue
+            if slot.state == READY:
+                self.slots[(n, v)] = Slot(UNLOADING, fingerprint=slot.fingerprint, since=time.monotonic())
+                self.app.mark_unloading((n, v))
+                log.info("unloading %s version %s: it finishes what is queued for it first", n, v)
+            elif slot.state == UNAVAILABLE and not (slot.reason == UNLOADED and (self.root / n / v).is_dir()):
+                del self.slots[(n, v)]  # a failed version, or one whose directory is gone
+
+    async def release_finished(self) -> None:
+        for key, slot in list(self.slots.items()):
+            if slot.state == UNLOADING and time.monotonic() - slot.since >= contract.UNLOAD_GRACE_S:
+                if await self._may_release(key):
+                    self.app.release(key)
+                    self.slots[key] = Slot(UNAVAILABLE, UNLOADED, slot.fingerprint, time.monotonic())
+                    log.info("released %s version %s", *key)
+                    await self.app.announce()
+
+    async def _may_release(self, key: Key) -> bool:
+        """Nothing of it is queued for this executor: its queue is empty or another executor serves it,
+        and no batch of it waits here or runs (read in the order a request moves: queue, work list, run)."""
+        redis, lanes = self.app.executor.redis, self.app.lanes
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.zcard(contract.queue(*key))
+            for lane in lanes:
+                pipe.lrange(contract.work(lane.executor_id), 0, -1)
+            depth, *works = await pipe.execute()
+        for blobs in works:
+            for blob in blobs:
+                b = pb.Batch.FromString(blob)
+                if (b.model_name, b.model_version) == key:
+                    return False
+        if any(lane.running.get(key) for lane in lanes):
+            return False
+        if not depth:
+            return True
+        mine = {lane.executor_id for lane in lanes}
+        return any(e not in mine for e in (await Registry.load(redis)).holders.get(key, []))
+
+    # -- loading ------------------------------------------------------------
+
+    async def _load(self, scanned: ModelDir, version: str, print_: tuple[int, ...]) -> LoadedModel:
+        """The version loaded (RepositoryError with ONNX Runtime's reason if it cannot be)."""
+        s = self.settings
+        try:
+            model = await asyncio.to_thread(
+                load_model, scanned.path, scanned.path / version, scanned.config, s.providers, s.trt_engine_cache_dir,
+                s.intra_op_threads, s.allow_spinning, s.cpu_cores,
+            )
+        except Exception as exc:
+            self.slots[(scanned.name, version)] = Slot(UNAVAILABLE, _load_error(exc), print_, time.monotonic())
+            raise RepositoryError(f"{scanned.name} version {version}: {_load_error(exc)}") from exc
+        model.fingerprint = print_
+        self.slots[(scanned.name, version)] = Slot(READY, fingerprint=print_, since=time.monotonic())
+        return model
+
+    async def _load_and_place(self, scanned: ModelDir, version: str, print_: tuple[int, ...]) -> None:
+        key = (scanned.name, version)
+        serving = self.slots.get(key)
+        if serving is not None and serving.state == UNLOADING and serving.fingerprint == print_:
+            # Selected again before it was released: it serves on as it is.
+            self.slots[key] = Slot(READY, fingerprint=print_, since=time.monotonic())
+            self.app.mark_unloading(key, False)
+            return
+        serving = serving if serving is not None and serving.state in (READY, UNLOADING) else None
+        if serving is None:
+            self.slots[key] = Slot(LOADING, fingerprint=print_, since=time.monotonic())
+        try:
+            model = await self._load(scanned, version, print_)
+            if self.settings.warmup:
+                if serving is None:
+                    self.slots[key].state = LOADING  # not served before its profile is seeded
+                reports = await asyncio.to_thread(warm_up, model, self.app.executor.executor_id)
+                await self.app.publish_reports(reports)
+                self.slots[key].state = READY
+        except Exception as exc:  # noqa: BLE001 - a model that fails to load or to warm up is not served
+            reason = str(exc) if isinstance(exc, RepositoryError) else f"warm-up failed: {exc}"
+            log.error("could not load %s", reason)
+            if serving is not None:
+                # The version already served goes on; the new files are tried again when they change.
+                self.slots[key] = Slot(serving.state, f"a reload failed: {reason}", print_, serving.since)
+            else:
+                self.slots[key] = Slot(UNAVAILABLE, self.slots[key].reason or reason, print_, time.monotonic())
+            return
+        await self.app.place(model)
+        await self.app.announce()
+
+    def _failed(self, name: str, reason: str) -> None:
+        log.error("model %s cannot be served: %s", name, reason)
+        if not any(n == name for n, _ in self.slots):
+            self.notes[name] = reason
+
+    async def _calls(self, redis=None) -> dict[str, tuple[str, int]]:
+        raw = await (redis or self.app.executor.redis).hgetall(contract.CONTROL)
+        return {k.decode(): contract.parse_control(v) for k, v in raw.items()}
+
+
+def _load_error(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text if isinstance(exc, RepositoryError) else f"ONNX Runtime could not load it: {text}"

@@ -1,0 +1,84 @@
+"""Protobuf answers built from the registry's ModelInfo and Redis's statistics: Triton's ModelStatistics and ModelConfig."""
+from __future__ import annotations
+
+from batchline import contract
+from batchline.protocol import inference_pb2 as ipb
+
+
+def _duration(stats: dict[str, int], prefix: str) -> ipb.StatisticDuration:
+    return ipb.StatisticDuration(count=stats.get(f"{prefix}_count", 0), ns=stats.get(f"{prefix}_ns", 0))
+
+
+def _batch_duration(stats: dict[str, int], rows: int, field: str) -> ipb.StatisticDuration:
+    return ipb.StatisticDuration(count=stats[contract.batch_stat(rows, "count")],
+                                 ns=stats.get(contract.batch_stat(rows, field), 0))
+
+
+def model_statistics(info, stats: dict[str, int]) -> ipb.ModelStatistics:
+    batch_sizes = contract.batch_sizes(stats)
+    return ipb.ModelStatistics(
+        name=info.name,
+        version=info.version,
+        last_inference=stats.get("last_inference_ms", 0),
+        inference_count=stats.get("inference_count", 0),
+        execution_count=stats.get("execution_count", 0),
+        inference_stats=ipb.InferStatistics(
+            success=_duration(stats, "success"),
+            fail=_duration(stats, "fail"),
+            queue=_duration(stats, "queue"),
+            compute_input=_duration(stats, "compute_input"),
+            compute_infer=_duration(stats, "compute_infer"),
+            compute_output=_duration(stats, "compute_output"),
+        ),
+        batch_stats=[
+            ipb.InferBatchStatistics(
+                batch_size=n,
+                compute_input=_batch_duration(stats, n, "compute_input_ns"),
+                compute_infer=_batch_duration(stats, n, "compute_infer_ns"),
+                compute_output=_batch_duration(stats, n, "compute_output_ns"),
+            )
+            for n in batch_sizes
+        ],
+    )
+
+
+def _data_type(datatype: str) -> int:
+    # Triton names BYTES tensors TYPE_STRING; every other KServe datatype maps by name.
+    return ipb.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}")
+
+
+def model_config(info) -> ipb.ModelConfig:
+    """Triton's view of a model (ModelConfig), from what the executor loaded and config.toml."""
+    batched = info.max_batch_size > 0
+
+    def dims(shape) -> list[int]:  # Triton leaves the batch dim out of a batched model's dims
+        return list(shape[1:] if batched else shape)
+
+    config = ipb.ModelConfig(
+        name=info.name,
+        platform=info.platform,
+        backend="onnxruntime",
+        max_batch_size=info.max_batch_size,
+        input=[ipb.ModelInput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape)) for s in info.inputs],
+        output=[ipb.ModelOutput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape)) for s in info.outputs],
+        parameters={
+            "providers": ipb.ModelParameter(string_value=",".join(info.providers)),
+            "padded_inputs": ipb.ModelParameter(string_value=",".join(info.padded_inputs)),
+        },
+    )
+    if batched:
+        config.dynamic_batching.CopyFrom(ipb.ModelDynamicBatching(
+            preferred_batch_size=list(info.preferred_batch_sizes),
+            max_queue_delay_microseconds=round(info.max_queue_delay_ms * 1000),
+            priority_levels=info.priority_levels,
+            default_priority_level=info.default_priority,
+            # A request that cannot make its budget is answered DEADLINE_EXCEEDED (REJECT), and
+            # a `timeout` parameter or the gRPC deadline overrides the default budget.
+            default_queue_policy=ipb.ModelQueuePolicy(
+                timeout_action=ipb.ModelQueuePolicy.REJECT,
+                default_timeout_microseconds=round(info.default_timeout_ms * 1000),
+                allow_timeout_override=True,
+                max_queue_size=info.max_queue_size,
+            ),
+        ))
+    return config

@@ -1,0 +1,80 @@
+"""Weighted fair shares of a model between tenants, on top of priorities and deadlines.
+
+Each gateway keeps, per model, two decaying counts per tenant over about WINDOW_S: the rows the
+tenant offered and the rows admitted for it. Among the tenants that offered anything in the
+window, a tenant whose share of the admitted rows is above its weight's share is *over its
+share*: its requests are queued OVER_SHARE levels below the priority they asked for (the queue
+is ordered by level, then deadline).
+
+That one rule makes both halves share by weight. The scheduler serves lower levels only when
+the higher ones leave room, so a tenant within its share is served first and keeps its latency.
+Admission control plays the queue at a request's own level, so the over-share tenant's requests
+see everyone's work ahead of them and are the ones refused (RESOURCE_EXHAUSTED with a retry hint)
+when the model is full; the others see only the work at their level. This is max-min fairness:
+a tenant that wants less than its share gets what it wants, and the rest goes to the others.
+Counts are per gateway: with several gateways, each sees its part of every tenant's traffic, and
+the shares come out the same. Without tokens (one tenant, "") nothing changes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from batchline.contract import MAX_PRIORITY_LEVELS
+
+WINDOW_S = 1.0  # the time constant of the decaying counts
+# How far below its asked-for level an over-share tenant's request queues: below every level a
+# client normally uses (models rarely have more than a handful), within the queue score's range.
+OVER_SHARE = MAX_PRIORITY_LEVELS // 2
+_FORGET = 1e-3  # a tenant whose offered count decayed below this is no longer active
+
+
+@dataclass
+class _Counts:
+    offered: float = 0.0
+    admitted: float = 0.0
+    at: float = 0.0
+
+    def decay(self, now: float, window_s: float) -> None:
+        if now > self.at:
+            f = math.exp(-(now - self.at) / window_s)
+            self.offered *= f
+            self.admitted *= f
+            self.at = now
+
+
+@dataclass
+class FairShares:
+    window_s: float = WINDOW_S
+    _models: dict[tuple[str, str], dict[str, _Counts]] = field(default_factory=dict)
+    _weights: dict[str, float] = field(default_factory=dict)
+
+    def level(self, model: tuple[str, str], tenant: str, weight: float, priority: int, rows: int, now: float) -> int:
+        """The level to queue a request of `tenant` at (its `priority`, or OVER_SHARE below it); counts it as offered."""
+        tenants = self._models.setdefault(model, {})
+        self._weights[tenant] = weight
+        mine = tenants.setdefault(tenant, _Counts(at=now))
+        for counts in tenants.values():
+            counts.decay(now, self.window_s)
+        mine.offered += rows
+        for name in [n for n, c in tenants.items() if c.offered < _FORGET]:
+            del tenants[name]
+        if len(tenants) < 2:
+            return priority
+        admitted = sum(c.admitted for c in tenants.values())
+        weights = sum(self._weights[n] for n in tenants)
+        if admitted <= 0 or weights <= 0 or mine.admitted / admitted <= weight / weights:
+            return priority
+        return min(priority + OVER_SHARE, MAX_PRIORITY_LEVELS)
+
+    def admitted(self, model: tuple[str, str], tenant: str, rows: int, now: float) -> None:
+        counts = self._models.get(model, {}).get(tenant)
+        if counts is not None:
+            counts.decay(now, self.window_s)
+            counts.admitted += rows
+
+    def shares(self, model: tuple[str, str]) -> dict[str, float]:
+        """Each active tenant's share of the rows admitted in the window (for tests and status)."""
+        tenants = self._models.get(model, {})
+        total = sum(c.admitted for c in tenants.values())
+        return {n: (c.admitted / total if total else 0.0) for n, c in tenants.items()}
