@@ -45,6 +45,14 @@ REJECTED = Counter(
     "batchline_rejected", "Requests refused before they were queued (reason: queue_full, overload, deadline; rate: the tenant's max_rate).",
     _MV + ("reason",),
 )
+TENANT_REQUESTS = Counter(
+    "batchline_tenant_requests", "Inference requests of each tenant (the tenant of the caller's token; counted when "
+    "the gateway has an auth file), by lower-case gRPC status name (ok, resource_exhausted, ...).", ("model", "tenant", "status"),
+)
+TENANT_OVER_SHARE = Counter(
+    "batchline_tenant_over_share", "Requests queued below the priority they asked for because their tenant was over its "
+    "weighted share of the model (gateway/fairness.py).", ("model", "tenant"),
+)
 ADMISSION_HEADROOM = Gauge(
     "batchline_admission_headroom",
     "Share of a request's budget its predicted finish may fill to be admitted (learned from answers: admission_target).",

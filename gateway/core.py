@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import replace
 
 from batchline import contract, logs, metrics, telemetry, tracecontext
 from batchline.clock import now_us
@@ -23,6 +24,7 @@ from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.registry import Registry
 from gateway.admission import Calibration
 from gateway.commit import GroupCommit
+from gateway.fairness import FairShares
 from gateway.ledger import Admitted, AdmissionLedger, usable
 from gateway import presence
 from gateway.replies import Replies
@@ -59,6 +61,7 @@ class Gateway:
         self.ledger = AdmissionLedger(self.gateway_id, settings.admission_headroom, settings.admission_target)
         self.gateways = 1  # live gateways (from the heartbeats): each spaces only the refusals it gives itself
         self.repository = RepositoryControl(self.redis, settings.model_control_mode)
+        self.fair = FairShares()  # tenants' shares of each model (tokens' weights)
 
     @property
     def loads(self) -> dict[tuple[str, str], pb.ModelLoad]:
@@ -199,16 +202,33 @@ class Gateway:
         grpc_remaining: float | None,
         traceparent: str = "",
         tracestate: str = "",
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> ipb.ModelInferResponse:
         model = await self.model(request.model_name, request.model_version)
         call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000)
         if self.draining:
             raise Unavailable("this gateway is shutting down: retry on another instance")
         arrived_us = now_us()
+        asked = call.priority
+        if tenant:
+            call = replace(call, priority=self.fair.level(call.key, tenant, weight, asked, call.rows, arrived_us / 1e6))
+            if call.priority != asked:
+                metrics.TENANT_OVER_SHARE.labels(model.name, tenant).inc()
+            if telemetry.enabled():
+                telemetry.current_span().set_attribute("batchline.tenant", tenant)
         admitted, calibration = None, None
         load = self.views.get(call.key, call.budget_s) if self.settings.admission_control else None
         if usable(load, arrived_us):
-            admitted, calibration = self.ledger.check(load, call, arrived_us, self.gateways)
+            try:
+                admitted, calibration = self.ledger.check(load, call, arrived_us, self.gateways)
+            except ResourceExhausted as exc:
+                if call.priority == asked:
+                    raise
+                raise ResourceExhausted(f"tenant '{tenant}' is over its weighted share of model '{model.name}', and {exc}",
+                                        retry_after_s=exc.retry_after_s) from None
+        if tenant:
+            self.fair.admitted(call.key, tenant, call.rows, arrived_us / 1e6)
         try:
             reply = await self._queue_and_wait(call, admitted, calibration, traceparent, tracestate)
         finally:

@@ -20,12 +20,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from batchline.contract import MAX_PRIORITY_LEVELS
+from batchline.contract import MAX_PRIORITY_LEVELS, OVER_SHARE
 
 WINDOW_S = 1.0  # the time constant of the decaying counts
-# How far below its asked-for level an over-share tenant's request queues: below every level a
-# client normally uses (models rarely have more than a handful), within the queue score's range.
-OVER_SHARE = MAX_PRIORITY_LEVELS // 2
 _FORGET = 1e-3  # a tenant whose offered count decayed below this is no longer active
 
 

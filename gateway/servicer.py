@@ -114,7 +114,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             await _abort(context, exc)
         return ipb.ModelConfigResponse(config=model_config(info))
 
-    async def _infer(self, request, context, name: str = "ModelInfer") -> ipb.ModelInferResponse:
+    async def _infer(self, request, context, name: str = "ModelInfer", grant: Grant | None = None) -> ipb.ModelInferResponse:
         """One inference, traced (continuing the client's trace) and counted; raises BatchlineError."""
         started = time.perf_counter()
         traced = telemetry.enabled()
@@ -122,12 +122,17 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
               if traced else contextlib.nullcontext()) as span:
             def failed(error: BatchlineError) -> None:
                 labels = self.gateway.metric_labels(request.model_name, request.model_version)
-                metrics.REQUEST_FAILURE.labels(*labels, metrics.status_reason(grpc_status(error))).inc()
+                reason = metrics.status_reason(grpc_status(error))
+                metrics.REQUEST_FAILURE.labels(*labels, reason).inc()
+                if grant is not None:
+                    metrics.TENANT_REQUESTS.labels(labels[0], grant.tenant, reason).inc()
                 if traced:
                     telemetry.set_error(span, f"{grpc_status(error).name}: {error}")
 
             try:
-                response = await self.gateway.infer(request, context.time_remaining(), *_trace_headers(context))
+                response = await self.gateway.infer(
+                    request, context.time_remaining(), *_trace_headers(context),
+                    **({"tenant": grant.tenant, "weight": grant.weight} if grant is not None else {}))
             except BatchlineError as exc:
                 failed(exc)
                 raise
@@ -139,6 +144,8 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 failed(error)
                 raise error from exc
         metrics.REQUEST_SUCCESS.labels(response.model_name, response.model_version).inc()
+        if grant is not None:
+            metrics.TENANT_REQUESTS.labels(response.model_name, grant.tenant, "ok").inc()
         metrics.REQUEST_DURATION.labels(response.model_name, response.model_version).observe(time.perf_counter() - started)
         return response
 
@@ -147,7 +154,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             if grant is not None and grant.max_rate > 0:
                 await self.gateway.take_rate(grant.tenant, grant.max_rate, request.model_name)
-            return await self._infer(request, context)
+            return await self._infer(request, context, grant=grant)
         except BatchlineError as exc:
             await _abort(context, exc)
 
@@ -167,7 +174,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
                     grant.check_model(request.model_name)
                     if grant.max_rate > 0:
                         await self.gateway.take_rate(grant.tenant, grant.max_rate, request.model_name)
-                response = await self._infer(request, context, "ModelStreamInfer")
+                response = await self._infer(request, context, "ModelStreamInfer", grant)
                 await answers.put(ipb.ModelStreamInferResponse(infer_response=response))
             except BatchlineError as exc:
                 await answers.put(stream_error(request, exc))

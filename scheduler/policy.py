@@ -48,6 +48,23 @@ class ModelPolicy:
     max_queue_delay: float           # seconds the oldest request may wait for company
     preferred_batch_sizes: tuple[int, ...] = ()
     kind: str = DEADLINE_AWARE
+    over_share_rows: int = 0         # the most rows of a batch an over-share request heads (0: max_batch_size)
+
+
+# An over-share batch may take at most this share of the shortest budget of the requests within
+# their shares: one of those, arriving as it starts, waits for it and then runs in what is left.
+OVER_SHARE_SLICE = 0.25
+
+
+def over_share_rows(cost: Cost, in_share_budget: float | None, length: int, max_batch_size: int) -> int:
+    """The most rows a batch headed by an over-share request may hold (0: no cap): the largest that
+    runs within OVER_SHARE_SLICE of the in-share requests' budget, and at least 1."""
+    if in_share_budget is None or max_batch_size <= 1:
+        return 0
+    rows = 1
+    while rows < max_batch_size and cost.predict((rows + 1) * length) <= OVER_SHARE_SLICE * in_share_budget:
+        rows += 1
+    return rows if rows < max_batch_size else 0
 
 
 @dataclass(frozen=True)
@@ -108,7 +125,8 @@ def plan(
             out._wake(start - lead)  # no executor is ready: let the queue grow
             out.blocked = True
             break
-        formed = form_batch(live, start, policy.max_batch_size, policy.preferred_batch_sizes, cost, deadline_aware=aware)
+        formed = form_batch(live, start, policy.max_batch_size, policy.preferred_batch_sizes, cost, deadline_aware=aware,
+                            over_share_rows=policy.over_share_rows)
         for m in formed.late:
             out.expired.append(m)
             live.remove(m)

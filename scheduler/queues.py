@@ -4,12 +4,16 @@ pending-requests gauges it reports per priority level."""
 from __future__ import annotations
 
 from batchline import metrics
+from batchline.contract import OVER_SHARE
 from batchline.planning import Pending
 from batchline.protocol import internal_pb2 as pb
 from scheduler.company import CompanyRate
 from scheduler.load_views import LoadViews, pending_by_level
 
 ModelKey = tuple[str, str]
+# How long the scheduler keeps batches headed by over-share requests short after the last request
+# within its tenant's share arrived.
+IN_SHARE_MEMORY_S = 2.0
 
 
 class Queues:
@@ -21,6 +25,7 @@ class Queues:
         self._company: dict[ModelKey, CompanyRate] = {}  # per queue: arrivals seen while n requests waited
         self._last_step: dict[ModelKey, tuple[float, int]] = {}  # per queue: last step's time, requests it left queued
         self._levels: dict[ModelKey, set[int]] = {}  # priority levels with a pending gauge
+        self._shares: dict[ModelKey, tuple[float, float]] = {}  # shortest in-share budget lately, last seen
 
     def read(self, key: ModelKey, members: list[bytes]) -> tuple[list[Pending], int]:
         """The queue's scanned head as planning sees it, and how many of it are new since the last step."""
@@ -34,8 +39,22 @@ class Queues:
                 self.views.count(key, e)  # every view of this model from now on counts it, queued or sent on
                 p = self.pending[member] = Pending(e.request_id, e.rows, e.priority, e.deadline_us / 1e6,
                                                    e.enqueued_us / 1e6, member, e.length or 1)
+                if e.priority <= OVER_SHARE:
+                    self._in_share(key, p)
             queue.append(p)
         return queue, arrivals
+
+    def _in_share(self, key: ModelKey, p: Pending) -> None:
+        budget = p.deadline - p.enqueued
+        shortest, seen = self._shares.get(key, (budget, p.enqueued))
+        fresh = p.enqueued - seen < IN_SHARE_MEMORY_S
+        self._shares[key] = (min(shortest, budget) if fresh else budget, p.enqueued)
+
+    def in_share_budget(self, key: ModelKey, now: float) -> float | None:
+        """The shortest budget of the requests queued within their tenants' shares lately (None: none
+        came within IN_SHARE_MEMORY_S): what an over-share batch must leave them room for."""
+        shortest, seen = self._shares.get(key, (0.0, float("-inf")))
+        return shortest if now - seen < IN_SHARE_MEMORY_S else None
 
     def company(self, key: ModelKey, waiting: int, arrivals: int, now: float) -> float | None:
         """Arrivals per second expected while `waiting` requests wait, counting the `arrivals` of

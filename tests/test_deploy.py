@@ -188,6 +188,28 @@ def test_compose_env_names_are_settings_fields(files, resolved, monkeypatch):
         assert_settings_parse(env, name, monkeypatch)
 
 
+def test_the_tls_profile_adds_a_gateway_with_tls_and_tokens_from_deploy_tls(compose, tmp_path, monkeypatch):
+    from certs import Authority
+
+    service = compose["services"]["gateway-tls"]
+    assert service["profiles"] == ["tls"] and "8443:8443" in service["ports"]
+    mount = mount_target(service["volumes"], "./deploy/tls")
+    env = settings_env(service["environment"], "gateway")
+    assert env["BATCHLINE_GATEWAY_PORT"] == "8443"
+    files = {"TLS_CERT_FILE": "tls.crt", "TLS_KEY_FILE": "tls.key", "AUTH_FILE": "auth.toml"}
+    assert {k: env[f"BATCHLINE_GATEWAY_{k}"] for k in files} == {k: f"{mount}/{f}" for k, f in files.items()}
+    # Files the README in deploy/tls says to make (none is committed) are what the settings load.
+    cert, key = Authority(tmp_path, "compose").issue("localhost")
+    (tmp_path / "auth.toml").write_text('[[tokens]]\nsha256 = "' + "0" * 64 + '"\ntenant = "t"\nmodels = ["*"]\n')
+    made = {"TLS_CERT_FILE": cert, "TLS_KEY_FILE": key, "AUTH_FILE": str(tmp_path / "auth.toml")}
+    assert_settings_parse({**env, **{f"BATCHLINE_GATEWAY_{k}": v for k, v in made.items()}}, "gateway", monkeypatch)
+    assert (ROOT / "deploy" / "tls" / "README.md").is_file()
+    assert ignored("deploy/tls/tls.key", dockerignore_patterns())  # never sent to an image build
+    # Off unless asked for; valid with the profile on.
+    result = run_compose(COMPOSE, args=("--profile", "tls", "config", "-q"))
+    assert result.returncode == 0, result.stderr + result.stdout
+
+
 def test_metrics_ports_are_the_contract(compose):
     for name, port in METRICS_PORTS.items():
         cls = SETTINGS[name]

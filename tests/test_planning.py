@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchline.contract import OVER_SHARE
 from batchline.planning import BatchCost, FunctionCost, Pending, play, queue_tails
 from batchline.protocol import internal_pb2 as pb
 from gateway.admission import JOIN_LEAD_S, Candidate, admit, predicted_finish_s
@@ -22,6 +23,8 @@ from scheduler.policy import ModelPolicy, plan
 NOW = 100.0
 INF = float("inf")
 
+# Priority levels, within their tenants' shares and over them (batchline.contract.OVER_SHARE).
+levels = st.sampled_from([1, 2, 3, 1 + OVER_SHARE, 2 + OVER_SHARE])
 times = st.floats(min_value=0.0, max_value=0.3, allow_nan=False).map(lambda t: round(t, 4))
 
 
@@ -38,20 +41,22 @@ def scenarios(draw):
     for i in range(draw(st.integers(0, 14))):
         rows = draw(st.integers(1, max(1, max_batch_size // 2))) if max_batch_size else 1
         # Queued a while ago (they are in Redis), deadlines from already hopeless to loose.
-        queue.append(Pending(f"q{i}", rows, draw(st.integers(1, 3)), NOW + draw(times), NOW - 1.0,
+        queue.append(Pending(f"q{i}", rows, draw(levels), NOW + draw(times), NOW - 1.0,
                              length=draw(st.sampled_from([1, 1, 4]))))
     queue.sort(key=lambda p: (p.priority, p.deadline))  # the queue's order: priority-major, earliest deadline first
-    return max_batch_size, preferred, cost, free, queue
+    # Batches headed by an over-share tenant's request capped (gateway/fairness.py), or not.
+    over_rows = draw(st.sampled_from([0, 0, 1, 2]))
+    return max_batch_size, preferred, cost, free, queue, over_rows
 
 
 @settings(max_examples=400, deadline=None)
-@given(scenarios(), st.integers(1, 3), st.integers(0, 4), st.integers(1, 2), st.sampled_from([1, 4]))
+@given(scenarios(), levels, st.integers(0, 4), st.integers(1, 2), st.sampled_from([1, 4]))
 def test_admission_resumes_the_schedulers_play_and_predicts_what_it_will_do(scenario, priority, since_n, rows, length):
-    max_batch_size, preferred, cost, free, queue = scenario
+    max_batch_size, preferred, cost, free, queue, over_rows = scenario
     model = pb.ModelInfo(name="m", version="1", max_batch_size=max_batch_size, preferred_batch_sizes=preferred)
     rows = min(rows, max_batch_size) if max_batch_size else 1
-    view = pb.ModelLoad(**cost.load_fields(), executors=len(free), policy="deadline",
-                        tails=queue_tails(queue, free, max_batch_size, preferred, cost))
+    view = pb.ModelLoad(**cost.load_fields(), executors=len(free), policy="deadline", over_share_rows=over_rows,
+                        tails=queue_tails(queue, free, max_batch_size, preferred, cost, over_rows))
     # Admitted since the view by this gateway: queued, and planned from now on.
     since = [Pending(f"s{i}", 1, priority, NOW + 0.5, NOW, length=length) for i in range(since_n)]
 
@@ -61,7 +66,7 @@ def test_admission_resumes_the_schedulers_play_and_predicts_what_it_will_do(scen
     # since, then the new request (not in Redis until it arrives: a batch leaving about now is gone).
     arrival = Pending("new", rows, priority, INF, NOW, length=length, queued=False)
     ahead = [p for p in queue if p.priority <= priority]
-    truth = play([*ahead, *since, arrival], free, max_batch_size, preferred, cost, JOIN_LEAD_S)
+    truth = play([*ahead, *since, arrival], free, max_batch_size, preferred, cost, JOIN_LEAD_S, over_share_rows=over_rows)
     assert predicted == pytest.approx(truth.finish_of(arrival) - NOW, abs=1e-9)
 
     # ... and admission admits exactly when that finish is within the budget.
@@ -74,14 +79,15 @@ def test_admission_resumes_the_schedulers_play_and_predicts_what_it_will_do(scen
 @settings(max_examples=400, deadline=None)
 @given(scenarios())
 def test_the_batches_the_plan_sends_now_are_the_first_of_the_play(scenario):
-    max_batch_size, preferred, cost, free, queue = scenario
-    policy = ModelPolicy(max_batch_size=max_batch_size, max_queue_delay=0.0, preferred_batch_sizes=preferred)
+    max_batch_size, preferred, cost, free, queue, over_rows = scenario
+    policy = ModelPolicy(max_batch_size=max_batch_size, max_queue_delay=0.0, preferred_batch_sizes=preferred,
+                         over_share_rows=over_rows)
     decision = plan(NOW, queue, policy, free, cost, lead=1.0)
     # The plan first sheds what is hopeless even alone on the first free executor; the play of the
     # rest forms the same batches, on the same executors, at the same times.
     first_start = max(NOW, min(free))
     live = [p for p in queue if p.deadline > NOW and first_start + cost.typical(p.units) <= p.deadline]
-    played = play(live, free, max_batch_size, preferred, cost)
+    played = play(live, free, max_batch_size, preferred, cost, over_share_rows=over_rows)
     assert len(decision.batches) <= len(played.batches)
     for sent, simulated in zip(decision.batches, played.batches):
         assert (sent.members, sent.executor, sent.start, sent.finish) == (
@@ -99,3 +105,12 @@ def test_a_request_between_two_batches_joins_the_one_the_plan_would_put_it_in():
     again = play([*queue, arrival], [NOW + 0.05], 4, (4,), cost, JOIN_LEAD_S)
     assert [b.rows for b in again.batches] == [4, 3]
     assert again.finish_of(arrival) == pytest.approx(NOW + 0.05 + 0.04 + 0.03)
+
+
+def test_an_over_share_head_makes_a_capped_batch_and_a_request_within_its_share_a_full_one():
+    cost = FunctionCost(lambda units: 0.01 * units)
+    over = [Pending(f"a{i}", 1, 1 + OVER_SHARE, NOW + 1.0, NOW - 1.0) for i in range(6)]
+    assert [b.rows for b in play(over, [NOW], 4, (), cost, over_share_rows=2).batches] == [2, 2, 2]
+    within = [Pending("b", 1, 1, NOW + 1.0, NOW - 1.0), *over]
+    assert [b.rows for b in play(within, [NOW], 4, (), cost, over_share_rows=2).batches] == [4, 2, 1]
+    assert [b.rows for b in play(over, [NOW], 4, (), cost).batches] == [4, 2]

@@ -57,6 +57,7 @@ class BenchConfig:
     streaming: bool = False                   # ModelStreamInfer streams instead of unary calls
     retry_after: bool = True                  # closed loop: wait out a refusal's retry-after hint
     connections: int = 1                      # gRPC connections, calls spread over them round robin
+    headers: dict[str, str] = field(default_factory=dict)  # metadata of every call (authorization: Bearer ...)
 
 
 async def _connect(config: BenchConfig, ep: Endpoint) -> RequestPool:
@@ -73,10 +74,11 @@ async def run_bench_async(config: BenchConfig) -> BenchResult:
         raise BenchError(f"unknown mode {config.mode!r} (closed or open)")
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     progress = Progress(config.progress)
-    async with Endpoint(config.url, config.model, config.version, config.connections) as ep:
+    async with Endpoint(config.url, config.model, config.version, config.connections, config.headers) as ep:
         pool = await _connect(config, ep)
         cfg = asdict(config)
         cfg.pop("url"), cfg.pop("model"), cfg.pop("version"), cfg.pop("progress")
+        cfg["headers"] = sorted(cfg.pop("headers"))  # names only: a token is a secret
         cfg["input_shapes"] = pool.shapes
         result = BenchResult(target={"url": config.url, "model": config.model, "version": config.version},
                              config=cfg, started_at=started)

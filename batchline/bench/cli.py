@@ -77,6 +77,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "closed loop, one stream per in-flight slot, one request at a time; open loop, 4 streams "
                    "carrying every request, answers matched by id. The budget travels only in the `timeout` "
                    "parameter; a request unanswered 1 s past it counts DEADLINE_EXCEEDED")
+    m.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
+                   help="gRPC metadata sent with every call, e.g. authorization='Bearer TOKEN' (repeatable)")
     m.add_argument("--connections", type=int, default=1,
                    help="gRPC connections to open, calls and streams spread over them round robin: a server that "
                    "runs several gateway processes on one port (SO_REUSEPORT) spreads connections, not calls "
@@ -134,13 +136,19 @@ def main(args: argparse.Namespace) -> int:
 
     if args.connections < 1:
         return fail(f"--connections must be >= 1, got {args.connections}")
+    headers = {}
+    for h in args.header:
+        name, sep, value = h.partition("=")
+        if not sep or not name.strip():
+            return fail(f"--header takes NAME=VALUE, got {h!r}")
+        headers[name.strip()] = value
     try:
         config = BenchConfig(
             url=args.url, model=args.model, version=args.model_version, mode=args.mode,
             concurrency=args.concurrency, rate=args.rate, burst=args.burst, duration=args.duration,
             warmup=args.warmup, budget_ms=args.budget_ms, priority=args.priority,
             inputs=_input_options(args), max_outstanding=args.max_outstanding, streaming=args.streaming,
-            retry_after=args.retry_after, connections=args.connections,
+            retry_after=args.retry_after, connections=args.connections, headers=headers,
             progress=not args.quiet and sys.stderr.isatty(),
         )
         result = run_bench(config)

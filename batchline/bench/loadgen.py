@@ -16,6 +16,7 @@ both ends much less than a unary call, which opens and closes a stream each time
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections import Counter
@@ -136,9 +137,12 @@ class Progress:
 class Endpoint:
     """A connection to one model of a KServe v2 gRPC server."""
 
-    def __init__(self, url: str, model: str, version: str = "", connections: int = 1):
+    def __init__(self, url: str, model: str, version: str = "", connections: int = 1,
+                 headers: dict[str, str] | None = None):
         self.url, self.model, self.version = url, model, version
         self.connections = max(1, connections)
+        self.headers = dict(headers or {})  # sent with every call (e.g. authorization)
+        self.metadata = tuple((k.lower(), v) for k, v in self.headers.items()) or None
         self.client: tca.InferenceServerClient | None = None
         self.channels: list[grpc.aio.Channel] = []
         self._next = 0
@@ -152,7 +156,8 @@ class Endpoint:
         self.channels = [grpc.aio.insecure_channel(self.url, options=options) for _ in range(self.connections)]
         # No serializers: requests go out as the pool's bytes, replies stay bytes.
         self._infers = [c.unary_unary(MODEL_INFER) for c in self.channels]
-        self._streams = [c.stream_stream(MODEL_STREAM_INFER) for c in self.channels]
+        streams = [c.stream_stream(MODEL_STREAM_INFER) for c in self.channels]
+        self._streams = [functools.partial(m, metadata=self.metadata) for m in streams] if self.metadata else streams
         self._infer, self._stream = self._infers[0], self._streams[0]
         return self
 
@@ -169,11 +174,12 @@ class Endpoint:
     async def inputs(self, timeout_s: float = 10.0) -> list[TensorInfo]:
         """Check the endpoint is live and serves the model; return the model's inputs."""
         try:
-            await self.client.is_server_live(client_timeout=timeout_s)
+            await self.client.is_server_live(headers=self.headers, client_timeout=timeout_s)
         except InferenceServerException as exc:
             raise BenchError(f"cannot reach a KServe v2 gRPC server at {self.url}: {exc.message()}") from None
         try:
-            meta = await self.client.get_model_metadata(self.model, self.version, client_timeout=timeout_s)
+            meta = await self.client.get_model_metadata(self.model, self.version, headers=self.headers,
+                                                        client_timeout=timeout_s)
         except InferenceServerException as exc:
             what = f"model {self.model!r}" + (f" version {self.version!r}" if self.version else "")
             raise BenchError(f"{what} is not served by {self.url}: {exc.message()}") from None
@@ -182,7 +188,8 @@ class Endpoint:
     async def counts(self) -> tuple[int, int] | None:
         """(inference_count, execution_count) summed over the model's versions; None if not served."""
         try:
-            stats = await self.client.get_inference_statistics(self.model, self.version, client_timeout=10)
+            stats = await self.client.get_inference_statistics(self.model, self.version, headers=self.headers,
+                                                               client_timeout=10)
         except InferenceServerException:
             return None
         entries = [s for s in stats.model_stats if s.name == self.model]
@@ -199,7 +206,7 @@ class Endpoint:
         infer = self._infers[self._turn()] if self.connections > 1 else self._infer
         t = time.perf_counter()
         try:
-            await infer(payload, timeout=timeout_s)
+            await infer(payload, timeout=timeout_s, metadata=self.metadata)
             return "OK", time.perf_counter() - t, None
         except grpc.aio.AioRpcError as exc:
             latency = time.perf_counter() - t

@@ -44,6 +44,11 @@ CONTROL_SEQ = PREFIX + "control:seq"
 _PRIORITY_STRIDE = 10**13
 # The most priority levels a queue's score keeps apart (a model without priority_levels accepts them all).
 MAX_PRIORITY_LEVELS = 900
+# A request of a tenant over its weighted share queues this many levels below the level it asked
+# for (gateway/fairness.py): below every level a client normally uses. A batch whose head is that
+# low may be capped (ModelLoad.over_share_rows) so that the tenants within their shares, queued
+# above it, wait little for the executor it takes.
+OVER_SHARE = MAX_PRIORITY_LEVELS // 2
 
 # The longest latency budget a request can have (the gateway caps longer ones).
 MAX_BUDGET_S = 24 * 3_600

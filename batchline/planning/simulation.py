@@ -28,6 +28,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from batchline.contract.keys import OVER_SHARE
 from batchline.planning.cost import Cost
 
 # The scheduling policies (SchedulerSettings.policy), as load views name them.
@@ -82,15 +83,18 @@ class Formed:
 
 def form_batch(
     queue: Sequence[Pending], start: float, max_batch_size: int, preferred_batch_sizes: Sequence[int], cost: Cost,
-    *, at: int = 0, deadline_aware: bool = True, join_lead: float = 0.0,
+    *, at: int = 0, deadline_aware: bool = True, join_lead: float = 0.0, over_share_rows: int = 0,
 ) -> Formed:
     """The batch that starts at `start` with `queue[at]` (the rule in the module's docstring).
 
     max_batch_size 0: the model has no batch dim, a batch is one request. A batch takes no request
     queued after it starts, nor one still arriving (`queued` False) less than `join_lead` before.
-    Without `deadline_aware` (the FIFO policy) deadlines cut nothing.
+    Without `deadline_aware` (the FIFO policy) deadlines cut nothing. `over_share_rows` (0: none)
+    caps a batch whose head is queued at an over-share level (batchline.contract.OVER_SHARE).
     """
     cap = max_batch_size if max_batch_size > 0 else None
+    if cap is not None and over_share_rows and queue[at].priority > OVER_SHARE:
+        cap = min(cap, over_share_rows)
     window, rows, longest, earliest = _take(queue, at, cap, start, join_lead)
     members = window
     preferred = False
@@ -193,6 +197,7 @@ class Played:
 def play(
     queue: Sequence[Pending], free: Sequence[float], max_batch_size: int, preferred_batch_sizes: Sequence[int],
     cost: Cost, join_lead: float = 0.0, unplanned_from: int | None = None, now: float = float("-inf"),
+    over_share_rows: int = 0,
 ) -> Played:
     """Serve `queue` (in service order) by `form_batch`, each batch on the executor free first.
 
@@ -211,7 +216,8 @@ def play(
         start = max(free[e], queue[i].enqueued)
         if unplanned_from is not None and i >= unplanned_from and start < now:
             start = now
-        formed = form_batch(queue, start, max_batch_size, preferred_batch_sizes, cost, at=i, join_lead=join_lead)
+        formed = form_batch(queue, start, max_batch_size, preferred_batch_sizes, cost, at=i, join_lead=join_lead,
+                            over_share_rows=over_share_rows)
         if resume is None and i + formed.window >= len(queue):
             resume = (i, tuple(free))
         shed.extend(formed.late)

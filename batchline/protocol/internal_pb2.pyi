@@ -189,14 +189,16 @@ class ExecutorInfo(_message.Message):
 class QueueTail(_message.Message):
     __slots__ = ("free_s", "level", "items")
     class Item(_message.Message):
-        __slots__ = ("rows", "length", "deadline_s")
+        __slots__ = ("rows", "length", "deadline_s", "priority")
         ROWS_FIELD_NUMBER: _ClassVar[int]
         LENGTH_FIELD_NUMBER: _ClassVar[int]
         DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+        PRIORITY_FIELD_NUMBER: _ClassVar[int]
         rows: int
         length: int
         deadline_s: float
-        def __init__(self, rows: _Optional[int] = ..., length: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+        priority: int
+        def __init__(self, rows: _Optional[int] = ..., length: _Optional[int] = ..., deadline_s: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
     FREE_S_FIELD_NUMBER: _ClassVar[int]
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -206,7 +208,7 @@ class QueueTail(_message.Message):
     def __init__(self, free_s: _Optional[_Iterable[float]] = ..., level: _Optional[int] = ..., items: _Optional[_Iterable[_Union[QueueTail.Item, _Mapping]]] = ...) -> None: ...
 
 class ModelLoad(_message.Message):
-    __slots__ = ("cost_per_unit_s", "cost_fixed_s", "cost_margin_s", "overhead_s", "executors", "backlog_s", "queued_rows", "policy", "updated_us", "tails", "seen_us", "margin_by_size_s")
+    __slots__ = ("cost_per_unit_s", "cost_fixed_s", "cost_margin_s", "overhead_s", "executors", "backlog_s", "queued_rows", "policy", "updated_us", "tails", "seen_us", "margin_by_size_s", "over_share_rows")
     class SeenUsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +228,7 @@ class ModelLoad(_message.Message):
     TAILS_FIELD_NUMBER: _ClassVar[int]
     SEEN_US_FIELD_NUMBER: _ClassVar[int]
     MARGIN_BY_SIZE_S_FIELD_NUMBER: _ClassVar[int]
+    OVER_SHARE_ROWS_FIELD_NUMBER: _ClassVar[int]
     cost_per_unit_s: float
     cost_fixed_s: float
     cost_margin_s: float
@@ -238,7 +241,8 @@ class ModelLoad(_message.Message):
     tails: _containers.RepeatedCompositeFieldContainer[QueueTail]
     seen_us: _containers.ScalarMap[str, int]
     margin_by_size_s: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, cost_per_unit_s: _Optional[float] = ..., cost_fixed_s: _Optional[float] = ..., cost_margin_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., executors: _Optional[int] = ..., backlog_s: _Optional[float] = ..., queued_rows: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., updated_us: _Optional[int] = ..., tails: _Optional[_Iterable[_Union[QueueTail, _Mapping]]] = ..., seen_us: _Optional[_Mapping[str, int]] = ..., margin_by_size_s: _Optional[_Iterable[float]] = ...) -> None: ...
+    over_share_rows: int
+    def __init__(self, cost_per_unit_s: _Optional[float] = ..., cost_fixed_s: _Optional[float] = ..., cost_margin_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., executors: _Optional[int] = ..., backlog_s: _Optional[float] = ..., queued_rows: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., updated_us: _Optional[int] = ..., tails: _Optional[_Iterable[_Union[QueueTail, _Mapping]]] = ..., seen_us: _Optional[_Mapping[str, int]] = ..., margin_by_size_s: _Optional[_Iterable[float]] = ..., over_share_rows: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

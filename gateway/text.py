@@ -1,0 +1,122 @@
+"""Text in: a request that sends a model's `text` input is tokenized here, into the token-id
+inputs the graph takes, before it is validated, admitted and queued.
+
+Here rather than on the executor because the cost model prices a request by its real token
+length, and the gateway needs that length to admit it and the scheduler to batch it; the
+tokenizer (Hugging Face `tokenizers`, Rust) takes tens of microseconds a sentence, less than
+the gRPC call that carries it (docs/guides/model-repository.md#text-inputs has the numbers).
+The tokenizer travels from the executor that loaded it through Redis (bl:tokenizer:{sha256}),
+so a gateway needs no copy of the repository.
+"""
+from __future__ import annotations
+
+import numpy as np
+from redis.asyncio import Redis
+from tokenizers import Tokenizer
+
+from batchline import contract
+from batchline.codec import deserialize_bytes, element_count
+from batchline.errors import InvalidArgument, Unavailable
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import internal_pb2 as pb
+from batchline.redis_client import REDIS_ERRORS
+
+
+class Tokenizers:
+    """Tokenizers by the SHA-256 of their tokenizer.json, read from Redis once each."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self._loaded: dict[str, Tokenizer] = {}
+
+    async def get(self, model: pb.ModelInfo) -> Tokenizer:
+        sha = model.text.tokenizer_sha256
+        tokenizer = self._loaded.get(sha)
+        if tokenizer is None:
+            try:
+                blob = await self.redis.get(contract.tokenizer(sha))
+            except REDIS_ERRORS as exc:
+                raise Unavailable(f"Redis is unreachable: {exc}") from None
+            if blob is None:
+                raise Unavailable(f"the tokenizer of model '{model.name}' is not in Redis yet (its executor publishes "
+                                  "it when it loads the model): retry")
+            tokenizer = self._loaded[sha] = Tokenizer.from_str(blob.decode())
+        return tokenizer
+
+    async def convert(self, request: ipb.ModelInferRequest, model: pb.ModelInfo) -> ipb.ModelInferRequest:
+        """`request` with its text tokenized into the model's token-id inputs; as it is if it sends no text."""
+        text = model.text
+        if not text.name or not any(t.name == text.name for t in request.inputs):
+            return request
+        strings = _strings(request, model)
+        tokenizer = await self.get(model)
+        encodings = tokenizer.encode_batch(strings)
+        lengths = [len(e.ids) for e in encodings]
+        for i, n in enumerate(lengths):
+            if n > text.max_length:
+                if not text.truncate:
+                    raise InvalidArgument(f"input '{text.name}': element {i} is {n} tokens, more than model "
+                                          f"'{model.name}' takes ({text.max_length}; its tokenizer does not truncate)")
+                lengths[i] = text.max_length
+        width = max(lengths)
+        ids = np.zeros((len(strings), width), np.int64)
+        mask = np.zeros((len(strings), width), np.int64)
+        for i, (e, n) in enumerate(zip(encodings, lengths)):
+            ids[i, :n] = e.ids[:n]
+            mask[i, :n] = 1
+        return _with_inputs(request, [(text.ids_input, ids), (text.mask_input, mask)]
+                            + ([(text.type_ids_input, np.zeros_like(ids))] if text.type_ids_input else []))
+
+
+def _strings(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> list[str]:
+    """The request's text elements, checked: BYTES, [batch] or [batch, 1], valid UTF-8, not empty."""
+    text = model.text
+    if len(request.inputs) != 1:
+        others = sorted(t.name for t in request.inputs if t.name != text.name)
+        raise InvalidArgument(f"input '{text.name}' of model '{model.name}' is sent alone (the model tokenizes it "
+                              f"into {text.ids_input!r} and {text.mask_input!r}); the request also has {others}")
+    tensor = request.inputs[0]
+    if tensor.datatype != "BYTES":
+        raise InvalidArgument(f"input '{text.name}' of model '{model.name}' must be BYTES, got {tensor.datatype or 'no datatype'}")
+    shape = list(tensor.shape)
+    if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)) or shape[0] < 1:
+        raise InvalidArgument(f"input '{text.name}' must have shape ['batch'] or ['batch', 1], got {shape}")
+    if model.max_batch_size and shape[0] > model.max_batch_size:
+        raise InvalidArgument(f"input '{text.name}': batch size {shape[0]} is outside 1..{model.max_batch_size} "
+                              f"(max_batch_size of model '{model.name}')")
+    count = element_count(shape)
+    if request.raw_input_contents:
+        items = list(deserialize_bytes(request.raw_input_contents[0], count, text.name))
+    else:
+        items = list(tensor.contents.bytes_contents)
+        if len(items) != count:
+            raise InvalidArgument(f"input '{text.name}': shape {shape} needs {count} values in contents.bytes_contents, "
+                                  f"got {len(items)}")
+    strings = []
+    for i, item in enumerate(items):
+        try:
+            s = bytes(item).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidArgument(f"input '{text.name}': element {i} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+        if not s.strip():
+            raise InvalidArgument(f"input '{text.name}': element {i} is empty")
+        strings.append(s)
+    return strings
+
+
+def _with_inputs(request: ipb.ModelInferRequest, arrays: list[tuple[str, np.ndarray]]) -> ipb.ModelInferRequest:
+    out = ipb.ModelInferRequest(model_name=request.model_name, model_version=request.model_version, id=request.id)
+    for key, value in request.parameters.items():
+        out.parameters[key].CopyFrom(value)
+    out.outputs.extend(request.outputs)
+    for name, array in arrays:
+        out.inputs.add(name=name, datatype="INT64", shape=list(array.shape))
+        out.raw_input_contents.append(array.tobytes())
+    return out
+
+
+def text_spec(model: pb.ModelInfo) -> pb.TensorSpec | None:
+    """The text input as metadata shows it (None: the model takes none)."""
+    if not model.text.name:
+        return None
+    return pb.TensorSpec(name=model.text.name, datatype="BYTES", shape=[-1, 1] if model.max_batch_size else [1])
