@@ -97,6 +97,11 @@ instance_count = 2
 [padding]
 input_ids = 0
 attention_mask = 0
+# Text in: a `text` input (BYTES) that the gateway tokenizes with the tokenizer shipped beside
+# the weights, cut at 256 tokens as SentenceTransformer.encode() cuts it.
+[tokenizer]
+path = "tokenizer"
+max_length = 256
 """
 
 MLP_CONFIG = """\
@@ -364,8 +369,8 @@ _BUILDERS: dict[str, tuple[Callable[[Path], None], str]] = {
 def build_repository(path: str | os.PathLike, *, force: bool = False) -> Path:
     """Create the demo model repository at ``path`` and return it as a Path.
 
-    A model whose ``1/model.onnx`` and ``config.toml`` both exist is left
-    alone unless ``force`` is true.
+    A model whose ``1/model.onnx`` and ``config.toml`` both exist is not built again unless
+    ``force`` is true; its config.toml is brought up to date with this version's.
     """
     repo = Path(path)
     repo.mkdir(parents=True, exist_ok=True)
@@ -376,6 +381,8 @@ def build_repository(path: str | os.PathLike, *, force: bool = False) -> Path:
         config_path = model_dir / CONFIG_FILE
         if not force and onnx_path.is_file() and config_path.is_file():
             logger.info("skipping %s: %s already built", name, model_dir)
+            if config_path.read_text() != config:
+                _atomic_write(config_path, config)
             continue
         logger.info("building %s into %s", name, model_dir)
         start = time.perf_counter()

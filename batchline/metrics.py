@@ -90,6 +90,11 @@ SCHEDULER_LEADER = Gauge("batchline_scheduler_leader", "1 while this scheduler h
 # -- executor -----------------------------------------------------------------------------------
 INFERENCE_COUNT = Counter("batchline_inference_count", "Rows executed.", _MV)
 EXECUTION_COUNT = Counter("batchline_execution_count", "Batches executed (rows/batches = mean batch size).", _MV)
+PADDING_EFFICIENCY = Histogram(
+    "batchline_padding_efficiency", "Per batch run: the tokens (elements at the model's variable dims) of its requests "
+    "over what it ran once padded to its longest member; 1 = no padding.", _MV,
+    buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
+)
 QUEUE_DURATION = Histogram(
     "batchline_queue_duration_seconds", "Time from enqueue to the start of execution.", _MV, buckets=LATENCY_BUCKETS
 )

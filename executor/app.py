@@ -86,6 +86,7 @@ class ExecutorApp:
     async def place(self, model: LoadedModel) -> None:
         """Serve `model` on its lanes (one per instance), replacing a loaded copy of the same version."""
         key = (model.name, model.version)
+        await self.executor.publish_tokenizers([model])  # before a gateway can see the model
         while len(self.lanes) < model.instances:
             lane = Executor(self.settings, [], lane_id(self.executor.executor_id, len(self.lanes)))
             self.lanes.append(lane)

@@ -24,6 +24,20 @@ def _problem(message: str) -> PydanticCustomError:
     return PydanticCustomError("model_config", message)
 
 
+class TokenizerConfig(BaseModel):
+    """`[tokenizer]`: the model takes text, tokenized by the gateway into its token-id inputs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="Directory holding tokenizer.json (Hugging Face `tokenizers`), relative to the model's.")
+    max_length: int = Field(512, ge=1, description="Most tokens of one text, special tokens included.")
+    truncate: bool = Field(True, description="Cut longer texts to max_length (false: refuse them, INVALID_ARGUMENT).")
+    input: str = Field("text", description="Name of the BYTES input the model exposes for text.")
+    ids_input: str = Field("input_ids", description="The graph's input that takes the token ids.")
+    mask_input: str = Field("attention_mask", description="The graph's input that takes the attention mask.")
+    type_ids_input: str = Field("", description="The graph's token-type input, if it has one (fed zeros).")
+
+
 class ModelConfig(BaseModel):
     """The keys of ``<repo>/<model>/config.toml``; every one is optional."""
 
@@ -74,6 +88,12 @@ class ModelConfig(BaseModel):
         "with `trt_fp16_enable = true`.",
     )
 
+    tokenizer: TokenizerConfig | None = Field(
+        None, description="A `[tokenizer]` table: the model also takes text (a BYTES input, `text` by default), which "
+        "the gateway tokenizes into its token-id inputs; those stay available to clients that tokenize themselves. "
+        "Keys: `path` (required: the directory of tokenizer.json), `max_length` (512), `truncate` (true; false "
+        "refuses longer texts), `input`, `ids_input`, `mask_input`, `type_ids_input`.",
+    )
     version_policy: dict[str, Any] = Field(
         default_factory=lambda: {"latest": 1},
         description="Which of the model's version directories are served (Triton's version_policy): "

@@ -6,6 +6,7 @@ The config.toml keys, their defaults and checks are `executor.model_config.Model
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pathlib
@@ -33,6 +34,7 @@ class LoadedModel:
     padding: dict[str, Any] = field(default_factory=dict)
     instances: int = 1  # batches run at once: each instance is a lane the scheduler dispatches to
     fingerprint: tuple[int, ...] = ()  # of config.toml and model.onnx as loaded (executor/live.py reloads on change)
+    tokenizer_json: bytes = b""  # config.toml [tokenizer]: published in Redis for the gateways
 
     @property
     def string_inputs(self) -> list[str]:
@@ -160,9 +162,40 @@ def load_model(
         padded_inputs=sorted(padding),
         max_queue_size=int(config["max_queue_size"]),
     )
+    tokenizer_json = _text_input(model_dir, config.get("tokenizer"), info) if config.get("tokenizer") else b""
     log.info("loaded %s version %s on %s (max_batch_size %d, %d instance(s))",
              name, version, list(info.providers), info.max_batch_size, instances)
-    return LoadedModel(info=info, session=session, padding=padding, instances=instances)
+    return LoadedModel(info=info, session=session, padding=padding, instances=instances, tokenizer_json=tokenizer_json)
+
+
+def _text_input(model_dir: pathlib.Path, tok: dict[str, Any], info: pb.ModelInfo) -> bytes:
+    """Check the [tokenizer] table against the graph, set the model's text input; tokenizer.json's bytes."""
+    from tokenizers import Tokenizer
+
+    where = f"{model_dir}/config.toml [tokenizer]"
+    path = model_dir / tok["path"] / "tokenizer.json"
+    try:
+        blob = path.read_bytes()
+        Tokenizer.from_str(blob.decode())
+    except OSError as exc:
+        raise RepositoryError(f"{where}: cannot read {path} ({exc.strerror})") from None
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
+        raise RepositoryError(f"{where}: {path} is not a tokenizer ({exc})") from None
+    names = {s.name: s for s in info.inputs}
+    for key in ("ids_input", "mask_input", "type_ids_input"):
+        if tok[key] and tok[key] not in names:
+            raise RepositoryError(f"{where}: {key} {tok[key]!r} is not an input of the graph; its inputs are {sorted(names)}")
+    if tok["input"] in names:
+        raise RepositoryError(f"{where}: input {tok['input']!r} is already the name of one of the graph's inputs")
+    expected = set(filter(None, (tok["ids_input"], tok["mask_input"], tok["type_ids_input"])))
+    if set(names) != expected:
+        raise RepositoryError(f"{where}: the graph's inputs {sorted(names)} are not the tokenizer's {sorted(expected)}")
+    info.text.CopyFrom(pb.TextInput(
+        name=tok["input"], max_length=tok["max_length"], truncate=tok["truncate"], ids_input=tok["ids_input"],
+        mask_input=tok["mask_input"], type_ids_input=tok["type_ids_input"],
+        tokenizer_sha256=hashlib.sha256(blob).hexdigest(),
+    ))
+    return blob
 
 
 @dataclass

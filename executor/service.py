@@ -141,10 +141,20 @@ class Executor:
             log.warning("requeued %d requests a previous %s had taken but not answered", n, self.executor_id)
         await self.register()
         await self.publish_reports(self._warmup_reports)
+        await self.publish_tokenizers(list(self.models.values()))
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         for i in range(max(1, self.settings.concurrent_batches)):
             self._workers.append(asyncio.create_task(self._work_loop(), name=f"worker-{i}"))
         log.info("executor %s serving %s", self.executor_id, sorted(f"{n}:{v}" for n, v in self.models))
+
+    async def publish_tokenizers(self, models: list[LoadedModel]) -> None:
+        """The tokenizers of models that take text, where the gateways read them (bl:tokenizer:{sha256})."""
+        texts = {m.info.text.tokenizer_sha256: m.tokenizer_json for m in models if m.tokenizer_json}
+        if texts:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for sha, blob in texts.items():
+                    pipe.set(contract.tokenizer(sha), blob, ex=contract.TOKENIZER_TTL)
+                await pipe.execute()
 
     async def publish_reports(self, reports: list[pb.ExecutionReport]) -> None:
         """Warm-up runs' reports, which seed the scheduler's latency profiles."""
@@ -326,6 +336,12 @@ class Executor:
                 if runnable:
                     with _phase("infer", traced):
                         units = await self._run(model, runnable)
+                    if units:
+                        real = sum(m.entry.rows * max(1, m.entry.length) for m in runnable)
+                        efficiency = min(1.0, real / units)
+                        metrics.PADDING_EFFICIENCY.labels(model.name, model.version).observe(efficiency)
+                        if traced:
+                            telemetry.current_span().set_attribute("batchline.padding_efficiency", efficiency)
             t2 = time.perf_counter_ns()
         replies: dict[str, list[bytes]] = defaultdict(list)
         for m in members:

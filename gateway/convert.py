@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from batchline import contract
 from batchline.protocol import inference_pb2 as ipb
+from gateway.text import text_spec
 
 
 def _duration(stats: dict[str, int], prefix: str) -> ipb.StatisticDuration:
@@ -42,6 +43,12 @@ def model_statistics(info, stats: dict[str, int]) -> ipb.ModelStatistics:
     )
 
 
+def inputs_of(info) -> list:
+    """The model's inputs as clients see them: the graph's, and its text input when it has one."""
+    text = text_spec(info)
+    return [*info.inputs, text] if text is not None else list(info.inputs)
+
+
 def _data_type(datatype: str) -> int:
     # Triton names BYTES tensors TYPE_STRING; every other KServe datatype maps by name.
     return ipb.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}")
@@ -59,13 +66,16 @@ def model_config(info) -> ipb.ModelConfig:
         platform=info.platform,
         backend="onnxruntime",
         max_batch_size=info.max_batch_size,
-        input=[ipb.ModelInput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape)) for s in info.inputs],
+        input=[ipb.ModelInput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape)) for s in inputs_of(info)],
         output=[ipb.ModelOutput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape)) for s in info.outputs],
         parameters={
             "providers": ipb.ModelParameter(string_value=",".join(info.providers)),
             "padded_inputs": ipb.ModelParameter(string_value=",".join(info.padded_inputs)),
         },
     )
+    if info.text.name:
+        # Which input is text, sent instead of the token-id inputs (the bench reads it).
+        config.parameters["text_input"].string_value = info.text.name
     if batched:
         config.dynamic_batching.CopyFrom(ipb.ModelDynamicBatching(
             preferred_batch_size=list(info.preferred_batch_sizes),

@@ -31,6 +31,7 @@ from gateway.replies import Replies
 from gateway.repository import RepositoryControl, absent
 from gateway.request import Call, parse, queue_entry
 from gateway.settings import GatewaySettings
+from gateway.text import Tokenizers
 from gateway.views import LoadViews
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class Gateway:
         self.gateways = 1  # live gateways (from the heartbeats): each spaces only the refusals it gives itself
         self.repository = RepositoryControl(self.redis, settings.model_control_mode)
         self.fair = FairShares()  # tenants' shares of each model (tokens' weights)
+        self.tokenizers = Tokenizers(self.redis)  # of the models that take text
 
     @property
     def loads(self) -> dict[tuple[str, str], pb.ModelLoad]:
@@ -206,6 +208,8 @@ class Gateway:
         weight: float = 1.0,
     ) -> ipb.ModelInferResponse:
         model = await self.model(request.model_name, request.model_version)
+        if model.text.name:
+            request = await self.tokenizers.convert(request, model)
         call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000)
         if self.draining:
             raise Unavailable("this gateway is shutting down: retry on another instance")

@@ -13,7 +13,7 @@ from batchline.errors import RETRY_AFTER_KEY, BatchlineError, Internal, grpc_sta
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
 from batchline.auth import Grant, Tokens
-from gateway.convert import model_config, model_statistics
+from gateway.convert import inputs_of, model_config, model_statistics
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             name=info.name,
             versions=self.gateway.registry.versions(info.name),
             platform=info.platform,
-            inputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in info.inputs],
+            inputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in inputs_of(info)],
             outputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in info.outputs],
         )
 

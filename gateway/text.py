@@ -27,11 +27,14 @@ class Tokenizers:
 
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
-        self._loaded: dict[str, Tokenizer] = {}
+        self._loaded: dict[tuple[str, int, bool], Tokenizer] = {}
 
     async def get(self, model: pb.ModelInfo) -> Tokenizer:
-        sha = model.text.tokenizer_sha256
-        tokenizer = self._loaded.get(sha)
+        """The model's tokenizer, set to truncate at its max_length (or not to truncate), never to pad."""
+        text = model.text
+        sha = text.tokenizer_sha256
+        key = (sha, text.max_length, text.truncate)
+        tokenizer = self._loaded.get(key)
         if tokenizer is None:
             try:
                 blob = await self.redis.get(contract.tokenizer(sha))
@@ -40,7 +43,13 @@ class Tokenizers:
             if blob is None:
                 raise Unavailable(f"the tokenizer of model '{model.name}' is not in Redis yet (its executor publishes "
                                   "it when it loads the model): retry")
-            tokenizer = self._loaded[sha] = Tokenizer.from_str(blob.decode())
+            tokenizer = Tokenizer.from_str(blob.decode())
+            tokenizer.no_padding()
+            if text.truncate:
+                tokenizer.enable_truncation(text.max_length)
+            else:
+                tokenizer.no_truncation()
+            self._loaded[key] = tokenizer
         return tokenizer
 
     async def convert(self, request: ipb.ModelInferRequest, model: pb.ModelInfo) -> ipb.ModelInferRequest:
@@ -53,11 +62,9 @@ class Tokenizers:
         encodings = tokenizer.encode_batch(strings)
         lengths = [len(e.ids) for e in encodings]
         for i, n in enumerate(lengths):
-            if n > text.max_length:
-                if not text.truncate:
-                    raise InvalidArgument(f"input '{text.name}': element {i} is {n} tokens, more than model "
-                                          f"'{model.name}' takes ({text.max_length}; its tokenizer does not truncate)")
-                lengths[i] = text.max_length
+            if n > text.max_length:  # (truncating, the tokenizer has cut it already)
+                raise InvalidArgument(f"input '{text.name}': element {i} is {n} tokens, more than the {text.max_length} "
+                                      f"model '{model.name}' takes (its [tokenizer] does not truncate)")
         width = max(lengths)
         ids = np.zeros((len(strings), width), np.int64)
         mask = np.zeros((len(strings), width), np.int64)

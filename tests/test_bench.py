@@ -218,3 +218,39 @@ def test_cli_unreachable_endpoint_exits_non_zero_with_message(capsys):
         port = s.getsockname()[1]
     assert cli.main(["bench", "--url", f"127.0.0.1:{port}", "--model", "mlp", "--quiet"]) != 0
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_seq_len_dist_draws_each_requests_length_and_refuses_bad_specs():
+    from batchline.bench.inputs import parse_seq_len_dist
+
+    assert parse_seq_len_dist("16,64") == [16, 64]
+    tail = parse_seq_len_dist("lognormal:40:256", seed=1)
+    assert max(tail) <= 256 and min(tail) >= 1 and 30 < np.mean(tail) < 50 and np.percentile(tail, 99) > 100
+    for bad in ("", "0,3", "lognormal:40", "lognormal:x:1", "16,a"):
+        with pytest.raises(InputError, match="--seq-len-dist"):
+            parse_seq_len_dist(bad)
+    tokens = [TensorInfo("input_ids", "INT64", (-1, -1)), TensorInfo("attention_mask", "INT64", (-1, -1))]
+    pool = build_pool("minilm", tokens, InputOptions(seq_lens=[8, 24], pool_size=40, seed=3))
+    seen = set()
+    for blob in pool.requests:
+        req = service_pb2.ModelInferRequest.FromString(blob)
+        ids, mask = req.inputs
+        assert list(ids.shape) == list(mask.shape)  # one length per request, every token input
+        seen.add(ids.shape[1])
+    assert seen == {8, 24}
+
+
+def test_texts_send_one_sentence_a_request_on_the_text_input(mesh, tmp_path, capsys):
+    sentences = tmp_path / "s.txt"
+    sentences.write_text("A short one.\n\nA somewhat longer sentence about batching requests of many lengths.\n")
+    out_json = tmp_path / "r.json"
+    code = cli.main(["bench", "--url", mesh.address, "--model", "minilm", "--texts", str(sentences), "--concurrency",
+                     "2", "--duration", "1", "--warmup", "0.2", "--budget-ms", "5000", "--json", str(out_json), "--quiet"])
+    assert code == 0, capsys.readouterr()
+    [step] = read_json(out_json).steps
+    assert step.status_counts.get("OK", 0) > 0 and set(step.status_counts) == {"OK"}
+    assert read_json(out_json).config["input_shapes"] == {"text": [1, 1]}
+    # A model without a text input says so.
+    assert cli.main(["bench", "--url", mesh.address, "--model", "mlp", "--texts", str(sentences), "--duration", "1",
+                     "--quiet"]) != 0
+    assert "takes no text input" in capsys.readouterr().err

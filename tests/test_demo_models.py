@@ -163,6 +163,7 @@ def test_configs(repo):
         "default_timeout_ms": 5000,
         "instance_count": 2,
         "padding": {"input_ids": 0, "attention_mask": 0},
+        "tokenizer": {"path": "tokenizer", "max_length": 256},
     }
     mlp = tomllib.loads((repo / "mlp" / "config.toml").read_text())
     assert mlp == {"max_batch_size": 64, "max_queue_delay_ms": 10.0, "default_timeout_ms": 5000}

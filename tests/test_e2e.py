@@ -63,9 +63,9 @@ def test_server_and_model_metadata(client):
     meta = client.get_server_metadata()
     assert meta.name == "batchline" and "statistics" in meta.extensions
     mm = client.get_model_metadata("minilm")
-    assert [i.name for i in mm.inputs] == ["input_ids", "attention_mask"]
-    assert [list(i.shape) for i in mm.inputs] == [[-1, -1], [-1, -1]]
-    assert all(i.datatype == "INT64" for i in mm.inputs)
+    # The token ids, and the text the gateway tokenizes into them ([tokenizer] in config.toml).
+    assert [(i.name, i.datatype, list(i.shape)) for i in mm.inputs] == [
+        ("input_ids", "INT64", [-1, -1]), ("attention_mask", "INT64", [-1, -1]), ("text", "BYTES", [-1, 1])]
     assert mm.outputs[0].name == "sentence_embedding" and list(mm.outputs[0].shape) == [-1, 384]
     assert list(mm.versions) == ["1"] and mm.platform == "onnxruntime_onnx"
 
@@ -76,7 +76,8 @@ def test_model_config_as_triton_reports_it(client):
     assert (cfg["name"], cfg["platform"], cfg["backend"], cfg["max_batch_size"]) == ("minilm", "onnxruntime_onnx", "onnxruntime", 32)
     # dims leave the batch dim out, as Triton's do for a batched model
     assert [(i["name"], i["data_type"], i["dims"]) for i in cfg["input"]] == [
-        ("input_ids", "TYPE_INT64", ["-1"]), ("attention_mask", "TYPE_INT64", ["-1"])]
+        ("input_ids", "TYPE_INT64", ["-1"]), ("attention_mask", "TYPE_INT64", ["-1"]), ("text", "TYPE_STRING", ["1"])]
+    assert cfg["parameters"]["text_input"]["string_value"] == "text"
     assert [(o["name"], o["data_type"], o["dims"]) for o in cfg["output"]] == [("sentence_embedding", "TYPE_FP32", ["384"])]
     batching = cfg["dynamic_batching"]
     assert batching["max_queue_delay_microseconds"] == "5000"

@@ -19,7 +19,7 @@ import datetime
 from dataclasses import asdict, dataclass, field
 
 from batchline import eventloop
-from batchline.bench.inputs import InputError, InputOptions, RequestPool, TensorInfo, build_pool
+from batchline.bench.inputs import InputError, InputOptions, RequestPool, TensorInfo, build_pool, build_text_pool
 from batchline.bench.loadgen import (
     DEFAULT_MAX_OUTSTANDING,
     BenchError,
@@ -62,6 +62,13 @@ class BenchConfig:
 
 async def _connect(config: BenchConfig, ep: Endpoint) -> RequestPool:
     tensors = await ep.inputs()
+    if config.inputs.texts:
+        text = await ep.text_input()
+        if not text:
+            raise BenchError(f"model {config.model!r} takes no text input (a [tokenizer] in its config.toml): "
+                             "--texts needs one")
+        return build_text_pool(config.model, text, config.inputs, version=config.version,
+                               budget_ms=config.budget_ms, priority=config.priority)
     try:
         return build_pool(config.model, tensors, config.inputs, version=config.version,
                           budget_ms=config.budget_ms, priority=config.priority)

@@ -95,6 +95,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--default-dim", type=int, default=16, help="size of dynamic non-batch dims (default: 16)")
     g.add_argument("--seq-len", type=int, default=None,
                    help="size of the dynamic non-batch dim of 2-D integer inputs (token ids, masks)")
+    g.add_argument("--seq-len-dist", default=None, metavar="L1,L2,...|lognormal:MEAN:MAX",
+                   help="token-style [batch, seq] inputs: each request's length drawn from these lengths, or from a "
+                   "lognormal with that mean, capped at MAX (a long tail); instead of one --seq-len")
+    g.add_argument("--texts", default=None, metavar="FILE",
+                   help="one sentence a line: each request sends one on the model's text input (a model with a "
+                   "[tokenizer]); the pool is every line, in a random order")
     g.add_argument("--int-range", action="append", default=[], metavar="NAME=LO:HI",
                    help="inclusive value range of an integer input, e.g. attention_mask=1:1 (repeatable)")
     g.add_argument("--pool-size", type=int, default=64, help="distinct pre-serialized requests (default: 64)")
@@ -116,7 +122,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _input_options(args: argparse.Namespace):
-    from batchline.bench.inputs import InputError, InputOptions, parse_int_range, parse_shape
+    from batchline.bench.inputs import InputError, InputOptions, parse_int_range, parse_seq_len_dist, parse_shape
 
     if args.default_dim < 0 or (args.seq_len is not None and args.seq_len < 0):
         raise InputError("--default-dim and --seq-len must be >= 0")
@@ -124,7 +130,22 @@ def _input_options(args: argparse.Namespace):
         shapes=dict(parse_shape(s) for s in args.shape),
         int_ranges=dict(parse_int_range(s) for s in args.int_range),
         default_dim=args.default_dim, seq_len=args.seq_len, pool_size=args.pool_size, seed=args.seed,
+        seq_lens=parse_seq_len_dist(args.seq_len_dist, args.seed) if args.seq_len_dist else None,
+        texts=_texts(args.texts) if args.texts else [],
     )
+
+
+def _texts(path: str) -> list[str]:
+    from batchline.bench.inputs import InputError
+
+    try:
+        lines = [line.strip() for line in open(path, encoding="utf-8")]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--texts {path}: {exc}") from None
+    lines = [line for line in lines if line]
+    if not lines:
+        raise InputError(f"--texts {path}: no sentences (one a line)")
+    return lines
 
 
 def main(args: argparse.Namespace) -> int:

@@ -47,6 +47,9 @@ class InputOptions:
     int_ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
     default_dim: int = 16
     seq_len: int | None = None
+    # Token-style [batch, seq] inputs: each request's seq length drawn from these (--seq-len-dist).
+    seq_lens: list[int] | None = None
+    texts: list[str] = field(default_factory=list)  # --texts: one request a sentence, on the text input
     pool_size: int = 64
     seed: int = 0
 
@@ -75,6 +78,25 @@ def parse_shape(text: str) -> tuple[str, list[int]]:
     if any(d < 0 for d in shape):
         raise InputError(f"--shape {text!r}: dimensions must be >= 0")
     return name, shape
+
+
+def parse_seq_len_dist(text: str, seed: int = 0, n: int = 4096) -> list[int]:
+    """``L1,L2,...`` (each equally likely) or ``lognormal:MEAN:MAX`` -> lengths to draw from."""
+    try:
+        if text.startswith("lognormal:"):
+            mean, cap = (float(x) for x in text.split(":")[1:])
+            if mean < 1 or cap < 1:
+                raise ValueError
+            # A long tail: sigma 0.8, scaled so that the mean (before the cap) is MEAN.
+            sigma = 0.8
+            draws = np.random.default_rng(seed).lognormal(np.log(mean) - sigma**2 / 2, sigma, n)
+            return [int(min(cap, max(1, round(d)))) for d in draws]
+        lengths = [int(x) for x in text.split(",")]
+        if not lengths or min(lengths) < 1:
+            raise ValueError
+        return lengths
+    except ValueError:
+        raise InputError(f"--seq-len-dist {text!r}: expected L1,L2,... or lognormal:MEAN:MAX with values >= 1") from None
 
 
 def parse_int_range(text: str) -> tuple[str, tuple[int, int]]:
@@ -177,8 +199,11 @@ def build_pool(
     requests = []
     for _ in range(max(1, opts.pool_size)):
         req = service_pb2.ModelInferRequest(model_name=model, model_version=version)
+        seq = int(rng.choice(opts.seq_lens)) if opts.seq_lens else None
         for info in inputs:
-            shape = shapes[info.name]
+            shape = list(shapes[info.name])
+            if seq is not None and info.name not in opts.shapes and _token_style(info):
+                shape[1] = seq
             tensor = req.inputs.add()
             tensor.name, tensor.datatype = info.name, info.datatype
             tensor.shape.extend(shape)
@@ -190,3 +215,26 @@ def build_pool(
         requests.append(req.SerializeToString())
     first = [s[0] for s in shapes.values() if s]
     return RequestPool(requests=requests, shapes=shapes, rows=first[0] if first else 1)
+
+
+def _token_style(info: TensorInfo) -> bool:
+    return info.datatype in INTEGER_TYPES and len(info.shape) == 2 and info.shape[1] < 0
+
+
+def build_text_pool(model: str, text_input: str, opts: InputOptions, *, version: str = "",
+                    budget_ms: float | None = None, priority: int = 0) -> RequestPool:
+    """One request a sentence of `opts.texts`, in a random order: BYTES [1, 1] on `text_input`."""
+    order = np.random.default_rng(opts.seed).permutation(len(opts.texts))
+    requests = []
+    for k in order:
+        req = service_pb2.ModelInferRequest(model_name=model, model_version=version)
+        tensor = req.inputs.add()
+        tensor.name, tensor.datatype = text_input, "BYTES"
+        tensor.shape.extend([1, 1])
+        req.raw_input_contents.append(_raw(np.array([[opts.texts[k].encode()]], dtype=np.object_), "BYTES"))
+        if budget_ms is not None:
+            req.parameters["timeout"].int64_param = max(1, int(budget_ms * 1000))
+        if priority:
+            req.parameters["priority"].uint64_param = priority
+        requests.append(req.SerializeToString())
+    return RequestPool(requests=requests, shapes={text_input: [1, 1]}, rows=1)

@@ -183,7 +183,20 @@ class Endpoint:
         except InferenceServerException as exc:
             what = f"model {self.model!r}" + (f" version {self.version!r}" if self.version else "")
             raise BenchError(f"{what} is not served by {self.url}: {exc.message()}") from None
-        return [TensorInfo(t.name, t.datatype, tuple(t.shape)) for t in meta.inputs]
+        inputs = [TensorInfo(t.name, t.datatype, tuple(t.shape)) for t in meta.inputs]
+        text = await self.text_input(timeout_s)
+        # A model that takes text besides token ids (batchline's [tokenizer]): send one or the other.
+        return [t for t in inputs if t.name != text] if text else inputs
+
+    async def text_input(self, timeout_s: float = 10.0) -> str:
+        """The model's text input, which it tokenizes into its other inputs ("": none)."""
+        try:
+            config = await self.client.get_model_config(self.model, self.version, headers=self.headers,
+                                                        client_timeout=timeout_s)
+        except InferenceServerException:
+            return ""  # a server without ModelConfig
+        param = config.config.parameters.get("text_input")
+        return param.string_value if param is not None else ""
 
     async def counts(self) -> tuple[int, int] | None:
         """(inference_count, execution_count) summed over the model's versions; None if not served."""

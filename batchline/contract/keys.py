@@ -25,6 +25,7 @@ bl:profile-units:{m}:{v}:{k}  string       latency-profile samples (units, secon
 bl:rate:{tenant}              hash         a tenant's token bucket (max_rate): tokens, as of (ms); TTL = refill time
 bl:control:models             hash         model name -> "load:{seq}" | "unload:{seq}": the latest repository call
 bl:control:seq                string       the sequence number of the latest repository call (INCR)
+bl:tokenizer:{sha256}         string       a model's tokenizer.json, for the gateways to tokenize its text input
 ============================  ===========  ==================================================
 """
 from __future__ import annotations
@@ -68,6 +69,7 @@ PROFILE_TTL = 7 * 24 * 3_600
 SCHEDULER_WAKE_TTL_MS = 10_000  # a scheduler's own wake list, should it die before reading it
 REPORTS_CAP = 100_000
 CONTROL_TTL = 30 * 24 * 3_600    # the repository calls are remembered this long after the last one
+TOKENIZER_TTL = 7 * 24 * 3_600   # refreshed whenever an executor loads the model
 
 # A model version being released still takes the batches of what was queued for it this long
 # (and until its queue is empty or another executor serves it): longer than the gateways and
@@ -135,6 +137,10 @@ def stats(model: str, version: str) -> str:
 
 def load(model: str, version: str) -> str:
     return f"{PREFIX}load:{model}:{version}"
+
+
+def tokenizer(sha256: str) -> str:
+    return f"{PREFIX}tokenizer:{sha256}"
 
 
 def rate(tenant: str) -> str:

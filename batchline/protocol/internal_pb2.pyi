@@ -106,7 +106,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "platform", "max_batch_size", "max_queue_delay_ms", "default_timeout_ms", "default_priority", "priority_levels", "preferred_batch_sizes", "inputs", "outputs", "providers", "padded_inputs", "max_queue_size", "unloading")
+    __slots__ = ("name", "version", "platform", "max_batch_size", "max_queue_delay_ms", "default_timeout_ms", "default_priority", "priority_levels", "preferred_batch_sizes", "inputs", "outputs", "providers", "padded_inputs", "max_queue_size", "unloading", "text")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class ModelInfo(_message.Message):
     PADDED_INPUTS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
     UNLOADING_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     platform: str
@@ -137,7 +138,26 @@ class ModelInfo(_message.Message):
     padded_inputs: _containers.RepeatedScalarFieldContainer[str]
     max_queue_size: int
     unloading: bool
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., default_timeout_ms: _Optional[float] = ..., default_priority: _Optional[int] = ..., priority_levels: _Optional[int] = ..., preferred_batch_sizes: _Optional[_Iterable[int]] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., padded_inputs: _Optional[_Iterable[str]] = ..., max_queue_size: _Optional[int] = ..., unloading: _Optional[bool] = ...) -> None: ...
+    text: TextInput
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., default_timeout_ms: _Optional[float] = ..., default_priority: _Optional[int] = ..., priority_levels: _Optional[int] = ..., preferred_batch_sizes: _Optional[_Iterable[int]] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., padded_inputs: _Optional[_Iterable[str]] = ..., max_queue_size: _Optional[int] = ..., unloading: _Optional[bool] = ..., text: _Optional[_Union[TextInput, _Mapping]] = ...) -> None: ...
+
+class TextInput(_message.Message):
+    __slots__ = ("name", "max_length", "truncate", "ids_input", "mask_input", "type_ids_input", "tokenizer_sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    IDS_INPUT_FIELD_NUMBER: _ClassVar[int]
+    MASK_INPUT_FIELD_NUMBER: _ClassVar[int]
+    TYPE_IDS_INPUT_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    max_length: int
+    truncate: bool
+    ids_input: str
+    mask_input: str
+    type_ids_input: str
+    tokenizer_sha256: str
+    def __init__(self, name: _Optional[str] = ..., max_length: _Optional[int] = ..., truncate: _Optional[bool] = ..., ids_input: _Optional[str] = ..., mask_input: _Optional[str] = ..., type_ids_input: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ...) -> None: ...
 
 class RepositoryEntry(_message.Message):
     __slots__ = ("name", "version", "state", "reason")
