@@ -38,22 +38,23 @@ def arg_parser(description: str, progress: bool = True) -> argparse.ArgumentPars
 
 
 def mesh_args(model_repository: str | pathlib.Path, log_level: str = "WARNING", executors: int = 1,
-              gateways: int = 1) -> argparse.Namespace:
-    """`batchline up`'s arguments for a local mesh: a private Redis, the gateways on a free port."""
+              gateways: int = 1, metrics_port: int = 0) -> argparse.Namespace:
+    """`batchline up`'s arguments for a local mesh: a private Redis, the gateways on a free port, the
+    metrics on free ports (or consecutive ones from `metrics_port`: gateways, scheduler, executors)."""
     return argparse.Namespace(model_repository=str(model_repository), redis_url="", executors=executors,
                               gateways=gateways, gateway_port=0, host="127.0.0.1", log_level=log_level,
-                              startup_timeout=180.0, metrics_port=0)
+                              startup_timeout=180.0, metrics_port=metrics_port)
 
 
 @contextlib.contextmanager
 def mesh(model_repository: str | pathlib.Path, env: dict[str, str] | None = None, executors: int = 1,
-         log_level: str = "WARNING", gateways: int = 1) -> Iterator[str]:
+         log_level: str = "WARNING", gateways: int = 1, metrics_port: int = 0) -> Iterator[str]:
     """Run a mesh for the duration of the block; yields the gateway address.
 
     `env` reaches the services' settings (e.g. BATCHLINE_SCHEDULER_POLICY=fifo): the
     children inherit os.environ, which is restored once they are started.
     """
-    m = Mesh(mesh_args(model_repository, log_level, executors, gateways))
+    m = Mesh(mesh_args(model_repository, log_level, executors, gateways, metrics_port))
     saved = {k: os.environ.get(k) for k in env or {}}
     try:
         os.environ.update(env or {})
@@ -71,11 +72,17 @@ def mesh(model_repository: str | pathlib.Path, env: dict[str, str] | None = None
 
 
 def ensure_repository(path: str | pathlib.Path) -> pathlib.Path:
+    """The demo repository at `path`: built when missing; when there, its config.toml files are
+    brought up to date (the benchmarks measure the demo models as this checkout configures them)."""
     path = pathlib.Path(path).resolve()
     if not path.exists():
         from batchline.cli import build_demo
 
         build_demo(path)
+    else:
+        from batchline.demo_models import build_repository
+
+        build_repository(path)
     return path
 
 

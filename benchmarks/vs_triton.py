@@ -10,6 +10,10 @@ whole run; each round measures every workload on both, the order alternating fro
 the same `batchline bench` client (tritonclient's grpc.aio stubs). Per workload it prints each round's
 requests/s and p50/p99 on both, and the median over rounds of batchline/Triton for throughput and
 latency, with the CPU each request took per process (psutil, over the measured window).
+
+The text workload sends batchline the sentences of benchmarks/lengths.py as text (tokenized by its
+gateway, batched by length); Triton's client sends token ids padded to 128, as Triton users do
+without ragged batching (padded, the run costs the same whatever the tokens' values).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from typing import Iterator
 import psutil
 
 import _common
+import lengths
 from batchline.bench import InputOptions, StepResult, run_closed
 
 PEER_SERVER = pathlib.Path(__file__).resolve().parent / "peers" / "pytriton_server.py"
@@ -42,6 +47,9 @@ class Workload:
     concurrency: int
     streaming: bool = False
     seq_len: int | None = None
+    # Real sentences of many lengths (benchmarks/lengths.py's workload): batchline gets the text;
+    # Triton's client tokenizes and pads to `seq_len` tokens, as Triton users do without ragged batching.
+    texts: bool = False
 
 
 WORKLOADS = [
@@ -51,6 +59,7 @@ WORKLOADS = [
     Workload("mlp streams, 32 in flight", "mlp", 32, streaming=True),
     Workload("minilm 16 tokens, 32 in flight", "minilm", 32, seq_len=16),
     Workload("minilm 128 tokens, 32 in flight", "minilm", 32, seq_len=128),
+    Workload("minilm text of real lengths, 32 in flight (Triton: padded to 128)", "minilm", 32, seq_len=128, texts=True),
 ]
 
 
@@ -150,12 +159,13 @@ class Triton:
         self.start()
 
 
-def measure(address: str, w: Workload, args) -> Run:
+def measure(address: str, w: Workload, args, peer: bool = False) -> Run:
     before = cpu_snapshot()
     t0 = time.monotonic()
+    # Padded to seq_len, what the peer runs costs the same whatever the tokens' values.
+    inputs = InputOptions(texts=lengths.workload()) if w.texts and not peer else InputOptions(seq_len=w.seq_len)
     step = run_closed(address, w.model, w.concurrency, args.duration, warmup=args.warmup,
-                      budget_ms=_common.CAPACITY_BUDGET_MS, inputs=InputOptions(seq_len=w.seq_len),
-                      streaming=w.streaming)
+                      budget_ms=_common.CAPACITY_BUDGET_MS, inputs=inputs, streaming=w.streaming)
     after = cpu_snapshot()
     # The CPU of the warm-up is in the deltas too: spread it over the requests of both windows.
     elapsed = time.monotonic() - t0
@@ -171,7 +181,7 @@ def measure_peer(peer: Triton, w: Workload, args, attempts: int = 3) -> Run | No
         if not peer.alive():
             peer.restart()
         try:
-            run = measure(peer.address, w, args)
+            run = measure(peer.address, w, args, peer=True)
         except Exception as exc:  # noqa: BLE001 - the server died before or as the step connected
             print(f"Triton unreachable for '{w.name}' ({exc}); restarting it", flush=True)
             peer.restart()

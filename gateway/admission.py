@@ -70,7 +70,7 @@ def predicted_finish_s(load: pb.ModelLoad, model: pb.ModelInfo, request: Candida
     arrival = Pending("", request.rows, request.priority, float("inf"), now_s, length=max(1, request.length),
                       queued=False)
     played = resume(tail, since, arrival, model.max_batch_size, model.preferred_batch_sizes,
-                    cost or BatchCost.of_load(load), JOIN_LEAD_S, load.over_share_rows)
+                    cost or BatchCost.of_load(load), JOIN_LEAD_S, load.over_share_rows, load.length_aware)
     return played.finish_of(arrival) - now_s
 
 

@@ -52,7 +52,8 @@ class LoadViews:
         return changed or now - self.published_at.get(key, 0.0) >= PUBLISH_EVERY_S
 
     def publish(self, pipe, key: ModelKey, info: pb.ModelInfo, idle_at: list[float], cost: BatchCost,
-                queue: list[Pending], now: float, scanned_at: float, over_share_rows: int = 0) -> None:
+                queue: list[Pending], now: float, scanned_at: float, over_share_rows: int = 0,
+                length_aware: bool = False) -> None:
         """Queue on `pipe` the view of `queue` (what is left queued after the step), with the model's
         holders free at `idle_at`; `scanned_at`, when the step began reading the queues, dates it."""
         self.published_at[key] = now
@@ -70,7 +71,7 @@ class LoadViews:
             backlog_s=sum(t - now for t in idle_at),
             queued_rows=rows, policy=self.policy, updated_us=int(min(now, scanned_at or now) * 1e6),
             tails=queue_tails(queue, idle_at or [now], info.max_batch_size, info.preferred_batch_sizes, cost,
-                              over_share_rows),
-            seen_us=seen, over_share_rows=over_share_rows,
+                              over_share_rows, length_aware),
+            seen_us=seen, over_share_rows=over_share_rows, length_aware=length_aware,
         )
         pipe.set(contract.load(*key), load.SerializeToString(), px=contract.LOAD_TTL_MS)

@@ -49,6 +49,7 @@ class ModelPolicy:
     preferred_batch_sizes: tuple[int, ...] = ()
     kind: str = DEADLINE_AWARE
     over_share_rows: int = 0         # the most rows of a batch an over-share request heads (0: max_batch_size)
+    length_aware: bool = False       # batch requests of similar lengths together (batchline.planning._by_length)
 
 
 # An over-share batch may take at most this share of the shortest budget of the requests within
@@ -126,7 +127,7 @@ def plan(
             out.blocked = True
             break
         formed = form_batch(live, start, policy.max_batch_size, policy.preferred_batch_sizes, cost, deadline_aware=aware,
-                            over_share_rows=policy.over_share_rows)
+                            over_share_rows=policy.over_share_rows, length_aware=policy.length_aware and aware)
         for m in formed.late:
             out.expired.append(m)
             live.remove(m)
@@ -138,7 +139,11 @@ def plan(
             break
         out.batches.append(batch)
         free[i] = batch.finish
-        del live[: len(formed.send)]
+        if live[: len(formed.send)] == formed.send:
+            del live[: len(formed.send)]
+        else:  # length-aware: not the head's prefix
+            sent = {id(m) for m in formed.send}
+            live = [p for p in live if id(p) not in sent]
 
     # Whatever waits (for a free executor, or for company) must still be shed
     # the moment its deadline passes.

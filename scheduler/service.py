@@ -235,7 +235,8 @@ class Scheduler:
         slice_rows = over_share_rows(cost, in_share, max(over), info.max_batch_size) if in_share is not None else 0
         policy = ModelPolicy(max_batch_size=info.max_batch_size, max_queue_delay=info.max_queue_delay_ms / 1000,
                              preferred_batch_sizes=tuple(info.preferred_batch_sizes), kind=self.settings.policy,
-                             over_share_rows=slice_rows)
+                             over_share_rows=slice_rows,
+                             length_aware=self.settings.length_aware_batching and bool(info.padded_inputs))
         ready = [e for e in holders if free_at[e] != float("inf")]
         if in_share is not None and queue[0].priority > OVER_SHARE:
             # Over-share work goes only to an executor with nothing else to run, so that a request
@@ -262,7 +263,8 @@ class Scheduler:
             self.queues.left(key, now, len(left))
             if self.settings.policy != FIFO and self.views.due(key, now, changed=bool(gone)):
                 idle_at = [max(now, self.timeline.idle_at.get(e, now)) for e in holders]
-                self.views.publish(pipe, key, info, idle_at, cost, left, now, self._scanned_at, slice_rows)
+                self.views.publish(pipe, key, info, idle_at, cost, left, now, self._scanned_at, slice_rows,
+                                   policy.length_aware)
             try:
                 results = await pipe.execute() if len(pipe) else []
             finally:

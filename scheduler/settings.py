@@ -23,6 +23,11 @@ class SchedulerSettings(CommonSettings):
         "cannot make its deadline and publishes the load view gateways use for admission control. fifo: "
         "Triton-style max-queue-delay batching in arrival order (the baseline; no admission control).",
     )
+    length_aware_batching: bool = Field(
+        True, description="deadline policy, models with [padding]: a batch takes requests of similar lengths from the "
+        "next few batches' worth of the queue (the head always, a request that cannot wait always), rather than the "
+        "head's prefix padded to its longest member."
+    )
     max_batches_per_executor: int = Field(
         2,
         description="Batches an executor may hold at once (one running, one fetched ahead). A batch is only sent "

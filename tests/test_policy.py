@@ -685,7 +685,7 @@ def test_tail_plays_the_queue_in_full_batches():
     assert t.free == pytest.approx((2 * linear(4) + linear(2),))
     assert played(queue + [req("x"), req("y")], 4).batches[-1].rows == 4
     # Only the last batch's head reached the end of the queue: a view resumes there.
-    assert (t.resume_at, t.resume_free) == (8, pytest.approx((2 * linear(4),)))
+    assert (t.resume_queue, t.resume_free) == (tuple(queue[8:]), pytest.approx((2 * linear(4),)))
 
 
 def test_tail_batches_are_cut_to_meet_their_earliest_deadline():
@@ -797,4 +797,4 @@ def test_tail_cuts_batches_to_preferred_sizes_like_the_plan():
     policy = ModelPolicy(max_batch_size=32, max_queue_delay=10.0, preferred_batch_sizes=(8, 16))
     assert [b.rows for b in plan(0.0, queue, policy, IDLE, FunctionCost(linear)).batches] == [16]
     # The first batch's head reached the end of the queue: arrivals can change it.
-    assert t.resume_at == 0
+    assert t.resume_queue == tuple(queue)

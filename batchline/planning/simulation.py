@@ -2,7 +2,10 @@
 
 The rule (`form_batch`): a batch that starts at a given moment takes
 1. the head of the queue, in order, up to max_batch_size rows (one request
-   when the model has no batch dim);
+   when the model has no batch dim); length-aware (requests of different
+   lengths, padded to the longest), the head and the requests behind it whose
+   lengths are close to one another (`_by_length`), so that little of the
+   batch is padding;
 2. when that is short of full and of every preferred size, the largest
    preferred size its head makes exactly (Triton's rule): the rest waits;
 3. when one of its members would finish past its deadline, the prefix that
@@ -84,6 +87,7 @@ class Formed:
 def form_batch(
     queue: Sequence[Pending], start: float, max_batch_size: int, preferred_batch_sizes: Sequence[int], cost: Cost,
     *, at: int = 0, deadline_aware: bool = True, join_lead: float = 0.0, over_share_rows: int = 0,
+    length_aware: bool = False,
 ) -> Formed:
     """The batch that starts at `start` with `queue[at]` (the rule in the module's docstring).
 
@@ -91,12 +95,17 @@ def form_batch(
     queued after it starts, nor one still arriving (`queued` False) less than `join_lead` before.
     Without `deadline_aware` (the FIFO policy) deadlines cut nothing. `over_share_rows` (0: none)
     caps a batch whose head is queued at an over-share level (batchline.contract.OVER_SHARE).
+    With `length_aware`, the members need not be the head's prefix (`_by_length`).
     """
     cap = max_batch_size if max_batch_size > 0 else None
     if cap is not None and over_share_rows and queue[at].priority > OVER_SHARE:
         cap = min(cap, over_share_rows)
-    window, rows, longest, earliest = _take(queue, at, cap, start, join_lead)
-    members = window
+    if length_aware and cap is not None:
+        window, members = _by_length(queue, at, cap, start, join_lead, cost)
+        rows, longest, earliest = _measure(members)
+    else:
+        window, rows, longest, earliest = _take(queue, at, cap, start, join_lead)
+        members = window
     preferred = False
     if preferred_batch_sizes and rows not in preferred_batch_sizes and (cap is None or rows < cap):
         cut = _preferred_prefix(members, preferred_batch_sizes)
@@ -130,6 +139,74 @@ def _take(queue: Sequence[Pending], at: int, cap: int | None, start: float,
         if p.deadline < earliest:
             earliest = p.deadline
     return members, rows, longest, earliest
+
+
+# A length-aware batch takes requests at least 1/LENGTH_BAND of its padded length: none of them
+# runs padded to more than that many times its own length.
+LENGTH_BAND = 2.0
+# It looks this many full batches past its head for members of similar length.
+LOOKAHEAD_BATCHES = 4
+# At most this many padded lengths are weighed for one batch (evenly spread over those possible).
+_LENGTHS_TRIED = 8
+
+
+def _by_length(queue: Sequence[Pending], at: int, cap: int, start: float,
+               join_lead: float, cost: Cost) -> tuple[list[Pending], list[Pending]]:
+    """(the requests looked at, the batch's members in queue order): the head, and of the requests
+    behind it those of lengths within the band of the padded length that runs the most tokens a
+    second, up to `cap` rows. A request left out that could not wait for one more batch of its
+    own length after this one goes in anyway: deadlines come first. The plain prefix is weighed
+    too, so a batch is never predicted slower per token than the prefix's."""
+    window: list[Pending] = []
+    rows = 0
+    for k in range(at, len(queue)):
+        p = queue[k]
+        if window and p.enqueued + (0.0 if p.queued else join_lead) > start:
+            break
+        window.append(p)
+        rows += p.rows
+        if rows >= LOOKAHEAD_BATCHES * cap:
+            break
+    head = window[0]
+    prefix = _prefix(window, cap)
+    if all(p.length == head.length for p in window):
+        # All it looked at counts: a request of another length arriving within its reach would change it.
+        return window, prefix
+    lengths = sorted({p.length for p in window if head.length <= p.length <= head.length * LENGTH_BAND})
+    if len(lengths) > _LENGTHS_TRIED:
+        lengths = [lengths[round(i * (len(lengths) - 1) / (_LENGTHS_TRIED - 1))] for i in range(_LENGTHS_TRIED)]
+    best, best_rate = prefix, _tokens_per_s(prefix, cost)
+    full = {n: cost.predict(cap * n) for n in {p.length for p in window}}  # a full batch of each length
+    for padded in lengths:
+        # A request out of the band goes in anyway if it could not wait for this batch (taken as
+        # full at this length) and then one of its own length.
+        after = start + full[padded]
+        low = padded / LENGTH_BAND
+        members, r = [head], head.rows
+        for p in window[1:]:
+            if r + p.rows <= cap and (low <= p.length <= padded or p.deadline < after + full[p.length]):
+                members.append(p)
+                r += p.rows
+                if r == cap:
+                    break
+        rate = _tokens_per_s(members, cost)
+        if rate > best_rate:
+            best, best_rate = members, rate
+    return window, best
+
+
+def _prefix(window: Sequence[Pending], cap: int) -> list[Pending]:
+    members, rows = [], 0
+    for p in window:
+        if members and rows + p.rows > cap:
+            break
+        members.append(p)
+        rows += p.rows
+    return members
+
+
+def _tokens_per_s(members: Sequence[Pending], cost: Cost) -> float:
+    return sum(m.units for m in members) / max(cost.predict(units(members)), 1e-12)
 
 
 def _measure(members: Sequence[Pending]) -> tuple[int, int, float]:
@@ -181,10 +258,10 @@ class Played:
     batches: list[SimulatedBatch]
     shed: list[Pending]
     free: tuple[float, ...]         # when each executor is free after it all
-    # The resume point: the first batch whose head reached the end of the queue. Requests that
+    # The resume point: the first batch that looked at the end of the queue. Requests that
     # arrive later can change it and what follows it, nothing before it.
-    resume_at: int                  # its first request's index in the queue (len(queue): nothing queued)
-    resume_free: tuple[float, ...]  # when each executor is free before it
+    resume_queue: tuple[Pending, ...]  # what is left queued there, in service order (empty: nothing)
+    resume_free: tuple[float, ...]     # when each executor is free there
 
     def finish_of(self, request: Pending) -> float | None:
         """When `request` is predicted answered (None: shed)."""
@@ -197,7 +274,7 @@ class Played:
 def play(
     queue: Sequence[Pending], free: Sequence[float], max_batch_size: int, preferred_batch_sizes: Sequence[int],
     cost: Cost, join_lead: float = 0.0, unplanned_from: int | None = None, now: float = float("-inf"),
-    over_share_rows: int = 0,
+    over_share_rows: int = 0, length_aware: bool = False,
 ) -> Played:
     """Serve `queue` (in service order) by `form_batch`, each batch on the executor free first.
 
@@ -209,22 +286,34 @@ def play(
     free = list(free)
     batches: list[SimulatedBatch] = []
     shed: list[Pending] = []
-    resume: tuple[int, tuple[float, ...]] | None = None
-    i = 0
-    while i < len(queue):
+    resume: tuple[tuple[Pending, ...], tuple[float, ...]] | None = None
+    unplanned = {id(p) for p in queue[unplanned_from:]} if unplanned_from is not None else set()
+    rest, i = list(queue), 0
+    while i < len(rest):
         e = 0 if len(free) == 1 else min(range(len(free)), key=free.__getitem__)
-        start = max(free[e], queue[i].enqueued)
-        if unplanned_from is not None and i >= unplanned_from and start < now:
+        start = max(free[e], rest[i].enqueued)
+        if id(rest[i]) in unplanned and start < now:
             start = now
-        formed = form_batch(queue, start, max_batch_size, preferred_batch_sizes, cost, at=i, join_lead=join_lead,
-                            over_share_rows=over_share_rows)
-        if resume is None and i + formed.window >= len(queue):
-            resume = (i, tuple(free))
+        formed = form_batch(rest, start, max_batch_size, preferred_batch_sizes, cost, at=i, join_lead=join_lead,
+                            over_share_rows=over_share_rows, length_aware=length_aware)
+        if resume is None and i + formed.window >= len(rest):
+            resume = (tuple(rest[i:]), tuple(free))
         shed.extend(formed.late)
         if formed.send:
             finish = start + cost.predict(formed.units)
             batches.append(SimulatedBatch(tuple(formed.send), e, start, finish))
             free[e] = finish
-        i += formed.taken
-    resume_at, resume_free = resume or (len(queue), tuple(free))
-    return Played(batches, shed, tuple(free), resume_at, resume_free)
+        if _is_prefix(rest, i, formed):
+            i += formed.taken
+        else:
+            gone = {id(p) for p in formed.send} | {id(p) for p in formed.late}
+            rest, i = [p for p in rest[i:] if id(p) not in gone], 0
+    resume_queue, resume_free = resume or ((), tuple(free))
+    return Played(batches, shed, tuple(free), resume_queue, resume_free)
+
+
+def _is_prefix(rest: Sequence[Pending], at: int, formed: Formed) -> bool:
+    """Whether the batch (with what it shed) is the requests of `rest` from `at` on, in order: then
+    the play moves past them without rebuilding what is left."""
+    n = len(formed.send) + len(formed.late)
+    return n <= len(rest) - at and {id(p) for p in rest[at:at + n]} == {id(p) for p in formed.send + formed.late}

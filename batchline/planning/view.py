@@ -21,34 +21,36 @@ _QUEUED = float("-inf")
 
 def queue_tail(
     level: int, queue: Sequence[Pending], free: Sequence[float], max_batch_size: int,
-    preferred_batch_sizes: Sequence[int], cost: Cost, over_share_rows: int = 0,
+    preferred_batch_sizes: Sequence[int], cost: Cost, over_share_rows: int = 0, length_aware: bool = False,
 ) -> pb.QueueTail:
     """The view of priority `level`: `queue` holds what is queued at that level or higher, in
     service order; `free` when each executor holding the model is free (none: the view says so)."""
     if not free:
         return pb.QueueTail(level=level)
-    played = play(queue, free, max_batch_size, preferred_batch_sizes, cost, over_share_rows=over_share_rows)
+    played = play(queue, free, max_batch_size, preferred_batch_sizes, cost, over_share_rows=over_share_rows,
+                  length_aware=length_aware)
     return pb.QueueTail(
         level=level, free_s=played.resume_free,
         items=[pb.QueueTail.Item(rows=p.rows, length=p.length, deadline_s=p.deadline, priority=p.priority)
-               for p in queue[played.resume_at:]],
+               for p in played.resume_queue],
     )
 
 
 def queue_tails(
     queue: Sequence[Pending], free: Sequence[float], max_batch_size: int, preferred_batch_sizes: Sequence[int],
-    cost: Cost, over_share_rows: int = 0,
+    cost: Cost, over_share_rows: int = 0, length_aware: bool = False,
 ) -> list[pb.QueueTail]:
     """A model's views: level 1 and each lower level with requests queued (a level without any has
     the play of the level above). `queue` in service order, priority-major."""
     levels = sorted({1, *(p.priority for p in queue)})
     return [queue_tail(level, [p for p in queue if p.priority <= level], free, max_batch_size,
-                       preferred_batch_sizes, cost, over_share_rows) for level in levels]
+                       preferred_batch_sizes, cost, over_share_rows, length_aware) for level in levels]
 
 
 def resume(
     tail: pb.QueueTail, since: Sequence[Pending], arrival: Pending, max_batch_size: int,
     preferred_batch_sizes: Sequence[int], cost: Cost, join_lead: float, over_share_rows: int = 0,
+    length_aware: bool = False,
 ) -> Played:
     """The play of `tail` with `since` queued behind what it holds and then `arrival` (`queued`
     False), which arrives at its `enqueued` and joins no batch leaving less than `join_lead` later.
@@ -58,7 +60,8 @@ def resume(
     """
     queue = _queued(tail)
     return play([*queue, *since, arrival], tail.free_s, max_batch_size, preferred_batch_sizes, cost, join_lead,
-                unplanned_from=len(queue), now=arrival.enqueued, over_share_rows=over_share_rows)
+                unplanned_from=len(queue), now=arrival.enqueued, over_share_rows=over_share_rows,
+                length_aware=length_aware)
 
 
 # The requests of the views last resumed, by the view: a gateway resumes one view for every
