@@ -27,7 +27,9 @@ from batchline import contract
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, connect
 from batchline.registry import Registry
-from executor.repository import LoadedModel, ModelDir, RepositoryError, load_model, model_names, scan_model
+from executor.repository import (
+    LoadedModel, ModelDir, RepositoryError, load_model, load_repository, model_names, scan_model,
+)
 from executor.warmup import warm_up
 
 if TYPE_CHECKING:
@@ -83,6 +85,12 @@ class LiveRepository:
         s = self.settings
         names = await asyncio.to_thread(model_names, self.root, s.models or None)
         self.listed = set(names)
+        if self.mode == "none":  # all of it, or nothing: a model that fails stops the executor
+            models = await asyncio.to_thread(load_repository, self.root, s.models or None, s.providers,
+                                             s.trt_engine_cache_dir, s.intra_op_threads, s.allow_spinning, s.cpu_cores)
+            self.slots = {(m.name, m.version): Slot(READY, fingerprint=m.fingerprint, since=time.monotonic())
+                          for m in models}
+            return models
         if self.mode == "explicit":
             wanted = [n for n in s.load_model if not s.models or n in s.models]
             # Before the lanes (and their Redis clients) exist: a client of its own for this one read.
@@ -106,15 +114,7 @@ class LiveRepository:
                 for version, print_ in scanned.versions.items():
                     models.append(await self._load(scanned, version, print_))
             except RepositoryError as exc:
-                if self.mode == "none":
-                    raise
                 self._failed(name, str(exc))
-        if self.mode == "none" and s.models:
-            missing = set(s.models) - {m.name for m in models}
-            if missing:
-                raise RepositoryError(f"models {sorted(missing)} not found in {self.root}")
-        if self.mode == "none" and not models:
-            raise RepositoryError(f"no models found in {self.root} (expected <model>/<version>/model.onnx)")
         return models
 
     async def run(self) -> None:
