@@ -160,7 +160,7 @@ def _known_flags() -> set[str]:
 
 
 # Flags of other tools the docs show (docker, docker compose).
-OTHER_TOOLS = {"--build", "--build-arg", "--scale", "--from-literal", "--from-file"}  # docker, kubectl
+OTHER_TOOLS = {"--build", "--build-arg", "--scale", "--from-literal", "--from-file", "--profile"}  # docker, kubectl
 
 
 def test_every_flag_the_docs_name_exists():
