@@ -37,7 +37,7 @@ class AdmissionLedger:
         self.headroom = headroom  # the setting: used as is, or where the learned one starts
         self.target = target      # share of admitted requests to answer in time (0: do not learn)
         self._admitted: dict[ModelKey, deque[Admitted]] = defaultdict(deque)
-        self._calibrations: dict[ModelKey, Calibration] = {}
+        self._calibrations: dict[tuple[str, str, bool], Calibration] = {}  # per model, and over-share or not
         # When the requests refused so far are expected back (time.time()), per model and
         # priority level: later refusals are told to come after them (admission.retry_spacing_s).
         self._retries_at: dict[tuple[str, str, int], float] = {}
@@ -57,7 +57,7 @@ class AdmissionLedger:
             # it read. This gateway's requests reach Redis in the order they were stamped.)
             admitted.popleft()
         since = [a.item for a in admitted if a.item.priority <= call.priority and not a.over]
-        calibration = self.calibration(key)
+        calibration = self.calibration(key, over_share=call.priority > contract.OVER_SHARE)
         headroom = calibration.headroom if calibration else self.headroom
         candidate = Candidate(call.rows, call.priority, call.run_budget_s, call.length, stated_budget_s=call.budget_s)
         now_s = arrived_us / 1e6
@@ -79,14 +79,17 @@ class AdmissionLedger:
         metrics.REJECTED.labels(call.model.name, call.model.version, reason).inc()
         raise refusal
 
-    def calibration(self, key: ModelKey) -> Calibration | None:
-        """Admission's learned headroom for a model (None: the headroom is the setting)."""
+    def calibration(self, key: ModelKey, over_share: bool = False) -> Calibration | None:
+        """Admission's learned headroom for a model (None: the headroom is the setting). Requests of
+        tenants over their share learn one of their own: queued behind everyone's, they miss more
+        often, and that must not make admission refuse the requests of the tenants within theirs."""
         if self.target <= 0:
             return None
-        calibration = self._calibrations.get(key)
+        calibration = self._calibrations.get((*key, over_share))
         if calibration is None:
-            calibration = self._calibrations[key] = Calibration(self.target, self.headroom)
-            metrics.ADMISSION_HEADROOM.labels(*key).set_function(lambda: calibration.headroom)
+            calibration = self._calibrations[(*key, over_share)] = Calibration(self.target, self.headroom)
+            if not over_share:
+                metrics.ADMISSION_HEADROOM.labels(*key).set_function(lambda: calibration.headroom)
         return calibration
 
 

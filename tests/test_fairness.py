@@ -64,6 +64,16 @@ def test_demotion_stays_within_the_queue_scores_levels():
     assert fair.level(MODEL, "a", 1.0, 899, 1, 0.0) == 900
 
 
+def test_admission_learns_the_headroom_of_over_share_requests_apart():
+    from gateway.ledger import AdmissionLedger
+
+    ledger = AdmissionLedger("gw", headroom=0.9, target=0.99)
+    within, over = ledger.calibration(MODEL), ledger.calibration(MODEL, over_share=True)
+    for _ in range(50):
+        over.observe(in_time=False)  # queued behind everyone's, over-share requests miss
+    assert over.headroom < 0.5 and within.headroom == 0.9 and ledger.calibration(MODEL) is within
+
+
 # -- a real mesh ----------------------------------------------------------------------------------
 
 A, B = "tenant-a-secret", "tenant-b-secret"
