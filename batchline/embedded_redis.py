@@ -41,6 +41,25 @@ _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
+_DIR_PREFIX = "batchline-redis-"
+
+
+def _sweep_orphans() -> None:
+    """Remove the directories of embedded Redis servers whose owner is dead (it was killed before
+    it could). The server went with it (die_with_parent), or was never started with one."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        pid = name[len(_DIR_PREFIX):].split("-", 1)[0] if name.startswith(_DIR_PREFIX) else ""
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:
+            pass  # alive, under another user
+
+
 def die_with_parent() -> None:  # pragma: no cover - runs in the child
     """SIGTERM for this process when the thread that started it dies (Linux). Imports nothing, so
     it may also run as a `preexec_fn`, between fork and exec."""
@@ -64,7 +83,9 @@ class EmbeddedRedis:
         self.port = port or free_port(host)
         self.die_with_parent = die_with_parent and sys.platform == "linux"
         self.binary = binary or redis_server_binary()
-        self.dir = tempfile.mkdtemp(prefix="batchline-redis-")
+        _sweep_orphans()
+        # The owner's pid in the name: a SIGKILLed owner cannot remove its directory, the next one does.
+        self.dir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
         self.socket = os.path.join(self.dir, "redis.sock")
         self.proc: subprocess.Popen | None = None
 

@@ -108,7 +108,7 @@ def _client(address: str, token: str, stop: threading.Event, out: Counter, pause
 
 
 def test_a_flooding_tenant_is_refused_while_a_light_one_is_served(model_repository, tmp_path):
-    from batchline.testing.processes import ProcessMesh
+    from batchline.testing.processes import ProcessMesh, poll
 
     repo = tmp_path / "repository"
     shutil.copytree(model_repository / "minilm", repo / "minilm")
@@ -127,8 +127,10 @@ def test_a_flooding_tenant_is_refused_while_a_light_one_is_served(model_reposito
         threads.append(threading.Thread(target=_client, args=(address, B, stop, outcomes["b"], 0.1), daemon=True))
         for t in threads:
             t.start()
-        time.sleep(8)
-        stop.set()
+        try:
+            poll(lambda: sum(outcomes["b"].values()) >= 60, 60, "60 answers to tenant b", check=mesh.check_alive)
+        finally:
+            stop.set()
         for t in threads:
             t.join(10)
     a, b = outcomes["a"], outcomes["b"]
