@@ -81,8 +81,7 @@ class Registry:
         """The served ModelInfo for name/version ('' = the latest version)."""
         versions = self.versions(name)
         if not versions:
-            if self.releasing(name):
-                raise NotFound(f"model '{name}' is being unloaded: it takes no new requests")
+            # (Why a model serves no version, when the repository says, is gateway/repository.py's absent.)
             served = ", ".join(self.model_names()) or "none"
             raise NotFound(f"model '{name}' is not served by any live executor (served models: {served})")
         if not version:

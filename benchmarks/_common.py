@@ -37,6 +37,15 @@ def arg_parser(description: str, progress: bool = True) -> argparse.ArgumentPars
     return p
 
 
+def step_args(p: argparse.ArgumentParser, duration: float = 10.0, rounds: int = 0,
+              rounds_help: str = "alternating rounds") -> None:
+    """--duration and --warmup of each measured step, and --rounds when the script alternates."""
+    if rounds:
+        p.add_argument("--rounds", type=int, default=rounds, help=f"{rounds_help} (default: {rounds})")
+    p.add_argument("--duration", type=float, default=duration, help=f"measured seconds per step (default: {duration:g})")
+    p.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per step (default: 3)")
+
+
 def mesh_args(model_repository: str | pathlib.Path, log_level: str = "WARNING", executors: int = 1,
               gateways: int = 1, metrics_port: int = 0) -> argparse.Namespace:
     """`batchline up`'s arguments for a local mesh: a private Redis, the gateways on a free port, the

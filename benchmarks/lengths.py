@@ -64,10 +64,8 @@ def padding(port: int) -> tuple[float, float]:
 
 def main() -> int:
     p = _common.arg_parser(__doc__.splitlines()[0], progress=False)
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: 3)")
+    _common.step_args(p, duration=15.0, rounds=3)
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight (default: 32)")
-    p.add_argument("--duration", type=float, default=15.0, help="measured seconds per step (default: 15)")
-    p.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per step (default: 3)")
     args = p.parse_args()
     print(f"machine: {_common.machine()}")
     repo = _common.ensure_repository(args.model_repository)

@@ -19,8 +19,7 @@ from batchline.bench import format_table, run_closed
 def main() -> int:
     p = _common.arg_parser(__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight (default: 32)")
-    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per step (default: 10)")
-    p.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per step (default: 3)")
+    _common.step_args(p, duration=10.0)
     args = p.parse_args()
     print(f"machine: {_common.machine()}")
     with _common.mesh(_common.ensure_repository(args.model_repository), log_level=args.log_level) as address:

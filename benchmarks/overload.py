@@ -71,8 +71,7 @@ def main() -> int:
                         "still meets the budget and gains goodput (default: 2,4,8,12,16)")
     p.add_argument("--factor", type=float, default=2.0, help="offered load / capacity (default: 2)")
     p.add_argument("--budget-ms", type=float, default=200.0, help="per-request budget (default: 200)")
-    p.add_argument("--duration", type=float, default=15.0, help="measured seconds per step (default: 15)")
-    p.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per step (default: 3)")
+    _common.step_args(p, duration=15.0)
     p.add_argument("--streaming", action="store_true",
                    help="send every request as a message on ModelStreamInfer streams (closed loop: one per worker; "
                         "open loop: four) instead of as a unary call")

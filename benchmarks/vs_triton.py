@@ -18,6 +18,7 @@ without ragged batching (padded, the run costs the same whatever the tokens' val
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pathlib
 import signal
@@ -28,7 +29,6 @@ import sysconfig
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import psutil
 
@@ -159,11 +159,16 @@ class Triton:
         self.start()
 
 
+@functools.cache
+def _texts() -> list[str]:
+    return lengths.workload()
+
+
 def measure(address: str, w: Workload, args, peer: bool = False) -> Run:
+    # Padded to seq_len, what the peer runs costs the same whatever the tokens' values.
+    inputs = InputOptions(texts=_texts()) if w.texts and not peer else InputOptions(seq_len=w.seq_len)
     before = cpu_snapshot()
     t0 = time.monotonic()
-    # Padded to seq_len, what the peer runs costs the same whatever the tokens' values.
-    inputs = InputOptions(texts=lengths.workload()) if w.texts and not peer else InputOptions(seq_len=w.seq_len)
     step = run_closed(address, w.model, w.concurrency, args.duration, warmup=args.warmup,
                       budget_ms=_common.CAPACITY_BUDGET_MS, inputs=inputs, streaming=w.streaming)
     after = cpu_snapshot()
@@ -229,9 +234,7 @@ def cpu_table(results: dict[Workload, tuple[list[Run], list[Run]]]) -> str:
 
 def main() -> int:
     p = _common.arg_parser(__doc__.splitlines()[0], progress=False)
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: 3)")
-    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per step (default: 10)")
-    p.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per step (default: 3)")
+    _common.step_args(p, duration=10.0, rounds=3)
     p.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON,
                    help=f"the Python of the virtualenv with nvidia-pytriton (default: {DEFAULT_PEER_PYTHON})")
     p.add_argument("--workloads", nargs="*", default=[],

@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from tokenizers import Tokenizer
 
 from batchline import contract
-from batchline.codec import deserialize_bytes, element_count
+from batchline.codec import decode_tensor
 from batchline.errors import InvalidArgument, Unavailable
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
@@ -91,14 +91,8 @@ def _strings(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> list[str]:
     if model.max_batch_size and shape[0] > model.max_batch_size:
         raise InvalidArgument(f"input '{text.name}': batch size {shape[0]} is outside 1..{model.max_batch_size} "
                               f"(max_batch_size of model '{model.name}')")
-    count = element_count(shape)
-    if request.raw_input_contents:
-        items = list(deserialize_bytes(request.raw_input_contents[0], count, text.name))
-    else:
-        items = list(tensor.contents.bytes_contents)
-        if len(items) != count:
-            raise InvalidArgument(f"input '{text.name}': shape {shape} needs {count} values in contents.bytes_contents, "
-                                  f"got {len(items)}")
+    raw = request.raw_input_contents[0] if request.raw_input_contents else None
+    items = decode_tensor(text.name, "BYTES", shape, raw, tensor.contents).reshape(-1)
     strings = []
     for i, item in enumerate(items):
         try:

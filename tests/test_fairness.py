@@ -9,7 +9,6 @@ import time
 from collections import Counter
 
 import numpy as np
-import pytest
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 

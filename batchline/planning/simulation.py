@@ -303,7 +303,7 @@ def play(
             finish = start + cost.predict(formed.units)
             batches.append(SimulatedBatch(tuple(formed.send), e, start, finish))
             free[e] = finish
-        if _is_prefix(rest, i, formed):
+        if not length_aware or _is_prefix(rest, i, formed):
             i += formed.taken
         else:
             gone = {id(p) for p in formed.send} | {id(p) for p in formed.late}
