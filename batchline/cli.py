@@ -21,7 +21,7 @@ import redis
 
 from batchline import contract, logs, metrics
 from batchline.embedded_redis import EmbeddedRedis
-from batchline.redis_client import mask
+from batchline.redis_client import connect_sync, mask
 from batchline.optimize import DEFAULT_VARIANTS, VARIANTS
 from batchline.supervisor import Supervisor, say
 
@@ -96,7 +96,7 @@ class Mesh:
             self.redis_url = self.redis.unix_url
             say(a, f"batchline: started Redis {self.redis.binary} at {mask(self.redis.url)} "
                    f"(the services use {mask(self.redis_url)})")
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
+        client = connect_sync(self.redis_url, 2)
         client.ping()
         self.supervisor = Supervisor(a, self.redis_url, self.redis, self.env)
         base = getattr(a, "metrics_port", 0)
@@ -228,6 +228,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                                        max_abs_error=args.max_abs_error, min_argmax_agreement=args.min_argmax_agreement),
         int8=variants.Int8Options(tuple(t for t in args.int8_ops.split(",") if t), not args.per_tensor, args.weight_type),
         scratch=pathlib.Path(args.scratch) if args.scratch else None,
+        min_gain=args.min_gain,
     )
     try:
         report = run.optimize(options)
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="poll mode: seconds between scans of the repository (default: 5)")
     up.add_argument("--load-model", action="append", default=[], metavar="NAME",
                     help="explicit mode: load this model at start (repeatable)")
-    up.add_argument("--redis-url", default="", help="use this Redis instead of starting a private one")
+    up.add_argument("--redis-url", default="", help="use this Redis instead of starting a private one: redis://, rediss://, unix:// or, behind Sentinel, redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER")
     up.add_argument("--redis-password", default=None,
                     help="the password of the private Redis (default: a random one; '' for none): printed as ***, "
                     "give it to `batchline status --redis-url redis://:PASSWORD@...`")
@@ -335,7 +336,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="other outputs with a last dim > 1: share of rows whose argmax is kept (default: 0.99)")
     opt.add_argument("--int8-ops", default="MatMul", help="op types INT8 quantizes, comma-separated; empty = all (default: MatMul)")
     opt.add_argument("--per-tensor", action="store_true", help="quantize weights per tensor, not per channel")
-    opt.add_argument("--weight-type", choices=("QInt8", "QUInt8"), default="QUInt8", help="INT8 weight type (default: QUInt8)")
+    opt.add_argument("--weight-type", choices=("auto", "QInt8", "QUInt8"), default="auto",
+                     help="INT8 weight type (default: auto: QInt8 on a CPU with VNNI or AMX, whose 8-bit products are "
+                     "exact, else QUInt8)")
+    opt.add_argument("--min-gain", type=float, default=1.05,
+                     help="write the fastest variant that passed the gate only if it serves at least this many times "
+                     "FP32's throughput here (default: 1.05; 0 writes it whatever its speed)")
     opt.add_argument("--scratch", default="", help="where the variants are written (default: a new temporary directory, kept)")
     opt.set_defaults(func=cmd_optimize)
 

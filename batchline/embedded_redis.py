@@ -77,7 +77,8 @@ class EmbeddedRedis:
     """
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1", die_with_parent: bool = False,
-                 binary: str | None = None, password: str = ""):
+                 binary: str | None = None, password: str = "", extra_args: tuple[str, ...] = ()):
+        self.extra_args = tuple(extra_args)  # more configuration: e.g. --replicaof HOST PORT
         self.password = password  # "": none; else clients must AUTH (it is in the URLs below)
         self.host = host
         self.port = port or free_port(host)
@@ -120,6 +121,7 @@ class EmbeddedRedis:
             "--loglevel", "warning",
             # Blocking-command timeouts and expiry run off the server cron.
             "--hz", "100",
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True, preexec_fn=die_with_parent if self.die_with_parent else None)

@@ -10,6 +10,7 @@ from grpc._cython import cygrpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from batchline import metrics
 from batchline.protocol._pool import POOL
 from batchline.redis_client import REDIS_ERRORS
 
@@ -70,9 +71,12 @@ class ServerHandle:
             try:
                 current = (await redis.info("server")).get("run_id")
                 now_up = True
-                if run_id is not None and current != run_id and on_restart:
-                    log.warning("Redis restarted (run_id %s -> %s)", run_id, current)
-                    on_restart()
+                if run_id is not None and current != run_id:
+                    log.warning("Redis answers from a new primary (run_id %s -> %s): a failover or a restart",
+                                run_id, current)
+                    metrics.REDIS_FAILOVERS.inc()
+                    if on_restart:
+                        on_restart()
                 run_id = current
             except REDIS_ERRORS:
                 now_up = False

@@ -115,6 +115,20 @@ EXECUTOR_BUSY = Counter(
     "batchline_executor_busy_seconds", "Seconds spent executing batches (its rate is the busy fraction).", ("executor",)
 )
 
+# -- every service ------------------------------------------------------------------------------
+REDIS_FAILOVERS = Counter(
+    "batchline_redis_failovers",
+    "Times this service found Redis answering from a new primary (a Sentinel failover, or a restarted Redis).",
+)
+FAILOVER_LOST = Counter(
+    "batchline_redis_failover_lost_requests",
+    "Queued requests the gateway answered UNAVAILABLE because a new Redis primary lacked them.",
+)
+BATCHES_REWRITTEN = Counter(
+    "batchline_redis_failover_rewritten_batches",
+    "Finished batches an executor wrote again because a new Redis primary lacked their answers.",
+)
+
 def _exposed_name(metric: MetricWrapperBase) -> str:
     family = metric.describe()[0]
     return family.name + "_total" if family.type == "counter" else family.name

@@ -11,6 +11,8 @@ import urllib.parse
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from batchline import sentinel
+
 # What a lost or stalled Redis raises: callers turn these into UNAVAILABLE or retry.
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 # Redis answered, but refused a write for a state of its own that passes (maxmemory reached, a
@@ -24,25 +26,52 @@ class RedisAccessError(Exception):
 
 
 def mask(url: str) -> str:
-    """`url` with its password replaced by ***: what messages and logs may show."""
+    """`url` with its passwords (the server's, and a Sentinel URL's sentinel_password) replaced by
+    ***: what messages and logs may show."""
     parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+    if "sentinel_password=" in parts.query:
+        query = urllib.parse.parse_qsl(parts.query)
+        parts = parts._replace(query=urllib.parse.urlencode(
+            [(k, "***" if k == "sentinel_password" else v) for k, v in query], safe="*/"))
+    if parts.password is not None:
+        host = parts.netloc.rsplit("@", 1)[1]
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
+    return urllib.parse.urlunsplit(parts)
+
+
+def _refused(url: str, exc: Exception) -> RedisAccessError:
+    return RedisAccessError(f"Redis at {mask(url)} refuses the credentials: {exc}")
 
 
 async def check_access(url: str, timeout: float) -> None:
     """Raise RedisAccessError if the Redis at `url` refuses this client for good (credentials,
-    TLS); a Redis that cannot be reached is left to the service, which keeps trying."""
-    client = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    TLS, or sentinels that know no master of the URL's name); a Redis that cannot be reached is
+    left to the service, which keeps trying."""
+    if sentinel.is_sentinel(url):
+        try:
+            answered, known = await sentinel.masters_known(url, timeout)
+        except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+            raise RedisAccessError(f"the sentinels of {mask(url)} refuse the credentials: {exc}") from None
+        except redis.exceptions.ResponseError as exc:
+            if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+                raise RedisAccessError(f"the sentinels of {mask(url)} refuse the credentials: {exc}") from None
+            raise
+        if answered and not known:
+            target = sentinel.parse(url)
+            raise RedisAccessError(f"no sentinel of {mask(url)} monitors a master named {target.master!r}: "
+                                   "check the master name (SENTINEL MASTERS lists them)")
+        if not answered:
+            return
+        client = sentinel.connect(url, timeout, max_connections=1)
+    else:
+        client = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     try:
         await client.ping()
     except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
-        raise RedisAccessError(f"Redis at {mask(url)} refuses the credentials: {exc}") from None
+        raise _refused(url, exc) from None
     except redis.exceptions.ResponseError as exc:
         if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
-            raise RedisAccessError(f"Redis at {mask(url)} refuses the credentials: {exc}") from None
+            raise _refused(url, exc) from None
         raise
     except REDIS_ERRORS as exc:
         if "CERTIFICATE_VERIFY_FAILED" in str(exc) or "SSL" in str(exc):
@@ -52,6 +81,8 @@ async def check_access(url: str, timeout: float) -> None:
 
 
 def connect(url: str, timeout: float) -> aioredis.Redis:
+    if sentinel.is_sentinel(url):
+        return sentinel.connect(url, timeout, max_connections=64)
     # A blocking pool makes a burst of requests wait for a connection instead
     # of failing with "too many connections".
     pool = aioredis.BlockingConnectionPool.from_url(
@@ -67,12 +98,21 @@ def connect(url: str, timeout: float) -> aioredis.Redis:
 
 def connect_blocking(url: str, timeout: float) -> aioredis.Redis:
     """For BLPOP-style waits: the read may last as long as the wait itself."""
+    if sentinel.is_sentinel(url):
+        return sentinel.connect(url, timeout, max_connections=8, blocking_reads=True)
     return aioredis.Redis.from_url(
         url,
         socket_timeout=None,
         socket_connect_timeout=timeout,
         max_connections=8,
     )
+
+
+def connect_sync(url: str, timeout: float) -> redis.Redis:
+    """A synchronous client, for command-line tools and test harnesses."""
+    if sentinel.is_sentinel(url):
+        return sentinel.connect_sync(url, timeout)
+    return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
 
 
 class ListPop:

@@ -27,7 +27,10 @@ class CommonSettings(BaseSettings):
         description="Redis server holding the queues, payloads and registry: redis://, unix:// or, over TLS, "
         "rediss://...?ssl_ca_certs=CA.pem (with &ssl_certfile=...&ssl_keyfile=... for a client certificate); "
         "user:password@ (or :password@) before the host to authenticate. A Redis that refuses the credentials "
-        "or whose certificate cannot be verified stops the service at start, in one line.",
+        "or whose certificate cannot be verified stops the service at start, in one line. Behind Sentinel: "
+        "redis+sentinel://[user:password@]HOST:PORT[,HOST:PORT...]/MASTER[/DB] (rediss+sentinel:// for TLS; "
+        "sentinel_password=... in the query when the sentinels require one); the service follows failovers, "
+        "and sentinels that know no such master stop it at start.",
     )
     host: str = Field("127.0.0.1", description="Interface the gRPC server binds to.")
     log_level: str = Field("INFO", description="Python logging level: DEBUG, INFO, WARNING or ERROR.")

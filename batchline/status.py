@@ -13,7 +13,7 @@ import redis
 
 from batchline import contract
 from batchline.protocol import internal_pb2 as pb
-from batchline.redis_client import mask
+from batchline.redis_client import connect_sync, mask
 
 
 def gather(client: redis.Redis) -> dict:
@@ -86,7 +86,7 @@ def render(status: dict) -> str:
 
 
 def main(redis_url: str, as_json: bool) -> int:
-    client = redis.Redis.from_url(redis_url, socket_timeout=5)
+    client = connect_sync(redis_url, 5)
     try:
         status = gather(client)
     except redis.RedisError as exc:

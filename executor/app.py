@@ -3,21 +3,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 from batchline import metrics
 from batchline.lifecycle import stop_tasks
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import internal_pb2, internal_pb2_grpc
-import time
-
 from batchline.protocol import internal_pb2 as pb
+from batchline.redis_client import REDIS_ERRORS
 from executor.live import LiveRepository
 from executor.repository import LoadedModel
 from executor.service import Executor, ExecutorControl
 from executor.settings import ExecutorSettings
 
 log = logging.getLogger(__name__)
+
+# Attempts to give a new Redis primary the finished batches it lacks, this far apart.
+REWRITE_ATTEMPTS = 10
+REWRITE_RETRY_S = 0.2
 
 
 def lane_id(executor_id: str, lane: int) -> str:
@@ -47,6 +51,7 @@ class ExecutorApp:
         self.metrics_port = -1
         self.repository = LiveRepository(self)
         self._address = ""
+        self._rewriting: set[asyncio.Task] = set()
 
     @property
     def executor(self) -> Executor | None:
@@ -74,9 +79,29 @@ class ExecutorApp:
         self._address = f"{s.host}:{self.server.port}"
         for lane in self.lanes:
             await lane.start(self._address)
-        self._health = asyncio.create_task(self.server.watch_redis(self.executor.redis))
+        self._health = asyncio.create_task(self.server.watch_redis(self.executor.redis, on_restart=self._new_primary))
         self._follow = asyncio.create_task(self.repository.run(), name="repository")
         return self
+
+    def _new_primary(self) -> None:
+        task = asyncio.create_task(self._rewrite_lost(), name="rewrite")
+        self._rewriting.add(task)
+        task.add_done_callback(self._rewriting.discard)
+
+    async def _rewrite_lost(self) -> None:
+        """Give a new Redis primary the finished batches it lacks (their answers were acknowledged by
+        the old one but not replicated), so that their requests are answered instead of waiting."""
+        for attempt in range(REWRITE_ATTEMPTS):
+            try:
+                n = sum([await lane.written.rewrite_lost(lane.redis) for lane in self.lanes])
+            except REDIS_ERRORS as exc:
+                log.warning("writing finished batches to the new Redis primary failed: %s", exc)
+                await asyncio.sleep(REWRITE_RETRY_S)
+                continue
+            metrics.BATCHES_REWRITTEN.inc(n)
+            if n:
+                log.warning("the new Redis primary lacked %d finished batches: written again", n)
+            return
 
     # -- the live repository's hands (executor/live.py) ---------------------
 

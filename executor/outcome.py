@@ -3,6 +3,8 @@ scheduler, Triton's statistics counters and the Prometheus metrics, in one Redis
 (contract.batch_done)."""
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
 
@@ -13,6 +15,44 @@ from batchline.clock import now_us
 from batchline.errors import BatchlineError
 from batchline.protocol import internal_pb2 as pb
 from executor.repository import LoadedModel
+
+# A new Redis primary (a Sentinel failover) may lack the last writes the old one acknowledged:
+# replication is asynchronous, so only the final moments before the old primary died are at
+# risk. The executor keeps its last finished batches' writes this long (and at most this many)
+# to write again those whose batch key the new primary still holds.
+REWRITE_WINDOW_S = 60.0
+REWRITE_KEEP = 1_024
+
+
+class Written:
+    """The writes of the last finished batches, kept so that a new primary can be given the ones it lacks."""
+
+    def __init__(self) -> None:
+        self._recent: deque[tuple[float, tuple]] = deque(maxlen=REWRITE_KEEP)
+
+    def add(self, args: tuple) -> None:
+        self._recent.append((time.monotonic(), args))
+
+    def batches(self) -> list[pb.Batch]:
+        """The batches kept, oldest first."""
+        return [args[0] for _, args in self._recent]
+
+    async def rewrite_lost(self, redis: Redis) -> int:
+        """Write again each kept batch whose batch key Redis still holds: the batch's answers never
+        reached this primary, and without them its requests would wait out their deadlines.
+        Returns how many were written again."""
+        since = time.monotonic() - REWRITE_WINDOW_S
+        kept = [args for at, args in self._recent if at >= since]
+        if not kept:
+            return 0
+        async with redis.pipeline(transaction=False) as pipe:
+            for args in kept:
+                pipe.exists(contract.batch(args[0].batch_id))
+            held = await pipe.execute()
+        lost = [args for args, n in zip(kept, held) if n]
+        for args in lost:
+            await contract.batch_done(redis, *args)
+        return len(lost)
 
 
 class Member(Protocol):
@@ -32,8 +72,10 @@ class Timing:
 
 
 async def write(redis: Redis, executor_id: str, batch: pb.Batch, model: LoadedModel | None,
-                members: Sequence[Member], replies: Mapping[str, Sequence[bytes]], timing: Timing) -> None:
-    """Write a finished batch: `replies` per gateway id, for `members` (those still awaited)."""
+                members: Sequence[Member], replies: Mapping[str, Sequence[bytes]], timing: Timing,
+                written: Written | None = None) -> None:
+    """Write a finished batch: `replies` per gateway id, for `members` (those still awaited); kept in
+    `written` once Redis acknowledged it."""
     done_us = now_us()
     ok = [m for m in members if m.error is None and m.outputs is not None]
     rows = sum(m.entry.rows for m in ok)
@@ -48,8 +90,11 @@ async def write(redis: Redis, executor_id: str, batch: pb.Batch, model: LoadedMo
     if len(ok) < len(members):
         failed = [m for m in members if m not in ok]
         stats += ("fail_count", len(failed), "fail_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in failed))
+    args = (batch, report, replies, stats, done_us // 1000 if succeeded else 0)
     async with metrics.redis_rtt("executor", "write"):
-        await contract.batch_done(redis, batch, report, replies, stats, done_us // 1000 if succeeded else 0)
+        await contract.batch_done(redis, *args)
+    if written is not None:
+        written.add(args)
     metrics.EXECUTOR_BUSY.labels(executor_id).inc((now_us() - timing.start_us) / 1e6)
     if succeeded:
         labels = (model.name, model.version)

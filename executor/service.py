@@ -92,6 +92,7 @@ class Executor:
         self.released: dict[tuple[str, str], float] = {}
         # The first lane publishes the process's model repository: (entries, control mode, calls applied).
         self.catalog: Callable[[], tuple[list[pb.RepositoryEntry], str, dict[str, int]]] | None = None
+        self.written = outcome.Written()  # its last batches' writes, for a new primary that lacks them
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -349,7 +350,7 @@ class Executor:
         t3 = time.perf_counter_ns()
         timing = Timing(start_us, t1 - t0, t2 - t_run, t3 - t2, start_us + (t2 - t0) // 1000 if t2 > t1 else 0, units)
         with _phase("write", traced):
-            await outcome.write(self.redis, self.executor_id, batch, model, members, replies, timing)
+            await outcome.write(self.redis, self.executor_id, batch, model, members, replies, timing, self.written)
         if traced:
             rows = sum(m.rows for m in batch.members)
             for e in batch.members:

@@ -22,6 +22,7 @@ from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.registry import Registry
+from batchline.sentinel import is_sentinel
 from gateway.admission import Calibration
 from gateway.commit import GroupCommit
 from gateway.fairness import FairShares
@@ -64,6 +65,8 @@ class Gateway:
         self.repository = RepositoryControl(self.redis, settings.model_control_mode)
         self.fair = FairShares()  # tenants' shares of each model (tokens' weights)
         self.tokenizers = Tokenizers(self.redis)  # of the models that take text
+        self.behind_sentinel = is_sentinel(settings.redis_url)
+        self._reconciling: set[asyncio.Task] = set()
 
     @property
     def loads(self) -> dict[tuple[str, str], pb.ModelLoad]:
@@ -140,13 +143,28 @@ class Gateway:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     def on_redis(self, up: bool) -> None:
-        if not up:
+        # Behind Sentinel an outage is most likely a failover, and what the promoted replica holds is
+        # still served (on_redis_restart finds what it lacks). A lone Redis that went away may not
+        # come back with anything.
+        if not up and not self.behind_sentinel:
             self.replies.fail(Unavailable(
                 "lost contact with Redis while the request was queued; it may or may not have run: retry"
             ))
 
     def on_redis_restart(self) -> None:
-        self.replies.fail(Unavailable("Redis restarted and lost the queued request: retry"))
+        """Redis answers from a new primary (a failover, or a restart): answer at once the queued
+        requests it lost; the rest are served."""
+        task = asyncio.create_task(self._reconcile(), name="reconcile")
+        self._reconciling.add(task)
+        task.add_done_callback(self._reconciling.discard)
+
+    async def _reconcile(self) -> None:
+        lost = await self.replies.reconcile(Unavailable(
+            "Redis changed primary (a failover or a restart) and the new one lacks this queued request; "
+            "it may or may not have run: retry"))
+        metrics.FAILOVER_LOST.inc(lost)
+        if lost:
+            log.warning("the new Redis primary lacks %d queued requests: answered UNAVAILABLE", lost)
 
     # -- requests ----------------------------------------------------------
 
@@ -272,6 +290,7 @@ class Gateway:
                     await self.commit.write(write, deadline, call.run_budget_s)
             else:
                 await self.commit.write(write, deadline, call.run_budget_s)
+            self.replies.queued(entry.request_id)
             if admitted is not None:
                 admitted.confirmed_us = now_us()
             try:

@@ -17,6 +17,12 @@ log = logging.getLogger(__name__)
 DRAIN = 10_000
 # After a failed read of the reply list, the next one begins this much later.
 RETRY_S = 0.2
+# A new primary (a failover, or a restarted Redis) may lack a queued request's writes (replication
+# is asynchronous). A request whose payload it lacks is lost unless its answer is already on the
+# reply list: the reader gets this long to deliver such answers before the rest are failed.
+RECONCILE_GRACE_S = 0.5
+# Attempts to read which payloads a new primary holds, RETRY_S apart.
+RECONCILE_ATTEMPTS = 10
 
 
 class Replies:
@@ -25,13 +31,47 @@ class Replies:
         self.blocking = blocking
         self.key = contract.reply(gateway_id)
         self.waiting: dict[str, asyncio.Future] = {}  # request id -> its answer, for the requests queued
+        self.acknowledged: set[str] = set()  # the waiting requests whose write Redis acknowledged
 
     def expect(self, request_id: str) -> asyncio.Future:
         fut = self.waiting[request_id] = asyncio.get_running_loop().create_future()
         return fut
 
+    def queued(self, request_id: str) -> None:
+        """Redis acknowledged the request's write: from now on a primary without it has lost it."""
+        self.acknowledged.add(request_id)
+
     def forget(self, request_id: str) -> None:
         self.waiting.pop(request_id, None)
+        self.acknowledged.discard(request_id)
+
+    async def reconcile(self, error: BatchlineError) -> int:
+        """After a change of primary, answer `error` to each acknowledged request whose payload the
+        new primary does not hold and whose answer does not arrive within RECONCILE_GRACE_S; the
+        others are still served. Returns how many were answered so."""
+        ids = list(self.acknowledged)
+        for attempt in range(RECONCILE_ATTEMPTS):
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for request_id in ids:
+                        pipe.exists(contract.payload(request_id))
+                    held = await pipe.execute()
+                break
+            except REDIS_ERRORS as exc:
+                log.warning("reading which queued requests the new Redis primary holds failed: %s", exc)
+                await asyncio.sleep(RETRY_S)
+        else:
+            return 0  # they wait for their answers or their deadlines
+        missing = [request_id for request_id, n in zip(ids, held) if not n]
+        if missing:
+            await asyncio.sleep(RECONCILE_GRACE_S)
+        lost = 0
+        for request_id in missing:
+            fut = self.waiting.get(request_id)
+            if fut is not None and not fut.done():
+                fut.set_exception(error)
+                lost += 1
+        return lost
 
     def fail(self, error: BatchlineError) -> None:
         """Answer every waiting request with `error` (shutdown, or Redis lost: its replies may never come)."""
@@ -68,6 +108,7 @@ class Replies:
             log.exception("an unreadable reply (%d bytes) was dropped", len(blob))
             return
         fut = self.waiting.pop(reply.request_id, None)
+        self.acknowledged.discard(reply.request_id)
         # A second answer to the same request (a batch re-dispatched
         # while the first executor was only slow) finds no future.
         if fut is not None and not fut.done():

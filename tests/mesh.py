@@ -10,9 +10,8 @@ import threading
 import uuid
 from concurrent.futures import Future
 
-import redis
-
 from batchline.embedded_redis import EmbeddedRedis
+from batchline.redis_client import connect_sync
 from executor.app import ExecutorApp
 from executor.settings import ExecutorSettings
 from gateway.app import GatewayApp
@@ -58,7 +57,7 @@ class Mesh:
         return f"127.0.0.1:{self.gateway.port}"
 
     def start(self) -> "Mesh":
-        redis.Redis.from_url(self.redis_url).flushdb()
+        connect_sync(self.redis_url, 2).flushdb()
         self.thread.start()
         self.call(self._start())
         return self

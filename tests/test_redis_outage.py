@@ -125,5 +125,5 @@ def test_a_request_lost_in_a_quick_redis_restart_is_answered_unavailable(mesh_fa
         with pytest.raises(InferenceServerException) as info:
             waiting.result(timeout=15)
     assert info.value.status() == "StatusCode.UNAVAILABLE"
-    assert "Redis restarted" in info.value.message() or "lost contact with Redis" in info.value.message()
+    assert "Redis changed primary" in info.value.message() or "lost contact with Redis" in info.value.message()
     client.close()

@@ -40,6 +40,7 @@ class Options:
     int8: Int8Options = field(default_factory=Int8Options)
     scratch: pathlib.Path | None = None
     rounds: int = 3
+    min_gain: float = MIN_GAIN  # write the fastest passing variant only if it serves this many times FP32
 
 
 def _latest(model_dir: pathlib.Path) -> pathlib.Path:
@@ -102,7 +103,7 @@ def optimize(o: Options) -> dict:
         timing = speed.compare(fp32, session, data.batches[0], sizes, o.rounds)
         results.append({"name": name, "notes": variant.notes, "gpu_only": variant.gpu_only, "gate": verdict,
                         "speed": timing, "file": str(variant.path)})
-    chosen, why = _choose(results, str(info.max_batch_size))
+    chosen, why = _choose(results, str(info.max_batch_size), o.min_gain)
     report = {"model": o.model, "source_version": source.name, "written_version": None, "chosen": chosen,
               "why": why, "inputs": data.source, "provider": "CPUExecutionProvider",
               "thresholds": asdict(o.thresholds), "int8": asdict(o.int8), "variants": results,
@@ -116,16 +117,16 @@ def optimize(o: Options) -> dict:
     return report
 
 
-def _choose(results: list[dict], largest: str) -> tuple[str | None, str]:
+def _choose(results: list[dict], largest: str, min_gain: float) -> tuple[str | None, str]:
     """The fastest variant at the largest batch size that passed the gate and runs here, if faster than FP32."""
     eligible = [r for r in results if "gate" in r and r["gate"]["passed"] and not r["gpu_only"]]
     if not eligible:
         return None, "no variant that runs on this host's provider passed the gate"
     best = max(eligible, key=lambda r: r["speed"][largest]["throughput_ratio"])
     ratio = best["speed"][largest]["throughput_ratio"]
-    if ratio < MIN_GAIN:
+    if ratio < min_gain:
         return None, (f"the fastest variant that passed the gate ({best['name']}) is not enough faster than FP32 "
-                      f"({ratio:.2f}x, under {MIN_GAIN}x)")
+                      f"({ratio:.2f}x, under {min_gain}x)")
     return best["name"], f"the fastest that passed the gate: {ratio:.2f}x FP32's throughput at batch {largest}"
 
 

@@ -39,6 +39,7 @@ from batchline import contract
 from batchline.embedded_redis import EmbeddedRedis
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc, internal_pb2, internal_pb2_grpc
+from batchline.redis_client import connect_sync
 
 T = TypeVar("T")
 
@@ -159,6 +160,7 @@ class ProcessMesh:
         log_level: str = "INFO",
         redis_timeout_s: float = 1.0,
         intra_op_threads: int = 1,
+        redis_server=None,
     ):
         self.repo = str(pathlib.Path(model_repository).resolve())
         self.log_dir = pathlib.Path(log_dir)
@@ -170,7 +172,8 @@ class ProcessMesh:
         self.log_level = log_level
         self.redis_timeout_s = redis_timeout_s
         self.intra_op_threads = intra_op_threads
-        self.redis_server = EmbeddedRedis()
+        # Anything with EmbeddedRedis's url, start, stop, restart, close and proc (testing/sentinel.py).
+        self.redis_server = redis_server or EmbeddedRedis()
         self.services: dict[str, Service] = {}
         self._addresses: dict[str, str] = {}
         self._redis: redis.Redis | None = None
@@ -187,7 +190,7 @@ class ProcessMesh:
     def redis(self) -> redis.Redis:
         """A synchronous client; commands fail (ConnectionError) while Redis is down."""
         if self._redis is None:
-            self._redis = redis.Redis.from_url(self.redis_url, socket_timeout=2, socket_connect_timeout=1)
+            self._redis = connect_sync(self.redis_url, 2)
         return self._redis
 
     def start_redis(self) -> None:
