@@ -164,3 +164,16 @@ def test_static_int8_is_calibrated_on_the_inputs_given(repository, tmp_path):
     # Without inputs there is nothing to calibrate on: skipped, and said so.
     report = optimize(Options("mlp", repository, variants=("int8-static",)))
     assert report["variants"] == [{"name": "int8-static", "skipped": "no calibration inputs (--calibration or --texts)"}]
+
+
+def test_the_demo_build_writes_an_int8_minilm_judged_on_real_sentences(repository):
+    out = subprocess.run([sys.executable, "-m", "batchline.cli", "build-models", str(repository), "--int8"],
+                         capture_output=True, text=True, timeout=300)
+    # Whether INT8 is faster than FP32 on this host decides the exit code, not the gate.
+    assert "int8-dynamic:" in out.stdout and "gate passed" in out.stdout, out.stdout + out.stderr
+    assert "python-reference-sentences.txt: 512 texts" in out.stdout
+    if out.returncode == 0:
+        report = json.loads((repository / "minilm" / "2" / "optimize.json").read_text())
+        assert report["chosen"] == "int8-dynamic" and report["written_version"] == "2"
+    else:
+        assert out.returncode == 1 and "wrote nothing" in out.stdout and not (repository / "minilm" / "2").exists()
