@@ -27,6 +27,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections import Counter
+
+import psutil
 
 import _common
 from batchline.bench import InputOptions, run_closed
@@ -52,14 +56,38 @@ def bench(address: str, tenant: str, rate: float, args, out: pathlib.Path) -> su
          "--json", str(out)], stdout=subprocess.DEVNULL)
 
 
+def cpu_seconds(benches: dict[str, subprocess.Popen]) -> Counter:
+    """CPU seconds so far of this script's children, by what they run (the services, Redis, each
+    tenant's client)."""
+    names = {p.pid: f"client {t}" for t, p in benches.items()}
+    out: Counter = Counter()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(proc.cmdline())
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        name = names.get(proc.pid) or next((k for k in ("gateway", "scheduler", "executor", "redis") if k in cmd), "")
+        if name:
+            out[name] += times.user + times.system
+    return out
+
+
 def one(repo: pathlib.Path, fair: bool, rates: dict[str, float], args, scratch: pathlib.Path) -> dict[str, dict]:
     auth = scratch / "auth.toml"
     auth_file(auth, fair)
     with _common.mesh(repo, env={"BATCHLINE_GATEWAY_AUTH_FILE": str(auth)}, log_level=args.log_level) as address:
         procs = {t: bench(address, t, rates[t], args, scratch / f"{t}.json") for t in rates}
+        started, before = time.monotonic(), cpu_seconds(procs)
+        after = before
+        while any(p.poll() is None for p in procs.values()):
+            after = cpu_seconds(procs)  # the last reading before the clients exit
+            time.sleep(0.5)
+        wall = time.monotonic() - started
         for t, p in procs.items():
             if p.wait(args.duration + args.warmup + 120) != 0:
                 raise SystemExit(f"the bench of tenant {t} failed ({p.returncode})")
+    print("  cores used: " + ", ".join(f"{k} {(after[k] - before[k]) / wall:.2f}" for k in sorted(after)), flush=True)
     out = {}
     for t in rates:
         step = json.loads((scratch / f"{t}.json").read_text())["steps"][0]
