@@ -340,9 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     opt.add_argument("model", help="the model's name (its directory in the repository)")
     opt.add_argument("--repository", default=DEFAULT_REPOSITORY, help=f"model repository (default: {DEFAULT_REPOSITORY})")
     opt.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                     help=f"comma-separated, from {', '.join(VARIANTS)} (default: all; int8-static only with inputs)")
+                     help=f"comma-separated, from {', '.join(VARIANTS)} (default: all; int8-static and tensorrt-int8 only with inputs)")
     opt.add_argument("--calibration", default="", help=".npz with one array per model input (rows first): judges "
-                     "the variants and calibrates int8-static")
+                     "the variants and calibrates int8-static and tensorrt-int8")
     opt.add_argument("--texts", default="", help="text file, one sentence a line, tokenized with the model's "
                      "tokenizer (<model>/tokenizer): as --calibration, for a text model")
     opt.add_argument("--min-mean-cosine", type=float, default=0.99, help="embeddings: mean cosine to FP32 (default: 0.99)")

@@ -126,7 +126,8 @@ class EmbeddedRedis:
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True, preexec_fn=die_with_parent if self.die_with_parent else None)
         quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
-        self.proc.stdin.write(f'requirepass "{quoted}"\n'.encode() if self.password else b"")
+        # masterauth too: a server that becomes a replica (behind Sentinel) authenticates to its primary with it.
+        self.proc.stdin.write(f'requirepass "{quoted}"\nmasterauth "{quoted}"\n'.encode() if self.password else b"")
         self.proc.stdin.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import pathlib
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from batchline.codec import DATATYPES, onnx_datatype
+from batchline.optimize import tensorrt
 from batchline.protocol import internal_pb2 as pb
 from executor.model_config import ConfigError, read_model_config, select_versions
 
@@ -65,6 +67,31 @@ def choose_providers(
     if not any(p == "CPUExecutionProvider" for p, _ in chosen):
         chosen.append(("CPUExecutionProvider", {}))
     return chosen
+
+
+def tensorrt_options(configured: dict[str, Any], model: str, version: str, version_dir: pathlib.Path,
+                     trt_cache_dir: str) -> dict[str, Any]:
+    """The TensorRT provider's options for one version: the model's own (config.toml) over FP16, an
+    engine cache, and INT8 with the calibration table `batchline optimize` wrote beside the model."""
+    trt = dict(configured)
+    trt.setdefault("trt_fp16_enable", True)
+    trt.setdefault("trt_engine_cache_enable", True)
+    trt.setdefault("trt_engine_cache_path", trt_cache_dir or str(version_dir / "trt_cache"))
+    if (version_dir / tensorrt.TABLE).exists():
+        trt.setdefault("trt_int8_enable", True)
+        # Named per version: a cache directory may be shared by every model.
+        trt.setdefault("trt_int8_calibration_table_name", f"{model}-{version}-{tensorrt.TABLE}")
+    return trt
+
+
+def place_calibration_table(trt: dict[str, Any], version_dir: pathlib.Path) -> None:
+    """TensorRT reads the calibration table from its engine cache directory: put the version's there."""
+    table = version_dir / tensorrt.TABLE
+    name = trt.get("trt_int8_calibration_table_name")
+    if trt.get("trt_int8_enable") and name and table.exists():
+        cache = pathlib.Path(trt["trt_engine_cache_path"])
+        cache.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(table, cache / name)
 
 
 def intra_op_threads_for(instances: int, configured: int = 0, cores: int = 0) -> int:
@@ -126,11 +153,12 @@ def load_model(
     name, version = model_dir.name, version_dir.name
     path = version_dir / "model.onnx"
     options = {k: dict(v) for k, v in config["provider_options"].items()}
-    trt = options.setdefault("TensorrtExecutionProvider", {})
-    trt.setdefault("trt_fp16_enable", True)
-    trt.setdefault("trt_engine_cache_enable", True)
-    trt.setdefault("trt_engine_cache_path", trt_cache_dir or str(version_dir / "trt_cache"))
+    options[tensorrt.PROVIDER] = tensorrt_options(options.get(tensorrt.PROVIDER, {}), name, version, version_dir,
+                                                  trt_cache_dir)
     chosen = choose_providers(config["providers"] or providers, options, ort.get_available_providers())
+    for provider, opts in chosen:
+        if provider == tensorrt.PROVIDER:
+            place_calibration_table(opts, version_dir)
     instances = int(config["instance_count"])
     session = create_session(path, chosen, intra_op_threads_for(instances, intra_op_threads, cpu_cores), allow_spinning)
     batched = config["max_batch_size"] > 0

@@ -20,6 +20,7 @@ from batchline.optimize import gate
 from batchline.optimize.run import OptimizeError, Options, optimize
 from batchline.optimize.inputs import InputsError
 from batchline.optimize.variants import Int8Options, auto_weight_type, cpu_flags
+from executor.repository import place_calibration_table, tensorrt_options
 
 SENTENCES = 256
 
@@ -177,3 +178,24 @@ def test_the_demo_build_writes_an_int8_minilm_judged_on_real_sentences(repositor
         assert report["chosen"] == "int8-dynamic" and report["written_version"] == "2"
     else:
         assert out.returncode == 1 and "wrote nothing" in out.stdout and not (repository / "minilm" / "2").exists()
+
+
+def test_tensorrt_int8_writes_its_calibration_table_and_is_skipped_without_tensorrt(repository, tmp_path):
+    calibration = tmp_path / "calibration.npz"
+    np.savez(calibration, features=np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32))
+    report = optimize(Options("mlp", repository, variants=("tensorrt-int8",), calibration=calibration,
+                              scratch=tmp_path / "scratch"))
+    [variant] = report["variants"]
+    assert "TensorRT is not available here" in variant["skipped"] and report["written_version"] is None
+    table = tmp_path / "scratch" / "tensorrt-int8" / "calibration.flatbuffers"
+    assert variant["calibration_table"] == str(table) and table.stat().st_size > 0
+    # A version holding the table is served by TensorRT in INT8, with the table in its engine cache.
+    version = repository / "mlp" / "1"
+    shutil.copyfile(table, version / "calibration.flatbuffers")
+    trt = tensorrt_options({}, "mlp", "1", version, str(tmp_path / "cache"))
+    assert trt["trt_int8_enable"] and trt["trt_fp16_enable"] and trt["trt_engine_cache_path"] == str(tmp_path / "cache")
+    place_calibration_table(trt, version)
+    assert (tmp_path / "cache" / trt["trt_int8_calibration_table_name"]).read_bytes() == table.read_bytes()
+    # config.toml's own options win; without a table, no INT8.
+    assert tensorrt_options({"trt_int8_enable": False}, "mlp", "1", version, "")["trt_int8_enable"] is False
+    assert "trt_int8_enable" not in tensorrt_options({}, "mlp", "1", repository / "minilm" / "1", "")

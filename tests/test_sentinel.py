@@ -55,6 +55,22 @@ def test_a_master_name_no_sentinel_knows_stops_a_service_in_one_line(sentinels):
     assert len(lines) == 1 and "monitors a master named 'no-such-master'" in lines[0], out.stderr
 
 
+def test_the_primary_s_password_goes_in_the_sentinel_url():
+    """Servers with requirepass behind sentinels: a wrong password stops a service in one line that
+    does not show it; the right one serves."""
+    with SentinelRedis(password="the-right-secret") as group:
+        wrong = group.url.replace("the-right-secret", "a-wrong-secret")
+        out = subprocess.run([sys.executable, "-m", "scheduler", "--redis-url", wrong, "--port", "0",
+                              "--metrics-port", "-1"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, out.stderr
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "refuses the credentials" in lines[0] and ":***@" in lines[0], out.stderr
+        assert "a-wrong-secret" not in out.stderr + out.stdout
+        client = connect_sync(group.url, 2)
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+
+
 def _features(value: float) -> tc.InferInput:
     inp = tc.InferInput("features", [1, 32], "FP32")
     inp.set_data_from_numpy(np.full((1, 32), value, np.float32))

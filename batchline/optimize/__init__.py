@@ -3,5 +3,5 @@ their speed measured here, and the fastest that passes written as the next versi
 
 Light on import (the command line reads the names below); the work is in the modules."""
 
-VARIANTS = ("graph", "int8-dynamic", "int8-static", "fp16")
+VARIANTS = ("graph", "int8-dynamic", "int8-static", "fp16", "tensorrt-int8")
 DEFAULT_VARIANTS = VARIANTS

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import onnxruntime as ort
 
-from batchline.optimize import DEFAULT_VARIANTS, VARIANTS, gate, inputs, speed
+from batchline.optimize import DEFAULT_VARIANTS, VARIANTS, gate, inputs, speed, tensorrt
 from batchline.optimize.inputs import InputsError  # noqa: F401 (raised through optimize())
 from batchline.optimize.variants import Int8Options, build
 from executor.repository import RepositoryError, load_model, read_config
@@ -23,6 +23,7 @@ GATE_BATCH = 16  # rows per run when judging: a batch, but one any batched model
 # A variant is written only if it serves at least this much more than FP32: less is within the
 # noise of a shared host, and not worth a version.
 MIN_GAIN = 1.05
+TENSORRT_INT8 = "tensorrt-int8"
 
 
 class OptimizeError(ValueError):
@@ -94,6 +95,10 @@ def optimize(o: Options) -> dict:
     calibration = (lambda: data.batches) if (o.calibration or o.texts) else None
     results = []
     for name in o.variants:
+        if name == TENSORRT_INT8:
+            results.append(_tensorrt_int8(source / "model.onnx", calibration, scratch, data.batches, reference,
+                                          sizes, o))
+            continue
         variant = build(name, source / "model.onnx", scratch, o.int8, calibration)
         if variant is None:
             results.append({"name": name, "skipped": "no calibration inputs (--calibration or --texts)"})
@@ -113,8 +118,33 @@ def optimize(o: Options) -> dict:
     report["seconds"] = round(time.perf_counter() - started, 1)
     report = json.loads(json.dumps(report))  # as optimize.json holds it
     if chosen is not None:
-        _write_version(model_dir, report, pathlib.Path(next(r["file"] for r in results if r.get("name") == chosen)))
+        written = next(r for r in results if r.get("name") == chosen)
+        _write_version(model_dir, report, pathlib.Path(written["file"]), [pathlib.Path(f) for f in written.get("extra_files", [])])
     return report
+
+
+def _tensorrt_int8(source: pathlib.Path, calibration, scratch: pathlib.Path, batches: list, reference: list,
+                   sizes: list[int], o: Options) -> dict:
+    """TensorRT's INT8: the FP32 model with a calibration table, judged and timed against FP32 on
+    TensorRT where it runs; elsewhere the table is written to the scratch directory and the variant
+    reported as skipped, with the reason."""
+    if calibration is None:
+        return {"name": TENSORRT_INT8, "skipped": "no calibration inputs (--calibration or --texts)"}
+    out = scratch / TENSORRT_INT8
+    table = tensorrt.write_table(source, calibration, out)
+    if not tensorrt.available():
+        return {"name": TENSORRT_INT8, "skipped": tensorrt.unavailable_reason(), "calibration_table": str(table)}
+    cache = {"trt_engine_cache_enable": True, "trt_engine_cache_path": str(out)}
+    int8 = ort.InferenceSession(str(source), providers=[
+        (tensorrt.PROVIDER, {"trt_int8_enable": True, "trt_int8_calibration_table_name": tensorrt.TABLE, **cache}),
+        "CUDAExecutionProvider", "CPUExecutionProvider"])
+    fp32 = ort.InferenceSession(str(source), providers=[(tensorrt.PROVIDER, cache), "CUDAExecutionProvider",
+                                                        "CPUExecutionProvider"])
+    verdict = gate.judge(reference, _outputs(int8, batches), o.thresholds)
+    return {"name": TENSORRT_INT8, "notes": ["FP32 model served with trt_int8_enable and its calibration table; "
+                                             "timed against FP32 on TensorRT"],
+            "gpu_only": False, "gate": verdict, "speed": speed.compare(fp32, int8, batches[0], sizes, o.rounds),
+            "file": str(source), "extra_files": [str(table)]}
 
 
 def _choose(results: list[dict], largest: str, min_gain: float) -> tuple[str | None, str]:
@@ -130,12 +160,15 @@ def _choose(results: list[dict], largest: str, min_gain: float) -> tuple[str | N
     return best["name"], f"the fastest that passed the gate: {ratio:.2f}x FP32's throughput at batch {largest}"
 
 
-def _write_version(model_dir: pathlib.Path, report: dict, model_file: pathlib.Path) -> None:
+def _write_version(model_dir: pathlib.Path, report: dict, model_file: pathlib.Path,
+                   extra_files: list[pathlib.Path] = ()) -> None:
     """The new version appears whole or not at all: written beside the repository's models under a
     name no loader takes for a model, then renamed into place."""
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".batchline-optimize-{model_dir.name}-", dir=model_dir.parent))
     try:
         shutil.copyfile(model_file, staging / "model.onnx")
+        for extra in extra_files:  # e.g. TensorRT's calibration table, which executors look for beside the model
+            shutil.copyfile(extra, staging / extra.name)
         (staging / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         os.rename(staging, model_dir / report["written_version"])
     except BaseException:

@@ -8,6 +8,8 @@
   the calibration inputs (only when some are given).
 - fp16: weights and activations in half precision, for GPU executors: measured on CPU, never
   chosen there.
+- tensorrt-int8 (batchline/optimize/tensorrt.py, not built here): the FP32 model with TensorRT's
+  calibration table, judged only where TensorRT runs.
 """
 from __future__ import annotations
 

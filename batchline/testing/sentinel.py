@@ -19,21 +19,24 @@ MASTER = "mymaster"
 
 class SentinelRedis:
     def __init__(self, replicas: int = 1, sentinels: int = 3, down_after_ms: int = 1_000,
-                 failover_timeout_ms: int = 5_000, master: str = MASTER):
+                 failover_timeout_ms: int = 5_000, master: str = MASTER, password: str = ""):
         self.master = master
+        self.password = password  # the primary's and replicas' (requirepass); the sentinels have none
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
         self.binary = redis_server_binary()
-        self.servers = [EmbeddedRedis()]
+        self.servers = [EmbeddedRedis(password=password)]
         primary = self.servers[0].port
-        self.servers += [EmbeddedRedis(extra_args=("--replicaof", "127.0.0.1", str(primary))) for _ in range(replicas)]
+        self.servers += [EmbeddedRedis(password=password, extra_args=("--replicaof", "127.0.0.1", str(primary)))
+                         for _ in range(replicas)]
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
         self.dir = tempfile.mkdtemp(prefix="batchline-sentinel-")
         self.sentinels: list[subprocess.Popen] = []
 
     @property
     def url(self) -> str:
-        return f"redis+sentinel://{','.join(f'127.0.0.1:{p}' for p in self.sentinel_ports)}/{self.master}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis+sentinel://{auth}{','.join(f'127.0.0.1:{p}' for p in self.sentinel_ports)}/{self.master}/0"
 
     @property
     def proc(self) -> subprocess.Popen | None:
@@ -72,7 +75,8 @@ class SentinelRedis:
                 f.write(f"port {port}\nbind 127.0.0.1\ndir {self.dir}\n"
                         f"sentinel monitor {self.master} 127.0.0.1 {primary} {len(self.sentinel_ports) // 2 + 1}\n"
                         f"sentinel down-after-milliseconds {self.master} {self.down_after_ms}\n"
-                        f"sentinel failover-timeout {self.master} {self.failover_timeout_ms}\n")
+                        f"sentinel failover-timeout {self.master} {self.failover_timeout_ms}\n"
+                        + (f"sentinel auth-pass {self.master} {self.password}\n" if self.password else ""))
             self.sentinels.append(subprocess.Popen(
                 [self.binary, conf, "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=die_with_parent))
@@ -91,7 +95,8 @@ class SentinelRedis:
                 if (int(state.get("num-slaves", 0)) < len(self.servers) - 1
                         or int(state.get("num-other-sentinels", 0)) < len(self.sentinel_ports) - 1):
                     return False
-            info = redis.Redis(port=self.servers[0].port, socket_timeout=1).info("replication")
+            info = redis.Redis(port=self.servers[0].port, password=self.password or None,
+                               socket_timeout=1).info("replication")
             return int(info.get("connected_slaves", 0)) == len(self.servers) - 1 and all(
                 info.get(f"slave{i}", {}).get("state") == "online" for i in range(len(self.servers) - 1))
         except redis.exceptions.RedisError:
