@@ -14,7 +14,8 @@ from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS
 from executor.live import LiveRepository
 from executor.repository import LoadedModel
-from executor.service import Executor, ExecutorControl
+from executor.control import ExecutorControl
+from executor.service import Executor
 from executor.settings import ExecutorSettings
 
 log = logging.getLogger(__name__)

@@ -12,25 +12,20 @@ import contextlib
 import logging
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 from typing import Callable
-
-import numpy as np
 
 from batchline import contract, logs, metrics, telemetry, tracecontext
 from batchline.recovery import hand_back, requeue_held_batches
 from batchline.clock import now_us
 from batchline.lifecycle import stop_tasks
-from batchline.codec import decode_inputs, encode_array, onnx_strings
-from batchline.errors import BatchlineError, DeadlineExceeded, Internal, InvalidArgument, Unavailable, status_value
+from batchline.codec import decode_inputs, onnx_strings
+from batchline.errors import BatchlineError, DeadlineExceeded, Internal, Unavailable
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
-from batchline.protocol import internal_pb2_grpc
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
-from batchline.sizing import row_length
-from executor import outcome
-from executor.batching import assemble, split
+from executor import outcome, running
 from executor.outcome import Timing
+from executor.running import Member
 from executor.repository import LoadedModel
 from executor.warmup import warm_up
 from executor.settings import ExecutorSettings
@@ -52,15 +47,6 @@ _ORPHAN_SWEEP_S = 2.0  # also the age below which a batch may still be on its wa
 
 def _phase(name: str, traced: bool):
     return _tracer.start_as_current_span(name) if traced else contextlib.nullcontext()
-
-
-@dataclass
-class _Member:
-    entry: pb.QueueEntry
-    request: ipb.ModelInferRequest | None = None
-    inputs: dict[str, np.ndarray] | None = None
-    outputs: dict[str, np.ndarray] | None = None
-    error: BatchlineError | None = None
 
 
 class Executor:
@@ -295,11 +281,11 @@ class Executor:
                 found = await self.redis.mget([contract.payload(m.request_id) for m in batch.members]
                                               + [contract.gateway(g) for g in gateways])
         payloads, alive = found[: len(batch.members)], dict(zip(gateways, found[len(batch.members):]))
-        members: list[_Member] = []
+        members: list[Member] = []
         for entry, blob in zip(batch.members, payloads):
             if blob is None or alive[entry.gateway_id] is None:
                 continue  # answered, abandoned, or its gateway died: nobody is waiting
-            m = _Member(entry)
+            m = Member(entry)
             members.append(m)
             if model is None:
                 # The scheduler's registry was behind this executor's (e.g. a reload): not the client's fault.
@@ -336,7 +322,7 @@ class Executor:
                 runnable = [m for m in runnable if m.error is None]
                 if runnable:
                     with _phase("infer", traced):
-                        units = await self._run(model, runnable)
+                        units = await running.run(model, runnable)
                     if units:
                         real = sum(m.entry.rows * max(1, m.entry.length) for m in runnable)
                         efficiency = min(1.0, real / units)
@@ -346,7 +332,7 @@ class Executor:
             t2 = time.perf_counter_ns()
         replies: dict[str, list[bytes]] = defaultdict(list)
         for m in members:
-            replies[m.entry.gateway_id].append(self._reply(model, m).SerializeToString())
+            replies[m.entry.gateway_id].append(running.reply(model, m).SerializeToString())
         t3 = time.perf_counter_ns()
         timing = Timing(start_us, t1 - t0, t2 - t_run, t3 - t2, start_us + (t2 - t0) // 1000 if t2 > t1 else 0, units)
         with _phase("write", traced):
@@ -357,69 +343,3 @@ class Executor:
                 telemetry.record_span(_tracer, "execute", start_us, now_us(), context=telemetry.extract(e.traceparent, e.tracestate),
                                       attributes={"batchline.batch_id": batch.batch_id, "batchline.batch_size": rows,
                                                   "batchline.executor_id": self.executor_id, "batchline.provider": provider})
-
-    async def _run(self, model: LoadedModel, members: list[_Member]) -> int:
-        """Run the members (in as few model runs as their shapes allow); return the units run."""
-        batched = model.info.max_batch_size > 0
-        groups = assemble([m.inputs for m in members], model.padding, batched)
-        units = 0
-        for group in groups:
-            units += sum(group.rows) * row_length(model.info, {name: arr.shape for name, arr in group.inputs.items()})
-            group_members = [members[i] for i in group.members]
-            try:
-                outputs = await asyncio.to_thread(self._session_run, model, group.inputs)
-            except Exception as exc:  # noqa: BLE001
-                if len(group_members) == 1:
-                    group_members[0].error = InvalidArgument(f"model '{model.name}' failed on this request: {exc}")
-                    continue
-                # Someone in the group poisons the run: retry each alone so
-                # only the culprit fails.
-                log.warning("%s: batch of %d failed (%s); retrying members one by one", model.name, len(group_members), exc)
-                units += await self._run_singly(model, group_members)
-                continue
-            for m, out in zip(group_members, split(outputs, group.rows, batched)):
-                m.outputs = out
-        return units
-
-    async def _run_singly(self, model: LoadedModel, members: list[_Member]) -> int:
-        """Run each member alone; return the units run (the batch's time counts these runs too)."""
-        units = 0
-        for m in members:
-            units += m.entry.rows * row_length(model.info, {name: arr.shape for name, arr in m.inputs.items()})
-            try:
-                m.outputs = await asyncio.to_thread(self._session_run, model, m.inputs)
-            except Exception as exc:  # noqa: BLE001
-                m.error = InvalidArgument(f"model '{model.name}' failed on this request: {exc}")
-        return units
-
-    @staticmethod
-    def _session_run(model: LoadedModel, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        names = [o.name for o in model.info.outputs]
-        return dict(zip(names, model.session.run(names, feeds)))
-
-    @staticmethod
-    def _reply(model: LoadedModel | None, m: _Member) -> pb.Reply:
-        if m.error is not None or m.outputs is None:
-            error = m.error or Internal("the model produced no output for this request")
-            return pb.Reply(request_id=m.entry.request_id, code=status_value(error), message=str(error))
-        req = m.request
-        response = ipb.ModelInferResponse(model_name=model.name, model_version=model.version, id=req.id)
-        wanted = [o.name for o in req.outputs] or [o.name for o in model.info.outputs]
-        for name in wanted:
-            datatype, shape, raw = encode_array(m.outputs[name])
-            response.outputs.add(name=name, datatype=datatype, shape=shape)
-            response.raw_output_contents.append(raw)
-        return pb.Reply(request_id=m.entry.request_id, code=0, response=response)
-
-
-class ExecutorControl(internal_pb2_grpc.ExecutorServicer):
-    """The process's status: its first lane's (which holds every model), with the batch counts of all lanes."""
-
-    def __init__(self, lanes: list[Executor]):
-        self.lanes = lanes
-
-    async def Status(self, request, context):
-        info = self.lanes[0].info()
-        info.busy_batches = sum(lane.busy_batches for lane in self.lanes)
-        info.executed_batches = sum(lane.executed_batches for lane in self.lanes)
-        return info

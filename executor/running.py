@@ -1,0 +1,85 @@
+"""Running a batch's members on a model: as few runs as their shapes allow, off the event loop;
+a member that makes the model fail is run again alone so that only it fails. And each member's
+answer, as the Reply its gateway waits for."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from batchline.codec import encode_array
+from batchline.errors import BatchlineError, Internal, InvalidArgument, status_value
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import internal_pb2 as pb
+from batchline.sizing import row_length
+from executor.batching import assemble, split
+from executor.repository import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Member:
+    """One request of a batch, from its queue entry to its outputs or its error."""
+    entry: pb.QueueEntry
+    request: ipb.ModelInferRequest | None = None
+    inputs: dict[str, np.ndarray] | None = None
+    outputs: dict[str, np.ndarray] | None = None
+    error: BatchlineError | None = None
+
+
+async def run(model: LoadedModel, members: list[Member]) -> int:
+    """Run the members (in as few model runs as their shapes allow); return the units run."""
+    batched = model.info.max_batch_size > 0
+    groups = assemble([m.inputs for m in members], model.padding, batched)
+    units = 0
+    for group in groups:
+        units += sum(group.rows) * row_length(model.info, {name: arr.shape for name, arr in group.inputs.items()})
+        group_members = [members[i] for i in group.members]
+        try:
+            outputs = await asyncio.to_thread(_session_run, model, group.inputs)
+        except Exception as exc:  # noqa: BLE001
+            if len(group_members) == 1:
+                group_members[0].error = InvalidArgument(f"model '{model.name}' failed on this request: {exc}")
+                continue
+            # Someone in the group poisons the run: retry each alone so
+            # only the culprit fails.
+            log.warning("%s: batch of %d failed (%s); retrying members one by one", model.name, len(group_members), exc)
+            units += await _run_singly(model, group_members)
+            continue
+        for m, out in zip(group_members, split(outputs, group.rows, batched)):
+            m.outputs = out
+    return units
+
+
+async def _run_singly(model: LoadedModel, members: list[Member]) -> int:
+    """Run each member alone; return the units run (the batch's time counts these runs too)."""
+    units = 0
+    for m in members:
+        units += m.entry.rows * row_length(model.info, {name: arr.shape for name, arr in m.inputs.items()})
+        try:
+            m.outputs = await asyncio.to_thread(_session_run, model, m.inputs)
+        except Exception as exc:  # noqa: BLE001
+            m.error = InvalidArgument(f"model '{model.name}' failed on this request: {exc}")
+    return units
+
+
+def _session_run(model: LoadedModel, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    names = [o.name for o in model.info.outputs]
+    return dict(zip(names, model.session.run(names, feeds)))
+
+
+def reply(model: LoadedModel | None, m: Member) -> pb.Reply:
+    if m.error is not None or m.outputs is None:
+        error = m.error or Internal("the model produced no output for this request")
+        return pb.Reply(request_id=m.entry.request_id, code=status_value(error), message=str(error))
+    req = m.request
+    response = ipb.ModelInferResponse(model_name=model.name, model_version=model.version, id=req.id)
+    wanted = [o.name for o in req.outputs] or [o.name for o in model.info.outputs]
+    for name in wanted:
+        datatype, shape, raw = encode_array(m.outputs[name])
+        response.outputs.add(name=name, datatype=datatype, shape=shape)
+        response.raw_output_contents.append(raw)
+    return pb.Reply(request_id=m.entry.request_id, code=0, response=response)
