@@ -56,6 +56,8 @@ async def check_access(url: str, timeout: float) -> None:
             if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
                 raise RedisAccessError(f"the sentinels of {mask(url)} refuse the credentials: {exc}") from None
             raise
+        except REDIS_ERRORS as exc:
+            raise RedisAccessError(f"cannot verify the TLS certificate of the sentinels of {mask(url)}: {exc}") from None
         if answered and not known:
             target = sentinel.parse(url)
             raise RedisAccessError(f"no sentinel of {mask(url)} monitors a master named {target.master!r}: "

@@ -4,6 +4,7 @@ lacks are answered UNAVAILABLE at once, and every other request is served."""
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
 import subprocess
 import sys
 import time
@@ -172,3 +173,63 @@ def test_primary_killed_under_load(sentinels, process_mesh, mlp_model):
     assert len(ok) >= 0.99 * len(outside), \
         f"{len(outside) - len(ok)} of {len(outside)} calls sent outside the failover window failed, " \
         f"e.g. {[r for r in outside if r.code != 'OK'][:3]}"
+
+
+@pytest.fixture
+def tls_sentinels(tmp_path):
+    """A primary, a replica and three sentinels serving TLS only (replication and the sentinels'
+    own links too); yields (the rediss+sentinel:// URL, the CA file)."""
+    from certs import Authority
+
+    from batchline.embedded_redis import free_port, redis_server_binary
+
+    ca = Authority(tmp_path, "redis")
+    cert, key = ca.issue("redis")
+    tls = ["--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", ca.file, "--tls-auth-clients", "no",
+           "--tls-replication", "yes"]
+    ports = [free_port() for _ in range(5)]
+    procs = []
+    for i, port in enumerate(ports[:2]):
+        (tmp_path / f"data-{i}").mkdir()
+        replica = ["--replicaof", "127.0.0.1", str(ports[0])] if i else []
+        procs.append(subprocess.Popen([redis_server_binary(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                                       *tls, "--save", "", "--appendonly", "no", "--dir", str(tmp_path / f"data-{i}"),
+                                       *replica], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    for port in ports[2:]:
+        conf = tmp_path / f"sentinel-{port}.conf"
+        conf.write_text(f"port 0\ntls-port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
+                        + "".join(f"{tls[i][2:]} {tls[i + 1]}\n" for i in range(0, len(tls), 2))
+                        + f"sentinel monitor mymaster 127.0.0.1 {ports[0]} 2\n"
+                        "sentinel down-after-milliseconds mymaster 1000\n")
+        procs.append(subprocess.Popen([redis_server_binary(), str(conf), "--sentinel"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        def ready() -> bool:
+            try:
+                state = redis.Redis(port=ports[2], ssl=True, ssl_ca_certs=ca.file, socket_timeout=1).sentinel_master("mymaster")
+            except redis.exceptions.RedisError:
+                return False
+            return int(state["num-slaves"]) == 1 and int(state["num-other-sentinels"]) == 2
+
+        poll(ready, 30, "the TLS sentinels to see the primary, its replica and each other")
+        yield f"rediss+sentinel://{','.join(f'127.0.0.1:{p}' for p in ports[2:])}/mymaster/0?ssl_ca_certs={ca.file}", ca
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_the_mesh_serves_through_sentinels_over_tls(tls_sentinels, model_repository, tmp_path):
+    from certs import Authority
+    from mesh import Mesh
+
+    url, ca = tls_sentinels
+    repo = tmp_path / "repository"
+    shutil.copytree(model_repository / "mlp", repo / "mlp")
+    with Mesh(url, str(repo), models=["mlp"]) as m, tc.InferenceServerClient(m.address) as client:
+        assert client.infer("mlp", [_features(1.0)]).as_numpy("probability").shape == (1, 1)
+    stranger = Authority(tmp_path, "stranger")
+    out = subprocess.run([sys.executable, "-m", "scheduler", "--redis-url", url.replace(ca.file, stranger.file),
+                          "--port", "0", "--metrics-port", "-1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and len([line for line in out.stderr.splitlines() if line.strip()]) == 1, out.stderr
+    assert "cannot verify the TLS certificate" in out.stderr, out.stderr
