@@ -69,6 +69,11 @@ async def check_access(url: str, timeout: float) -> None:
         client = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     try:
         await client.ping()
+        # Its scripts and multi-key reads name keys of many hash slots, which a cluster refuses
+        # (CROSSSLOT) request by request: say so once, at start.
+        if int((await client.info("cluster")).get("cluster_enabled", 0)):
+            raise RedisAccessError(f"Redis at {mask(url)} is a Redis Cluster node: batchline does not run on "
+                                   "Redis Cluster yet; use one Redis, or Redis with Sentinel (redis+sentinel://)")
     except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
         raise _refused(url, exc) from None
     except redis.exceptions.ResponseError as exc:

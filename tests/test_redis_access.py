@@ -94,3 +94,12 @@ def test_an_untrusted_redis_certificate_stops_a_service_in_one_line(tls_redis, t
     stranger = Authority(tmp_path, "stranger")
     out = _service_refused(f"rediss://mesh:{SECRET}@localhost:{port}/0?ssl_ca_certs={stranger.file}")
     assert "cannot verify the TLS certificate" in out.stderr and SECRET not in out.stderr
+
+
+def test_a_redis_cluster_node_stops_a_service_in_one_line(tmp_path):
+    """Redis Cluster is not supported yet (docs/design/redis-cluster.md): refused at start, not
+    request by request."""
+    with EmbeddedRedis(extra_args=("--cluster-enabled", "yes", "--cluster-config-file",
+                                   str(tmp_path / "nodes.conf"))) as node:
+        out = _service_refused(node.url)
+        assert "is a Redis Cluster node" in out.stderr and "redis+sentinel://" in out.stderr
