@@ -92,7 +92,7 @@ class ExecutorApp:
     async def _rewrite_lost(self) -> None:
         """Give a new Redis primary the finished batches it lacks (their answers were acknowledged by
         the old one but not replicated), so that their requests are answered instead of waiting."""
-        for attempt in range(REWRITE_ATTEMPTS):
+        for _ in range(REWRITE_ATTEMPTS):
             try:
                 n = sum([await lane.written.rewrite_lost(lane.redis) for lane in self.lanes])
             except REDIS_ERRORS as exc:

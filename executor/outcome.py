@@ -18,31 +18,37 @@ from executor.repository import LoadedModel
 
 # A new Redis primary (a Sentinel failover) may lack the last writes the old one acknowledged:
 # replication is asynchronous, so only the final moments before the old primary died are at
-# risk. The executor keeps its last finished batches' writes this long (and at most this many)
-# to write again those whose batch key the new primary still holds.
+# risk. The executor keeps its last finished batches' writes, up to this age, count and size of
+# their replies, to write again those whose batch key the new primary still holds.
 REWRITE_WINDOW_S = 60.0
 REWRITE_KEEP = 1_024
+REWRITE_KEEP_BYTES = 16 << 20
 
 
 class Written:
     """The writes of the last finished batches, kept so that a new primary can be given the ones it lacks."""
 
     def __init__(self) -> None:
-        self._recent: deque[tuple[float, tuple]] = deque(maxlen=REWRITE_KEEP)
+        self._recent: deque[tuple[float, int, tuple]] = deque()  # (when, reply bytes, batch_done's arguments)
+        self._bytes = 0
 
     def add(self, args: tuple) -> None:
-        self._recent.append((time.monotonic(), args))
+        size = sum(len(r) for replies in args[2].values() for r in replies)
+        self._recent.append((time.monotonic(), size, args))
+        self._bytes += size
+        while len(self._recent) > REWRITE_KEEP or (self._bytes > REWRITE_KEEP_BYTES and len(self._recent) > 1):
+            self._bytes -= self._recent.popleft()[1]
 
     def batches(self) -> list[pb.Batch]:
         """The batches kept, oldest first."""
-        return [args[0] for _, args in self._recent]
+        return [args[0] for _, _, args in self._recent]
 
     async def rewrite_lost(self, redis: Redis) -> int:
         """Write again each kept batch whose batch key Redis still holds: the batch's answers never
         reached this primary, and without them its requests would wait out their deadlines.
         Returns how many were written again."""
         since = time.monotonic() - REWRITE_WINDOW_S
-        kept = [args for at, args in self._recent if at >= since]
+        kept = [args for at, _, args in self._recent if at >= since]
         if not kept:
             return 0
         async with redis.pipeline(transaction=False) as pipe:

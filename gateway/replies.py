@@ -50,7 +50,7 @@ class Replies:
         new primary does not hold and whose answer does not arrive within RECONCILE_GRACE_S; the
         others are still served. Returns how many were answered so."""
         ids = list(self.acknowledged)
-        for attempt in range(RECONCILE_ATTEMPTS):
+        for _ in range(RECONCILE_ATTEMPTS):
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for request_id in ids:
