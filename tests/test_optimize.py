@@ -153,9 +153,15 @@ def test_the_command_prints_the_verdict_and_exits_2_on_a_bad_model(repository):
     assert bad.returncode == 2 and bad.stderr.startswith("batchline optimize: model 'nope' is not in")
 
 
-def test_static_int8_is_calibrated_on_the_inputs_given(repository, tmp_path):
-    calibration = tmp_path / "calibration.npz"
-    np.savez(calibration, features=np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32))
+@pytest.fixture
+def calibration(tmp_path):
+    """64 rows of mlp's input, as `--calibration` takes them."""
+    path = tmp_path / "calibration.npz"
+    np.savez(path, features=np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32))
+    return path
+
+
+def test_static_int8_is_calibrated_on_the_inputs_given(repository, calibration, tmp_path):
     report = optimize(Options("mlp", repository, variants=("int8-static",), calibration=calibration,
                               scratch=tmp_path / "scratch"))
     [variant] = report["variants"]
@@ -180,9 +186,7 @@ def test_the_demo_build_writes_an_int8_minilm_judged_on_real_sentences(repositor
         assert out.returncode == 1 and "wrote nothing" in out.stdout and not (repository / "minilm" / "2").exists()
 
 
-def test_tensorrt_int8_writes_its_calibration_table_and_is_skipped_without_tensorrt(repository, tmp_path):
-    calibration = tmp_path / "calibration.npz"
-    np.savez(calibration, features=np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32))
+def test_tensorrt_int8_writes_its_calibration_table_and_is_skipped_without_tensorrt(repository, calibration, tmp_path):
     report = optimize(Options("mlp", repository, variants=("tensorrt-int8",), calibration=calibration,
                               scratch=tmp_path / "scratch"))
     [variant] = report["variants"]
