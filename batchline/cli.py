@@ -22,7 +22,7 @@ import redis
 from batchline import contract, logs, metrics
 from batchline.embedded_redis import EmbeddedRedis
 from batchline.redis_client import connect_sync, mask
-from batchline.optimize import DEFAULT_VARIANTS, VARIANTS
+from batchline.optimize import DEFAULT_VARIANTS, MIN_GAIN, VARIANTS
 from batchline.supervisor import Supervisor, say
 
 DEFAULT_REPOSITORY = "model_repository"
@@ -286,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="poll mode: seconds between scans of the repository (default: 5)")
     up.add_argument("--load-model", action="append", default=[], metavar="NAME",
                     help="explicit mode: load this model at start (repeatable)")
-    up.add_argument("--redis-url", default="", help="use this Redis instead of starting a private one: redis://, rediss://, unix:// or, behind Sentinel, redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER")
+    up.add_argument("--redis-url", default="",
+                    help="use this Redis instead of starting a private one: redis://, rediss://, unix:// or, behind "
+                    "Sentinel, redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER")
     up.add_argument("--redis-password", default=None,
                     help="the password of the private Redis (default: a random one; '' for none): printed as ***, "
                     "give it to `batchline status --redis-url redis://:PASSWORD@...`")
@@ -357,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     opt.add_argument("--weight-type", choices=("auto", "QInt8", "QUInt8"), default="auto",
                      help="INT8 weight type (default: auto: QInt8 on a CPU with VNNI or AMX, whose 8-bit products are "
                      "exact, else QUInt8)")
-    opt.add_argument("--min-gain", type=float, default=1.05,
+    opt.add_argument("--min-gain", type=float, default=MIN_GAIN,
                      help="write the fastest variant that passed the gate only if it serves at least this many times "
-                     "FP32's throughput here (default: 1.05; 0 writes it whatever its speed)")
+                     f"FP32's throughput here (default: {MIN_GAIN}; 0 writes it whatever its speed)")
     opt.add_argument("--scratch", default="", help="where the variants are written (default: a new temporary directory, kept)")
     opt.set_defaults(func=cmd_optimize)
 
@@ -367,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                            description="Export the demo models (minilm, mlp) to ONNX into PATH (needs the [demo] extra).")
     build.add_argument("path", nargs="?", default=DEFAULT_REPOSITORY, help=f"repository path (default: {DEFAULT_REPOSITORY})")
     build.add_argument("--int8", action="store_true",
-                       help="also write minilm version 2, INT8, with `batchline optimize` judged on 512 sentences of "
+                       help=f"also write minilm version 2, INT8, with `batchline optimize` judged on {DEMO_SENTENCES} sentences of "
                        "Python's reference manual (needs the [optimize] extra; nothing is downloaded); exits 1 if "
                        "no variant passes the gate and is faster here")
     build.set_defaults(func=cmd_build_models)

@@ -5,3 +5,6 @@ Light on import (the command line reads the names below); the work is in the mod
 
 VARIANTS = ("graph", "int8-dynamic", "int8-static", "fp16", "tensorrt-int8")
 DEFAULT_VARIANTS = VARIANTS
+# A variant is written only if it serves at least this much more than FP32 (by default): less is
+# within the noise of a shared host, and not worth a version.
+MIN_GAIN = 1.05

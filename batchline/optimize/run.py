@@ -13,17 +13,15 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import onnxruntime as ort
 
-from batchline.optimize import DEFAULT_VARIANTS, VARIANTS, gate, inputs, speed, tensorrt
+from batchline.optimize import DEFAULT_VARIANTS, MIN_GAIN, VARIANTS, gate, inputs, speed, tensorrt
 from batchline.optimize.inputs import InputsError  # noqa: F401 (raised through optimize())
 from batchline.optimize.variants import Int8Options, build
 from executor.repository import RepositoryError, load_model, read_config
 
 REPORT = "optimize.json"
 GATE_BATCH = 16  # rows per run when judging: a batch, but one any batched model takes
-# A variant is written only if it serves at least this much more than FP32: less is within the
-# noise of a shared host, and not worth a version.
-MIN_GAIN = 1.05
 TENSORRT_INT8 = "tensorrt-int8"
+NO_INPUTS = "no calibration inputs (--calibration or --texts)"
 
 
 class OptimizeError(ValueError):
@@ -101,7 +99,7 @@ def optimize(o: Options) -> dict:
             continue
         variant = build(name, source / "model.onnx", scratch, o.int8, calibration)
         if variant is None:
-            results.append({"name": name, "skipped": "no calibration inputs (--calibration or --texts)"})
+            results.append({"name": name, "skipped": NO_INPUTS})
             continue
         session = _session(variant.path)
         verdict = gate.judge(reference, _outputs(session, data.batches), o.thresholds)
@@ -129,7 +127,7 @@ def _tensorrt_int8(source: pathlib.Path, calibration, scratch: pathlib.Path, bat
     TensorRT where it runs; elsewhere the table is written to the scratch directory and the variant
     reported as skipped, with the reason."""
     if calibration is None:
-        return {"name": TENSORRT_INT8, "skipped": "no calibration inputs (--calibration or --texts)"}
+        return {"name": TENSORRT_INT8, "skipped": NO_INPUTS}
     out = scratch / TENSORRT_INT8
     table = tensorrt.write_table(source, calibration, out)
     if not tensorrt.available():
