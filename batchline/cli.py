@@ -287,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--load-model", action="append", default=[], metavar="NAME",
                     help="explicit mode: load this model at start (repeatable)")
     up.add_argument("--redis-url", default="",
-                    help="use this Redis instead of starting a private one: redis://, rediss://, unix:// or, behind "
-                    "Sentinel, redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER")
+                    help="use this Redis instead of starting a private one: redis://, rediss://, unix://; behind "
+                    "Sentinel, redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER; a Redis Cluster, "
+                    "redis+cluster://HOST:PORT[,HOST:PORT...]")
     up.add_argument("--redis-password", default=None,
                     help="the password of the private Redis (default: a random one; '' for none): printed as ***, "
                     "give it to `batchline status --redis-url redis://:PASSWORD@...`")

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from batchline import metrics
+from batchline.contract import on_cluster
 from batchline.protocol._pool import POOL
 from batchline.redis_client import REDIS_ERRORS
 
@@ -69,7 +70,7 @@ class ServerHandle:
         run_id = None
         while True:
             try:
-                current = (await redis.info("server")).get("run_id")
+                current = await _run_id(redis)
                 now_up = True
                 if run_id is not None and current != run_id:
                     log.warning("Redis answers from a new primary (run_id %s -> %s): a failover or a restart",
@@ -130,3 +131,12 @@ async def start_server(
     await handle.set_serving(False)
     await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     return handle
+
+
+async def _run_id(redis) -> str | None:
+    """The serving Redis's run id; on a cluster every primary's, joined: it changes when a shard's
+    primary is replaced (its replica promoted) as when a lone Redis restarts."""
+    if on_cluster(redis):
+        infos = await redis.info("server", target_nodes=redis.PRIMARIES)
+        return ",".join(sorted(str(info.get("run_id")) for info in infos.values()))
+    return (await redis.info("server")).get("run_id")

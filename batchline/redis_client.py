@@ -2,7 +2,9 @@
 
 A command that hangs is worse than one that fails: with a socket timeout a
 dead Redis turns into an Unavailable error within `timeout` seconds.
-Blocking reads (BLMPOP, BLPOP) get their own connection without a read timeout.
+Blocking reads (BLMPOP, BLPOP) get their own connection without a read timeout. A URL names one
+Redis (redis://), a primary behind Sentinel (batchline.sentinel) or a Redis Cluster
+(batchline.cluster).
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import urllib.parse
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from batchline import sentinel
+from batchline import cluster, sentinel
+from batchline.contract import on_cluster
 
 # What a lost or stalled Redis raises: callers turn these into UNAVAILABLE or retry.
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
@@ -65,15 +68,27 @@ async def check_access(url: str, timeout: float) -> None:
         if not answered:
             return
         client = sentinel.connect(url, timeout, max_connections=1)
+    elif cluster.is_cluster_url(url):
+        target = cluster.parse(url)
+        host, port = target.nodes[0]
+        client = aioredis.Redis(host=host, port=port, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                **target.kwargs)
     else:
         client = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     try:
         await client.ping()
-        # Its scripts and multi-key reads name keys of many hash slots, which a cluster refuses
-        # (CROSSSLOT) request by request: say so once, at start.
-        if int((await client.info("cluster")).get("cluster_enabled", 0)):
-            raise RedisAccessError(f"Redis at {mask(url)} is a Redis Cluster node: batchline does not run on "
-                                   "Redis Cluster yet; use one Redis, or Redis with Sentinel (redis+sentinel://)")
+        clustered = int((await client.info("cluster")).get("cluster_enabled", 0))
+        if cluster.is_cluster_url(url):
+            if not clustered:
+                raise RedisAccessError(f"{mask(url)} names a Redis that is not a Redis Cluster node: "
+                                       "give a single Redis as redis://HOST:PORT")
+            problem = cluster.coverage_problem(cluster_info_fields(await client.execute_command("CLUSTER INFO")))
+            if problem:
+                raise RedisAccessError(f"the Redis Cluster at {mask(url)} cannot serve: {problem}")
+        elif clustered:
+            # A plain client would be refused (MOVED, CROSSSLOT) request by request: say so once, at start.
+            raise RedisAccessError(f"Redis at {mask(url)} is a Redis Cluster node: name the cluster as "
+                                   "redis+cluster://HOST:PORT[,HOST:PORT...]")
     except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
         raise _refused(url, exc) from None
     except redis.exceptions.ResponseError as exc:
@@ -87,7 +102,18 @@ async def check_access(url: str, timeout: float) -> None:
         await client.aclose()
 
 
+def cluster_info_fields(info) -> dict:
+    """CLUSTER INFO's answer as a dict (redis-py parses it or not, by version and protocol)."""
+    if isinstance(info, dict):
+        return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                for k, v in info.items()}
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+
+
 def connect(url: str, timeout: float) -> aioredis.Redis:
+    if cluster.is_cluster_url(url):
+        return cluster.connect(url, timeout)
     if sentinel.is_sentinel(url):
         return sentinel.connect(url, timeout, max_connections=64)
     # A blocking pool makes a burst of requests wait for a connection instead
@@ -105,6 +131,8 @@ def connect(url: str, timeout: float) -> aioredis.Redis:
 
 def connect_blocking(url: str, timeout: float) -> aioredis.Redis:
     """For BLPOP-style waits: the read may last as long as the wait itself."""
+    if cluster.is_cluster_url(url):
+        return cluster.connect(url, timeout, blocking_reads=True)
     if sentinel.is_sentinel(url):
         return sentinel.connect(url, timeout, max_connections=8, blocking_reads=True)
     return aioredis.Redis.from_url(
@@ -117,6 +145,8 @@ def connect_blocking(url: str, timeout: float) -> aioredis.Redis:
 
 def connect_sync(url: str, timeout: float) -> redis.Redis:
     """A synchronous client, for command-line tools and test harnesses."""
+    if cluster.is_cluster_url(url):
+        return cluster.connect_sync(url, timeout)
     if sentinel.is_sentinel(url):
         return sentinel.connect_sync(url, timeout)
     return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
@@ -136,6 +166,12 @@ class ListPop:
 
     async def __call__(self, keys: list[str], count: int, timeout: int = 1) -> tuple[bytes, list[bytes]] | None:
         """(list, elements) of the first list with any, or None after `timeout` seconds."""
+        if on_cluster(self._blocking):
+            # The keys share a slot (the contract's layout): the wait goes to the node serving it.
+            await self._blocking.initialize()
+            node = self._blocking.get_node_from_key(keys[0])
+            return await self._blocking.execute_command("BLMPOP", timeout, len(keys), *keys, "LEFT", "COUNT", count,
+                                                        target_nodes=node)
         if self.all_at_once:
             try:
                 return await self._blocking.execute_command("BLMPOP", timeout, len(keys), *keys, "LEFT", "COUNT", count)

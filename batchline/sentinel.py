@@ -22,7 +22,9 @@ import redis
 import redis.asyncio as aioredis
 import redis.asyncio.sentinel as aiosentinel
 import redis.sentinel
-from redis.asyncio.connection import BlockingConnectionPool, parse_url
+from redis.asyncio.connection import BlockingConnectionPool
+
+from batchline import redis_url
 
 SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
 DEFAULT_PORT = 26379
@@ -54,15 +56,7 @@ def parse(url: str) -> SentinelTarget:
     if scheme is None:
         raise ValueError(f"not a Sentinel URL (redis+sentinel:// or rediss+sentinel://): {parts.scheme}://")
     userinfo, _, hosts = parts.netloc.rpartition("@")
-    sentinels = []
-    for item in hosts.split(","):
-        host, _, port = item.strip().rpartition(":") if ":" in item else (item.strip(), "", "")
-        if not host:
-            raise ValueError(f"Sentinel URL has an empty host in {hosts!r}")
-        try:
-            sentinels.append((host, int(port) if port else DEFAULT_PORT))
-        except ValueError:
-            raise ValueError(f"Sentinel URL has a port that is not a number: {item!r}") from None
+    sentinels = redis_url.hosts(hosts, DEFAULT_PORT, "Sentinel URL")
     path = [p for p in parts.path.split("/") if p]
     if not path:
         raise ValueError("Sentinel URL names no master: redis+sentinel://HOST:PORT/MASTER[/DB]")
@@ -70,13 +64,8 @@ def parse(url: str) -> SentinelTarget:
         raise ValueError(f"Sentinel URL path must be /MASTER or /MASTER/DB, not {parts.path!r}")
     query = urllib.parse.parse_qs(parts.query)
     own = {name: query.pop(name)[0] for name in _SENTINEL_OPTIONS if name in query}
-    # The plain URL's parser reads the primary's credentials and options, so both forms mean the same.
-    plain = urllib.parse.urlunsplit((scheme, f"{userinfo}@placeholder" if userinfo else "placeholder",
-                                     "/" + (path[1] if len(path) == 2 else "0"),
-                                     urllib.parse.urlencode(query, doseq=True), ""))
-    master_kwargs = parse_url(plain)
-    for key in ("host", "port", "connection_class"):
-        master_kwargs.pop(key, None)
+    master_kwargs = redis_url.options(scheme, userinfo, "/" + (path[1] if len(path) == 2 else "0"),
+                                      urllib.parse.urlencode(query, doseq=True))
     tls = {k: v for k, v in master_kwargs.items() if k.startswith("ssl_")}
     if scheme == "rediss":
         master_kwargs["ssl"] = True

@@ -30,7 +30,9 @@ class CommonSettings(BaseSettings):
         "or whose certificate cannot be verified stops the service at start, in one line. Behind Sentinel: "
         "redis+sentinel://[user:password@]HOST:PORT[,HOST:PORT...]/MASTER[/DB] (rediss+sentinel:// for TLS; "
         "sentinel_password=... in the query when the sentinels require one); the service follows failovers, "
-        "and sentinels that know no such master stop it at start.",
+        "and sentinels that know no such master stop it at start. A Redis Cluster: "
+        "redis+cluster://[user:password@]HOST:PORT[,HOST:PORT...] (rediss+cluster:// for TLS), any of its nodes; "
+        "a cluster with a hash slot no node serves stops the service at start.",
     )
     host: str = Field("127.0.0.1", description="Interface the gRPC server binds to.")
     log_level: str = Field("INFO", description="Python logging level: DEBUG, INFO, WARNING or ERROR.")

@@ -207,11 +207,12 @@ class LiveRepository:
         """Nothing of it is queued for this executor: its queue is empty or another executor serves it,
         and no batch of it waits here or runs (read in the order a request moves: queue, work list, run)."""
         redis, lanes = self.app.executor.redis, self.app.lanes
-        async with redis.pipeline(transaction=True) as pipe:
-            pipe.zcard(contract.queue(*key))
-            for lane in lanes:
-                pipe.lrange(contract.work(lane.executor_id), 0, -1)
-            depth, *works = await pipe.execute()
+        rounds = contract.Rounds(redis, atomic=True)  # (keys of several slots: atomic on one Redis only)
+        pipe = rounds.next()
+        pipe.zcard(contract.queue(*key))
+        for lane in lanes:
+            pipe.lrange(contract.work(lane.executor_id), 0, -1)
+        depth, *works = await rounds.execute()
         for blobs in works:
             for blob in blobs:
                 b = pb.Batch.FromString(blob)

@@ -53,7 +53,7 @@ class Written:
             return 0
         async with redis.pipeline(transaction=False) as pipe:
             for args in kept:
-                pipe.exists(contract.batch(args[0].batch_id))
+                pipe.exists(contract.batch((args[0].model_name, args[0].model_version), args[0].batch_id))
             held = await pipe.execute()
         lost = [args for args, n in zip(kept, held) if n]
         for args in lost:

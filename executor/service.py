@@ -276,10 +276,11 @@ class Executor:
         start_us = now_us()
         t0 = time.perf_counter_ns()
         gateways = sorted({m.gateway_id for m in batch.members})
+        key = (batch.model_name, batch.model_version)
+        names = [contract.payload(key, m.request_id) for m in batch.members] + [contract.gateway(g) for g in gateways]
         with _phase("fetch", traced):
             async with metrics.redis_rtt("executor", "fetch"):
-                found = await self.redis.mget([contract.payload(m.request_id) for m in batch.members]
-                                              + [contract.gateway(g) for g in gateways])
+                found = await contract.get_many(self.redis, names)
         payloads, alive = found[: len(batch.members)], dict(zip(gateways, found[len(batch.members):]))
         members: list[Member] = []
         for entry, blob in zip(batch.members, payloads):

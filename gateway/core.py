@@ -22,6 +22,7 @@ from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.registry import Registry
+from batchline.cluster import is_cluster_url
 from batchline.sentinel import is_sentinel
 from gateway.admission import Calibration
 from gateway.commit import GroupCommit
@@ -65,7 +66,8 @@ class Gateway:
         self.repository = RepositoryControl(self.redis, settings.model_control_mode)
         self.fair = FairShares()  # tenants' shares of each model (tokens' weights)
         self.tokenizers = Tokenizers(self.redis)  # of the models that take text
-        self.behind_sentinel = is_sentinel(settings.redis_url)
+        # Behind Sentinel or on a cluster, a Redis (a shard's primary) lost is most likely replaced by a replica.
+        self.replicated = is_sentinel(settings.redis_url) or is_cluster_url(settings.redis_url)
         self._reconciling: set[asyncio.Task] = set()
 
     @property
@@ -143,10 +145,10 @@ class Gateway:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     def on_redis(self, up: bool) -> None:
-        # Behind Sentinel an outage is most likely a failover, and what the promoted replica holds is
-        # still served (on_redis_restart finds what it lacks). A lone Redis that went away may not
-        # come back with anything.
-        if not up and not self.behind_sentinel:
+        # Behind Sentinel or on a cluster an outage is most likely a failover, and what the promoted
+        # replica holds is still served (on_redis_restart finds what it lacks). A lone Redis that
+        # went away may not come back with anything.
+        if not up and not self.replicated:
             self.replies.fail(Unavailable(
                 "lost contact with Redis while the request was queued; it may or may not have run: retry"
             ))
@@ -290,7 +292,7 @@ class Gateway:
                     await self.commit.write(write, deadline, call.run_budget_s)
             else:
                 await self.commit.write(write, deadline, call.run_budget_s)
-            self.replies.queued(entry.request_id)
+            self.replies.queued(entry.request_id, write.model)
             if admitted is not None:
                 admitted.confirmed_us = now_us()
             try:

@@ -31,30 +31,31 @@ class Replies:
         self.blocking = blocking
         self.key = contract.reply(gateway_id)
         self.waiting: dict[str, asyncio.Future] = {}  # request id -> its answer, for the requests queued
-        self.acknowledged: set[str] = set()  # the waiting requests whose write Redis acknowledged
+        # The waiting requests whose write Redis acknowledged, and their models (whose slot holds the payload).
+        self.acknowledged: dict[str, tuple[str, str]] = {}
 
     def expect(self, request_id: str) -> asyncio.Future:
         fut = self.waiting[request_id] = asyncio.get_running_loop().create_future()
         return fut
 
-    def queued(self, request_id: str) -> None:
+    def queued(self, request_id: str, model: tuple[str, str]) -> None:
         """Redis acknowledged the request's write: from now on a primary without it has lost it."""
-        self.acknowledged.add(request_id)
+        self.acknowledged[request_id] = model
 
     def forget(self, request_id: str) -> None:
         self.waiting.pop(request_id, None)
-        self.acknowledged.discard(request_id)
+        self.acknowledged.pop(request_id, None)
 
     async def reconcile(self, error: BatchlineError) -> int:
         """After a change of primary, answer `error` to each acknowledged request whose payload the
         new primary does not hold and whose answer does not arrive within RECONCILE_GRACE_S; the
         others are still served. Returns how many were answered so."""
-        ids = list(self.acknowledged)
+        ids = list(self.acknowledged.items())
         for _ in range(RECONCILE_ATTEMPTS):
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    for request_id in ids:
-                        pipe.exists(contract.payload(request_id))
+                    for request_id, model in ids:
+                        pipe.exists(contract.payload(model, request_id))
                     held = await pipe.execute()
                 break
             except REDIS_ERRORS as exc:
@@ -62,7 +63,7 @@ class Replies:
                 await asyncio.sleep(RETRY_S)
         else:
             return 0  # they wait for their answers or their deadlines
-        missing = [request_id for request_id, n in zip(ids, held) if not n]
+        missing = [request_id for (request_id, _), n in zip(ids, held) if not n]
         if missing:
             await asyncio.sleep(RECONCILE_GRACE_S)
         lost = 0
@@ -108,7 +109,7 @@ class Replies:
             log.exception("an unreadable reply (%d bytes) was dropped", len(blob))
             return
         fut = self.waiting.pop(reply.request_id, None)
-        self.acknowledged.discard(reply.request_id)
+        self.acknowledged.pop(reply.request_id, None)
         # A second answer to the same request (a batch re-dispatched
         # while the first executor was only slow) finds no future.
         if fut is not None and not fut.done():

@@ -56,7 +56,7 @@ class LoadViews:
             keys = self.models()
             if keys:
                 try:
-                    blobs = await self.redis.mget([contract.load(*k) for k in keys])
+                    blobs = await contract.get_many(self.redis, [contract.load(*k) for k in keys])
                     self.loads = {k: pb.ModelLoad.FromString(b) for k, b in zip(keys, blobs) if b}
                 except REDIS_ERRORS:
                     self.loads = {}

@@ -63,7 +63,7 @@ class Profiles:
         missing = [k for k in keys if k not in self.by_key]
         if not missing:
             return
-        blobs = await self.redis.mget([contract.profile(*k) for k in missing])
+        blobs = await contract.get_many(self.redis, [contract.profile(*k) for k in missing])
         for key, blob in zip(missing, blobs):
             profile = self.of(key)
             if blob:

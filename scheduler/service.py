@@ -183,26 +183,34 @@ class Scheduler:
 
     async def _scan(self, models: list[ModelKey], executors: list[str]) -> tuple[list[list[bytes]], list[set[bytes]]]:
         """One pipeline: drop the arrivals' tokens, take the reports, read each queue's head and
-        depth and each executor's in-flight set. Returns the heads and the in-flight sets."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            # The arrivals' tokens go first: the scan below sees every request whose token it drops.
-            notices = list(self.wakeups.notify)
-            if notices:
-                pipe.delete(*notices)
-            pipe.lpop(contract.REPORTS, DRAIN)
-            for name, version in models:
-                pipe.zrange(contract.queue(name, version), 0, self.settings.queue_scan_limit - 1)
-                pipe.zcard(contract.queue(name, version))
-            for eid in executors:
-                pipe.smembers(contract.inflight(eid))
-            async with metrics.redis_rtt("scheduler", "scan"):
-                results = await pipe.execute()
+        depth and each executor's in-flight sets. Returns the heads and each executor's batch ids."""
+        rounds = contract.Rounds(self.redis)
+        pipe = rounds.next()
+        # The arrivals' tokens go first (on a cluster, a round of their own): the scan below sees
+        # every request whose token it drops.
+        notices = list(self.wakeups.notify)
+        if notices:
+            pipe.delete(*notices)
+        pipe.lpop(contract.REPORTS, DRAIN)
+        pipe = rounds.next()
+        for name, version in models:
+            pipe.zrange(contract.queue(name, version), 0, self.settings.queue_scan_limit - 1)
+            pipe.zcard(contract.queue(name, version))
+        # An executor's in-flight sets are per model (in the model's slot): one per model it has.
+        sets = [(eid, (m.name, m.version)) for eid in executors for m in self.registry.executors[eid].models]
+        for eid, key in sets:
+            pipe.smembers(contract.inflight(key, eid))
+        async with metrics.redis_rtt("scheduler", "scan"):
+            results = await rounds.execute()
         if notices:
             del results[0]
         self._observe(self.wakeups.take_reports() + (results[0] or []))
         for i, key in enumerate(models):
             self.queues.depths[key] = results[2 + 2 * i]
-        return [results[1 + 2 * i] for i in range(len(models))], results[1 + 2 * len(models):]
+        held: dict[str, set[bytes]] = {eid: set() for eid in executors}
+        for (eid, _), ids in zip(sets, results[1 + 2 * len(models):]):
+            held[eid] |= ids
+        return [results[1 + 2 * i] for i in range(len(models))], [held[eid] for eid in executors]
 
     def _observe(self, reports: list[bytes]) -> None:
         for blob in reports:

@@ -110,7 +110,7 @@ def test_up_serves_and_ctrl_c_stops_everything(model_repository):
             client.async_infer("minilm", inputs, on_answer, client_timeout=60)
         # Admitted: each is answered already or has its payload in Redis until it is.
         with redis.Redis.from_url(redis_url) as r:
-            poll(lambda: len(answers) + sum(1 for _ in r.scan_iter(contract.payload("*"), count=1000)) >= IN_FLIGHT,
+            poll(lambda: len(answers) + sum(1 for _ in r.scan_iter(contract.payload(("*", "*"), "*"), count=1000)) >= IN_FLIGHT,
                  30, f"all {IN_FLIGHT} sent to be answered or queued", interval=0.01)
         assert len(answers) < IN_FLIGHT  # most still wait for a lane
     finally:

@@ -47,7 +47,7 @@ def test_queue_entry_carries_trace_context_deadline_and_expiring_payload(mesh_fa
         # Same trace as the client's, a span of its own.
         assert tracecontext.trace_id(entry.traceparent) == tracecontext.trace_id(CLIENT_TRACE)
         assert entry.traceparent != CLIENT_TRACE and entry.tracestate == "k=v"
-        payload_key = contract.payload(entry.request_id)
+        payload_key = contract.payload(("mlp", "1"), entry.request_id)
         payload = ipb.ModelInferRequest.FromString(r.get(payload_key))
         assert payload.id == "traced" and payload.inputs[0].name == "features"
         assert 0 < r.pttl(payload_key) <= 1_500 + contract.PAYLOAD_GRACE_MS
@@ -105,7 +105,7 @@ def test_group_commit_script_queues_refuses_when_full_and_clears_abandoned():
 def _group_commit_checks(r: redis.Redis) -> None:
     bounded, open_ = ("t-bounded", "1"), ("t-open", "1")
     r.zadd(contract.queue(*bounded), {b"gone": 1})
-    r.set(contract.payload("gone"), b"x")
+    r.set(contract.payload(bounded, "gone"), b"x")
     r.rpush(contract.notify(*open_), 1)  # a token the scheduler has not read yet
     writes = [contract.QueueWrite(rid, model, b"payload-" + rid.encode(), 60_000, member, 5, cap)
               for rid, model, member, cap in [("a", bounded, b"ma", 2), ("b", bounded, b"mb", 2),
@@ -116,8 +116,8 @@ def _group_commit_checks(r: redis.Redis) -> None:
                             [contract.Abandoned("gone", bounded, b"gone")]) == [1, 0, 1, 1]
     assert r.zrange(contract.queue(*bounded), 0, -1) == [b"ma"]
     assert sorted(r.zrange(contract.queue(*open_), 0, -1)) == [b"mc", b"md"]
-    assert r.get(contract.payload("a")) == b"payload-a" and 0 < r.pttl(contract.payload("a")) <= 60_000
-    assert r.get(contract.payload("b")) is None and r.get(contract.payload("gone")) is None
+    assert r.get(contract.payload(bounded, "a")) == b"payload-a" and 0 < r.pttl(contract.payload(bounded, "a")) <= 60_000
+    assert r.get(contract.payload(bounded, "b")) is None and r.get(contract.payload(bounded, "gone")) is None
     # One token per queue, however many writes: the scheduler takes a list's tokens all at once.
     notify = [contract.notify(*bounded), contract.notify(*open_)]
     assert [r.llen(n) for n in notify] == [1, 1]
@@ -128,7 +128,7 @@ def _group_commit_checks(r: redis.Redis) -> None:
     # Only abandoned requests: nothing announced, no heartbeat written.
     r.delete(*notify, heartbeat)
     assert contract.enqueue(r, "t-gw", "127.0.0.1:1", 30_000, [], [contract.Abandoned("c", open_, b"mc")]) == []
-    assert r.zrange(contract.queue(*open_), 0, -1) == [b"md"] and r.get(contract.payload("c")) is None
+    assert r.zrange(contract.queue(*open_), 0, -1) == [b"md"] and r.get(contract.payload(open_, "c")) is None
     assert not r.exists(*notify) and not r.exists(heartbeat)
 
 
@@ -142,16 +142,16 @@ def test_batch_done_script_writes_a_batch_of_thousands():
         try:
             batch = pb.Batch(batch_id="b1", model_name="m", model_version="1", executor_id="e1",
                              members=[pb.QueueEntry(request_id=f"p{i}") for i in range(n)])
-            payloads = [contract.payload(f"p{i}") for i in range(n)]
-            r.mset({k: b"x" for k in payloads} | {contract.batch("b1"): b"batch"})
-            r.sadd(contract.inflight("e1"), "b1")
+            payloads = [contract.payload(("m", "1"), f"p{i}") for i in range(n)]
+            r.mset({k: b"x" for k in payloads} | {contract.batch(("m", "1"), "b1"): b"batch"})
+            r.sadd(contract.inflight(("m", "1"), "e1"), "b1")
             replies = [f"r{i}".encode() for i in range(n)]
             report = pb.ExecutionReport(executor_id="e1", batch_id="b1")
             contract.batch_done(r, batch, report, {"g1": replies}, ["success_count", n, "execution_count", 1], 1234)
             assert r.lrange(contract.reply("g1"), 0, -1) == replies
             assert 0 < r.ttl(contract.reply("g1")) <= contract.REPLY_TTL
-            assert r.exists(*payloads, contract.batch("b1")) == 0
-            assert r.smembers(contract.inflight("e1")) == set()
+            assert r.exists(*payloads, contract.batch(("m", "1"), "b1")) == 0
+            assert r.smembers(contract.inflight(("m", "1"), "e1")) == set()
             assert r.lrange(contract.REPORTS, 0, -1) == [report.SerializeToString()]
             stats = contract.stats("m", "1")
             assert r.hgetall(stats) == {b"success_count": str(n).encode(), b"execution_count": b"1",

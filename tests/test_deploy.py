@@ -694,3 +694,34 @@ def test_k8s_sentinel_overlay_points_every_service_at_the_sentinels_of_its_redis
         target = sentinel.parse(url)
         assert target.sentinels == [(values["fullnameOverride"], 26379)] and target.master == values["sentinel"]["masterSet"]
         assert target.master_kwargs["password"] == target.sentinel_kwargs["password"] == "$(REDIS_PASSWORD)"
+
+
+def test_k8s_cluster_overlay_points_every_service_at_the_redis_cluster_of_its_values():
+    from batchline import cluster
+
+    overlay = K8S.parent / "k8s-cluster"
+    kustomization = load_yaml(overlay / "kustomization.yaml")
+    assert kustomization["resources"] == ["../k8s"]
+    base = {(d["kind"], d["metadata"]["name"]) for _, d in k8s_documents()}
+    deleted = {(p["kind"], p["metadata"]["name"]) for p in (yaml.safe_load(x["patch"]) for x in kustomization["patches"]
+                                                            if "patch" in x) if p.get("$patch") == "delete"}
+    assert deleted == {("Deployment", "redis"), ("Service", "redis")} and deleted <= base
+    values = load_yaml(overlay / "redis-values.yaml")
+    # Three primaries at least, each with a replica to take over its slots.
+    assert values["cluster"]["nodes"] >= 3 * (1 + values["cluster"]["replicas"]) and values["cluster"]["replicas"] >= 1
+    assert values["usePassword"] and values["existingSecret"] == "batchline-redis"
+    assert values["existingSecretPasswordKey"] == "password"
+    (path,) = [x["path"] for x in kustomization["patches"] if "path" in x]
+    patched = {}
+    with open(overlay / path) as f:
+        for doc in yaml.safe_load_all(f):
+            assert ("Deployment", doc["metadata"]["name"]) in base
+            (container,) = doc["spec"]["template"]["spec"]["containers"]
+            (entry,) = container["env"]
+            patched[doc["metadata"]["name"]] = (entry["name"], entry["value"])
+    assert set(patched) == set(SETTINGS)
+    for service, (name, url) in patched.items():
+        assert name == SETTINGS[service].model_config["env_prefix"] + "REDIS_URL"
+        target = cluster.parse(url)
+        assert target.nodes == [(values["fullnameOverride"], 6379)]
+        assert target.kwargs["password"] == "$(REDIS_PASSWORD)"

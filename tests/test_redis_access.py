@@ -96,10 +96,10 @@ def test_an_untrusted_redis_certificate_stops_a_service_in_one_line(tls_redis, t
     assert "cannot verify the TLS certificate" in out.stderr and SECRET not in out.stderr
 
 
-def test_a_redis_cluster_node_stops_a_service_in_one_line(tmp_path):
-    """Redis Cluster is not supported yet (docs/design/redis-cluster.md): refused at start, not
-    request by request."""
+def test_a_redis_cluster_node_named_as_one_redis_stops_a_service_in_one_line(tmp_path):
+    """A plain redis:// URL naming a cluster node would be refused (MOVED) request by request:
+    refused at start, in one line saying how to name a cluster."""
     with EmbeddedRedis(extra_args=("--cluster-enabled", "yes", "--cluster-config-file",
                                    str(tmp_path / "nodes.conf"))) as node:
         out = _service_refused(node.url)
-        assert "is a Redis Cluster node" in out.stderr and "redis+sentinel://" in out.stderr
+        assert "is a Redis Cluster node" in out.stderr and "redis+cluster://" in out.stderr

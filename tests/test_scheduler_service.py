@@ -22,7 +22,7 @@ def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferReques
     entry = pb.QueueEntry(request_id=request_id, gateway_id=gateway_id, model_version="1", rows=rows,
                           deadline_us=deadline_us, enqueued_us=now_us(), priority=1)
     r.set(contract.gateway(gateway_id), "by-hand", px=60_000)  # the gateway is alive: executors skip orphans
-    r.set(contract.payload(request_id), request.SerializeToString(), px=60_000)
+    r.set(contract.payload(("mlp", "1"), request_id), request.SerializeToString(), px=60_000)
     r.zadd(contract.queue("mlp", "1"), {entry.SerializeToString(): contract.queue_score(1, deadline_us)})
     r.rpush(contract.notify("mlp", "1"), 1)
     return request_id
@@ -55,7 +55,7 @@ def test_expired_requests_are_answered_by_the_scheduler_and_never_executed(mesh_
     replies = _replies(r, gateway_id, 2)
     assert replies[expired].code == 4  # DEADLINE_EXCEEDED
     assert "deadline exceeded" in replies[expired].message and "'mlp'" in replies[expired].message
-    assert not r.exists(contract.payload(expired))
+    assert not r.exists(contract.payload(("mlp", "1"), expired))
     assert replies[live].code == 0 and replies[live].response.id == "by-hand"
     stats = r.hgetall(contract.stats("mlp", "1"))
     assert int(stats[b"inference_count"]) == 1  # only the live one ran
@@ -98,7 +98,7 @@ def test_requests_of_a_dead_gateway_are_not_executed(mesh_factory):
     replies = _replies(r, alive, 1)
     assert replies[kept].code == 0
     deadline = time.monotonic() + 10
-    while r.exists(contract.payload(orphan)):  # cleaned up with its batch ...
+    while r.exists(contract.payload(("mlp", "1"), orphan)):  # cleaned up with its batch ...
         assert time.monotonic() < deadline, "the orphan's payload was never cleaned up"
         time.sleep(0.02)
     stats = r.hgetall(contract.stats("mlp", "1"))
@@ -127,7 +127,7 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
     # mlp's executor holds as many batches as it may: its queue waits for a report.
     eid = s.registry.holders[("mlp", "1")][0]
     held = [f"held{i}" for i in range(s.settings.max_batches_per_executor)]
-    r.sadd(contract.inflight(eid), *held)
+    r.sadd(contract.inflight(("mlp", "1"), eid), *held)
     report = pb.ExecutionReport(executor_id="idle-x", model_name="other", model_version="1", rows=1,
                                 compute_infer_ns=1_000_000).SerializeToString()
     r.rpush(contract.REPORTS, report)  # a step, which finds it so
@@ -145,7 +145,7 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
     assert r.zcard(contract.queue("mlp", "1")) == 1
 
     # The report that frees the executor brings the step that dispatches it and drops the token.
-    r.srem(contract.inflight(eid), *held)
+    r.srem(contract.inflight(("mlp", "1"), eid), *held)
     r.rpush(contract.REPORTS, report)
     replies = _replies(r, "gw-blocked", 1)
     assert replies[rid].code == 0
@@ -169,12 +169,13 @@ def test_batches_handed_back_by_the_executor_a_queue_waits_for_are_dispatched_at
     entry = pb.QueueEntry(request_id=request_id, gateway_id=gateway_id, model_version="1", rows=1,
                           deadline_us=deadline, enqueued_us=now_us(), priority=1)
     r.set(contract.gateway(gateway_id), "by-hand", px=60_000)
-    r.set(contract.payload(request_id), _mlp_request(np.ones((1, 32))).SerializeToString(), px=60_000)
+    r.set(contract.payload(("mlp", "1"), request_id), _mlp_request(np.ones((1, 32))).SerializeToString(), px=60_000)
     held = [f"held{i}" for i in range(s.settings.max_batches_per_executor)]
     batch = pb.Batch(batch_id=held[0], model_name="mlp", model_version="1", members=[entry], executor_id=eid,
                      dispatched_us=now_us(), attempt=1)
-    r.set(contract.batch(held[0]), batch.SerializeToString(), px=60_000)
-    r.sadd(contract.inflight(eid), *held)
+    r.set(contract.batch(("mlp", "1"), held[0]), batch.SerializeToString(), px=60_000)
+    r.sadd(contract.inflight(("mlp", "1"), eid), *held)
+    r.sadd(contract.served(eid), contract.model_tag(*("mlp", "1")))
     r.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1").SerializeToString())
     poll(lambda: contract.queue("mlp", "1") in s.wakeups.blocked, 15, "mlp's queue to wait for its executor")
 

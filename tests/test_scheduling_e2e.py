@@ -65,14 +65,15 @@ def _dispatch_by_hand(r: redis.Redis, executor_id: str, batch_id: str, gateway_i
     entries = []
     for i, value in enumerate(values):
         rid = uuid.uuid4().hex
-        r.set(contract.payload(rid), _request(value).SerializeToString(), px=60_000)
+        r.set(contract.payload(("mlp", "1"), rid), _request(value).SerializeToString(), px=60_000)
         deadline = deadlines_us[i] if deadlines_us else now_us() + 30_000_000
         entries.append(pb.QueueEntry(request_id=rid, gateway_id=gateway_id, model_version="1", rows=1,
                                      deadline_us=deadline, enqueued_us=now_us() - 200_000, priority=1))
     batch = pb.Batch(batch_id=batch_id, model_name="mlp", model_version="1", members=entries, executor_id=executor_id,
                      attempt=1)
-    r.set(contract.batch(batch_id), batch.SerializeToString(), px=60_000)
-    r.sadd(contract.inflight(executor_id), batch_id)
+    r.set(contract.batch(("mlp", "1"), batch_id), batch.SerializeToString(), px=60_000)
+    r.sadd(contract.inflight(("mlp", "1"), executor_id), batch_id)
+    r.sadd(contract.served(executor_id), contract.model_tag(*("mlp", "1")))
     r.rpush(contract.work(executor_id), batch.SerializeToString())
     return entries
 
@@ -84,8 +85,9 @@ def _dispatch_queued(r: redis.Redis, m, model: str, members: list[bytes], batch_
     r.zrem(contract.queue(model, "1"), *members)
     batch = pb.Batch(batch_id=batch_id, model_name=model, model_version="1", executor_id=eid, attempt=1,
                      members=[pb.QueueEntry.FromString(x) for x in members])
-    r.set(contract.batch(batch_id), batch.SerializeToString(), px=60_000)
-    r.sadd(contract.inflight(eid), batch_id)
+    r.set(contract.batch((model, "1"), batch_id), batch.SerializeToString(), px=60_000)
+    r.sadd(contract.inflight((model, "1"), eid), batch_id)
+    r.sadd(contract.served(eid), contract.model_tag(model, "1"))
     r.rpush(contract.work(eid), batch.SerializeToString())
 
 
@@ -178,7 +180,7 @@ def test_a_dead_executors_batch_is_requeued_and_answered_by_another(mesh_factory
     assert all(reply.code == 0 for reply in replies.values())
     assert m.scheduler.scheduler.counts["redispatched"] == 3
     # The dead executor's keys are gone and it is forgotten.
-    assert not r.exists(contract.work("dead"), contract.inflight("dead"), contract.batch("lost"))
+    assert not r.exists(contract.work("dead"), contract.inflight(("mlp", "1"), "dead"), contract.batch(("mlp", "1"), "lost"))
     assert not r.sismember(contract.EXECUTORS, "dead")
 
 
@@ -719,7 +721,7 @@ def test_an_executor_that_cannot_finish_in_time_hands_its_work_back(mesh_factory
     assert [(pb.QueueEntry.FromString(member).request_id, score) for member, score in queued] == [
         (entry.request_id, contract.queue_score(1, entry.deadline_us))
     ]
-    assert not r.exists(contract.work(eid), contract.inflight(eid), contract.batch("b2"))
+    assert not r.exists(contract.work(eid), contract.inflight(("mlp", "1"), eid), contract.batch(("mlp", "1"), "b2"))
 
 
 def test_the_load_view_counts_queued_rows_per_priority_level(mesh_factory):

@@ -81,7 +81,7 @@ def _features(value: float) -> tc.InferInput:
 def _payload_of(r: redis.Redis, client_id: str) -> str:
     """The payload key of the queued request the client sent with `client_id`."""
     for member in r.zrange(contract.queue("mlp", "1"), 0, -1):
-        key = contract.payload(pb.QueueEntry.FromString(member).request_id)
+        key = contract.payload(("mlp", "1"), pb.QueueEntry.FromString(member).request_id)
         blob = r.get(key)
         if blob and ipb.ModelInferRequest.FromString(blob).id == client_id:
             return key
@@ -115,7 +115,7 @@ def test_a_failover_fails_at_once_only_what_the_new_primary_lacks(sentinels, mod
             poll(lambda: _payload_of(replica, "lacking"), 10, "the replica to hold both")
             replica.config_set("replica-read-only", "no")
             replica.delete(_payload_of(replica, "lacking"))
-            replica.set(contract.batch(answered.batch_id), answered.SerializeToString(), px=60_000)
+            replica.set(contract.batch(("mlp", "1"), answered.batch_id), answered.SerializeToString(), px=60_000)
             old = sentinels.master_address()
             redis.Redis(port=sentinels.sentinel_ports[0]).execute_command("SENTINEL", "FAILOVER", sentinels.master)
             promoted = sentinels.wait_failover(old)
@@ -127,7 +127,7 @@ def test_a_failover_fails_at_once_only_what_the_new_primary_lacks(sentinels, mod
             assert answered_at - promoted < 3.0, f"answered {answered_at - promoted:.1f} s after the promotion"
             assert not calls["kept"].done(), "the request the new primary holds was failed too"
             primary = connect_sync(sentinels.url, 2)
-            poll(lambda: not primary.exists(contract.batch(answered.batch_id)), 10,
+            poll(lambda: not primary.exists(contract.batch(("mlp", "1"), answered.batch_id)), 10,
                  "the executor to write the lost batch again")
             primary.delete(contract.LEADER)
             result = calls["kept"].result(timeout=30)

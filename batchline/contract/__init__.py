@@ -4,7 +4,8 @@ Redis is the only state the services share, so everything a restarted
 service needs lives here, and every key expires so that nothing leaks when
 a service dies (the TTLs bound how long anything can outlive its use).
 `keys` holds the layout (its docstring is the table), `scripts` the Lua
-scripts, `calls` the functions that run them from typed arguments.
+scripts, `calls` the functions that run them from typed arguments, `slots` what differs on a
+Redis Cluster.
 """
 from batchline.contract.calls import (  # noqa: F401
     Abandoned,
@@ -15,12 +16,17 @@ from batchline.contract.calls import (  # noqa: F401
     enqueue,
     push_with_ttl,
     release_lease,
+    report,
     shed,
     take_lease,
     take_token,
 )
 from batchline.contract.keys import *  # noqa: F401,F403
+from batchline.contract.slots import Rounds, get_many, on_cluster  # noqa: F401
 from batchline.contract.scripts import (  # noqa: F401
+    ANNOUNCE_LUA,
+    HAND_OVER_LUA,
+    REPORT_LUA,
     BATCH_DONE_LUA,
     COUNT_WITH_TTL_LUA,
     DISPATCH_LUA,

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from batchline.contract import keys as k
-from batchline.contract import scripts
+from batchline.contract import scripts, slots
+from batchline.contract.keys import ModelKey
 from batchline.protocol import internal_pb2 as pb
-
-ModelKey = tuple[str, str]
 
 
 @dataclass(slots=True)
@@ -39,26 +38,74 @@ class Abandoned:
 
 def enqueue(client, gateway_id: str, address: str, heartbeat_ttl_ms: int,
             writes: Sequence[QueueWrite], abandoned: Sequence[Abandoned] = ()) -> Any:
-    """A gateway's group commit in one command (scripts.ENQUEUE_LUA): its result holds, per write,
-    1 when queued and 0 when its queue was full."""
-    keys: list = [k.gateway(gateway_id)]
-    args: list = [len(writes), len(abandoned), address, heartbeat_ttl_ms, k.QUEUE_TTL]
+    """A gateway's group commit (scripts.ENQUEUE_LUA): its result holds, per write, 1 when queued
+    and 0 when its queue was full. One command on one Redis; on a cluster, one per model, then
+    the announcement (an asyncio client's)."""
+    if slots.on_cluster(client):
+        return _enqueue_by_model(client, gateway_id, address, heartbeat_ttl_ms, writes, abandoned)
+    keys, args = _enqueue_keys_args(writes, abandoned, announce=True)
+    keys.append(k.gateway(gateway_id))
+    keys += (k.notify(*m) for m in dict.fromkeys(w.model for w in writes))
+    args[3:5] = (address, heartbeat_ttl_ms)
+    return client.eval(scripts.ENQUEUE_LUA, len(keys), *keys, *args)
+
+
+def _enqueue_keys_args(writes: Sequence[QueueWrite], abandoned: Sequence[Abandoned], announce: bool) -> tuple[list, list]:
+    keys: list = []
+    args: list = [len(writes), len(abandoned), int(announce), "", 0, k.QUEUE_TTL]
     for w in writes:
-        keys += (k.payload(w.request_id), k.queue(*w.model), k.notify(*w.model))
+        keys += (k.payload(w.model, w.request_id), k.queue(*w.model))
         args += (w.payload, w.payload_ttl_ms, w.score, w.member, w.max_queue_size)
     for a in abandoned:
-        keys += (k.queue(*a.model), k.payload(a.request_id))
+        keys += (k.queue(*a.model), k.payload(a.model, a.request_id))
         args.append(a.member)
-    return client.eval(scripts.ENQUEUE_LUA, len(keys), *keys, *args)
+    return keys, args
+
+
+async def _enqueue_by_model(client, gateway_id: str, address: str, heartbeat_ttl_ms: int,
+                            writes: Sequence[QueueWrite], abandoned: Sequence[Abandoned]) -> list[int]:
+    """The group commit on a cluster: each model's writes in its slot; then, once they have
+    landed, the announcement in the shared slot (a token before its entry would wake the
+    scheduler too early, and the entry would then wait for a timer)."""
+    groups: dict[ModelKey, tuple[list[int], list[QueueWrite], list[Abandoned]]] = {}
+    for i, w in enumerate(writes):
+        indexes, ws, _ = groups.setdefault(w.model, ([], [], []))
+        indexes.append(i)
+        ws.append(w)
+    for a in abandoned:
+        groups.setdefault(a.model, ([], [], []))[2].append(a)
+    rounds = slots.Rounds(client)
+    pipe = rounds.next()
+    for _, ws, gone in groups.values():
+        keys, args = _enqueue_keys_args(ws, gone, announce=False)
+        pipe.eval(scripts.ENQUEUE_LUA, len(keys), *keys, *args)
+    if writes:
+        notify = [k.notify(*m) for m in dict.fromkeys(w.model for w in writes)]
+        rounds.next().eval(scripts.ANNOUNCE_LUA, 1 + len(notify), k.gateway(gateway_id), *notify,
+                           address, heartbeat_ttl_ms, k.QUEUE_TTL)
+    results = await rounds.execute()
+    queued = [0] * len(writes)
+    for (indexes, _, _), flags in zip(groups.values(), results):
+        for i, flag in zip(indexes, flags):
+            queued[i] = flag
+    return queued
 
 
 def dispatch(client, batch: pb.Batch, members: Sequence[bytes], batch_ttl_ms: int) -> Any:
     """Move `members` from their queue into `batch`, for its executor (scripts.DISPATCH_LUA): its
-    result is how many were still queued (0: nothing was dispatched)."""
+    result is how many were still queued (0: nothing was dispatched). On a cluster, two commands
+    (the model's half, then the executor's, scripts.HAND_OVER_LUA): the first one's result is the
+    dispatch's."""
     model = (batch.model_name, batch.model_version)
-    keys = [k.queue(*model), k.batch(batch.batch_id), k.work(batch.executor_id), k.inflight(batch.executor_id)]
-    args = [batch.batch_id, batch_ttl_ms, k.WORK_TTL, batch.SerializeToString(), *members]
-    return client.eval(scripts.DISPATCH_LUA, len(keys), *keys, *args)
+    blob = batch.SerializeToString()
+    keys = [k.queue(*model), k.batch(model, batch.batch_id), k.inflight(model, batch.executor_id)]
+    args = [batch.batch_id, batch_ttl_ms, k.WORK_TTL, blob, k.model_tag(*model), *members]
+    hand_over = [k.work(batch.executor_id), k.served(batch.executor_id)]
+    if slots.on_cluster(client):
+        result = client.eval(scripts.DISPATCH_LUA, len(keys), *keys, *args)
+        client.eval(scripts.HAND_OVER_LUA, 2, *hand_over, blob, k.WORK_TTL, k.model_tag(*model))
+        return result
+    return client.eval(scripts.DISPATCH_LUA, len(keys) + 2, *keys, *hand_over, *args)
 
 
 def push_with_ttl(client, key: str, ttl_s: int, values: Sequence[bytes]) -> Any:
@@ -71,31 +118,57 @@ def count(client, model: ModelKey, field: str, increment: int) -> Any:
     return client.eval(scripts.COUNT_WITH_TTL_LUA, 1, k.stats(*model), k.STATS_TTL, field, increment)
 
 
+def report(client, blob: bytes) -> Any:
+    """Append an execution report for the scheduler (scripts.REPORT_LUA)."""
+    return client.eval(scripts.REPORT_LUA, 1, k.REPORTS, blob, k.REPORTS_CAP, k.QUEUE_TTL)
+
+
 def shed(client, model: ModelKey, members: Sequence[bytes], request_ids: Sequence[str],
          replies: Mapping[str, Sequence[pb.Reply]]) -> None:
     """Queue on a pipeline the removal of requests the scheduler sheds, their answers (`replies`
-    per gateway id) and the model's failure count."""
+    per gateway id) and the model's failure count (every command in one slot)."""
     client.zrem(k.queue(*model), *members)
-    client.delete(*(k.payload(r) for r in request_ids))
+    client.delete(*(k.payload(model, r) for r in request_ids))
     for gateway_id, answers in replies.items():
         push_with_ttl(client, k.reply(gateway_id), k.REPLY_TTL, [a.SerializeToString() for a in answers])
     count(client, model, "fail_count", len(members))
 
 
-def batch_done(client, batch: pb.Batch, report: pb.ExecutionReport, replies: Mapping[str, Sequence[bytes]],
+def batch_done(client, batch: pb.Batch, report_: pb.ExecutionReport, replies: Mapping[str, Sequence[bytes]],
                stats: Sequence[str | int], last_inference_ms: int) -> Any:
-    """An executor's whole write for a finished batch in one command (scripts.BATCH_DONE_LUA):
-    `replies` per gateway id, `stats` as field, increment pairs, `last_inference_ms` 0 when
-    nothing in it succeeded."""
+    """An executor's whole write for a finished batch (scripts.BATCH_DONE_LUA): `replies` per
+    gateway id, `stats` as field, increment pairs, `last_inference_ms` 0 when nothing in it
+    succeeded. One command on one Redis; on a cluster, the replies, then the rest (an asyncio
+    client's)."""
     model = (batch.model_name, batch.model_version)
-    keys = [k.REPORTS, k.inflight(report.executor_id), k.stats(*model), k.batch(batch.batch_id),
-            *(k.reply(g) for g in replies), *(k.payload(m.request_id) for m in batch.members)]
-    args: list = [len(replies), len(batch.members), batch.batch_id, report.SerializeToString(), k.REPORTS_CAP,
+    keys = [k.inflight(model, report_.executor_id), k.stats(*model), k.batch(model, batch.batch_id),
+            *(k.payload(model, m.request_id) for m in batch.members)]
+    args: list = [0, len(batch.members), batch.batch_id, "", k.REPORTS_CAP,
                   k.QUEUE_TTL, k.REPLY_TTL, k.STATS_TTL, last_inference_ms]
+    if slots.on_cluster(client):
+        return _batch_done_in_rounds(client, keys, [*args, *stats], report_.SerializeToString(), replies)
+    keys += [k.REPORTS, *(k.reply(g) for g in replies)]
+    args[0], args[3] = len(replies), report_.SerializeToString()
     for items in replies.values():
         args += (len(items), *items)
     args += stats
     return client.eval(scripts.BATCH_DONE_LUA, len(keys), *keys, *args)
+
+
+async def _batch_done_in_rounds(client, keys: list, args: list, blob: bytes,
+                                replies: Mapping[str, Sequence[bytes]]) -> int:
+    """batch_done on a cluster: the replies (each gateway's slot) land before the payloads go, so
+    that a crash in between re-runs the batch rather than lose its answers."""
+    rounds = slots.Rounds(client)
+    if replies:
+        pipe = rounds.next()
+        for gateway_id, items in replies.items():
+            push_with_ttl(pipe, k.reply(gateway_id), k.REPLY_TTL, items)
+    pipe = rounds.next()
+    pipe.eval(scripts.BATCH_DONE_LUA, len(keys), *keys, *args)
+    report(pipe, blob)
+    await rounds.execute()
+    return 1
 
 
 def take_lease(client, holder_id: str, ttl_ms: int) -> Any:

@@ -1,43 +1,52 @@
 """The Redis contract's key layout, expiries and queue order.
 
 Keys (all under the ``bl:`` prefix; messages are protobufs from
-``protos/batchline/protocol/internal.proto``):
+``protos/batchline/protocol/internal.proto``). The part in braces is the key's hash tag: on a
+Redis Cluster, keys with the same tag live in one hash slot, which is what lets each script and
+each blocking wait name keys of one slot only (docs/design/redis-cluster.md). M is
+``m:<model>:<version>``, X ``x:<executor_id>``, G ``g:<gateway_id>``; S, the shared slot, holds
+what is small and read by everyone (wake-ups, reports, registrations, the lease).
 
-============================  ===========  ==================================================
-key                           type         holds
-============================  ===========  ==================================================
-bl:q:{model}:{version}        sorted set   QueueEntry, scored priority-major, deadline-minor
-bl:req:{request_id}           string       the ModelInferRequest (tensors); TTL = budget + grace
-bl:batch:{batch_id}           string       Batch while dispatched; TTL = latest deadline + grace
-bl:work:{executor_id}         list         Batch messages waiting for that executor
-bl:inflight:{executor_id}     set          batch ids dispatched to it and not yet answered
-bl:reply:{gateway_id}         list         Reply messages for that gateway's waiting clients
-bl:exec:{executor_id}         string       ExecutorInfo; TTL = heartbeat TTL (presence)
-bl:executors                  set          executor ids ever seen (members pruned when stale)
-bl:gateway:{gateway_id}       string       the gateway's address; TTL = heartbeat TTL
-bl:gateways                   sorted set   gateway ids scored by their last heartbeat (ms): how many are live
-bl:notify:{model}:{version}   list         a wake-up token for the scheduler: arrivals in that queue (one at most)
-bl:reports                    list         ExecutionReport messages for the scheduler (capped; rows 0: batches handed back)
-bl:stats:{model}:{version}    hash         Triton-style statistics counters
-bl:leader                     string       id of the scheduler holding the lease; TTL = lease
-bl:load:{model}:{version}     string       ModelLoad, the scheduler's view for admission; short TTL
-bl:profile-units:{m}:{v}:{k}  string       latency-profile samples (units, seconds) as float32 pairs
-bl:rate:{tenant}              hash         a tenant's token bucket (max_rate): tokens, as of (ms); TTL = refill time
-bl:control:models             hash         model name -> "load:{seq}" | "unload:{seq}": the latest repository call
-bl:control:seq                string       the sequence number of the latest repository call (INCR)
-bl:tokenizer:{sha256}         string       a model's tokenizer.json, for the gateways to tokenize its text input
-============================  ===========  ==================================================
+=====================================  ===========  ==================================================
+key                                    type         holds
+=====================================  ===========  ==================================================
+bl:q:{M}                               sorted set   QueueEntry, scored priority-major, deadline-minor
+bl:req:{M}:<request_id>                string       the ModelInferRequest (tensors); TTL = budget + grace
+bl:batch:{M}:<batch_id>                string       Batch while dispatched; TTL = latest deadline + grace
+bl:inflight:{M}:<executor_id>          set          ids of that model's batches dispatched to the executor, not yet answered
+bl:stats:{M}                           hash         Triton-style statistics counters
+bl:load:{M}                            string       ModelLoad, the scheduler's view for admission; short TTL
+bl:profile-units:{M}:<kind>            string       latency-profile samples (units, seconds) as float32 pairs
+bl:work:{X}                            list         Batch messages waiting for that executor
+bl:served:{X}                          set          the models (M) batches were ever sent to it for: where its in-flight sets are
+bl:reply:{G}                           list         Reply messages for that gateway's waiting clients
+bl:notify:{s}:<model>:<version>        list         a wake-up token for the scheduler: arrivals in that queue (one at most)
+bl:reports:{s}                         list         ExecutionReport messages for the scheduler (capped; rows 0: batches handed back)
+bl:scheduler:{s}:<scheduler_id>:wake   list         a scheduler's own wake list (it interrupts its blocking wait with it)
+bl:leader:{s}                          string       id of the scheduler holding the lease; TTL = lease
+bl:exec:{s}:<executor_id>              string       ExecutorInfo; TTL = heartbeat TTL (presence)
+bl:executors:{s}                       set          executor ids ever seen (members pruned when stale)
+bl:gateway:{s}:<gateway_id>            string       the gateway's address; TTL = heartbeat TTL
+bl:gateways:{s}                        sorted set   gateway ids scored by their last heartbeat (ms): how many are live
+bl:control:{s}:models                  hash         model name -> "load:<seq>" | "unload:<seq>": the latest repository call
+bl:control:{s}:seq                     string       the sequence number of the latest repository call (INCR)
+bl:rate:<tenant>                       hash         a tenant's token bucket (max_rate): tokens, as of (ms); TTL = refill time
+bl:tokenizer:<sha256>                  string       a model's tokenizer.json, for the gateways to tokenize its text input
+=====================================  ===========  ==================================================
 """
 from __future__ import annotations
 
 PREFIX = "bl:"
 
-EXECUTORS = PREFIX + "executors"
-REPORTS = PREFIX + "reports"
-LEADER = PREFIX + "leader"
-GATEWAYS = PREFIX + "gateways"
-CONTROL = PREFIX + "control:models"
-CONTROL_SEQ = PREFIX + "control:seq"
+# The shared slot's tag.
+SHARED = "{s}"
+
+EXECUTORS = f"{PREFIX}executors:{SHARED}"
+REPORTS = f"{PREFIX}reports:{SHARED}"
+LEADER = f"{PREFIX}leader:{SHARED}"
+GATEWAYS = f"{PREFIX}gateways:{SHARED}"
+CONTROL = f"{PREFIX}control:{SHARED}:models"
+CONTROL_SEQ = f"{PREFIX}control:{SHARED}:seq"
 
 # Ordering within a queue: priority level first (1 is highest), then the
 # earliest deadline. deadline_ms is ~1.8e12, so a 1e13 stride keeps both exact
@@ -88,55 +97,80 @@ def parse_control(record: bytes | str) -> tuple[str, int]:
     return action, int(seq)
 
 
+ModelKey = tuple[str, str]
+
+
+def model_tag(model: str, version: str) -> str:
+    """The hash tag of a model version's keys: its queue, payloads, batches and in-flight sets
+    share one slot, so that dispatch (queue -> batch) is one script."""
+    return f"{{m:{model}:{version}}}"
+
+
+def parse_model_tag(tag: bytes | str) -> ModelKey:
+    """(model, version) of a model_tag (as bl:served:{X} holds them)."""
+    text = tag.decode() if isinstance(tag, bytes) else tag
+    name, _, version = text[3:-1].rpartition(":")
+    return name, version
+
+
 def scheduler_wake(scheduler_id: str) -> str:
     """A list only this scheduler waits on: it pushes to it to stop its own blocking wait early."""
-    return f"{PREFIX}scheduler:{scheduler_id}:wake"
+    return f"{PREFIX}scheduler:{SHARED}:{scheduler_id}:wake"
 
 
 def queue(model: str, version: str) -> str:
-    return f"{PREFIX}q:{model}:{version}"
+    return f"{PREFIX}q:{model_tag(model, version)}"
 
 
 def notify(model: str, version: str) -> str:
     """Wake-up tokens for arrivals in one queue: one list per queue, so that the scheduler can
-    leave alone those of a queue that waits for a busy executor (it wakes for that executor's report)."""
-    return f"{PREFIX}notify:{model}:{version}"
+    leave alone those of a queue that waits for a busy executor (it wakes for that executor's
+    report). In the shared slot, with the reports: the scheduler waits on all of them at once."""
+    return f"{PREFIX}notify:{SHARED}:{model}:{version}"
 
 
-def payload(request_id: str) -> str:
-    return f"{PREFIX}req:{request_id}"
+def payload(model: ModelKey, request_id: str) -> str:
+    return f"{PREFIX}req:{model_tag(*model)}:{request_id}"
 
 
-def batch(batch_id: str) -> str:
-    return f"{PREFIX}batch:{batch_id}"
+def batch(model: ModelKey, batch_id: str) -> str:
+    return f"{PREFIX}batch:{model_tag(*model)}:{batch_id}"
+
+
+def inflight(model: ModelKey, executor_id: str) -> str:
+    """The model's batches dispatched to `executor_id` and not yet answered: in the model's slot, so
+    that dispatch and clean-up write them with the queue and the batch key."""
+    return f"{PREFIX}inflight:{model_tag(*model)}:{executor_id}"
 
 
 def work(executor_id: str) -> str:
-    return f"{PREFIX}work:{executor_id}"
+    return f"{PREFIX}work:{{x:{executor_id}}}"
 
 
-def inflight(executor_id: str) -> str:
-    return f"{PREFIX}inflight:{executor_id}"
+def served(executor_id: str) -> str:
+    """The models batches were sent to `executor_id` for (their model_tag): where recovery looks
+    for its in-flight sets once its registration is gone."""
+    return f"{PREFIX}served:{{x:{executor_id}}}"
 
 
 def reply(gateway_id: str) -> str:
-    return f"{PREFIX}reply:{gateway_id}"
+    return f"{PREFIX}reply:{{g:{gateway_id}}}"
 
 
 def executor(executor_id: str) -> str:
-    return f"{PREFIX}exec:{executor_id}"
+    return f"{PREFIX}exec:{SHARED}:{executor_id}"
 
 
 def gateway(gateway_id: str) -> str:
-    return f"{PREFIX}gateway:{gateway_id}"
+    return f"{PREFIX}gateway:{SHARED}:{gateway_id}"
 
 
 def stats(model: str, version: str) -> str:
-    return f"{PREFIX}stats:{model}:{version}"
+    return f"{PREFIX}stats:{model_tag(model, version)}"
 
 
 def load(model: str, version: str) -> str:
-    return f"{PREFIX}load:{model}:{version}"
+    return f"{PREFIX}load:{model_tag(model, version)}"
 
 
 def tokenizer(sha256: str) -> str:
@@ -150,7 +184,7 @@ def rate(tenant: str) -> str:
 
 def profile(model: str, version: str, kind: str) -> str:
     # Not "profile:": samples saved under that name counted rows, whatever the sequence length.
-    return f"{PREFIX}profile-units:{model}:{version}:{kind}"
+    return f"{PREFIX}profile-units:{model_tag(model, version)}:{kind}"
 
 
 def queue_score(priority: int, deadline_us: int) -> int:

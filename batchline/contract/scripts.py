@@ -5,29 +5,55 @@ does, from typed arguments.
 """
 from __future__ import annotations
 
+# Hands a dispatched batch to its executor: its work list, and the model in the set of those it
+# was sent batches of (where recovery finds its in-flight sets). In the executor's slot.
+# KEYS[w], KEYS[w + 1]: work list, served set; ARGV: Batch bytes, work ttl s, model tag.
+_HAND_OVER_FN = """
+local function hand_over(w, batch, ttl, tag)
+  redis.call('RPUSH', KEYS[w], batch)
+  redis.call('EXPIRE', KEYS[w], ttl)
+  redis.call('SADD', KEYS[w + 1], tag)
+  redis.call('EXPIRE', KEYS[w + 1], ttl)
+end
+"""
+
 # Moves queue members into a dispatched batch atomically, so that a request is
 # either still queued or in exactly one batch, whatever crashes. Members that
 # vanished meanwhile (their gateway gave up and removed them) are not taken;
 # the executor skips them too, as their payloads are gone. The Batch goes
-# both to the executor's work list (what it runs) and under the batch key
-# (what recovery re-dispatches if that executor dies). Returns how many
-# members were taken; with none, nothing is dispatched.
+# under the batch key and into the model's in-flight set of its executor (what
+# recovery re-dispatches if that executor dies) and, given their keys, to the
+# executor (hand_over). Returns how many members were taken; with none,
+# nothing is dispatched.
 #
-# KEYS: queue, batch key, work list, inflight set
-# ARGV: batch_id, batch ttl ms, work ttl s, Batch bytes, member bytes...
-DISPATCH_LUA = """
+# On a Redis Cluster the executor's keys are in another slot: this script runs without them
+# (3 keys) and HAND_OVER_LUA beside it, in either order. A batch handed over whose members
+# were not taken finds their payloads gone or runs them once more (the gateway keeps the first
+# answer); a batch taken but never handed over is in the in-flight set, which the executor's
+# sweep of batches it holds but does not run hands back.
+#
+# KEYS: queue, batch key, in-flight set[, work list, served set]
+# ARGV: batch_id, batch ttl ms, work ttl s, Batch bytes, model tag, member bytes...
+DISPATCH_LUA = _HAND_OVER_FN + """
 local n = 0
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   n = n + redis.call('ZREM', KEYS[1], ARGV[i])
 end
 if n > 0 then
   redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[2])
-  redis.call('RPUSH', KEYS[3], ARGV[4])
+  redis.call('SADD', KEYS[3], ARGV[1])
   redis.call('EXPIRE', KEYS[3], ARGV[3])
-  redis.call('SADD', KEYS[4], ARGV[1])
-  redis.call('EXPIRE', KEYS[4], ARGV[3])
+  if #KEYS == 5 then
+    hand_over(4, ARGV[4], ARGV[3], ARGV[5])
+  end
 end
 return n
+"""
+
+# The executor's half of a dispatch on a Redis Cluster. KEYS: work list, served set.
+# ARGV: Batch bytes, work ttl s, model tag.
+HAND_OVER_LUA = _HAND_OVER_FN + """
+hand_over(1, ARGV[1], ARGV[2], ARGV[3])
 """
 
 
@@ -73,22 +99,39 @@ end
 return 0
 """
 
+# A group commit's announcement: the gateway's heartbeat key (executors skip requests of a
+# gateway without one, and a restarted Redis starts without it), and a wake-up token on the
+# notify list of each queue written to (one token is as good as many: whoever reads the list
+# takes all it holds). KEYS[first]: the heartbeat key, then the notify lists.
+_ANNOUNCE_FN = """
+local function announce(first, address, ttl_ms, queue_ttl)
+  redis.call('SET', KEYS[first], address, 'PX', ttl_ms)
+  for i = first + 1, #KEYS do
+    if redis.call('LLEN', KEYS[i]) == 0 then
+      redis.call('RPUSH', KEYS[i], 1)
+      redis.call('EXPIRE', KEYS[i], queue_ttl)
+    end
+  end
+end
+"""
+
 # A gateway's group commit in one command: what its requests write and what its
 # abandoned requests leave (redis-py spends more CPU per command than Redis does
 # running all of them, and the gateway's CPU is what small models are bound by).
 # Each write queues its payload and queue entry unless the queue holds max_size
-# (> 0) entries already; every queue written to is refreshed and announced once,
-# on its own notify list.
-# KEYS: the gateway's heartbeat key, then per write its payload key, queue and
-#       notify list, then per abandoned request its queue and payload key.
-# ARGV: writes, abandoned, gateway address, heartbeat ttl ms, queue ttl s, then
-#       per write payload, payload ttl ms, score, member, max size, then per
-#       abandoned request its member.
+# (> 0) entries already; every queue written to is refreshed; with `announce`,
+# the commit is announced (_ANNOUNCE_FN) too. On a Redis Cluster this runs once
+# per model, without announcing, and ANNOUNCE_LUA after it in the shared slot.
+# KEYS: per write its payload key and queue, then per abandoned request its queue
+#       and payload key, then (announce) the heartbeat key and the notify lists.
+# ARGV: writes, abandoned, announce (1/0), gateway address, heartbeat ttl ms, queue
+#       ttl s, then per write payload, payload ttl ms, score, member, max size, then
+#       per abandoned request its member.
 # Returns per write 1 when queued, 0 when its queue was full.
-ENQUEUE_LUA = """
+ENQUEUE_LUA = _ANNOUNCE_FN + """
 local writes, abandoned = tonumber(ARGV[1]), tonumber(ARGV[2])
-local queued, seen, queues = {}, {}, {}
-local k, a = 2, 6
+local queued, seen = {}, {}
+local k, a = 1, 7
 for i = 1, writes do
   local queue, cap = KEYS[k + 1], tonumber(ARGV[a + 4])
   if cap > 0 and redis.call('ZCARD', queue) >= cap then
@@ -100,69 +143,82 @@ for i = 1, writes do
   end
   if not seen[queue] then
     seen[queue] = true
-    queues[#queues + 1] = k + 1
+    redis.call('EXPIRE', queue, ARGV[6])
   end
-  k, a = k + 3, a + 5
+  k, a = k + 2, a + 5
 end
 for i = 1, abandoned do
   redis.call('ZREM', KEYS[k], ARGV[a])
   redis.call('DEL', KEYS[k + 1])
   k, a = k + 2, a + 1
 end
-if writes > 0 then
-  -- Executors skip requests of a gateway without a heartbeat key: make sure it
-  -- exists with every write (a restarted Redis starts without it).
-  redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
-  for _, q in ipairs(queues) do
-    local queue, notify = KEYS[q], KEYS[q + 1]
-    redis.call('EXPIRE', queue, ARGV[5])
-    -- One token is as good as many: whoever reads the list takes all it holds.
-    if redis.call('LLEN', notify) == 0 then
-      redis.call('RPUSH', notify, 1)
-      redis.call('EXPIRE', notify, ARGV[5])
-    end
-  end
+if ARGV[3] == '1' and writes > 0 then
+  announce(k, ARGV[4], ARGV[5], ARGV[6])
 end
 return queued
 """
 
-# An executor's whole write for a finished batch, in one command: the replies to
-# each gateway, the batch's payloads and batch key gone, the batch off the in-flight
-# set, its execution report for the scheduler, and the model's statistics counters
-# (a batch updates ~16).
-# KEYS: REPORTS, in-flight set, stats key, batch key, then each gateway's reply
-#       list, then the batch's payload keys.
-# ARGV: gateways, payloads, batch id, report, reports cap, queue ttl s, reply ttl s,
-#       stats ttl s, last inference ms (0: none succeeded), then per gateway the
-#       number of its replies and the replies, then statistics field, increment pairs.
-BATCH_DONE_LUA = """
+# A group commit's announcement on its own, in the shared slot (Redis Cluster).
+# KEYS: the heartbeat key, the notify lists; ARGV: gateway address, heartbeat ttl ms, queue ttl s.
+ANNOUNCE_LUA = _ANNOUNCE_FN + """
+announce(1, ARGV[1], ARGV[2], ARGV[3])
+"""
+
+# An execution report for the scheduler, the list capped and never left without its expiry.
+# KEYS[r]: the reports list; ARGV: report, cap, ttl s.
+_REPORT_FN = """
+local function report(r, blob, cap, ttl)
+  redis.call('RPUSH', KEYS[r], blob)
+  redis.call('LTRIM', KEYS[r], -tonumber(cap), -1)
+  redis.call('EXPIRE', KEYS[r], ttl)
+end
+"""
+
+REPORT_LUA = _REPORT_FN + """
+report(1, ARGV[1], ARGV[2], ARGV[3])
+"""
+
+# An executor's write for a finished batch, in one command: the replies to each
+# gateway, the batch's payloads and batch key gone, the batch off the in-flight set,
+# its execution report for the scheduler, and the model's statistics counters (a
+# batch updates ~16). On a Redis Cluster the replies (PUSH_WITH_TTL_LUA per gateway)
+# go first, then this script without replies or report (the model's slot), then the
+# report (REPORT_LUA): a crash in between re-runs the batch, and the gateway keeps the
+# first answer.
+# KEYS: in-flight set, stats key, batch key, the batch's payload keys, then (with a
+#       report) the reports list and each gateway's reply list.
+# ARGV: gateways, payloads, batch id, report ('' for none), reports cap, queue ttl s,
+#       reply ttl s, stats ttl s, last inference ms (0: none succeeded), then per
+#       gateway the number of its replies and the replies, then statistics field,
+#       increment pairs.
+BATCH_DONE_LUA = _REPORT_FN + """
 local gateways, payloads = tonumber(ARGV[1]), tonumber(ARGV[2])
 local a = 10
 -- One call per element, not unpack(): Lua's stack caps unpack at a few thousand values.
 for i = 1, gateways do
-  local n = tonumber(ARGV[a])
+  local key, n = KEYS[4 + payloads + i], tonumber(ARGV[a])
   for j = a + 1, a + n do
-    redis.call('RPUSH', KEYS[4 + i], ARGV[j])
+    redis.call('RPUSH', key, ARGV[j])
   end
-  redis.call('EXPIRE', KEYS[4 + i], ARGV[7])
+  redis.call('EXPIRE', key, ARGV[7])
   a = a + n + 1
 end
-redis.call('DEL', KEYS[4])
-for i = 5 + gateways, 4 + gateways + payloads do
+redis.call('DEL', KEYS[3])
+for i = 4, 3 + payloads do
   redis.call('DEL', KEYS[i])
 end
-redis.call('SREM', KEYS[2], ARGV[3])
-redis.call('RPUSH', KEYS[1], ARGV[4])
-redis.call('LTRIM', KEYS[1], -tonumber(ARGV[5]), -1)
-redis.call('EXPIRE', KEYS[1], ARGV[6])
+redis.call('SREM', KEYS[1], ARGV[3])
+if ARGV[4] ~= '' then
+  report(4 + payloads, ARGV[4], ARGV[5], ARGV[6])
+end
 if a < #ARGV then
   for i = a, #ARGV, 2 do
-    redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 1])
+    redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1])
   end
   if ARGV[9] ~= '0' then
-    redis.call('HSET', KEYS[3], 'last_inference_ms', ARGV[9])
+    redis.call('HSET', KEYS[2], 'last_inference_ms', ARGV[9])
   end
-  redis.call('EXPIRE', KEYS[3], ARGV[8])
+  redis.call('EXPIRE', KEYS[2], ARGV[8])
 end
 return 1
 """

@@ -369,8 +369,11 @@ class ProcessMesh:
              f"the heartbeat key of {name} to expire")
 
     def held_batches(self, executor: str) -> int:
-        """Batches dispatched to `executor` and not answered yet (its inflight set)."""
-        return int(self._redis_or(0, lambda r: r.scard(contract.inflight(executor))))
+        """Batches dispatched to `executor` and not answered yet (its in-flight sets, one per model)."""
+        def count(r) -> int:
+            models = [contract.parse_model_tag(t) for t in r.smembers(contract.served(executor))]
+            return sum(r.scard(contract.inflight(m, executor)) for m in models)
+        return int(self._redis_or(0, count))
 
     def queued_work(self, executor: str) -> int:
         return int(self._redis_or(0, lambda r: r.llen(contract.work(executor))))

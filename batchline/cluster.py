@@ -1,0 +1,86 @@
+"""Redis Cluster: the URL every service accepts for one, and its clients.
+
+    redis+cluster://[user:password@]host:port[,host:port...][?options]
+    rediss+cluster://...   TLS to every node
+
+The nodes listed are where a client starts: it learns the rest of the cluster (every shard's
+primary and the slots it holds) from them and follows the cluster's redirections after a
+resharding or a failover. Query options are the plain URL's (`ssl_ca_certs`, `ssl_certfile`,
+...). A port left out is 6379. What batchline writes where on a cluster:
+batchline.contract.keys (the hash tags) and batchline.contract.slots.
+"""
+from __future__ import annotations
+
+import urllib.parse
+from dataclasses import dataclass, field
+
+import redis.asyncio.cluster as aiocluster
+import redis.cluster
+
+from batchline import redis_url
+
+SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+DEFAULT_PORT = 6379
+SLOTS = 16_384
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in SCHEMES
+
+
+@dataclass(frozen=True)
+class ClusterTarget:
+    nodes: list[tuple[str, int]]
+    kwargs: dict = field(default_factory=dict)  # credentials and TLS options of every node
+
+    def describe(self) -> str:
+        """The nodes, without secrets: what messages may show."""
+        return "Redis Cluster at " + ",".join(f"{h}:{p}" for h, p in self.nodes)
+
+
+def parse(url: str) -> ClusterTarget:
+    """The start-up nodes and connection options of a redis+cluster:// URL; ValueError naming
+    what is wrong with it."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = SCHEMES.get(parts.scheme.lower())
+    if scheme is None:
+        raise ValueError(f"not a Redis Cluster URL (redis+cluster:// or rediss+cluster://): {parts.scheme}://")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    nodes = redis_url.hosts(hosts, DEFAULT_PORT, "Redis Cluster URL")
+    if parts.path.strip("/") not in ("", "0"):
+        raise ValueError(f"a Redis Cluster has only database 0, not {parts.path!r}")
+    kwargs = redis_url.options(scheme, userinfo, "", parts.query)
+    kwargs.pop("db", None)
+    if scheme == "rediss":
+        kwargs["ssl"] = True
+    return ClusterTarget(nodes, kwargs)
+
+
+def connect(url: str, timeout: float, blocking_reads: bool = False) -> aiocluster.RedisCluster:
+    """An asyncio client of the cluster of `url`. With `blocking_reads` its reads have no timeout
+    (BLMPOP-style waits); a connection still waits at most `timeout`."""
+    target = parse(url)
+    return aiocluster.RedisCluster(
+        startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in target.nodes],
+        socket_timeout=None if blocking_reads else timeout, socket_connect_timeout=timeout, **target.kwargs)
+
+
+def connect_sync(url: str, timeout: float) -> redis.cluster.RedisCluster:
+    """A synchronous client of the cluster (command-line tools, tests)."""
+    target = parse(url)
+    return redis.cluster.RedisCluster(
+        startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in target.nodes],
+        socket_timeout=timeout, socket_connect_timeout=timeout, **target.kwargs)
+
+
+def coverage_problem(info: dict) -> str | None:
+    """What is wrong with a cluster whose node answered CLUSTER INFO with `info`, or None when
+    every hash slot is served (a key in an uncovered slot would fail every request of its model)."""
+    assigned, state = int(info.get("cluster_slots_assigned", 0)), info.get("cluster_state")
+    failing = int(info.get("cluster_slots_fail", 0))
+    if assigned < SLOTS:
+        return (f"only {assigned} of its {SLOTS} hash slots are assigned to a node (cluster_state {state}): "
+                "assign the rest (redis-cli --cluster fix)")
+    if state != "ok" or failing:
+        return f"its state is {state!r} ({failing} hash slots on failing nodes): batchline needs every slot served"
+    return None

@@ -1,0 +1,96 @@
+"""A Redis Cluster on loopback for tests and soaks: primaries that are real redis-server processes
+(--cluster-enabled yes), joined by `redis-cli --cluster create`. It stands in for EmbeddedRedis
+(ProcessMesh(redis_server=...)): `url` is the redis+cluster:// URL the services are given."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import redis
+
+from batchline.embedded_redis import EmbeddedRedis, free_port, redis_server_binary
+from batchline.redis_client import cluster_info_fields
+
+
+def redis_cli_binary() -> str | None:
+    """redis-cli beside the redis-server the tests use, or on PATH."""
+    beside = shutil.which("redis-cli", path=os.path.dirname(redis_server_binary()))
+    return beside or shutil.which("redis-cli")
+
+
+class ClusterRedis:
+    def __init__(self, shards: int = 3, node_timeout_ms: int = 2_000):
+        self.servers = [EmbeddedRedis(extra_args=(
+            "--cluster-enabled", "yes",
+            "--cluster-port", str(free_port()),  # not port + 10000, which may be taken or past 65535
+            "--cluster-node-timeout", str(node_timeout_ms),
+        )) for _ in range(shards)]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """The first node's process (what ProcessMesh reports as Redis's)."""
+        return self.servers[0].proc
+
+    def node(self, i: int) -> redis.Redis:
+        return redis.Redis(port=self.servers[i].port, socket_timeout=2, socket_connect_timeout=2)
+
+    def start(self, timeout: float = 30.0) -> "ClusterRedis":
+        """Start every node, join them (each primary takes an equal share of the slots) and wait
+        until each says the cluster is ok; nothing if they run already."""
+        if all(s.proc is not None for s in self.servers):
+            return self
+        cli = redis_cli_binary()
+        if cli is None:
+            raise RuntimeError("redis-cli is not installed (Debian: redis-tools); it creates the cluster")
+        for server in self.servers:
+            server.start()
+        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while not self.ok():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster's nodes did not agree that every slot is served in time")
+            time.sleep(0.1)
+        return self
+
+    def ok(self) -> bool:
+        """Every node sees the cluster ok (every slot served) and every other node."""
+        try:
+            for i in range(len(self.servers)):
+                info = cluster_info_fields(self.node(i).execute_command("CLUSTER INFO"))
+                if info.get("cluster_state") != "ok" or int(info.get("cluster_known_nodes", 0)) < len(self.servers):
+                    return False
+            return True
+        except redis.exceptions.RedisError:
+            return False
+
+    def shard_of(self, key: str) -> int:
+        """The index (in `servers`) of the node that serves `key`'s slot (the others redirect: MOVED)."""
+        for i in range(len(self.servers)):
+            try:
+                self.node(i).exists(key)
+                return i
+            except redis.exceptions.MovedError:
+                continue
+        raise LookupError(f"no node serves the slot of {key!r}")
+
+    def stop(self, kill: bool = False) -> None:
+        for server in self.servers:
+            server.stop(kill=kill)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+
+    def __enter__(self) -> "ClusterRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
