@@ -145,8 +145,8 @@ def test_primary_killed_under_load(sentinels, process_mesh, mlp_model):
     with load_for(mesh, mlp_model) as load:
         load.wait_ok(200, since=0, timeout=60, check=mesh.check_alive)
         old = sentinels.master_address()
+        killed = time.monotonic()  # before the kill: calls fail while it is under way
         sentinels.kill_primary()
-        killed = time.monotonic()
         promoted = sentinels.wait_failover(old)
         load.wait_ok(1, since=promoted, timeout=30, check=mesh.check_alive)
         served = min(r.end for r in load.snapshot() if r.sent >= promoted and r.code == "OK")
