@@ -68,17 +68,22 @@ class ServerHandle:
         """
         up: bool | None = None
         run_id = None
+        # Every run id answered so far. Only one never seen before is a new primary: just after a
+        # Sentinel failover a connection kept to the demoted primary (now resyncing as a replica)
+        # can still answer once, and reconciling against it would fail requests the new one holds.
+        seen: set[str | None] = set()
         while True:
             try:
                 current = await _run_id(redis)
                 now_up = True
-                if run_id is not None and current != run_id:
+                if run_id is not None and current not in seen:
                     log.warning("Redis answers from a new primary (run_id %s -> %s): a failover or a restart",
                                 run_id, current)
                     metrics.REDIS_FAILOVERS.inc()
                     if on_restart:
                         on_restart()
                 run_id = current
+                seen.add(current)
             except REDIS_ERRORS:
                 now_up = False
             if now_up != up:

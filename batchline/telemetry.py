@@ -34,6 +34,8 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 _lock = threading.Lock()
 _configured: bool | None = None  # None: setup_tracing not called yet in this process
 _provider: Any = None  # the SDK TracerProvider this module installed, if any
+# Whether the environment names a provider for OpenTelemetry to load (read once: see enabled()).
+_ENVIRONMENT_PROVIDER = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
 
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
@@ -121,10 +123,17 @@ def shutdown_tracing() -> None:
 
 def enabled() -> bool:
     """Whether a real TracerProvider (ours or anyone's) is the global one."""
-    # Checked without importing the SDK, which tracing-off processes never load.
-    return _provider is not None or not isinstance(
-        trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
-    )
+    # Checked without importing the SDK, which tracing-off processes never load. Asked several
+    # times a request: while nobody has set a global provider, OpenTelemetry's getter looks the
+    # environment up on every call, so the provider it holds is read first.
+    if _provider is not None:
+        return True
+    provider = getattr(trace, "_TRACER_PROVIDER", None)
+    if provider is None:
+        if not _ENVIRONMENT_PROVIDER:
+            return False
+        provider = trace.get_tracer_provider()
+    return not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
 
 
 def tracer(name: str) -> Tracer:

@@ -6,7 +6,7 @@ only mints and continues context; exporting spans is the tracing layer's job.
 """
 from __future__ import annotations
 
-import os
+import random
 import re
 
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
@@ -23,8 +23,15 @@ def parse(traceparent: str) -> tuple[str, str, str] | None:
 def child(traceparent: str | None) -> str:
     """A traceparent for a new span: same trace and flags as `traceparent` if valid, else a new trace."""
     parsed = parse(traceparent or "")
-    trace_id, flags = (parsed[0], parsed[2]) if parsed else (os.urandom(16).hex(), "00")
-    return f"00-{trace_id}-{os.urandom(8).hex()}-{flags}"
+    trace_id, flags = (parsed[0], parsed[2]) if parsed else (f"{random_id(128):032x}", "00")
+    return f"00-{trace_id}-{random_id(64):016x}-{flags}"
+
+
+def random_id(bits: int) -> int:
+    """A random non-zero id of `bits` bits, from Python's generator (seeded from the OS at start)
+    as OpenTelemetry's own id generator does: unique, not secret, and with no system call per id
+    (os.urandom makes one)."""
+    return random.getrandbits(bits) or 1
 
 
 def trace_id(traceparent: str) -> str | None:

@@ -91,16 +91,13 @@ def admit(load: pb.ModelLoad, model: pb.ModelInfo, request: Candidate, now_s: fl
     budget_s = request.budget_s
     units = request.rows * max(1, request.length)
     alone = cost.predict(units)
-    stated = f"{duration_text(request.stated_budget_s or budget_s)} budget"
-    if request.stated_budget_s is not None and request.stated_budget_s > budget_s:
-        stated += f" ({duration_text(budget_s)} to run in, once the answer's way back is kept)"
     # Judged without the margin, as the scheduler judges a request hopeless: the margin is a
     # high quantile of past overruns, and a spell of slow runs can push it past every client's
     # budget. Refusing on it would then refuse everything, so nothing would run and report, and
     # the margin would never come down again.
     if cost.typical(units) > budget_s:
         return DeadlineExceeded(
-            f"the {stated} is shorter than model '{model.name}' takes to run this request "
+            f"the {_stated(request)} is shorter than model '{model.name}' takes to run this request "
             f"alone (about {cost.typical(units) * 1e3:.1f} ms): raise the timeout"
         )
     finish = predicted_finish_s(load, model, request, now_s, since, cost)
@@ -115,10 +112,19 @@ def admit(load: pb.ModelLoad, model: pb.ModelInfo, request: Candidate, now_s: fl
     wait = max(own, min(retries_at_s - now_s, own + budget_s))
     return ResourceExhausted(
         f"model '{model.name}' is overloaded: with {queued} rows queued ahead at priority <= {priority}, "
-        f"this request would finish in about {finish * 1e3:.0f} ms, past its {stated}; "
+        f"this request would finish in about {finish * 1e3:.0f} ms, past its {_stated(request)}; "
         f"retry in {math.ceil(wait * 1e3)} ms, with a larger timeout, or at a higher priority",
         retry_after_s=wait,
     )
+
+
+def _stated(request: Candidate) -> str:
+    """The request's budget as a refusal names it (built for refusals only: admitted requests,
+    the many, skip the formatting)."""
+    stated = f"{duration_text(request.stated_budget_s or request.budget_s)} budget"
+    if request.stated_budget_s is not None and request.stated_budget_s > request.budget_s:
+        stated += f" ({duration_text(request.budget_s)} to run in, once the answer's way back is kept)"
+    return stated
 
 
 def retry_spacing_s(load: pb.ModelLoad, units: int, gateways: int = 1) -> float:

@@ -295,12 +295,19 @@ class Gateway:
             self.replies.queued(entry.request_id, write.model)
             if admitted is not None:
                 admitted.confirmed_us = now_us()
+            # A timer on the reply's own future rather than asyncio.wait_for, which wraps every
+            # request's wait in more futures and callbacks: the gateway's CPU is what small models
+            # are bound by.
+            timer = asyncio.get_running_loop().call_later(
+                max(0.0, enqueued / 1e6 + call.budget_s - time.time()), _time_out, fut)
             try:
-                return await asyncio.wait_for(fut, timeout=max(0.0, enqueued / 1e6 + call.budget_s - time.time()))
+                return await fut
             except asyncio.TimeoutError:
                 raise DeadlineExceeded(
                     f"no answer from model '{call.model.name}' within the {duration_text(call.budget_s)} budget"
                 ) from None
+            finally:
+                timer.cancel()
         except BaseException:
             # Timed out, cancelled by the client, refused, or Redis failed: make
             # sure no executor spends time on a request nobody waits for.
@@ -360,3 +367,8 @@ class Gateway:
         except REDIS_ERRORS as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
         return [(m, {k.decode(): int(v) for k, v in h.items()}) for m, h in zip(models, raw)]
+
+
+def _time_out(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())

@@ -2,7 +2,6 @@
 admission, queueing and answering need, and the queue entry that carries them through Redis."""
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 
 from batchline import contract, telemetry, tracecontext
@@ -64,7 +63,7 @@ def queue_entry(call: Call, gateway_id: str, enqueued_us: int, deadline_us: int,
                 tracestate: str) -> pb.QueueEntry:
     """The request's queue entry. It carries the gateway's ModelInfer span (or, with tracing off, a
     child of the client's traceparent) to the other services."""
-    request_id = uuid.uuid4().hex
+    request_id = f"{tracecontext.random_id(128):032x}"
     span_parent = span_state = ""
     if telemetry.enabled():
         span = telemetry.current_span()

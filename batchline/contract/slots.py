@@ -18,9 +18,18 @@ _CLUSTER_TYPES = (redis.cluster.RedisCluster, redis.cluster.ClusterPipeline,
                   aiocluster.RedisCluster, aiocluster.ClusterPipeline)
 
 
+_BY_TYPE: dict[type, bool] = {}
+
+
 def on_cluster(client) -> bool:
     """Whether `client` (a client or a pipeline) talks to a Redis Cluster."""
-    return isinstance(client, _CLUSTER_TYPES)
+    # By type, remembered: isinstance against redis-py's classes takes microseconds, and this is
+    # asked for every write.
+    kind = type(client)
+    found = _BY_TYPE.get(kind)
+    if found is None:
+        found = _BY_TYPE[kind] = issubclass(kind, _CLUSTER_TYPES)
+    return found
 
 
 def get_many(client, names: Sequence[str]) -> Any:
