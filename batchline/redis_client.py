@@ -17,7 +17,11 @@ from batchline import cluster, sentinel
 from batchline.contract import on_cluster
 
 # What a lost or stalled Redis raises: callers turn these into UNAVAILABLE or retry.
-REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+# On a cluster, a shard without a primary (until its replica is promoted) and a slot being moved
+# pass the same way.
+REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+                redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+                redis.exceptions.SlotNotCoveredError)
 # Redis answered, but refused a write for a state of its own that passes (maxmemory reached, a
 # replica during a failover): the caller may retry, as after an outage.
 REDIS_REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)

@@ -176,3 +176,35 @@ def test_the_standby_scheduler_takes_over_on_a_cluster(redis_cluster, process_me
     poll(lambda: mesh.model_statistics("mlp").inference_count == ok_rows, 10,
          f"inference_count to reach the {ok_rows} rows answered")
     assert mesh.model_statistics("mlp").inference_count == ok_rows
+
+
+def test_a_shard_s_primary_killed_under_load_fails_over_to_its_replica(process_mesh, mlp_model):
+    """Three primaries each with a replica; the primary serving mlp's slot (and the shared one's)
+    SIGKILLed under load: the cluster promotes its replica, the mesh serves again within a second of
+    that, every call is answered before its deadline, and the calls outside the window succeed."""
+    with ClusterRedis(replicas=1) as redis_cluster:
+        mesh = process_mesh(redis_server=redis_cluster).start(executors=1)
+        key = contract.queue("mlp", "1")
+        with load_for(mesh, mlp_model) as load:
+            load.wait_ok(200, since=0, timeout=60, check=mesh.check_alive)
+            old = redis_cluster.shard_of(key)
+            killed = time.monotonic()
+            redis_cluster.servers[old].stop(kill=True)
+            promoted = redis_cluster.wait_failover(key, old)
+            load.wait_ok(1, since=promoted, timeout=30, check=mesh.check_alive)
+            served = min(r.end for r in load.snapshot() if r.sent >= promoted and r.code == "OK")
+            load.wait_ok(200, since=promoted + 1.0, timeout=60, check=mesh.check_alive)
+            records = load.stop()
+    window = [r for r in records if r.end >= killed and r.sent < promoted + 1.0]
+    outside = [r for r in records if r not in window]
+    report("a Redis Cluster shard's primary SIGKILLed", [
+        ("answered before the kill", [r for r in records if r.end < killed]),
+        ("in the window", window),
+        ("after", between(records, promoted + 1.0)),
+    ], f"replica promoted {promoted - killed:.2f} s after the kill; served again {served - promoted:.2f} s after it")
+    assert served - promoted <= 1.0, f"served again {served - promoted:.2f} s after the promotion"
+    assert_nothing_hung(records)
+    assert_none_lost(records)
+    assert_answers_correct(records)
+    ok = [r for r in outside if r.code == "OK"]
+    assert len(ok) >= 0.99 * len(outside), f"{len(outside) - len(ok)} of {len(outside)} calls outside the window failed"

@@ -21,12 +21,13 @@ def redis_cli_binary() -> str | None:
 
 
 class ClusterRedis:
-    def __init__(self, shards: int = 3, node_timeout_ms: int = 2_000):
+    def __init__(self, shards: int = 3, replicas: int = 0, node_timeout_ms: int = 2_000):
+        self.replicas = replicas  # per primary: redis-cli makes the first `shards` servers the primaries
         self.servers = [EmbeddedRedis(extra_args=(
             "--cluster-enabled", "yes",
             "--cluster-port", str(free_port()),  # not port + 10000, which may be taken or past 65535
             "--cluster-node-timeout", str(node_timeout_ms),
-        )) for _ in range(shards)]
+        )) for _ in range(shards * (1 + replicas))]
 
     @property
     def url(self) -> str:
@@ -51,7 +52,7 @@ class ClusterRedis:
         for server in self.servers:
             server.start()
         subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
-                        "--cluster-replicas", "0", "--cluster-yes"],
+                        "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                        check=True, capture_output=True, timeout=timeout)
         deadline = time.monotonic() + timeout
         while not self.ok():
@@ -61,25 +62,49 @@ class ClusterRedis:
         return self
 
     def ok(self) -> bool:
-        """Every node sees the cluster ok (every slot served) and every other node."""
+        """Every running node sees the cluster ok (every slot served) and every other node, and
+        every replica is in sync with its primary."""
         try:
             for i in range(len(self.servers)):
+                if self.servers[i].proc is None:
+                    continue
                 info = cluster_info_fields(self.node(i).execute_command("CLUSTER INFO"))
                 if info.get("cluster_state") != "ok" or int(info.get("cluster_known_nodes", 0)) < len(self.servers):
+                    return False
+                # A replica that has not synced with its primary yet could not take its place.
+                replication = self.node(i).info("replication")
+                if replication.get("role") == "slave" and replication.get("master_link_status") != "up":
                     return False
             return True
         except redis.exceptions.RedisError:
             return False
 
     def shard_of(self, key: str) -> int:
-        """The index (in `servers`) of the node that serves `key`'s slot (the others redirect: MOVED)."""
-        for i in range(len(self.servers)):
+        """The index (in `servers`) of the primary that serves `key`'s slot (the others redirect:
+        MOVED; replicas too, and stopped servers are skipped)."""
+        for i, server in enumerate(self.servers):
+            if server.proc is None:
+                continue
             try:
                 self.node(i).exists(key)
                 return i
-            except redis.exceptions.MovedError:
+            except (redis.exceptions.MovedError, redis.exceptions.ConnectionError,
+                    redis.exceptions.ClusterDownError):
                 continue
         raise LookupError(f"no node serves the slot of {key!r}")
+
+    def wait_failover(self, key: str, old: int, timeout: float = 30.0) -> float:
+        """Wait until a node other than `old` serves `key`'s slot (its replica was promoted);
+        returns when (time.monotonic())."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.shard_of(key) != old:
+                    return time.monotonic()
+            except LookupError:
+                pass
+            time.sleep(0.02)
+        raise RuntimeError(f"no replica took over the slot of {key!r} within {timeout} s")
 
     def stop(self, kill: bool = False) -> None:
         for server in self.servers:
