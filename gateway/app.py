@@ -62,7 +62,9 @@ class GatewayApp:
         return self
 
     async def stop(self, grace: float = 2.0) -> None:
-        # NOT_SERVING and refuse new requests, let admitted ones be answered, then let go of Redis.
+        # Refuse new requests and say NOT_SERVING (in that order: whoever sees it is refused), let
+        # admitted ones be answered, then let go of Redis.
+        self.gateway.draining = True
         await self.server.start_draining()
         if self._health:
             await stop_tasks([self._health])

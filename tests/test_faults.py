@@ -386,6 +386,9 @@ def test_sigterm_drains_the_gateway(process_mesh, mlp_model):
                     return exc.code().name
                 return None
 
+        # Probed once it says it drains (its health turns NOT_SERVING): a request that reached it before
+        # it handled the signal was admitted, and waits for the frozen scheduler like the others.
+        poll(lambda: mesh.health("gateway") == "NOT_SERVING", 5, "the gateway to report that it drains")
         new_code = poll(refused, 5, "the draining gateway to refuse a new request")
         # The queued requests stay unserved a while longer than a token grace period:
         # the gateway must wait for them, not for a fixed few seconds.
