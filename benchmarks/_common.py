@@ -15,9 +15,13 @@ import re
 import shutil
 import tempfile
 import time
+from collections import Counter
 from typing import Iterator
 
-from batchline.cli import DEFAULT_REPOSITORY, Mesh
+import psutil
+
+from batchline.cli import DEFAULT_REPOSITORY
+from batchline.mesh import Mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Closed-loop runs that measure what the mesh can serve give requests a budget long enough
@@ -85,7 +89,7 @@ def ensure_repository(path: str | pathlib.Path) -> pathlib.Path:
     brought up to date (the benchmarks measure the demo models as this checkout configures them)."""
     path = pathlib.Path(path).resolve()
     if not path.exists():
-        from batchline.cli import build_demo
+        from batchline.mesh import build_demo
 
         build_demo(path)
     else:
@@ -152,3 +156,24 @@ def table(rows: list[list[str]]) -> str:
 
 def f(x: float | None, fmt: str = ".1f") -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def cpu_seconds(named: dict[int, str] | None = None, rest: str | None = None) -> Counter:
+    """CPU seconds so far of this script ("client") and of every process it started, by what they
+    run: Redis, each service, a pid in `named` by its name there; any other child counts as `rest`
+    (left out when None)."""
+    out: Counter = Counter()
+    me = psutil.Process()
+    out["client"] += sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+            times = child.cpu_times()
+        except psutil.Error:
+            continue  # it exited between the listing and the reading
+        name = (named or {}).get(child.pid) or next(
+            (n for n, sign in (("redis", "redis-server"), ("gateway", "-m gateway"), ("scheduler", "-m scheduler"),
+                               ("executor", "-m executor")) if sign in cmd), rest)
+        if name:
+            out[name] += times.user + times.system
+    return out

@@ -30,8 +30,6 @@ import tempfile
 import time
 from collections import Counter
 
-import psutil
-
 import _common
 from batchline.bench import InputOptions, run_closed
 
@@ -57,19 +55,9 @@ def bench(address: str, tenant: str, rate: float, args, out: pathlib.Path) -> su
 
 
 def cpu_seconds(benches: dict[str, subprocess.Popen]) -> Counter:
-    """CPU seconds so far of this script's children, by what they run (the services, Redis, each
-    tenant's client)."""
-    names = {p.pid: f"client {t}" for t, p in benches.items()}
-    out: Counter = Counter()
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            cmd = " ".join(proc.cmdline())
-            times = proc.cpu_times()
-        except psutil.Error:
-            continue
-        name = names.get(proc.pid) or next((k for k in ("gateway", "scheduler", "executor", "redis") if k in cmd), "")
-        if name:
-            out[name] += times.user + times.system
+    """CPU seconds so far of the services, Redis and each tenant's client (this script's own left out)."""
+    out = _common.cpu_seconds({p.pid: f"client {t}" for t, p in benches.items()})
+    del out["client"]
     return out
 
 

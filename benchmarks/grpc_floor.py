@@ -32,7 +32,7 @@ import numpy as np
 import _common
 from batchline import eventloop
 from batchline.bench.loadgen import Endpoint, arrival_times
-from batchline.cli import Mesh
+from batchline.mesh import Mesh
 from batchline.protocol import inference_pb2 as ipb
 
 SERVICE = "inference.GRPCInferenceService"
@@ -180,7 +180,7 @@ def main() -> int:
     m = Mesh(_common.mesh_args(repo, args.log_level))
     try:
         address = m.start()
-        [gateway] = [proc for name, proc in m.procs if name == "gateway"]
+        [gateway] = [s.proc for s in m.supervisor.services if s.role == "gateway"]
         measure("gateway (admission refuses)", address, gateway.pid)
     finally:
         m.stop()

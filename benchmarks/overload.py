@@ -24,6 +24,9 @@
    that refuses everything and the bench's client spend per call. If the capacity C fills the
    cores (k = cores / C CPU ms a request) and every refusal costs at least that floor c, offering
    --factor f x C leaves goodput / capacity at most (k - f c) / (k - c): the cap it prints.
+4. Where the cores went: CPU ms per request sent (answered or refused) of the load generator
+   (this process), the gateway, Redis, the scheduler and the executor, in the capacity's step and
+   in each open-loop run, and the cores they used in all.
 
 Requests are unary ModelInfer calls, or with --streaming messages on ModelStreamInfer streams
 throughout (capacity and overload alike): a refusal is then a message on an open stream rather than
@@ -35,12 +38,25 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import _common
 import grpc_floor
 from batchline.bench import InputOptions, StepResult, run_closed, run_open
 
 POLICIES = ["deadline", "fifo"]
+ROLES = ["client", "gateway", "redis", "scheduler", "executor"]
+
+
+def with_cpu(run, duration: float) -> tuple[StepResult, dict[str, float], float]:
+    """A step, the CPU ms each process spent per request it sent, and the cores used in all. The
+    warm-up's CPU is in the deltas too: spread over the requests of both windows at the step's rate."""
+    before, t0 = _common.cpu_seconds(), time.monotonic()
+    step = run()
+    after, elapsed = _common.cpu_seconds(), time.monotonic() - t0
+    requests = max(1.0, step.sent / duration * elapsed)
+    spent = {k: after[k] - before.get(k, 0.0) for k in after}
+    return step, {k: v * 1e3 / requests for k, v in spent.items()}, sum(spent.values()) / elapsed
 
 
 def policy_supported() -> bool:
@@ -97,9 +113,14 @@ def main() -> int:
                                     inputs=inputs, budget_ms=_common.CAPACITY_BUDGET_MS, progress=args.progress,
                                     streaming=args.streaming)
                          for _ in range(2)), key=lambda r: r.throughput_rps)
+        cpu: dict[int | str, tuple[dict[str, float], float]] = {}  # by concurrency, then by policy
+
         def step(c: int) -> StepResult:
-            return run_closed(address, "minilm", c, args.duration, warmup=args.warmup, inputs=inputs,
-                              budget_ms=args.budget_ms, progress=args.progress, streaming=args.streaming)
+            st, per_request, cores = with_cpu(lambda: run_closed(
+                address, "minilm", c, args.duration, warmup=args.warmup, inputs=inputs, budget_ms=args.budget_ms,
+                progress=args.progress, streaming=args.streaming), args.duration)
+            cpu[c] = (per_request, cores)
+            return st
 
         steps = [step(c) for c in sweep]
         # On a faster host the sweep's last step can still be well within the budget, and the
@@ -135,9 +156,11 @@ def main() -> int:
     for policy in policies:
         env = {"BATCHLINE_SCHEDULER_POLICY": policy} if policy else {}
         with _common.mesh(repo, env=env, log_level=args.log_level) as address:
-            s = run_open(address, "minilm", rate, args.duration, warmup=args.warmup, budget_ms=args.budget_ms,
-                         inputs=inputs, progress=args.progress, streaming=args.streaming)
+            s, per_request, cores = with_cpu(lambda: run_open(
+                address, "minilm", rate, args.duration, warmup=args.warmup, budget_ms=args.budget_ms, inputs=inputs,
+                progress=args.progress, streaming=args.streaming), args.duration)
         results[policy or "(no policy setting)"] = s
+        cpu[policy or "(no policy setting)"] = (per_request, cores)
         print(f"  {policy or 'as is'}: goodput {s.goodput_rps:.0f}/s, {s.status_counts}", flush=True)
 
     rows = [["policy", "offered/s", "goodput/s", "goodput/capacity", "goodput/capacity over admitted", "admitted OK in budget",
@@ -159,6 +182,13 @@ def main() -> int:
     request_ms = len(os.sched_getaffinity(0)) * 1e3 / capacity
     print(f"gRPC's floor alone ({floor:.2f} ms a refusal; {request_ms:.2f} ms a request if the capacity fills the "
           f"cores) caps goodput/capacity at {grpc_floor.overload_cap(request_ms, floor, args.factor):.2f} here")
+    rows = [["run", *ROLES, "total", "cores used"]]
+    for name, key in [(f"capacity ({cap.concurrency} in flight)", cap.concurrency), *((n, n) for n in results)]:
+        per_request, cores = cpu[key]
+        rows.append([name, *(f"{per_request.get(r, 0.0):.3f}" for r in ROLES),
+                     f"{sum(per_request.get(r, 0.0) for r in ROLES):.3f}", f"{cores:.2f}"])
+    print("\nCPU ms per request sent (answered or refused), by process:")
+    print(_common.table(rows))
     if "deadline" in results and "fifo" in results and results["fifo"].goodput_rps > 0:
         print(f"goodput deadline/fifo = {results['deadline'].goodput_rps / results['fifo'].goodput_rps:.2f}")
     return 0

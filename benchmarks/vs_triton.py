@@ -21,6 +21,7 @@ import contextlib
 import functools
 import os
 import pathlib
+import queue
 import signal
 import statistics
 import subprocess
@@ -30,14 +31,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import psutil
-
 import _common
 import lengths
 from batchline.bench import InputOptions, StepResult, run_closed
 
 PEER_SERVER = pathlib.Path(__file__).resolve().parent / "peers" / "pytriton_server.py"
 DEFAULT_PEER_PYTHON = "/work/peers/triton/bin/python"
+# Triton starts in seconds; after a crash its restart has been seen to hang before it is ready.
+START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -77,32 +78,8 @@ class Run:
         return (self.step.latency_ms or {}).get("p99", float("nan"))
 
 
-def role(proc: psutil.Process) -> str | None:
-    """Which part of which server a process of this script's tree is."""
-    try:
-        cmd = " ".join(proc.cmdline())
-    except psutil.Error:
-        return None
-    if "redis-server" in cmd:
-        return "redis"
-    for service in ("gateway", "scheduler", "executor"):
-        if f"-m {service}" in cmd:
-            return service
-    return "triton" if proc.pid != os.getpid() else None
-
-
-def cpu_snapshot() -> dict[str, float]:
-    """CPU seconds so far of this process (the client) and of every server process it started, by role."""
-    me = psutil.Process()
-    totals = {"client": sum(me.cpu_times()[:2])}
-    for child in me.children(recursive=True):
-        name = role(child)
-        if name is None:
-            continue
-        with contextlib.suppress(psutil.Error):
-            t = child.cpu_times()
-            totals[name] = totals.get(name, 0.0) + t.user + t.system
-    return totals
+class PeerDown(Exception):
+    """Triton's server did not come up."""
 
 
 class Triton:
@@ -127,13 +104,28 @@ class Triton:
         self.proc = subprocess.Popen([self.peer_python, str(PEER_SERVER), "--model-repository", str(self.repository)],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      start_new_session=True)
-        for line in self.proc.stdout:
-            if line.startswith("ready "):
-                self.address = f"127.0.0.1:{int(line.split()[1])}"
-                # Keep draining Triton's log so that it never blocks on a full pipe.
-                threading.Thread(target=self.proc.stdout.read, daemon=True).start()
-                return self
-        raise SystemExit(f"Triton did not start (exit code {self.proc.wait()}); run {PEER_SERVER.name} by hand to see why")
+        ready: queue.Queue[str] = queue.Queue()
+
+        def read(stdout) -> None:
+            for line in stdout:
+                if line.startswith("ready "):
+                    ready.put(line)
+                    stdout.read()  # keep draining Triton's log so that it never blocks on a full pipe
+                    return
+            ready.put("")  # the server exited before it was ready
+
+        threading.Thread(target=read, args=(self.proc.stdout,), daemon=True).start()
+        try:
+            line = ready.get(timeout=START_TIMEOUT_S)
+        except queue.Empty:
+            line = ""  # seen after a crash: a restarted server that never says it is ready
+        if line:
+            self.address = f"127.0.0.1:{int(line.split()[1])}"
+            return self
+        code = self.proc.poll()
+        self.stop()
+        why = f"exited with code {code}" if code is not None else f"not ready within {START_TIMEOUT_S:g} s"
+        raise PeerDown(f"Triton did not start ({why}); run {PEER_SERVER.name} by hand to see why")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -167,11 +159,11 @@ def _texts() -> list[str]:
 def measure(address: str, w: Workload, args, peer: bool = False) -> Run:
     # Padded to seq_len, what the peer runs costs the same whatever the tokens' values.
     inputs = InputOptions(texts=_texts()) if w.texts and not peer else InputOptions(seq_len=w.seq_len)
-    before = cpu_snapshot()
+    before = _common.cpu_seconds(rest="triton")
     t0 = time.monotonic()
     step = run_closed(address, w.model, w.concurrency, args.duration, warmup=args.warmup,
                       budget_ms=_common.CAPACITY_BUDGET_MS, inputs=inputs, streaming=w.streaming)
-    after = cpu_snapshot()
+    after = _common.cpu_seconds(rest="triton")
     # The CPU of the warm-up is in the deltas too: spread it over the requests of both windows.
     elapsed = time.monotonic() - t0
     requests = max(1, step.throughput_rps * elapsed)
@@ -184,18 +176,22 @@ def measure_peer(peer: Triton, w: Workload, args, attempts: int = 3) -> Run | No
     process may outlive it: a step answered UNAVAILABLE, or one that cannot connect, is the sign)."""
     for _ in range(attempts):
         if not peer.alive():
-            peer.restart()
+            try:
+                peer.restart()
+            except PeerDown as exc:
+                print(f"{exc}; trying again", flush=True)
+                continue
         try:
             run = measure(peer.address, w, args, peer=True)
         except Exception as exc:  # noqa: BLE001 - the server died before or as the step connected
             print(f"Triton unreachable for '{w.name}' ({exc}); restarting it", flush=True)
-            peer.restart()
+            peer.stop()
             continue
         if not run.step.status_counts.get("UNAVAILABLE"):
             return run
         print(f"Triton died during '{w.name}' ({run.step.status_counts}); measuring it again on a fresh server",
               flush=True)
-        peer.restart()
+        peer.stop()  # the next attempt, or the next step, starts a fresh one
     print(f"Triton died {attempts} times in a row during '{w.name}': no figure for it this round", flush=True)
     return None
 
@@ -248,7 +244,10 @@ def main() -> int:
     results: dict[Workload, tuple[list[Run], list[Run]]] = {w: ([], []) for w in workloads}
     peer = Triton(repo, args.peer_python)
     with _common.mesh(repo, log_level=args.log_level) as ours:
-        peer.start()
+        try:
+            peer.start()
+        except PeerDown as exc:
+            raise SystemExit(str(exc)) from None
         try:
             for r in range(args.rounds):
                 for w in workloads:
