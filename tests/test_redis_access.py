@@ -99,7 +99,8 @@ def test_an_untrusted_redis_certificate_stops_a_service_in_one_line(tls_redis, t
 def test_a_redis_cluster_node_named_as_one_redis_stops_a_service_in_one_line(tmp_path):
     """A plain redis:// URL naming a cluster node would be refused (MOVED) request by request:
     refused at start, in one line saying how to name a cluster."""
-    with EmbeddedRedis(extra_args=("--cluster-enabled", "yes", "--cluster-config-file",
-                                   str(tmp_path / "nodes.conf"))) as node:
+    # Its own bus port: port + 10000 may be taken or past 65535.
+    with EmbeddedRedis(extra_args=("--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"),
+                                   "--cluster-port", str(free_port()))) as node:
         out = _service_refused(node.url)
         assert "is a Redis Cluster node" in out.stderr and "redis+cluster://" in out.stderr
