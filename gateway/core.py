@@ -16,21 +16,21 @@ from dataclasses import replace
 
 from batchline import contract, logs, metrics, telemetry, tracecontext
 from batchline.clock import now_us
-from batchline.errors import DeadlineExceeded, NotFound, ResourceExhausted, Unavailable, duration_text, from_status_value
+from batchline.errors import DeadlineExceeded, ResourceExhausted, Unavailable, duration_text, from_status_value
 from batchline.lifecycle import stop_tasks
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
-from batchline.registry import Registry
 from batchline.cluster import is_cluster_url
 from batchline.sentinel import is_sentinel
 from gateway.admission import Calibration
+from gateway.catalog import Catalog
 from gateway.commit import GroupCommit
 from gateway.fairness import FairShares
 from gateway.ledger import Admitted, AdmissionLedger, usable
 from gateway import presence
 from gateway.replies import Replies
-from gateway.repository import RepositoryControl, absent
+from gateway.repository import RepositoryControl
 from gateway.request import Call, parse, queue_entry
 from gateway.settings import GatewaySettings
 from gateway.text import Tokenizers
@@ -51,16 +51,15 @@ class Gateway:
         self.gateway_id = settings.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         self.redis = connect(settings.redis_url, settings.redis_timeout_s)
         self.blocking = connect_blocking(settings.redis_url, settings.redis_timeout_s)
-        self.registry = Registry()
+        self.catalog = Catalog(self.redis)  # the models served, from the executors' registrations
         self.address = ""
         self.replies = Replies(self.redis, self.blocking, self.gateway_id)
         self._tasks: list[asyncio.Task] = []
         self.draining = False
         self._heartbeat_ttl_ms = presence.heartbeat_ttl_ms(settings.heartbeat_interval_s)
-        self._served: set[str] = set()  # model names ever served: their absence is UNAVAILABLE, not NOT_FOUND
         self.commit = GroupCommit(self.redis, self.gateway_id, self._heartbeat_ttl_ms, settings.commit_linger_ms / 1000,
                                   lambda: len(self.replies.waiting))
-        self.views = LoadViews(self.redis, lambda: sorted(self.registry.models), settings.load_refresh_s)
+        self.views = LoadViews(self.redis, lambda: sorted(self.catalog.registry.models), settings.load_refresh_s)
         self.ledger = AdmissionLedger(self.gateway_id, settings.admission_headroom, settings.admission_target)
         self.gateways = 1  # live gateways (from the heartbeats): each spaces only the refusals it gives itself
         self.repository = RepositoryControl(self.redis, settings.model_control_mode)
@@ -81,7 +80,7 @@ class Gateway:
     async def start(self, address: str) -> None:
         self.address = self.commit.address = address
         try:
-            await self.refresh_registry()
+            await self.catalog.refresh()
         except REDIS_ERRORS as exc:
             log.warning("Redis not reachable at start (%s); will keep trying", exc)
         self._tasks = [
@@ -120,15 +119,11 @@ class Gateway:
 
     # -- background --------------------------------------------------------
 
-    async def refresh_registry(self) -> None:
-        self.registry = await Registry.load(self.redis)
-        self._served.update(self.registry.model_names())
-
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.registry_refresh_s)
             try:
-                await self.refresh_registry()
+                await self.catalog.refresh()
             except REDIS_ERRORS as exc:
                 log.warning("registry refresh failed: %s", exc)
             except Exception:  # noqa: BLE001 - a background loop must outlive what Redis answers
@@ -170,36 +165,6 @@ class Gateway:
 
     # -- requests ----------------------------------------------------------
 
-    def metric_labels(self, name: str, version: str = "") -> tuple[str, str]:
-        """The (model, version) labels of a request's metrics: resolved as its answer's would be.
-
-        A client that names no version is counted under the version that serves it, so that
-        failures and successes of one model line up; a name never served counts under "" so that
-        unknown names do not add series without bound.
-        """
-        try:
-            info = self.registry.resolve(name, version)
-            return info.name, info.version
-        except NotFound:
-            return (name, "") if name in self._served else ("", "")
-
-    async def model(self, name: str, version: str = "") -> pb.ModelInfo:
-        try:
-            return self.registry.resolve(name, version)
-        except NotFound:
-            # An executor may have registered since the last refresh.
-            await self._refresh_or_unavailable()
-            try:
-                return self.registry.resolve(name, version)
-            except NotFound:
-                why = absent(self.registry, name) if not self.registry.versions(name) else None
-                if why is not None:
-                    raise why from None
-                if name in self._served and not self.registry.versions(name):
-                    # Served before: its executors are restarting or re-registering (e.g. Redis restarted).
-                    raise Unavailable(f"no live executor serves model '{name}' right now (it was served before): retry") from None
-                raise
-
     async def take_rate(self, tenant: str, max_rate: float, model: str) -> None:
         """Let one more request of `tenant` through its `max_rate` cap, shared with every gateway
         (a token bucket in Redis, one second's worth deep), or refuse it with when to come back."""
@@ -208,15 +173,9 @@ class Gateway:
         except REDIS_ERRORS as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
         if not taken:
-            metrics.REJECTED.labels(*self.metric_labels(model), "rate").inc()
+            metrics.REJECTED.labels(*self.catalog.labels(model), "rate").inc()
             raise ResourceExhausted(f"tenant '{tenant}' is over its rate of {max_rate:g} requests/s: "
                                     f"retry in {int(wait_ms)} ms", retry_after_s=int(wait_ms) / 1000)
-
-    async def _refresh_or_unavailable(self) -> None:
-        try:
-            await self.refresh_registry()
-        except REDIS_ERRORS as exc:
-            raise Unavailable(f"Redis is unreachable: {exc}") from None
 
     async def infer(
         self,
@@ -227,7 +186,7 @@ class Gateway:
         tenant: str = "",
         weight: float = 1.0,
     ) -> ipb.ModelInferResponse:
-        model = await self.model(request.model_name, request.model_version)
+        model = await self.catalog.model(request.model_name, request.model_version)
         if model.text.name:
             request = await self.tokenizers.convert(request, model)
         call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000)
@@ -324,50 +283,11 @@ class Gateway:
 
     async def load_model(self, name: str, parameters: dict, timeout_s: float | None) -> None:
         await self.repository.load(name, parameters, timeout_s)
-        await self._refresh_or_unavailable()  # this gateway's next request finds it
+        await self.catalog.refresh_or_unavailable()  # this gateway's next request finds it
 
     async def unload_model(self, name: str, timeout_s: float | None) -> None:
         await self.repository.unload(name, timeout_s)
-        await self._refresh_or_unavailable()
-
-    # -- metadata and statistics ------------------------------------------
-
-    async def ready(self) -> bool:
-        """Ready when Redis answers and at least one live executor serves a model."""
-        try:
-            if not self.registry.models:
-                await self.refresh_registry()
-            else:
-                await self.redis.ping()
-        except REDIS_ERRORS:
-            return False
-        return bool(self.registry.models)
-
-    async def model_ready(self, name: str, version: str) -> bool:
-        try:
-            await self.model(name, version)
-        except (NotFound, Unavailable):
-            return False
-        return True
-
-    async def statistics(self, name: str, version: str) -> list[tuple[pb.ModelInfo, dict[str, int]]]:
-        if name:
-            first = await self.model(name, version)
-            # Like Triton: no version means every served version.
-            versions = [version] if version else self.registry.versions(name)
-            models = [first] if version else [self.registry.models[(name, v)] for v in versions]
-        else:
-            await self._refresh_or_unavailable()
-            models = [self.registry.models[k] for k in sorted(self.registry.models)]
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for m in models:
-                    pipe.hgetall(contract.stats(m.name, m.version))
-                raw = await pipe.execute()
-        except REDIS_ERRORS as exc:
-            raise Unavailable(f"Redis is unreachable: {exc}") from None
-        return [(m, {k.decode(): int(v) for k, v in h.items()}) for m, h in zip(models, raw)]
-
+        await self.catalog.refresh_or_unavailable()
 
 def _time_out(fut: asyncio.Future) -> None:
     if not fut.done():

@@ -81,11 +81,11 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         return ipb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        return ipb.ServerReadyResponse(ready=await self.gateway.ready())
+        return ipb.ServerReadyResponse(ready=await self.gateway.catalog.ready())
 
     async def ModelReady(self, request, context):
         await self._allow(context, request.name)
-        return ipb.ModelReadyResponse(ready=await self.gateway.model_ready(request.name, request.version))
+        return ipb.ModelReadyResponse(ready=await self.gateway.catalog.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request, context):
         await self._allow(context)
@@ -94,13 +94,13 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request, context):
         await self._allow(context, request.name)
         try:
-            info = await self.gateway.model(request.name, request.version)
+            info = await self.gateway.catalog.model(request.name, request.version)
         except BatchlineError as exc:
             await _abort(context, exc)
         tensor = ipb.ModelMetadataResponse.TensorMetadata
         return ipb.ModelMetadataResponse(
             name=info.name,
-            versions=self.gateway.registry.versions(info.name),
+            versions=self.gateway.catalog.registry.versions(info.name),
             platform=info.platform,
             inputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in inputs_of(info)],
             outputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in info.outputs],
@@ -109,7 +109,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelConfig(self, request, context):
         await self._allow(context, request.name)
         try:
-            info = await self.gateway.model(request.name, request.version)
+            info = await self.gateway.catalog.model(request.name, request.version)
         except BatchlineError as exc:
             await _abort(context, exc)
         return ipb.ModelConfigResponse(config=model_config(info))
@@ -121,7 +121,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         with (telemetry.server_span(_tracer, name, context.invocation_metadata(), {"batchline.model": request.model_name})
               if traced else contextlib.nullcontext()) as span:
             def failed(error: BatchlineError) -> None:
-                labels = self.gateway.metric_labels(request.model_name, request.model_version)
+                labels = self.gateway.catalog.labels(request.model_name, request.model_version)
                 reason = metrics.status_reason(grpc_status(error))
                 metrics.REQUEST_FAILURE.labels(*labels, reason).inc()
                 if grant is not None:
@@ -200,7 +200,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelStatistics(self, request, context):
         await self._allow(context, admin="statistics")
         try:
-            entries = await self.gateway.statistics(request.name, request.version)
+            entries = await self.gateway.catalog.statistics(request.name, request.version)
         except BatchlineError as exc:
             await _abort(context, exc)
         return ipb.ModelStatisticsResponse(model_stats=[model_statistics(info, s) for info, s in entries])

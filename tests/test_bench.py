@@ -22,7 +22,8 @@ from batchline.bench import (
     run_open,
 )
 from batchline.bench.inputs import parse_int_range, parse_shape
-from batchline.bench.loadgen import STREAM_ERROR, arrival_times, stream_answer, with_id
+from batchline.bench.loadgen import arrival_times
+from batchline.bench.streams import STREAM_ERROR, stream_answer, with_id
 from batchline.protocol import inference_pb2 as ipb
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

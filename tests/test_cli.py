@@ -15,7 +15,7 @@ import redis
 import tritonclient.grpc as tc
 
 from batchline import contract
-from batchline.cli import executors_up
+from batchline.mesh import executors_up
 from batchline.embedded_redis import EmbeddedRedis
 from batchline.testing.processes import MeshError, poll
 

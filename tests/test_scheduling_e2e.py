@@ -731,7 +731,7 @@ def test_the_load_view_counts_queued_rows_per_priority_level(mesh_factory):
     r = _hold_lease(m)  # no step publishes meanwhile
     scheduler = m.scheduler.scheduler
     key = ("mlp", "1")
-    info = m.gateway.gateway.registry.models[key]
+    info = m.gateway.gateway.catalog.registry.models[key]
     assert info.priority_levels == 0  # levels not configured: any priority up to the cap
     now = time.time()
     queue = [Pending("a", 2, 1, now + 5, now), Pending("b", 3, 5, now + 5, now), Pending("c", 1, 5, now + 5, now)]

@@ -158,11 +158,11 @@ def test_a_crash_loop_stops_up_and_names_the_service_with_its_last_output(tmp_pa
 
 
 def test_up_without_the_demo_extra_says_what_to_install(monkeypatch, tmp_path):
-    from batchline import cli
+    from batchline import mesh
 
-    monkeypatch.setattr(cli, "DEMO_MODULES", ("batchline_no_such_module",))
+    monkeypatch.setattr(mesh, "DEMO_MODULES", ("batchline_no_such_module",))
     with pytest.raises(SystemExit) as exc:
-        cli.build_demo(tmp_path / "repository")
+        mesh.build_demo(tmp_path / "repository")
     message = str(exc.value.code)
     assert "batchline_no_such_module" in message and "pip install 'batchline[demo]'" in message
     assert "--model-repository" in message and "\n" not in message

@@ -21,13 +21,13 @@ import tritonclient.grpc as tc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from batchline.cli import Mesh
+from batchline.mesh import Mesh
 from otlp_receiver import OtlpReceiver, ReceivedSpan, format_tree
 
 CLIENT_TRACE_ID = os.urandom(16).hex()
 CLIENT_SPAN_ID = os.urandom(8).hex()
 REQUEST_ID = "trace-e2e-1"
-EXECUTOR_ID = "executor-0"  # what batchline.cli.Mesh names its first executor
+EXECUTOR_ID = "executor-0"  # what batchline.mesh.Mesh names its first executor
 SLACK_NS = 1_000_000  # timestamps travel in µs through Redis: allow for the rounding
 
 

@@ -1,0 +1,97 @@
+"""The models this gateway serves, as the executors' registrations in Redis say: lookups by name
+and version, the labels of a request's metrics, readiness and statistics."""
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from batchline import contract
+from batchline.errors import NotFound, Unavailable
+from batchline.protocol import internal_pb2 as pb
+from batchline.redis_client import REDIS_ERRORS
+from batchline.registry import Registry
+from gateway.repository import absent
+
+
+class Catalog:
+    def __init__(self, redis: Redis):
+        self.redis = redis
+        self.registry = Registry()
+        self._served: set[str] = set()  # model names ever served: their absence is UNAVAILABLE, not NOT_FOUND
+
+    async def refresh(self) -> None:
+        self.registry = await Registry.load(self.redis)
+        self._served.update(self.registry.model_names())
+
+    async def refresh_or_unavailable(self) -> None:
+        try:
+            await self.refresh()
+        except REDIS_ERRORS as exc:
+            raise Unavailable(f"Redis is unreachable: {exc}") from None
+
+    def labels(self, name: str, version: str = "") -> tuple[str, str]:
+        """The (model, version) labels of a request's metrics: resolved as its answer's would be.
+
+        A client that names no version is counted under the version that serves it, so that
+        failures and successes of one model line up; a name never served counts under "" so that
+        unknown names do not add series without bound.
+        """
+        try:
+            info = self.registry.resolve(name, version)
+            return info.name, info.version
+        except NotFound:
+            return (name, "") if name in self._served else ("", "")
+
+    async def model(self, name: str, version: str = "") -> pb.ModelInfo:
+        try:
+            return self.registry.resolve(name, version)
+        except NotFound:
+            # An executor may have registered since the last refresh.
+            await self.refresh_or_unavailable()
+            try:
+                return self.registry.resolve(name, version)
+            except NotFound:
+                why = absent(self.registry, name) if not self.registry.versions(name) else None
+                if why is not None:
+                    raise why from None
+                if name in self._served and not self.registry.versions(name):
+                    # Served before: its executors are restarting or re-registering (e.g. Redis restarted).
+                    raise Unavailable(f"no live executor serves model '{name}' right now (it was served before): retry") from None
+                raise
+
+    async def ready(self) -> bool:
+        """Ready when Redis answers and at least one live executor serves a model."""
+        try:
+            if not self.registry.models:
+                await self.refresh()
+            else:
+                await self.redis.ping()
+        except REDIS_ERRORS:
+            return False
+        return bool(self.registry.models)
+
+    async def model_ready(self, name: str, version: str) -> bool:
+        try:
+            await self.model(name, version)
+        except (NotFound, Unavailable):
+            return False
+        return True
+
+    async def statistics(self, name: str, version: str) -> list[tuple[pb.ModelInfo, dict[str, int]]]:
+        """Each served version's counters (every version of `name` when `version` is empty, every
+        model when `name` is)."""
+        if name:
+            first = await self.model(name, version)
+            # Like Triton: no version means every served version.
+            versions = [version] if version else self.registry.versions(name)
+            models = [first] if version else [self.registry.models[(name, v)] for v in versions]
+        else:
+            await self.refresh_or_unavailable()
+            models = [self.registry.models[k] for k in sorted(self.registry.models)]
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for m in models:
+                    pipe.hgetall(contract.stats(m.name, m.version))
+                raw = await pipe.execute()
+        except REDIS_ERRORS as exc:
+            raise Unavailable(f"Redis is unreachable: {exc}") from None
+        return [(m, {k.decode(): int(v) for k, v in h.items()}) for m, h in zip(models, raw)]
