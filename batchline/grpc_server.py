@@ -37,6 +37,8 @@ logging.getLogger("grpc._cython.cygrpc").addFilter(_AnswerAfterTheEnd())
 # The health service name for liveness probes: SERVING while the process answers, whatever Redis
 # does. Readiness ("" and each service) follows Redis; a liveness probe on it would restart every pod
 # of the mesh during a Redis outage, which the services ride out by themselves.
+# How often watch_redis looks while Redis does not answer.
+DOWN_INTERVAL_S = 0.1
 LIVENESS = "liveness"
 
 
@@ -93,7 +95,9 @@ class ServerHandle:
                 await self.set_serving(up and not self.draining)
                 if on_change:
                     on_change(up)
-            await asyncio.sleep(interval)
+            # While Redis is away, look more often: what the services do when it is back (the
+            # scheduler's look at every queue, the gateway's reconciling) waits on this check.
+            await asyncio.sleep(interval if up else min(interval, DOWN_INTERVAL_S))
 
     async def start_draining(self) -> None:
         self.draining = True

@@ -25,6 +25,10 @@ REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
 # Redis answered, but refused a write for a state of its own that passes (maxmemory reached, a
 # replica during a failover): the caller may retry, as after an outage.
 REDIS_REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+# After a blocking wait failed on Redis (the scheduler's for events, an executor's for work, a
+# gateway's for replies) or a scheduling step did, the next begins this much later: each is on
+# every request's path, and a promoted replica serves at once.
+WAIT_RETRY_S = 0.2
 
 
 class RedisAccessError(Exception):

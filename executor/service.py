@@ -22,7 +22,7 @@ from batchline.codec import decode_inputs, onnx_strings
 from batchline.errors import BatchlineError, DeadlineExceeded, Internal, Unavailable
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
-from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
+from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, connect, connect_blocking
 from executor import outcome, running
 from executor.outcome import Timing
 from executor.running import Member
@@ -32,10 +32,9 @@ from executor.settings import ExecutorSettings
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("batchline.executor")
-_REDIS_ATTEMPTS = 4
-# After a failed wait for work, the next one begins this much later; a batch whose processing
-# Redis failed is tried again after this times its attempt number.
-_REDIS_RETRY_S = 0.5
+# A batch whose processing Redis failed is tried again WAIT_RETRY_S later, for up to this long in
+# all: a failover promotes a replica within a few seconds, and the batch's requests wait on it.
+_REDIS_PATIENCE_S = 5.0
 # How often drain() looks whether the batches sent here are done.
 _DRAIN_POLL_S = 0.05
 # The longest wait for work in one blocking pop (s): a stopping worker notices within it.
@@ -213,7 +212,7 @@ class Executor:
                 item = await self.blocking.blpop([key], timeout=_WORK_WAIT_S)
             except REDIS_ERRORS as exc:
                 log.warning("waiting for work failed: %s", exc)
-                await asyncio.sleep(_REDIS_RETRY_S)
+                await asyncio.sleep(WAIT_RETRY_S)
                 continue
             if item is None:
                 continue
@@ -224,15 +223,23 @@ class Executor:
                 continue
             self._in_progress.add(batch.batch_id)
             try:
-                for attempt in range(1, _REDIS_ATTEMPTS + 1):
+                give_up, attempt = time.monotonic() + _REDIS_PATIENCE_S, 0
+                while True:
+                    attempt += 1
                     try:
                         await self.process(batch)
                         break
                     except REDIS_ERRORS as exc:
                         # A dropped connection (Redis restarted or failed over) must not strand
                         # the batch: try again; if Redis stays away, the orphan sweep hands it back.
-                        log.warning("batch %s: Redis failed while processing (attempt %d): %s", batch.batch_id, attempt, exc)
-                        await asyncio.sleep(_REDIS_RETRY_S * attempt)
+                        if time.monotonic() >= give_up:
+                            log.warning("batch %s: Redis failed while processing (attempt %d); left to the orphan "
+                                        "sweep: %s", batch.batch_id, attempt, exc)
+                            break
+                        if attempt == 1 or attempt % 5 == 0:
+                            log.warning("batch %s: Redis failed while processing (attempt %d): %s",
+                                        batch.batch_id, attempt, exc)
+                        await asyncio.sleep(WAIT_RETRY_S)
             except Exception:  # noqa: BLE001 - one bad batch must not kill the worker
                 log.exception("batch %s failed", batch.batch_id)
             finally:

@@ -9,19 +9,17 @@ from redis.asyncio import Redis
 from batchline import contract
 from batchline.errors import BatchlineError
 from batchline.protocol import internal_pb2 as pb
-from batchline.redis_client import REDIS_ERRORS, ListPop
+from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, ListPop
 
 log = logging.getLogger(__name__)
 
 # Replies one read takes at most.
 DRAIN = 10_000
-# After a failed read of the reply list, the next one begins this much later.
-RETRY_S = 0.2
 # A new primary (a failover, or a restarted Redis) may lack a queued request's writes (replication
 # is asynchronous). A request whose payload it lacks is lost unless its answer is already on the
 # reply list: the reader gets this long to deliver such answers before the rest are failed.
 RECONCILE_GRACE_S = 0.5
-# Attempts to read which payloads a new primary holds, RETRY_S apart.
+# Attempts to read which payloads a new primary holds, WAIT_RETRY_S apart.
 RECONCILE_ATTEMPTS = 10
 
 
@@ -60,7 +58,7 @@ class Replies:
                 break
             except REDIS_ERRORS as exc:
                 log.warning("reading which queued requests the new Redis primary holds failed: %s", exc)
-                await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(WAIT_RETRY_S)
         else:
             return 0  # they wait for their answers or their deadlines
         missing = [request_id for (request_id, _), n in zip(ids, held) if not n]
@@ -88,7 +86,7 @@ class Replies:
                 item = await pop([self.key], DRAIN)
             except REDIS_ERRORS as exc:
                 log.warning("reading replies failed: %s", exc)
-                await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(WAIT_RETRY_S)
                 continue
             if item is None:
                 continue

@@ -31,7 +31,9 @@ class SchedulerApp:
         self.metrics_port = metrics.start_metrics_server(self.settings.host, self.settings.metrics_port)
         self.server = await start_server(self.settings.host, self.settings.port, register)
         await self.scheduler.start()
-        self._health = asyncio.create_task(self.server.watch_redis(self.scheduler.redis))
+        wakeups = self.scheduler.wakeups
+        self._health = asyncio.create_task(self.server.watch_redis(
+            self.scheduler.redis, on_change=lambda up: up and wakeups.after_outage(), on_restart=wakeups.after_outage))
         return self
 
     async def stop(self, grace: float = 2.0) -> None:

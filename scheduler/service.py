@@ -29,7 +29,7 @@ from batchline.lifecycle import stop_tasks
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
 from batchline.recovery import requeue_held_batches
-from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
+from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, connect, connect_blocking
 from batchline.registry import Registry
 from scheduler import dispatch
 from scheduler.leadership import Lease
@@ -39,7 +39,7 @@ from scheduler.profiles import Profiles, kind
 from scheduler.queues import Queues
 from scheduler.settings import SchedulerSettings
 from scheduler.timeline import ExecutorTimeline
-from scheduler.wakeups import DRAIN, RETRY_S, Wakeups
+from scheduler.wakeups import DRAIN, Wakeups
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class Scheduler:
             except REDIS_ERRORS as exc:
                 log.warning("scheduling step failed: %s", exc)
                 wake_at = None
-                await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(WAIT_RETRY_S)
             except Exception:  # noqa: BLE001 - the loop must survive a bad step
                 log.exception("scheduling step failed")
                 wake_at = None

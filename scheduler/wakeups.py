@@ -19,7 +19,7 @@ from typing import Callable
 from redis.asyncio import Redis
 
 from batchline import contract
-from batchline.redis_client import REDIS_ERRORS, ListPop
+from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, ListPop
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,6 @@ log = logging.getLogger(__name__)
 DRAIN = 10_000
 # How soon an arrival noticed during a step, after the step had read its queue, gets a look.
 NOTICE_RECHECK_S = 0.002
-# After a failed wait, the next one begins this much later (Redis is down or refusing).
-RETRY_S = 0.5
 
 
 class Wakeups:
@@ -46,6 +44,12 @@ class Wakeups:
         self._arrived_during_step: set[str] = set()   # blocked queues whose arrivals were noticed during the step
 
     def wake(self) -> None:
+        self.event.set()
+
+    def after_outage(self) -> None:
+        """Redis is back, or answers from a new primary: the reports and arrival notices written
+        meanwhile may be lost, so no queue is known to wait for a busy executor; look at once."""
+        self.blocked.clear()
         self.event.set()
 
     def take_reports(self) -> list[bytes]:
@@ -69,11 +73,11 @@ class Wakeups:
                 item = await pop(keys, DRAIN)
             except REDIS_ERRORS as exc:
                 log.warning("waiting for events failed: %s", exc)
-                await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(WAIT_RETRY_S)
                 continue
             except Exception:  # noqa: BLE001 - the wait must outlive what Redis answers
                 log.exception("waiting for events failed")
-                await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(WAIT_RETRY_S)
                 continue
             if item is not None:
                 self._heard(item[0].decode(), item[1])

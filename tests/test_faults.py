@@ -94,6 +94,22 @@ def watch_health(mesh: ProcessMesh, names: list[str], state: str, timeout: float
     return seen
 
 
+def served_again(load: LoadClient, since: float, timeout: float = 30.0) -> float:
+    """When the mesh served again after a fault ended at `since`: the end of the first OK call sent
+    after it, the load's or a probe's. The probes, sent one at a time from here, stand for new
+    clients: the load's callers may all be waiting on requests the failover lost, which the
+    gateway answers only after a grace for their replies."""
+    rng = np.random.default_rng(7)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ok = [r.end for r in load.snapshot() if r.sent >= since and r.code == "OK"]
+        if ok:
+            return min(ok)
+        if load.one(rng).code != "OK":
+            time.sleep(0.02)
+    raise MeshError(f"no call sent after the fault was answered OK within {timeout} s")
+
+
 def between(records: list[Record], start: float, end: float = float("inf")) -> list[Record]:
     return [r for r in records if start <= r.sent < end]
 

@@ -22,7 +22,7 @@ from batchline.redis_client import connect_sync, mask
 from batchline.testing.processes import poll
 from batchline.testing.sentinel import SentinelRedis
 from test_faults import (BUDGET_S, assert_answers_correct, assert_none_lost, assert_nothing_hung, between,  # noqa: F401
-                         load_for, mlp_model, process_mesh, report)
+                         load_for, mlp_model, process_mesh, report, served_again)
 
 
 @pytest.fixture
@@ -148,8 +148,7 @@ def test_primary_killed_under_load(sentinels, process_mesh, mlp_model):
         killed = time.monotonic()  # before the kill: calls fail while it is under way
         sentinels.kill_primary()
         promoted = sentinels.wait_failover(old)
-        load.wait_ok(1, since=promoted, timeout=30, check=mesh.check_alive)
-        served = min(r.end for r in load.snapshot() if r.sent >= promoted and r.code == "OK")
+        served = served_again(load, promoted)
         load.wait_ok(200, since=promoted + 1.0, timeout=60, check=mesh.check_alive)
         records = load.stop()
 

@@ -94,12 +94,13 @@ class ClusterRedis:
         raise LookupError(f"no node serves the slot of {key!r}")
 
     def wait_failover(self, key: str, old: int, timeout: float = 30.0) -> float:
-        """Wait until a node other than `old` serves `key`'s slot (its replica was promoted);
+        """Wait until a node other than `old` serves `key`'s slot (its replica was promoted) and
+        every running node has left CLUSTERDOWN (the failover is over only when they all serve);
         returns when (time.monotonic())."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if self.shard_of(key) != old:
+                if self.shard_of(key) != old and self.ok():
                     return time.monotonic()
             except LookupError:
                 pass
