@@ -3,14 +3,16 @@
 (ProcessMesh(redis_server=...)): `url` is the redis+cluster:// URL the services are given."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import time
 
 import redis
 
-from batchline.embedded_redis import EmbeddedRedis, free_port, redis_server_binary
+from batchline.embedded_redis import EmbeddedRedis, redis_server_binary
 from batchline.redis_client import cluster_info_fields
 
 
@@ -20,14 +22,26 @@ def redis_cli_binary() -> str | None:
     return beside or shutil.which("redis-cli")
 
 
+def distinct_free_ports(n: int) -> list[int]:
+    """`n` ports free now and different from each other: each socket stays bound until all are
+    chosen, so the kernel cannot hand out one twice."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
 class ClusterRedis:
     def __init__(self, shards: int = 3, replicas: int = 0, node_timeout_ms: int = 2_000):
         self.replicas = replicas  # per primary: redis-cli makes the first `shards` servers the primaries
-        self.servers = [EmbeddedRedis(extra_args=(
+        nodes = shards * (1 + replicas)
+        ports = distinct_free_ports(2 * nodes)
+        self.servers = [EmbeddedRedis(port=ports[2 * i], die_with_parent=True, extra_args=(
             "--cluster-enabled", "yes",
-            "--cluster-port", str(free_port()),  # not port + 10000, which may be taken or past 65535
+            "--cluster-port", str(ports[2 * i + 1]),  # not port + 10000, which may be taken or past 65535
             "--cluster-node-timeout", str(node_timeout_ms),
-        )) for _ in range(shards * (1 + replicas))]
+        )) for i in range(nodes)]
 
     @property
     def url(self) -> str:
@@ -49,16 +63,20 @@ class ClusterRedis:
         cli = redis_cli_binary()
         if cli is None:
             raise RuntimeError("redis-cli is not installed (Debian: redis-tools); it creates the cluster")
-        for server in self.servers:
-            server.start()
-        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
-                        "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                       check=True, capture_output=True, timeout=timeout)
-        deadline = time.monotonic() + timeout
-        while not self.ok():
-            if time.monotonic() > deadline:
-                raise RuntimeError("the cluster's nodes did not agree that every slot is served in time")
-            time.sleep(0.1)
+        try:
+            for server in self.servers:
+                server.start()
+            subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
+                            "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                           check=True, capture_output=True, timeout=timeout)
+            deadline = time.monotonic() + timeout
+            while not self.ok():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the cluster's nodes did not agree that every slot is served in time")
+                time.sleep(0.1)
+        except BaseException:
+            self.close()  # the nodes that did start: `with` never reaches __exit__ when __enter__ fails
+            raise
         return self
 
     def ok(self) -> bool:
