@@ -37,9 +37,9 @@ logging.getLogger("grpc._cython.cygrpc").addFilter(_AnswerAfterTheEnd())
 # The health service name for liveness probes: SERVING while the process answers, whatever Redis
 # does. Readiness ("" and each service) follows Redis; a liveness probe on it would restart every pod
 # of the mesh during a Redis outage, which the services ride out by themselves.
+LIVENESS = "liveness"
 # How often watch_redis looks while Redis does not answer.
 DOWN_INTERVAL_S = 0.1
-LIVENESS = "liveness"
 
 
 class ServerHandle:

@@ -32,8 +32,13 @@ class SchedulerApp:
         self.server = await start_server(self.settings.host, self.settings.port, register)
         await self.scheduler.start()
         wakeups = self.scheduler.wakeups
+
+        def on_change(up: bool) -> None:
+            if up:
+                wakeups.after_outage()
+
         self._health = asyncio.create_task(self.server.watch_redis(
-            self.scheduler.redis, on_change=lambda up: up and wakeups.after_outage(), on_restart=wakeups.after_outage))
+            self.scheduler.redis, on_change=on_change, on_restart=wakeups.after_outage))
         return self
 
     async def stop(self, grace: float = 2.0) -> None:

@@ -153,6 +153,32 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
     r.delete(contract.executor("idle-x"))
 
 
+def test_after_a_redis_outage_the_leader_looks_at_a_queue_that_waited_for_a_lost_report(mesh_factory):
+    # Long timers: only events make steps.
+    m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
+    r = redis.Redis.from_url(m.redis_url)
+    s = m.scheduler.scheduler
+    m.loop.call_soon_threadsafe(s.wakeups.wake)
+    poll(lambda: s.leader and ("mlp", "1") in s.registry.models, 15, "the leader to see mlp")
+    eid = s.registry.holders[("mlp", "1")][0]
+    held = [f"held{i}" for i in range(s.settings.max_batches_per_executor)]
+    r.sadd(contract.inflight(("mlp", "1"), eid), *held)
+    r.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1").SerializeToString())
+    poll(lambda: contract.queue("mlp", "1") in s.wakeups.blocked, 15, "mlp's queue to wait for its executor")
+
+    # The executor finished, but its report went with the outage: the arrival is left waiting.
+    r.srem(contract.inflight(("mlp", "1"), eid), *held)
+    rid = _enqueue(r, "gw-outage", now_us() + 30_000_000, _mlp_request(np.ones((1, 32))))
+    waiting = s.wakeups.listening
+    r.rpush(contract.scheduler_wake(s.scheduler_id), 1)
+    poll(lambda: s.wakeups.listening is not waiting, 15, "the next wait to begin")
+    assert r.zcard(contract.queue("mlp", "1")) == 1
+
+    # Redis answers again: the leader looks at every queue at once.
+    m.loop.call_soon_threadsafe(s.wakeups.after_outage)
+    assert _replies(r, "gw-outage", 1)[rid].code == 0
+
+
 def test_batches_handed_back_by_the_executor_a_queue_waits_for_are_dispatched_at_once(mesh_factory):
     # Long timers: without the hand-back's event, the next step would come in 30 s.
     from batchline.recovery import requeue_held_batches
