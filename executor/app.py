@@ -53,6 +53,7 @@ class ExecutorApp:
         self.repository = LiveRepository(self)
         self._address = ""
         self._rewriting: set[asyncio.Task] = set()
+        self._redis_checked = False  # whether watch_redis has given its first verdict
 
     @property
     def executor(self) -> Executor | None:
@@ -80,11 +81,23 @@ class ExecutorApp:
         self._address = f"{s.host}:{self.server.port}"
         for lane in self.lanes:
             await lane.start(self._address)
-        self._health = asyncio.create_task(self.server.watch_redis(self.executor.redis, on_restart=self._new_primary))
+        self._health = asyncio.create_task(self.server.watch_redis(
+            self.executor.redis, on_change=self._redis_change, on_restart=self._new_primary))
         self._follow = asyncio.create_task(self.repository.run(), name="repository")
         return self
 
+    def _redis_change(self, up: bool) -> None:
+        # The first check's verdict is not a change; every later one follows an outage.
+        if self._redis_checked:
+            self._redis_trouble()
+        self._redis_checked = True
+
+    def _redis_trouble(self) -> None:
+        for lane in self.lanes:
+            lane.redis_trouble_at = time.monotonic()
+
     def _new_primary(self) -> None:
+        self._redis_trouble()
         task = asyncio.create_task(self._rewrite_lost(), name="rewrite")
         self._rewriting.add(task)
         task.add_done_callback(self._rewriting.discard)

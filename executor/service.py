@@ -35,6 +35,10 @@ _tracer = telemetry.tracer("batchline.executor")
 # A batch whose processing Redis failed is tried again WAIT_RETRY_S later, for up to this long in
 # all: a failover promotes a replica within a few seconds, and the batch's requests wait on it.
 _REDIS_PATIENCE_S = 5.0
+# After Redis was away (an outage, a failover), the heartbeats that expired meanwhile say nothing
+# yet: a live gateway beats again within its interval (1 s by default; its key lives 3). For this
+# long after the last sign of trouble, a member whose gateway has no heartbeat is run, not skipped.
+_LIVENESS_GRACE_S = 5.0
 # How often drain() looks whether the batches sent here are done.
 _DRAIN_POLL_S = 0.05
 # The longest wait for work in one blocking pop (s): a stopping worker notices within it.
@@ -69,6 +73,7 @@ class Executor:
         self._tasks: list[asyncio.Task] = []
         self._workers: list[asyncio.Task] = []
         self._in_progress: set[str] = set()
+        self.redis_trouble_at = float("-inf")  # time.monotonic() of the last sign Redis was away
         self.draining = False
         self._warmup_reports: list[pb.ExecutionReport] = []
         self.running: Counter[tuple[str, str]] = Counter()  # batches being processed, per model version
@@ -232,6 +237,7 @@ class Executor:
                     except REDIS_ERRORS as exc:
                         # A dropped connection (Redis restarted or failed over) must not strand
                         # the batch: try again; if Redis stays away, the orphan sweep hands it back.
+                        self.redis_trouble_at = time.monotonic()
                         if time.monotonic() >= give_up:
                             log.warning("batch %s: Redis failed while processing (attempt %d); left to the orphan "
                                         "sweep: %s", batch.batch_id, attempt, exc)
@@ -289,9 +295,10 @@ class Executor:
             async with metrics.redis_rtt("executor", "fetch"):
                 found = await contract.get_many(self.redis, names)
         payloads, alive = found[: len(batch.members)], dict(zip(gateways, found[len(batch.members):]))
+        heartbeats_tell = time.monotonic() - self.redis_trouble_at > _LIVENESS_GRACE_S
         members: list[Member] = []
         for entry, blob in zip(batch.members, payloads):
-            if blob is None or alive[entry.gateway_id] is None:
+            if blob is None or (alive[entry.gateway_id] is None and heartbeats_tell):
                 continue  # answered, abandoned, or its gateway died: nobody is waiting
             m = Member(entry)
             members.append(m)

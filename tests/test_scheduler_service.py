@@ -106,6 +106,25 @@ def test_requests_of_a_dead_gateway_are_not_executed(mesh_factory):
     assert not r.exists(contract.reply(dead))
 
 
+def test_right_after_redis_was_away_a_gateway_without_a_heartbeat_is_still_answered(mesh_factory):
+    """A heartbeat that expired while Redis was away (an outage, a failover) does not say the
+    gateway died: for a while after, the executor runs its requests rather than skip them."""
+    m = mesh_factory(models=["mlp"])
+    r = redis.Redis.from_url(m.redis_url)
+
+    async def redis_was_away() -> None:
+        for app in m.executors:
+            app.executor.redis_trouble_at = time.monotonic()
+
+    m.call(redis_was_away())
+    gateway_id = "gw-not-beaten-yet"
+    with r.pipeline(transaction=True) as pipe:
+        rid = _enqueue(pipe, gateway_id, now_us() + 30_000_000, _mlp_request(np.ones((1, 32))))
+        pipe.delete(contract.gateway(gateway_id))
+        pipe.execute()
+    assert _replies(r, gateway_id, 1)[rid].code == 0
+
+
 def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_alone(mesh_factory):
     # Long timers: only events make steps.
     m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
