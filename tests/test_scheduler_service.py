@@ -250,7 +250,13 @@ def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mes
         if not arrived:
             # The race, made certain: the step before counted the queue as waiting for a busy
             # executor; the next request arrives now, and the listener takes its notice while
-            # this step, which will find the executor free, is still under way.
+            # this step, which will find the executor free, is still under way. The listener's
+            # next wait must include the queue's notices first: the report that began this step
+            # also ended its last one.
+            for _ in range(500):
+                if s.wakeups.listening is not before and contract.notify("mlp", "1") in s.wakeups.listening:
+                    break
+                await asyncio.sleep(0.01)
             s.wakeups.blocked.add(queue)
             arrived.append(_enqueue(r, gateway_id, now_us() + 30_000_000, _mlp_request(np.ones((1, 32)))))
             for _ in range(500):
@@ -262,6 +268,7 @@ def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mes
         return await real_load_profiles(keys)
 
     s.profiles.adopt = arrival_after_the_scan
+    before = s.wakeups.listening  # the wait under way, which the report below ends
     r.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="other", model_version="1", rows=1,
                                                  compute_infer_ns=1_000_000).SerializeToString())  # a step
     replies = _replies(r, gateway_id, 1)
