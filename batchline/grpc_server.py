@@ -65,7 +65,7 @@ class ServerHandle:
         """Report NOT_SERVING while Redis does not answer (a service without Redis can do nothing useful).
 
         Run as a task for the service's lifetime; `on_change(up)` is told of each
-        transition, `on_restart()` when Redis came back as a new process (its
+        transition after the first check (whose verdict is no change), `on_restart()` when Redis came back as a new process (its
         run_id changed: whatever it held is gone), even if no check saw it down.
         """
         up: bool | None = None
@@ -89,11 +89,12 @@ class ServerHandle:
             except REDIS_ERRORS:
                 now_up = False
             if now_up != up:
-                if up is not None:
+                changed = up is not None  # the first check's verdict is no change
+                if changed:
                     log.warning("Redis %s", "is reachable again: serving" if now_up else "is unreachable: NOT_SERVING")
                 up = now_up
                 await self.set_serving(up and not self.draining)
-                if on_change:
+                if on_change and changed:
                     on_change(up)
             # While Redis is away, look more often: what the services do when it is back (the
             # scheduler's look at every queue, the gateway's reconciling) waits on this check.

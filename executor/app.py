@@ -53,7 +53,6 @@ class ExecutorApp:
         self.repository = LiveRepository(self)
         self._address = ""
         self._rewriting: set[asyncio.Task] = set()
-        self._redis_checked = False  # whether watch_redis has given its first verdict
 
     @property
     def executor(self) -> Executor | None:
@@ -82,17 +81,12 @@ class ExecutorApp:
         for lane in self.lanes:
             await lane.start(self._address)
         self._health = asyncio.create_task(self.server.watch_redis(
-            self.executor.redis, on_change=self._redis_change, on_restart=self._new_primary))
+            self.executor.redis, on_change=self._redis_trouble, on_restart=self._new_primary))
         self._follow = asyncio.create_task(self.repository.run(), name="repository")
         return self
 
-    def _redis_change(self, up: bool) -> None:
-        # The first check's verdict is not a change; every later one follows an outage.
-        if self._redis_checked:
-            self._redis_trouble()
-        self._redis_checked = True
-
-    def _redis_trouble(self) -> None:
+    def _redis_trouble(self, up: bool = False) -> None:
+        """Redis went away, came back or changed primary: the lanes distrust missing heartbeats a while."""
         for lane in self.lanes:
             lane.redis_trouble_at = time.monotonic()
 

@@ -46,6 +46,27 @@ def _mlp_request(x: np.ndarray) -> ipb.ModelInferRequest:
     return req
 
 
+def _leader_of_mlp(mesh_factory):
+    """A mesh whose timers are long (only events make steps) and its scheduler once it leads and
+    sees mlp: (mesh, Redis client, scheduler, mlp's executor id)."""
+    m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
+    r = redis.Redis.from_url(m.redis_url)
+    s = m.scheduler.scheduler
+    m.loop.call_soon_threadsafe(s.wakeups.wake)
+    poll(lambda: s.leader and ("mlp", "1") in s.registry.models, 15, "the leader to see mlp")
+    return m, r, s, s.registry.holders[("mlp", "1")][0]
+
+
+def _fill_executor(r: redis.Redis, s, eid: str) -> list[str]:
+    """Make mlp's executor hold as many batches as it may, and a step see it so: mlp's queue
+    waits for a report. Returns the held batch ids."""
+    held = [f"held{i}" for i in range(s.settings.max_batches_per_executor)]
+    r.sadd(contract.inflight(("mlp", "1"), eid), *held)
+    r.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1").SerializeToString())
+    poll(lambda: contract.queue("mlp", "1") in s.wakeups.blocked, 15, "mlp's queue to wait for its executor")
+    return held
+
+
 def test_expired_requests_are_answered_by_the_scheduler_and_never_executed(mesh_factory):
     m = mesh_factory(models=["mlp"])
     r = redis.Redis.from_url(m.redis_url)
@@ -173,17 +194,8 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
 
 
 def test_after_a_redis_outage_the_leader_looks_at_a_queue_that_waited_for_a_lost_report(mesh_factory):
-    # Long timers: only events make steps.
-    m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
-    r = redis.Redis.from_url(m.redis_url)
-    s = m.scheduler.scheduler
-    m.loop.call_soon_threadsafe(s.wakeups.wake)
-    poll(lambda: s.leader and ("mlp", "1") in s.registry.models, 15, "the leader to see mlp")
-    eid = s.registry.holders[("mlp", "1")][0]
-    held = [f"held{i}" for i in range(s.settings.max_batches_per_executor)]
-    r.sadd(contract.inflight(("mlp", "1"), eid), *held)
-    r.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1").SerializeToString())
-    poll(lambda: contract.queue("mlp", "1") in s.wakeups.blocked, 15, "mlp's queue to wait for its executor")
+    m, r, s, eid = _leader_of_mlp(mesh_factory)
+    held = _fill_executor(r, s, eid)
 
     # The executor finished, but its report went with the outage: the arrival is left waiting.
     r.srem(contract.inflight(("mlp", "1"), eid), *held)
@@ -202,12 +214,7 @@ def test_batches_handed_back_by_the_executor_a_queue_waits_for_are_dispatched_at
     # Long timers: without the hand-back's event, the next step would come in 30 s.
     from batchline.recovery import requeue_held_batches
 
-    m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
-    r = redis.Redis.from_url(m.redis_url)
-    s = m.scheduler.scheduler
-    m.loop.call_soon_threadsafe(s.wakeups.wake)
-    poll(lambda: s.leader and ("mlp", "1") in s.registry.models, 15, "the leader to see mlp")
-    eid = s.registry.holders[("mlp", "1")][0]
+    m, r, s, eid = _leader_of_mlp(mesh_factory)
     # The executor holds as many batches as it may (one of them with a live request); mlp's queue waits.
     gateway_id, request_id = "gw-handback", uuid.uuid4().hex
     deadline = now_us() + 30_000_000
@@ -215,14 +222,11 @@ def test_batches_handed_back_by_the_executor_a_queue_waits_for_are_dispatched_at
                           deadline_us=deadline, enqueued_us=now_us(), priority=1)
     r.set(contract.gateway(gateway_id), "by-hand", px=60_000)
     r.set(contract.payload(("mlp", "1"), request_id), _mlp_request(np.ones((1, 32))).SerializeToString(), px=60_000)
-    held = [f"held{i}" for i in range(s.settings.max_batches_per_executor)]
-    batch = pb.Batch(batch_id=held[0], model_name="mlp", model_version="1", members=[entry], executor_id=eid,
+    batch = pb.Batch(batch_id="held0", model_name="mlp", model_version="1", members=[entry], executor_id=eid,
                      dispatched_us=now_us(), attempt=1)
-    r.set(contract.batch(("mlp", "1"), held[0]), batch.SerializeToString(), px=60_000)
-    r.sadd(contract.inflight(("mlp", "1"), eid), *held)
+    r.set(contract.batch(("mlp", "1"), batch.batch_id), batch.SerializeToString(), px=60_000)
     r.sadd(contract.served(eid), contract.model_tag(*("mlp", "1")))
-    r.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1").SerializeToString())
-    poll(lambda: contract.queue("mlp", "1") in s.wakeups.blocked, 15, "mlp's queue to wait for its executor")
+    assert batch.batch_id in _fill_executor(r, s, eid)
 
     # A restarted executor hands back what it held: the request goes back to the queue.
     requeued = m.call(requeue_held_batches(s.redis, eid, include_queued=False))
