@@ -819,7 +819,8 @@ def test_a_short_sequence_is_judged_by_its_own_cost_after_long_ones_taught_the_p
     with channel:
         # Long budgets, until this gateway reads that view (a request asks for a fresher one).
         poll(lambda: stub.ModelInfer(_text_request(8, timeout_us=10_000_000), timeout=30) and
-              m.gateway.gateway.loads[("minilm", "1")].cost_per_unit_s > 0.0015, WAIT_S, "the gateway to read the view")
+              (load := m.gateway.gateway.loads.get(("minilm", "1"))) is not None and load.cost_per_unit_s > 0.0015,
+             WAIT_S, "the gateway to read the view")  # before its first read it has no view at all
         # 8 tokens: about 16 ms predicted, well within 200 ms. A profile per row would have said 256.
         assert stub.ModelInfer(_text_request(8, timeout_us=200_000), timeout=30).outputs[0].shape == [1, 384]
         # 128 tokens: about 256 ms alone, past the budget: refused at once.
