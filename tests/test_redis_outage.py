@@ -64,30 +64,37 @@ def test_unavailable_while_redis_is_down_then_served_again(mesh_factory):
     client.close()
 
 
-def test_a_request_waiting_when_redis_dies_is_answered_unavailable_at_once(mesh_factory):
-    import concurrent.futures
 
+def _keep_requests_queued(m) -> None:
+    """Another "scheduler" holds the lease: requests stay queued, waiting for their answers."""
     import redis
 
     from batchline import contract
 
+    taken = time.monotonic()
+    redis.Redis.from_url(m.redis_url).set(contract.LEADER, "someone-else", px=60_000)
+    scheduler = m.scheduler.scheduler
+    # It notices at its next renewal.
+    poll(lambda: not scheduler.leader and scheduler.lease.attempted_at > taken, 10,
+         "the scheduler to stop dispatching without the lease", interval=0.02)
+
+
+def _wait_queued(m) -> None:
+    """Until the gateway knows its request is queued: Redis acknowledged the write. (The entry can
+    be in the queue before its acknowledgement reaches the gateway; losing Redis then fails the
+    write, "cannot queue the request", not the queued request.)"""
+    poll(lambda: m.gateway.gateway.replies.acknowledged, 10, "the request to be queued")
+
+def test_a_request_waiting_when_redis_dies_is_answered_unavailable_at_once(mesh_factory):
+    import concurrent.futures
+
     m = mesh_factory(models=["mlp"])
     client = tc.InferenceServerClient(m.address)
     client.infer("mlp", [_features()])
-    # Another "scheduler" holds the lease: the request stays queued, waiting for its answer.
-    taken = time.monotonic()
-    redis.Redis.from_url(m.redis_url).set(contract.LEADER, "someone-else", px=60_000)
-    deadline = time.monotonic() + 10
-    scheduler = m.scheduler.scheduler
-    while scheduler.leader or scheduler.lease.attempted_at <= taken:  # it notices at its next renewal
-        assert time.monotonic() < deadline, "the scheduler kept dispatching without the lease"
-        time.sleep(0.02)
+    _keep_requests_queued(m)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(client.infer, "mlp", [_features()], client_timeout=30)
-        deadline = time.monotonic() + 10
-        while not redis.Redis.from_url(m.redis_url).zcard(contract.queue("mlp", "1")):
-            assert time.monotonic() < deadline, "the request never reached the queue"
-            time.sleep(0.01)
+        _wait_queued(m)
         m.own_redis.stop(kill=True)
         killed = time.monotonic()
         with pytest.raises(InferenceServerException) as info:
@@ -101,25 +108,12 @@ def test_a_request_waiting_when_redis_dies_is_answered_unavailable_at_once(mesh_
 def test_a_request_lost_in_a_quick_redis_restart_is_answered_unavailable(mesh_factory):
     import concurrent.futures
 
-    import redis
-
-    from batchline import contract
-
     m = mesh_factory(models=["mlp"])
     client = tc.InferenceServerClient(m.address)
-    r = redis.Redis.from_url(m.redis_url)
-    taken = time.monotonic()
-    r.set(contract.LEADER, "someone-else", px=60_000)  # keep the request queued
-    deadline = time.monotonic() + 10
-    scheduler = m.scheduler.scheduler
-    while scheduler.leader or scheduler.lease.attempted_at <= taken:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    _keep_requests_queued(m)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(client.infer, "mlp", [_features()], client_timeout=30)
-        while not r.zcard(contract.queue("mlp", "1")):
-            assert time.monotonic() < deadline, "the request never reached the queue"
-            time.sleep(0.01)
+        _wait_queued(m)
         # Gone and back between two health checks: only Redis's new run_id tells.
         m.own_redis.restart()
         with pytest.raises(InferenceServerException) as info:
