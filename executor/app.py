@@ -88,7 +88,7 @@ class ExecutorApp:
     def _redis_trouble(self, up: bool = False) -> None:
         """Redis went away, came back or changed primary: the lanes distrust missing heartbeats a while."""
         for lane in self.lanes:
-            lane.redis_trouble_at = time.monotonic()
+            lane.heartbeats.redis_trouble()
 
     def _new_primary(self) -> None:
         self._redis_trouble()

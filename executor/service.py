@@ -20,6 +20,7 @@ from batchline.clock import now_us
 from batchline.lifecycle import stop_tasks
 from batchline.codec import decode_inputs, onnx_strings
 from batchline.errors import BatchlineError, DeadlineExceeded, Internal, Unavailable
+from batchline.heartbeats import HeartbeatTrust
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, connect, connect_blocking
@@ -35,10 +36,6 @@ _tracer = telemetry.tracer("batchline.executor")
 # A batch whose processing Redis failed is tried again WAIT_RETRY_S later, for up to this long in
 # all: a failover promotes a replica within a few seconds, and the batch's requests wait on it.
 _REDIS_PATIENCE_S = 5.0
-# After Redis was away (an outage, a failover), the heartbeats that expired meanwhile say nothing
-# yet: a live gateway beats again within its interval (1 s by default; its key lives 3). For this
-# long after the last sign of trouble, a member whose gateway has no heartbeat is run, not skipped.
-_LIVENESS_GRACE_S = 5.0
 # How often drain() looks whether the batches sent here are done.
 _DRAIN_POLL_S = 0.05
 # The longest wait for work in one blocking pop (s): a stopping worker notices within it.
@@ -73,7 +70,7 @@ class Executor:
         self._tasks: list[asyncio.Task] = []
         self._workers: list[asyncio.Task] = []
         self._in_progress: set[str] = set()
-        self.redis_trouble_at = float("-inf")  # time.monotonic() of the last sign Redis was away
+        self.heartbeats = HeartbeatTrust()  # whether a gateway without a heartbeat is gone
         self.draining = False
         self._warmup_reports: list[pb.ExecutionReport] = []
         self.running: Counter[tuple[str, str]] = Counter()  # batches being processed, per model version
@@ -237,7 +234,7 @@ class Executor:
                     except REDIS_ERRORS as exc:
                         # A dropped connection (Redis restarted or failed over) must not strand
                         # the batch: try again; if Redis stays away, the orphan sweep hands it back.
-                        self.redis_trouble_at = time.monotonic()
+                        self.heartbeats.redis_trouble()
                         if time.monotonic() >= give_up:
                             log.warning("batch %s: Redis failed while processing (attempt %d); left to the orphan "
                                         "sweep: %s", batch.batch_id, attempt, exc)
@@ -295,7 +292,7 @@ class Executor:
             async with metrics.redis_rtt("executor", "fetch"):
                 found = await contract.get_many(self.redis, names)
         payloads, alive = found[: len(batch.members)], dict(zip(gateways, found[len(batch.members):]))
-        heartbeats_tell = time.monotonic() - self.redis_trouble_at > _LIVENESS_GRACE_S
+        heartbeats_tell = self.heartbeats.heartbeats_tell()
         members: list[Member] = []
         for entry, blob in zip(batch.members, payloads):
             if blob is None or (alive[entry.gateway_id] is None and heartbeats_tell):

@@ -31,14 +31,19 @@ class SchedulerApp:
         self.metrics_port = metrics.start_metrics_server(self.settings.host, self.settings.metrics_port)
         self.server = await start_server(self.settings.host, self.settings.port, register)
         await self.scheduler.start()
-        wakeups = self.scheduler.wakeups
+        wakeups, heartbeats = self.scheduler.wakeups, self.scheduler.heartbeats
 
         def on_change(up: bool) -> None:
+            heartbeats.redis_trouble()
             if up:
                 wakeups.after_outage()
 
+        def on_restart() -> None:
+            heartbeats.redis_trouble()
+            wakeups.after_outage()
+
         self._health = asyncio.create_task(self.server.watch_redis(
-            self.scheduler.redis, on_change=on_change, on_restart=wakeups.after_outage))
+            self.scheduler.redis, on_change=on_change, on_restart=on_restart))
         return self
 
     async def stop(self, grace: float = 2.0) -> None:

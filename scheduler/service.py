@@ -25,6 +25,7 @@ from collections import Counter
 
 from batchline import contract, metrics
 from batchline.contract import OVER_SHARE
+from batchline.heartbeats import HeartbeatTrust
 from batchline.lifecycle import stop_tasks
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
@@ -65,6 +66,7 @@ class Scheduler:
         self.profiles = Profiles(self.redis, settings.default_execution_ms / 1000, settings.margin_quantile)
         self._scanned_at = 0.0  # when the last step began reading the queues
         self._held: dict[str, int] = {}  # batches each executor holds, as the last step read them
+        self.heartbeats = HeartbeatTrust()  # whether an executor without a heartbeat is gone
         self._tasks: list[asyncio.Task] = []
         self.counts: Counter[str] = Counter()
 
@@ -108,6 +110,7 @@ class Scheduler:
                 wake_at = await self.step() if await self._hold_lease() else None
             except REDIS_ERRORS as exc:
                 log.warning("scheduling step failed: %s", exc)
+                self.heartbeats.redis_trouble()
                 wake_at = None
                 await asyncio.sleep(WAIT_RETRY_S)
             except Exception:  # noqa: BLE001 - the loop must survive a bad step
@@ -173,10 +176,16 @@ class Scheduler:
 
     async def _refresh_registry(self) -> None:
         self.registry = await Registry.load(self.redis)
-        self._registry_at = time.monotonic()
         self.wakeups.notify = {contract.notify(*k): contract.queue(*k) for k in sorted(self.registry.models)}
-        if self.registry.stale:
+        if self.registry.stale and self.heartbeats.heartbeats_tell():
             await self._recover(self.registry.stale)
+        elif self.registry.stale:
+            # Their keys may have expired in an outage or a failover: a live executor beats again
+            # soon and runs its batches; handing them back now would run them twice.
+            log.info("executors %s have no heartbeat right after Redis was away: their batches stay theirs "
+                     "for now", ", ".join(self.registry.stale))
+        # Only now: a recovery that failed is tried again at the next step.
+        self._registry_at = time.monotonic()
 
     async def _scan(self, models: list[ModelKey], executors: list[str]) -> tuple[list[list[bytes]], list[set[bytes]]]:
         """One pipeline: drop the arrivals' tokens, take the reports, read each queue's head and

@@ -16,15 +16,16 @@ from batchline.testing.processes import poll
 from scheduler.load_views import pending_by_level
 
 
-def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferRequest, rows: int = 1) -> str:
+def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferRequest, rows: int = 1,
+             model: str = "mlp") -> str:
     """What a gateway writes for one request (see gateway/core.py), done by hand."""
     request_id = uuid.uuid4().hex
     entry = pb.QueueEntry(request_id=request_id, gateway_id=gateway_id, model_version="1", rows=rows,
                           deadline_us=deadline_us, enqueued_us=now_us(), priority=1)
     r.set(contract.gateway(gateway_id), "by-hand", px=60_000)  # the gateway is alive: executors skip orphans
-    r.set(contract.payload(("mlp", "1"), request_id), request.SerializeToString(), px=60_000)
-    r.zadd(contract.queue("mlp", "1"), {entry.SerializeToString(): contract.queue_score(1, deadline_us)})
-    r.rpush(contract.notify("mlp", "1"), 1)
+    r.set(contract.payload((model, "1"), request_id), request.SerializeToString(), px=60_000)
+    r.zadd(contract.queue(model, "1"), {entry.SerializeToString(): contract.queue_score(1, deadline_us)})
+    r.rpush(contract.notify(model, "1"), 1)
     return request_id
 
 
@@ -135,7 +136,7 @@ def test_right_after_redis_was_away_a_gateway_without_a_heartbeat_is_still_answe
 
     async def redis_was_away() -> None:
         for app in m.executors:
-            app.executor.redis_trouble_at = time.monotonic()
+            app.executor.heartbeats.redis_trouble()
 
     m.call(redis_was_away())
     gateway_id = "gw-not-beaten-yet"
@@ -144,6 +145,41 @@ def test_right_after_redis_was_away_a_gateway_without_a_heartbeat_is_still_answe
         pipe.delete(contract.gateway(gateway_id))
         pipe.execute()
     assert _replies(r, gateway_id, 1)[rid].code == 0
+
+
+def test_right_after_redis_was_away_an_executor_without_a_heartbeat_keeps_its_batches(mesh_factory):
+    """An executor's heartbeat that expired while Redis was away does not say it died: for a while
+    after, the scheduler leaves its batches to it (handing them back would run them twice)."""
+    m, r, s, _ = _leader_of_mlp(mesh_factory)
+    other = ("other", "1")
+    # An executor of its own for "other" that takes a batch and never runs it.
+    ghost = pb.ExecutorInfo(executor_id="ghost-x", address="127.0.0.1:1",
+                            models=[pb.ModelInfo(name="other", version="1", max_batch_size=8)])
+    r.set(contract.executor("ghost-x"), ghost.SerializeToString(), px=120_000)
+    r.sadd(contract.EXECUTORS, "ghost-x")
+
+    def refresh_registry() -> None:
+        refreshed = s._registry_at
+        m.loop.call_soon_threadsafe(setattr, s, "_registry_at", 0.0)
+        m.loop.call_soon_threadsafe(s.wakeups.wake)
+        poll(lambda: s._registry_at > refreshed, 15, "the leader to read the registry again")
+
+    refresh_registry()
+    _enqueue(r, "gw-ghost", now_us() + 60_000_000, _mlp_request(np.ones((1, 32))), model="other")
+    poll(lambda: r.scard(contract.inflight(other, "ghost-x")) == 1, 15, "the batch to go to ghost-x")
+
+    # Redis was away, and the heartbeat expired meanwhile.
+    m.loop.call_soon_threadsafe(s.heartbeats.redis_trouble)
+    r.delete(contract.executor("ghost-x"))
+    refresh_registry()
+    assert s.registry.stale == ["ghost-x"]
+    assert r.scard(contract.inflight(other, "ghost-x")) == 1 and r.zcard(contract.queue(*other)) == 0
+    assert r.sismember(contract.EXECUTORS, "ghost-x")
+
+    # Once the grace is over, a missing heartbeat is a death: the batch goes back to its queue.
+    m.loop.call_soon_threadsafe(setattr, s.heartbeats, "trouble_at", float("-inf"))
+    refresh_registry()
+    assert r.zcard(contract.queue(*other)) == 1 and not r.sismember(contract.EXECUTORS, "ghost-x")
 
 
 def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_alone(mesh_factory):
