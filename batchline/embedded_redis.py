@@ -88,6 +88,7 @@ class EmbeddedRedis:
         # The owner's pid in the name: a SIGKILLed owner cannot remove its directory, the next one does.
         self.dir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
         self.socket = os.path.join(self.dir, "redis.sock")
+        self.log = os.path.join(self.dir, "redis.log")  # its warnings: why it failed to start, for one
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -119,6 +120,7 @@ class EmbeddedRedis:
             "--unixsocketperm", "700",
             "--daemonize", "no",
             "--loglevel", "warning",
+            "--logfile", self.log,
             # Blocking-command timeouts and expiry run off the server cron.
             "--hz", "100",
             *self.extra_args,
@@ -133,9 +135,14 @@ class EmbeddedRedis:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err.strip()}")
+                why = "; ".join(filter(None, (err.strip(), self._log_tail())))
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {why}")
             try:
-                with socket.create_connection((self.host, self.port), timeout=0.2) as s:
+                # Over its own socket, in a directory of its own: on the TCP port another server (one
+                # that took the port first) could answer for a server that is failing to start.
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(0.2)
+                    s.connect(self.socket)
                     secret = self.password.encode()
                     auth = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(secret), secret) if self.password else b""
                     s.sendall(auth + b"PING\r\n")
@@ -145,6 +152,16 @@ class EmbeddedRedis:
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"redis-server did not answer on {self.host}:{self.port} within {timeout} s")
+
+    def _log_tail(self, lines: int = 2) -> str:
+        """The last lines it logged (after its start-up banner, the reason it stopped), on one line."""
+        try:
+            with open(self.log, errors="replace") as f:
+                tail = f.read().splitlines()[-lines:]
+        except OSError:
+            return ""
+        # A line reads "PID:ROLE DATE TIME # message": the message is what a person needs.
+        return "; ".join(line.split(" # ", 1)[-1] for line in tail)
 
     def stop(self, kill: bool = False) -> None:
         if self.proc is None:

@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import psutil
+import pytest
 import redis
 import tritonclient.grpc as tc
 
@@ -184,6 +185,17 @@ def test_embedded_redis_of_a_killed_owner_goes_with_it():
     EmbeddedRedis().close()
     assert not directory.exists()
 
+
+
+def test_an_embedded_redis_that_cannot_start_says_why_even_with_its_port_answered_by_another():
+    with EmbeddedRedis() as first:
+        second = EmbeddedRedis(port=first.port)
+        with pytest.raises(RuntimeError) as info:
+            second.start()  # the first server answers on that port: only the second's own socket tells
+        second.close()
+    message = str(info.value)
+    assert message.startswith("redis-server exited with 1: ") and "\n" not in message
+    assert f"127.0.0.1:{first.port}" in message and "Address already in use" in message
 
 def test_service_help_texts_list_their_settings():
     for module, flag in (("gateway", "--max-message-bytes"), ("scheduler", "--max-batches-per-executor"), ("executor", "--model-repository")):
