@@ -33,7 +33,8 @@ import threading
 import time
 from collections import Counter
 
-from batchline.testing.processes import LoadClient, MeshError, ProcessMesh, Record, summarize
+from batchline.testing.load import LoadClient, Record, summarize
+from batchline.testing.processes import MeshError, ProcessMesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

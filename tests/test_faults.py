@@ -29,7 +29,8 @@ import pytest
 from batchline import contract
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
-from batchline.testing.processes import LoadClient, MeshError, ProcessMesh, Record, format_summary, poll
+from batchline.testing.load import LoadClient, Record, format_summary
+from batchline.testing.processes import MeshError, ProcessMesh, poll
 
 BUDGET_S = 10.0
 HANG_SLACK_S = 2.0

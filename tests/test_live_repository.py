@@ -13,7 +13,8 @@ from tritonclient.utils import InferenceServerException
 
 from batchline import contract
 from batchline.protocol import internal_pb2 as pb
-from batchline.testing.processes import MLP_FEATURES, LoadClient, ProcessMesh, poll
+from batchline.testing.load import MLP_FEATURES, LoadClient
+from batchline.testing.processes import ProcessMesh, poll
 
 CLIENTS = 32
 
