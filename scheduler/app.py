@@ -31,7 +31,7 @@ class SchedulerApp:
         self.metrics_port = metrics.start_metrics_server(self.settings.host, self.settings.metrics_port)
         self.server = await start_server(self.settings.host, self.settings.port, register)
         await self.scheduler.start()
-        wakeups, heartbeats = self.scheduler.wakeups, self.scheduler.heartbeats
+        wakeups, heartbeats = self.scheduler.wakeups, self.scheduler.fleet.heartbeats
 
         def on_change(up: bool) -> None:
             heartbeats.redis_trouble()

@@ -8,6 +8,7 @@ tensors: it moves queue members (request metadata) into batches and tells
 executors which batches are theirs. Its parts:
 
 - leadership.py: the lease; only its holder dispatches.
+- fleet.py: the executors' registry, and the batches of dead executors handed back.
 - wakeups.py: what wakes the loop (arrivals, reports) and what it leaves asleep.
 - queues.py: each queue's entries parsed once, company rates, depth gauges.
 - timeline.py: when each executor is free.
@@ -25,14 +26,13 @@ from collections import Counter
 
 from batchline import contract, metrics
 from batchline.contract import OVER_SHARE
-from batchline.heartbeats import HeartbeatTrust
 from batchline.lifecycle import stop_tasks
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
-from batchline.recovery import requeue_held_batches
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, connect, connect_blocking
 from batchline.registry import Registry
 from scheduler import dispatch
+from scheduler.fleet import Fleet
 from scheduler.leadership import Lease
 from scheduler.load_views import LoadViews
 from scheduler.policy import FIFO, ModelPolicy, busy_until, over_share_rows, plan
@@ -56,8 +56,7 @@ class Scheduler:
         self.scheduler_id = settings.scheduler_id or f"sched-{uuid.uuid4().hex[:12]}"
         self.redis = connect(settings.redis_url, settings.redis_timeout_s)
         self.blocking = connect_blocking(settings.redis_url, settings.redis_timeout_s)
-        self.registry = Registry()
-        self._registry_at = 0.0
+        self.fleet = Fleet(self.redis, settings.registry_refresh_s)
         self.lease = Lease(self.redis, self.scheduler_id, settings.lease_ttl_s)
         self.wakeups = Wakeups(self.redis, self.blocking, self.scheduler_id, lambda: self.lease.held)
         self.views = LoadViews(settings.policy)
@@ -66,9 +65,12 @@ class Scheduler:
         self.profiles = Profiles(self.redis, settings.default_execution_ms / 1000, settings.margin_quantile)
         self._scanned_at = 0.0  # when the last step began reading the queues
         self._held: dict[str, int] = {}  # batches each executor holds, as the last step read them
-        self.heartbeats = HeartbeatTrust()  # whether an executor without a heartbeat is gone
         self._tasks: list[asyncio.Task] = []
         self.counts: Counter[str] = Counter()
+
+    @property
+    def registry(self) -> Registry:
+        return self.fleet.registry
 
     @property
     def leader(self) -> bool:
@@ -110,7 +112,7 @@ class Scheduler:
                 wake_at = await self.step() if await self._hold_lease() else None
             except REDIS_ERRORS as exc:
                 log.warning("scheduling step failed: %s", exc)
-                self.heartbeats.redis_trouble()
+                self.fleet.heartbeats.redis_trouble()
                 wake_at = None
                 await asyncio.sleep(WAIT_RETRY_S)
             except Exception:  # noqa: BLE001 - the loop must survive a bad step
@@ -130,7 +132,7 @@ class Scheduler:
                 # Another scheduler dispatched meanwhile: forget what we knew.
                 self.timeline.forget()
                 self.queues.forget_steps()
-                self._registry_at = 0.0
+                self.fleet.read_again()
             else:
                 self.queues.forget_gauges()
         metrics.SCHEDULER_LEADER.set(1 if held else 0)
@@ -144,7 +146,7 @@ class Scheduler:
 
     async def step(self) -> float | None:
         """Read state, decide, act. Returns when to look again (epoch seconds) if nothing happens."""
-        if time.monotonic() - self._registry_at >= self.settings.registry_refresh_s or not self.registry.models:
+        if self.fleet.due():
             await self._refresh_registry()
         models = sorted(self.registry.models)
         executors = sorted(self.registry.executors)
@@ -175,17 +177,10 @@ class Scheduler:
         return wake_at
 
     async def _refresh_registry(self) -> None:
-        self.registry = await Registry.load(self.redis)
+        for eid, requeued in (await self.fleet.refresh()).items():
+            self.timeline.forget(eid)
+            self.counts["redispatched"] += requeued
         self.wakeups.notify = {contract.notify(*k): contract.queue(*k) for k in sorted(self.registry.models)}
-        if self.registry.stale and self.heartbeats.heartbeats_tell():
-            await self._recover(self.registry.stale)
-        elif self.registry.stale:
-            # Their keys may have expired in an outage or a failover: a live executor beats again
-            # soon and runs its batches; handing them back now would run them twice.
-            log.info("executors %s have no heartbeat right after Redis was away: their batches stay theirs "
-                     "for now", ", ".join(self.registry.stale))
-        # Only now: a recovery that failed is tried again at the next step.
-        self._registry_at = time.monotonic()
 
     async def _scan(self, models: list[ModelKey], executors: list[str]) -> tuple[list[list[bytes]], list[set[bytes]]]:
         """One pipeline: drop the arrivals' tokens, take the reports, read each queue's head and
@@ -292,19 +287,6 @@ class Scheduler:
             if dispatch.book(key, sent, results[i], self.counts):
                 self.timeline.dispatched(sent.executor_id, sent.batch_id, sent.planned.start, sent.planned.finish)
         return decision.wake_at
-
-    async def _recover(self, stale: list[str]) -> None:
-        """Hand back the batches of executors whose heartbeat expired, then forget them."""
-        for eid in stale:
-            requeued = await requeue_held_batches(self.redis, eid, include_queued=True)
-            await self.redis.srem(contract.EXECUTORS, eid)
-            self.timeline.forget(eid)
-            for key, count in requeued.items():
-                metrics.REDISPATCHED.labels(*key).inc(count)
-            n = sum(requeued.values())
-            if n:
-                self.counts["redispatched"] += n
-                log.warning("executor %s stopped heartbeating; requeued %d of its requests", eid, n)
 
     def status(self) -> pb.SchedulerStatus:
         return pb.SchedulerStatus(

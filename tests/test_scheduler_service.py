@@ -159,17 +159,17 @@ def test_right_after_redis_was_away_an_executor_without_a_heartbeat_keeps_its_ba
     r.sadd(contract.EXECUTORS, "ghost-x")
 
     def refresh_registry() -> None:
-        refreshed = s._registry_at
-        m.loop.call_soon_threadsafe(setattr, s, "_registry_at", 0.0)
+        refreshed = s.fleet.read_at
+        m.loop.call_soon_threadsafe(s.fleet.read_again)
         m.loop.call_soon_threadsafe(s.wakeups.wake)
-        poll(lambda: s._registry_at > refreshed, 15, "the leader to read the registry again")
+        poll(lambda: s.fleet.read_at > refreshed, 15, "the leader to read the registry again")
 
     refresh_registry()
     _enqueue(r, "gw-ghost", now_us() + 60_000_000, _mlp_request(np.ones((1, 32))), model="other")
     poll(lambda: r.scard(contract.inflight(other, "ghost-x")) == 1, 15, "the batch to go to ghost-x")
 
     # Redis was away, and the heartbeat expired meanwhile.
-    m.loop.call_soon_threadsafe(s.heartbeats.redis_trouble)
+    m.loop.call_soon_threadsafe(s.fleet.heartbeats.redis_trouble)
     r.delete(contract.executor("ghost-x"))
     refresh_registry()
     assert s.registry.stale == ["ghost-x"]
@@ -177,7 +177,7 @@ def test_right_after_redis_was_away_an_executor_without_a_heartbeat_keeps_its_ba
     assert r.sismember(contract.EXECUTORS, "ghost-x")
 
     # Once the grace is over, a missing heartbeat is a death: the batch goes back to its queue.
-    m.loop.call_soon_threadsafe(setattr, s.heartbeats, "trouble_at", float("-inf"))
+    m.loop.call_soon_threadsafe(setattr, s.fleet.heartbeats, "trouble_at", float("-inf"))
     refresh_registry()
     assert r.zcard(contract.queue(*other)) == 1 and not r.sismember(contract.EXECUTORS, "ghost-x")
 
@@ -194,7 +194,7 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
                            models=[pb.ModelInfo(name="other", version="1", max_batch_size=8)])
     r.set(contract.executor("idle-x"), idle.SerializeToString(), px=120_000)
     r.sadd(contract.EXECUTORS, "idle-x")
-    m.loop.call_soon_threadsafe(setattr, s, "_registry_at", 0.0)
+    m.loop.call_soon_threadsafe(s.fleet.read_again)
     m.loop.call_soon_threadsafe(s.wakeups.wake)
     poll(lambda: s.leader and ("other", "1") in s.registry.models and ("mlp", "1") in s.registry.models,
            15, "the leader to see both models")

@@ -1,0 +1,59 @@
+"""The executors a scheduler dispatches to: the registry as Redis holds it, read again every
+registry_refresh_s (or at the next step when asked), and the batches of the executors that
+stopped heartbeating handed back to their queues."""
+from __future__ import annotations
+
+import logging
+import time
+
+from redis.asyncio import Redis
+
+from batchline import contract, metrics
+from batchline.heartbeats import HeartbeatTrust
+from batchline.recovery import requeue_held_batches
+from batchline.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+class Fleet:
+    def __init__(self, redis: Redis, refresh_s: float) -> None:
+        self.redis = redis
+        self.refresh_s = refresh_s
+        self.registry = Registry()
+        self.read_at = 0.0  # time.monotonic() of the last complete read; 0: read at the next step
+        self.heartbeats = HeartbeatTrust()  # whether an executor without a heartbeat is gone
+
+    def due(self) -> bool:
+        return time.monotonic() - self.read_at >= self.refresh_s or not self.registry.models
+
+    def read_again(self) -> None:
+        """What the registry was is no guide (e.g. another scheduler led meanwhile): read it at the next step."""
+        self.read_at = 0.0
+
+    async def refresh(self) -> dict[str, int]:
+        """Read the registry; hand back the batches of the executors whose heartbeat expired and
+        forget them. Returns those executors, with how many requests each had."""
+        self.registry = await Registry.load(self.redis)
+        gone: dict[str, int] = {}
+        if self.registry.stale and self.heartbeats.heartbeats_tell():
+            for eid in self.registry.stale:
+                gone[eid] = await self._recover(eid)
+        elif self.registry.stale:
+            # Their keys may have expired in an outage or a failover: a live executor beats again
+            # soon and runs its batches; handing them back now would run them twice.
+            log.info("executors %s have no heartbeat right after Redis was away: their batches stay theirs "
+                     "for now", ", ".join(self.registry.stale))
+        # Only now: a recovery that failed is tried again at the next step.
+        self.read_at = time.monotonic()
+        return gone
+
+    async def _recover(self, eid: str) -> int:
+        requeued = await requeue_held_batches(self.redis, eid, include_queued=True)
+        await self.redis.srem(contract.EXECUTORS, eid)
+        for key, count in requeued.items():
+            metrics.REDISPATCHED.labels(*key).inc(count)
+        n = sum(requeued.values())
+        if n:
+            log.warning("executor %s stopped heartbeating; requeued %d of its requests", eid, n)
+        return n
