@@ -267,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
             rate = args.load_fraction * capacity
             print(f"soak: capacity {capacity:.1f} req/s (closed loop, {args.capacity_concurrency} in flight); "
                   f"soaking at {rate:.1f} req/s", flush=True)
+        else:
+            # Some requests before the count of keys at rest, as the capacity run gives: the keys a
+            # model that has served keeps (its statistics, profile, load view) are then in it.
+            measure_capacity(address, model, 0.5, args.capacity_concurrency, args.budget_s)
 
         schedule = fault_schedule(duration, interval)
         print(f"soak: {args.minutes:g} min at {rate:.1f} req/s open loop, budget {args.budget_s:g} s; warm-up {warmup_s:g} s; "
