@@ -23,9 +23,8 @@ class HeartbeatTrust:
         self._clock = clock
         self.trouble_at = float("-inf")
 
-    def redis_trouble(self, *_: object) -> None:
-        """Redis failed a call, went away, came back or changed primary. (It takes and ignores
-        arguments so that it can be a health watcher's callback as it is.)"""
+    def redis_trouble(self) -> None:
+        """Redis failed a call, went away, came back or changed primary."""
         self.trouble_at = self._clock()
 
     def heartbeats_tell(self) -> bool:

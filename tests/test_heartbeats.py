@@ -19,7 +19,7 @@ def test_heartbeats_tell_until_redis_is_in_trouble_and_again_a_grace_after_its_l
     trust.redis_trouble()
     clock.now += GRACE_S - 0.5
     assert not trust.heartbeats_tell()
-    trust.redis_trouble(True)  # another sign (as a health watcher's callback) starts the grace again
+    trust.redis_trouble()  # another sign starts the grace again
     clock.now += GRACE_S - 0.5
     assert not trust.heartbeats_tell()
     clock.now += 1.0
