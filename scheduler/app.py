@@ -38,12 +38,9 @@ class SchedulerApp:
             if up:
                 wakeups.after_outage()
 
-        def on_restart() -> None:
-            heartbeats.redis_trouble()
-            wakeups.after_outage()
-
+        # A new primary is Redis back, as far as the scheduler is concerned.
         self._health = asyncio.create_task(self.server.watch_redis(
-            self.scheduler.redis, on_change=on_change, on_restart=on_restart))
+            self.scheduler.redis, on_change=on_change, on_restart=lambda: on_change(True)))
         return self
 
     async def stop(self, grace: float = 2.0) -> None:
