@@ -143,16 +143,26 @@ class Tokens:
             return
         log.info("auth file %s re-read: %d tokens", self.path, len(self._grants))
 
-    def grant(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Grant:
-        """What the caller's token may do; Unauthenticated without a known token."""
-        self._reload_if_changed()
+    def digest(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+        """The hash of the caller's token, which names its grant; Unauthenticated without a token."""
         token = token_of(metadata)
         if token is None:
             raise Unauthenticated(f"this gateway needs a token: send `{HEADER}: Bearer <token>` metadata "
                                   "(tritonclient: headers={'authorization': 'Bearer <token>'})")
         if not token:
             raise Unauthenticated(f"the `{HEADER}` metadata must read `Bearer <token>`")
-        grant = self._grants.get(hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest())
+        return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def lookup(self, digest: str) -> Grant:
+        """What the token hashed to `digest` may do by the auth file as it is now; Unauthenticated
+        once the file no longer lists it. A stream calls this for every message: a token removed
+        while its stream is open is refused from the next message on."""
+        self._reload_if_changed()
+        grant = self._grants.get(digest)
         if grant is None:
             raise Unauthenticated("the token is not known to this gateway (mistyped, or revoked)")
         return grant
+
+    def grant(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Grant:
+        """What the caller's token may do; Unauthenticated without a known token."""
+        return self.lookup(self.digest(metadata))

@@ -130,6 +130,8 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
                     telemetry.set_error(span, f"{grpc_status(error).name}: {error}")
 
             try:
+                if grant is not None and grant.max_rate > 0:
+                    await self.gateway.take_rate(grant.tenant, grant.max_rate, request.model_name)
                 response = await self.gateway.infer(
                     request, context.time_remaining(), *_trace_headers(context),
                     **({"tenant": grant.tenant, "weight": grant.weight} if grant is not None else {}))
@@ -152,8 +154,6 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         grant = await self._allow(context, request.model_name)
         try:
-            if grant is not None and grant.max_rate > 0:
-                await self.gateway.take_rate(grant.tenant, grant.max_rate, request.model_name)
             return await self._infer(request, context, grant=grant)
         except BatchlineError as exc:
             await _abort(context, exc)
@@ -162,7 +162,9 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         # Requests on a stream run concurrently and are answered as they
         # finish; clients match answers to requests by id.
         try:
-            grant = self._grant(context)  # the stream's token: checked once, the model per request
+            # The stream's token is read once; what it may do is judged for every message by the
+            # auth file as it is then (a token revoked mid-stream is refused from its next message).
+            digest = self.tokens.digest(context.invocation_metadata()) if self.tokens is not None else None
         except BatchlineError as exc:
             await _abort(context, exc)
         answers: asyncio.Queue = asyncio.Queue()
@@ -170,10 +172,10 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def one(request: ipb.ModelInferRequest) -> None:
             try:
-                if grant is not None:
+                grant = None
+                if digest is not None:
+                    grant = self.tokens.lookup(digest)
                     grant.check_model(request.model_name)
-                    if grant.max_rate > 0:
-                        await self.gateway.take_rate(grant.tenant, grant.max_rate, request.model_name)
                 response = await self._infer(request, context, "ModelStreamInfer", grant)
                 await answers.put(ipb.ModelStreamInferResponse(infer_response=response))
             except BatchlineError as exc:

@@ -17,6 +17,7 @@ import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tca
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given, settings
+from prometheus_client import REGISTRY
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
@@ -56,6 +57,10 @@ def _bearer(token: str) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"}
 
 
+def _counted(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(f"batchline_{name}_total", labels) or 0.0
+
+
 def _status_of(call) -> str:
     with pytest.raises(InferenceServerException) as info:
         call()
@@ -83,6 +88,31 @@ def test_tokens_in_scope_work_with_sync_aio_and_streaming_clients(guarded):
             return await client.infer("mlp", [_input()], headers=_bearer(SEARCH))
 
     assert asyncio.run(aio()).as_numpy("probability").shape == (1, 1)
+
+
+def test_a_stream_judges_every_message_by_the_auth_file_as_it_is_then(guarded):
+    m, path = guarded
+    answers: queue.Queue = queue.Queue()
+
+    def send(client, request_id: str) -> str:
+        client.async_stream_infer("mlp", [_input()], request_id=request_id)
+        result, error = answers.get(timeout=30)
+        return "OK" if error is None else str(error)
+
+    with tc.InferenceServerClient(m.address) as client:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)), headers=_bearer(SEARCH))
+        assert send(client, "before") == "OK"
+        # The token's scope narrowed while the stream is open: the next message is judged by it.
+        _write(path, _entry(SEARCH, "search", ["minilm"]), _entry(OTHER, "other", ["minilm"]))
+        assert "[PERMISSION_DENIED] tenant 'search' may not call model 'mlp'" in send(client, "narrowed")
+        _write(path, _entry(SEARCH, "search", ["ml*"]).replace("max_rate = 0", "max_rate = 1"))
+        assert send(client, "widened") == "OK"
+        # A cap added mid-stream: its bucket of one is spent by the first message.
+        assert "[RESOURCE_EXHAUSTED] tenant 'search' is over its rate of 1 requests/s" in send(client, "capped")
+        # Revoked: removed from the file, refused from the next message on the same stream.
+        _write(path, _entry(OTHER, "other", ["minilm"]))
+        assert "[UNAUTHENTICATED] the token is not known to this gateway" in send(client, "revoked")
+        client.stop_stream()
 
 
 def test_bad_credentials_get_their_status_and_never_reach_redis(guarded):
@@ -198,6 +228,8 @@ def test_a_tenants_max_rate_is_one_bucket_across_gateways(mesh_factory, tmp_path
     second = m.call(GatewayApp(GatewaySettings(redis_url=m.redis_url, port=0, metrics_port=-1,
                                                auth_file=str(path))).start())
     outcomes, messages = [], []
+    tenant_before = _counted("tenant_requests", model="mlp", tenant="search", status="resource_exhausted")
+    failures_before = _counted("request_failure", model="mlp", version="1", reason="resource_exhausted")
     try:
         started = time.monotonic()
         for i in range(12):  # alternating between the two gateways
@@ -216,3 +248,7 @@ def test_a_tenants_max_rate_is_one_bucket_across_gateways(mesh_factory, tmp_path
     assert outcomes.count("OK") <= 2 + 2 * elapsed + 1e-9, (outcomes, elapsed)
     assert set(outcomes) == {"OK", "StatusCode.RESOURCE_EXHAUSTED"}, outcomes
     assert all(re.search(r"tenant 'search' is over its rate of 2 requests/s: retry in \d+ ms", x) for x in messages)
+    # The cap's refusals are counted where every refusal is: both gateways run in this process.
+    refused = outcomes.count("StatusCode.RESOURCE_EXHAUSTED")
+    assert _counted("tenant_requests", model="mlp", tenant="search", status="resource_exhausted") - tenant_before == refused
+    assert _counted("request_failure", model="mlp", version="1", reason="resource_exhausted") - failures_before == refused
