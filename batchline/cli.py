@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         "status", help="show the mesh: leader scheduler, executors, gateways, queue depths",
         description="Read the mesh's state from its Redis: the leader scheduler; each executor with its models, "
         "the execution provider each runs on, its busy share over its last heartbeat interval and its heartbeat "
-        "age; each live gateway; the requests waiting per model and priority level.")
+        "age; each live gateway; the requests waiting per model and priority level, for every model served and every "
+        "queue that holds requests (one no executor serves is marked so). Errors go to stderr, with exit code 1.")
     st.add_argument("--redis-url", default=os.environ.get("BATCHLINE_REDIS_URL", "redis://127.0.0.1:6379/0"),
                     help="the mesh's Redis (`batchline up` prints it) (default: $BATCHLINE_REDIS_URL, else "
                     "redis://127.0.0.1:6379/0)")

@@ -8,6 +8,7 @@ import time
 
 import grpc
 import numpy as np
+import pytest
 import redis
 
 from batchline import contract
@@ -25,20 +26,29 @@ def _request(priority: int) -> ipb.ModelInferRequest:
     return req
 
 
+def _run_status(url: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "batchline.cli", "status", "--redis-url", url, *flags],
+                          capture_output=True, text=True, timeout=60)
+
+
 def _status(url: str, *flags: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "batchline.cli", "status", "--redis-url", url, *flags],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = _run_status(url, *flags)
+    assert out.returncode == 0 and not out.stderr, out.stdout + out.stderr
     return out.stdout
+
+
+def _hold_the_lease(m, r: redis.Redis) -> None:
+    """Make the mesh's scheduler stand by, so that nothing is dispatched: requests stay queued."""
+    taken = time.monotonic()
+    r.set(contract.LEADER, "held-by-the-test", px=120_000)
+    poll(lambda: m.scheduler.scheduler.lease.attempted_at > taken and not m.scheduler.scheduler.leader, 15,
+         "the scheduler to stand by")
 
 
 def test_status_shows_the_leader_executors_gateways_and_queues_by_priority(mesh_factory):
     m = mesh_factory(models=["mlp"])
     r = redis.Redis.from_url(m.redis_url)
-    taken = time.monotonic()
-    r.set(contract.LEADER, "held-by-the-test", px=120_000)  # nothing is dispatched: the requests stay queued
-    poll(lambda: m.scheduler.scheduler.lease.attempted_at > taken and not m.scheduler.scheduler.leader, 15,
-         "the scheduler to stand by")
+    _hold_the_lease(m, r)
     channel = grpc.insecure_channel(m.address)
     stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
     calls = [stub.ModelInfer.future(_request(p), timeout=30) for p in (1, 3, 3)]
@@ -50,7 +60,8 @@ def test_status_shows_the_leader_executors_gateways_and_queues_by_priority(mesh_
         assert executor["models"] == [{"name": "mlp", "version": "1", "provider": "CPUExecutionProvider", "unloading": False}]
         assert 0 <= executor["heartbeat_age_s"] < 15 and 0 <= executor["busy_share"] <= 1
         assert [g["address"] for g in status["gateways"]] == [m.address]
-        assert status["queues"] == [{"model": "mlp", "version": "1", "depth": 3, "by_priority": {"1": 1, "3": 2}}]
+        assert status["queues"] == [{"model": "mlp", "version": "1", "depth": 3, "by_priority": {"1": 1, "3": 2},
+                                     "served": True}]
         screen = _status(m.redis_url)
         assert "leader scheduler: held-by-the-test" in screen
         assert "mlp:1 on CPUExecutionProvider" in screen and m.address in screen
@@ -62,9 +73,37 @@ def test_status_shows_the_leader_executors_gateways_and_queues_by_priority(mesh_
         channel.close()
 
 
-def test_status_of_an_unreachable_redis_says_so_in_one_line():
-    out = subprocess.run([sys.executable, "-m", "batchline.cli", "status", "--redis-url", "redis://127.0.0.1:1/0"],
-                         capture_output=True, text=True, timeout=60)
+def test_status_shows_the_requests_queued_for_a_model_no_executor_serves(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    r = redis.Redis.from_url(m.redis_url)
+    _hold_the_lease(m, r)
+    channel = grpc.insecure_channel(m.address)
+    stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+    calls = [stub.ModelInfer.future(_request(p), timeout=30) for p in (1, 3, 3)]
+    try:
+        poll(lambda: r.zcard(contract.queue("mlp", "1")) == 3, 15, "three requests queued")
+        executor = m.executors.pop()
+        m.call(executor.stop(0))  # the only executor deregisters: no model is served
+        poll(lambda: not any(r.exists(contract.executor(e.decode())) for e in r.smembers(contract.EXECUTORS)), 15,
+             "the executor to deregister")
+        status = json.loads(_status(m.redis_url, "--json"))
+        assert status["executors"] == []
+        assert status["queues"] == [{"model": "mlp", "version": "1", "depth": 3, "by_priority": {"1": 1, "3": 2},
+                                     "served": False}]
+        screen = _status(m.redis_url)
+        assert "mlp:1: 3 (priority 1: 1, priority 3: 2), served by no executor" in screen, screen
+        assert "no model served" not in screen
+    finally:
+        for call in calls:
+            call.cancel()
+        channel.close()
+        r.delete(contract.LEADER)
+
+
+@pytest.mark.parametrize("flags", [(), ("--json",)], ids=["screen", "json"])
+def test_status_of_an_unreachable_redis_says_so_in_one_line_on_stderr(flags):
+    out = _run_status("redis://127.0.0.1:1/0", *flags)
     assert out.returncode == 1
-    assert out.stdout.startswith("batchline status: cannot read the mesh's state from Redis at redis://127.0.0.1:1/0")
-    assert "Traceback" not in out.stdout + out.stderr
+    assert out.stdout == ""
+    assert out.stderr.startswith("batchline status: cannot read the mesh's state from Redis at redis://127.0.0.1:1/0")
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
