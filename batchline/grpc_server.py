@@ -8,9 +8,9 @@ from typing import Callable, Iterable
 import grpc
 from grpc._cython import cygrpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from batchline import metrics
+from batchline import metrics, undecodable
 from batchline.contract import on_cluster
 from batchline.protocol._pool import POOL
 from batchline.redis_client import REDIS_ERRORS
@@ -126,12 +126,15 @@ async def start_server(
     `credentials` the port serves TLS only (health and reflection too).
     """
     server = grpc.aio.server(options=options or [])
-    services = list(register(server))
+    guarded = undecodable.guard(server)  # bytes that are no valid message: INVALID_ARGUMENT, on every method
+    services = list(register(guarded))
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, guarded)
     # Our stubs live in batchline's own descriptor pool, so reflection must be
     # pointed at it; it then describes exactly the services batchline defines.
-    reflection.enable_server_reflection([*services, reflection.SERVICE_NAME], server, pool=POOL)
+    # (reflection's enable_server_reflection would take the guard for a synchronous server).
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        reflection.aio.ReflectionServicer([*services, reflection.SERVICE_NAME], pool=POOL), guarded)
     target = f"{host}:{port}"
     bound = server.add_secure_port(target, credentials) if credentials else server.add_insecure_port(target)
     if bound == 0:

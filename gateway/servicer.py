@@ -13,6 +13,7 @@ from batchline.errors import RETRY_AFTER_KEY, BatchlineError, Internal, grpc_sta
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
 from batchline.auth import Grant, Tokens
+from batchline.undecodable import Undecodable, tolerated
 from gateway.convert import inputs_of, model_config, model_statistics
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
 
@@ -158,6 +159,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         except BatchlineError as exc:
             await _abort(context, exc)
 
+    @tolerated
     async def ModelStreamInfer(self, request_iterator, context):
         # Requests on a stream run concurrently and are answered as they
         # finish; clients match answers to requests by id.
@@ -183,6 +185,11 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def read() -> None:
             async for request in request_iterator:
+                if isinstance(request, Undecodable):
+                    # No id to match it by: its neighbours are answered all the same.
+                    await answers.put(ipb.ModelStreamInferResponse(
+                        error_message=f"[{grpc.StatusCode.INVALID_ARGUMENT.name}] {request}"))
+                    continue
                 task = asyncio.create_task(one(request))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
