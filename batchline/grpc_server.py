@@ -10,7 +10,7 @@ from grpc._cython import cygrpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from batchline import metrics, undecodable
+from batchline import metrics, ports, undecodable
 from batchline.contract import on_cluster
 from batchline.protocol._pool import POOL
 from batchline.redis_client import REDIS_ERRORS
@@ -136,8 +136,13 @@ async def start_server(
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
         reflection.aio.ReflectionServicer([*services, reflection.SERVICE_NAME], pool=POOL), guarded)
     target = f"{host}:{port}"
-    bound = server.add_secure_port(target, credentials) if credentials else server.add_insecure_port(target)
+    try:
+        bound = server.add_secure_port(target, credentials) if credentials else server.add_insecure_port(target)
+    except RuntimeError:  # grpc's "Failed to bind"
+        bound = 0
     if bound == 0:
+        if port and ports.in_use(host, port):
+            raise ports.PortInUse(port)
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()
     handle = ServerHandle(server, bound, health_servicer, services)

@@ -11,7 +11,7 @@ import time
 
 import redis
 
-from batchline import contract, metrics
+from batchline import contract, metrics, ports
 from batchline.embedded_redis import EmbeddedRedis
 from batchline.redis_client import connect_sync, mask
 from batchline.supervisor import Supervisor, say
@@ -87,6 +87,8 @@ class Mesh:
                    f"(the services use {mask(self.redis_url)})")
         client = connect_sync(self.redis_url, 2)
         client.ping()
+        if a.gateway_port and ports.in_use(a.host, a.gateway_port):
+            raise SystemExit(f"batchline: {ports.PortInUse(a.gateway_port, 'stop it, or choose another --gateway-port')}")
         self.supervisor = Supervisor(a, self.redis_url, self.redis, self.env)
         base = getattr(a, "metrics_port", 0)
         gateways = getattr(a, "gateways", 1)
@@ -112,14 +114,18 @@ class Mesh:
                            ("--auth-file", getattr(a, "auth_file", ""))):
             if path:
                 tls += [flag, str(pathlib.Path(path).resolve())]
+        # The gateways share one port (SO_REUSEPORT), which only a gateway of this mesh may join: the
+        # others start once gateway-0 serves it and its heartbeat says so.
+        share = ["--share-port"] if gateways > 1 else []
         for i in range(gateways):
-            gateway = self.supervisor.spawn(f"gateway-{i}", "gateway", "--port", str(port), *tls,
+            gateway = self.supervisor.spawn(f"gateway-{i}", "gateway", "--port", str(port), *tls, *share,
                                             "--model-control-mode", mode,
                                             "--gateway-id", f"gateway-{i}", "--metrics-port", metrics_port(i))
-            if port == 0:
-                # The others share the port the first one bound (SO_REUSEPORT); a restart binds it again.
-                port = int(self._wait_ready(client, gateway="gateway-0").rsplit(":", 1)[1])
-                gateway.cmd[gateway.cmd.index("--port") + 1] = str(port)
+            if i == 0 and gateways > 1:
+                bound = int(self._wait_ready(client, gateway="gateway-0").rsplit(":", 1)[1])
+                if port == 0:  # a restart binds the port the mesh serves on
+                    port = bound
+                    gateway.cmd[gateway.cmd.index("--port") + 1] = str(port)
         address = self._wait_ready(client, gateway=f"gateway-{gateways - 1}")
         self.metrics_port = metrics.start_metrics_server(a.host, int(metrics_port(gateways + 1 + a.executors)))
         return address

@@ -5,6 +5,7 @@ import logging
 import sys
 
 from batchline import logs
+from batchline.ports import PortInUse
 from batchline.lifecycle import run_service
 from batchline.settings import parse_settings
 from gateway.app import GatewayApp
@@ -23,7 +24,11 @@ def main(argv: list[str] | None = None) -> None:
     logs.configure(settings.log_level, "gateway", settings.log_format)
 
     async def start():
-        app = await GatewayApp(settings).start()
+        try:
+            app = await GatewayApp(settings).start()
+        except PortInUse as exc:
+            print(f"gateway: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         logging.getLogger("gateway").info("gateway %s listening on %s", app.gateway.gateway_id, app.address)
         return app.stop
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from batchline import metrics
+from batchline import metrics, ports
 from batchline.lifecycle import stop_tasks
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import inference_pb2, inference_pb2_grpc
 from batchline.auth import Tokens
 from batchline.tls import TlsFiles, server_credentials
+from batchline.redis_client import REDIS_ERRORS
+from gateway import presence
 from gateway.core import Gateway
 from gateway.servicer import InferenceServicer
 from gateway.settings import GatewaySettings
@@ -54,12 +56,27 @@ class GatewayApp:
             log.info("the gRPC port serves TLS (%s)", "clients need a certificate signed by "
                      f"{files.client_ca_file}" if files.client_ca_file else "no client certificate asked")
         credentials = server_credentials(files) if files else None
+        options.append(("grpc.so_reuseport", int(await self._may_share_port())))
         self.metrics_port = metrics.start_metrics_server(self.settings.host, self.settings.metrics_port)
         self.server = await start_server(s.host, s.port, register, options, credentials)
         await self.gateway.start(self.address)
         self._health = asyncio.create_task(self.server.watch_redis(
             self.gateway.redis, on_change=self.gateway.on_redis, on_restart=self.gateway.on_redis_restart))
         return self
+
+    async def _may_share_port(self) -> bool:
+        """Whether the port is bound shared (SO_REUSEPORT); PortInUse when another process serves it
+        and it is not a gateway of this mesh."""
+        s = self.settings
+        if s.port == 0 or not ports.in_use(s.host, s.port):
+            return s.share_port
+        if s.share_port:
+            try:
+                if await presence.serves(self.gateway.redis, f"{s.host}:{s.port}"):
+                    return True
+            except REDIS_ERRORS as exc:
+                raise ports.PortInUse(s.port, f"cannot tell whether it is a gateway of this mesh ({exc})") from None
+        raise ports.PortInUse(s.port, "stop it, or serve on another port (--port)")
 
     async def stop(self, grace: float = 2.0) -> None:
         # Refuse new requests and say NOT_SERVING (in that order: whoever sees it is refused), let

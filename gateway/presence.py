@@ -40,3 +40,13 @@ async def leave(redis: Redis, gateway_id: str) -> None:
         pipe.delete(contract.gateway(gateway_id))
         pipe.zrem(contract.GATEWAYS, gateway_id)
         await pipe.execute()
+
+
+async def serves(redis: Redis, address: str) -> bool:
+    """Whether a live gateway of this mesh (this Redis) serves `address`."""
+    ids = await redis.zrangebyscore(contract.GATEWAYS, int(time.time() * 1000), "+inf")
+    async with redis.pipeline(transaction=False) as pipe:  # each heartbeat in its own slot on a cluster
+        for gateway_id in ids:
+            pipe.get(contract.gateway(gateway_id.decode()))
+        addresses = await pipe.execute() if ids else []
+    return any(a is not None and a.decode() == address for a in addresses)

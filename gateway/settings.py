@@ -16,6 +16,10 @@ class GatewaySettings(CommonSettings):
         8002, description="Port of the Prometheus endpoint (http://HOST:PORT/metrics); 0 = any free port, -1 = none."
     )
     port: int = Field(8001, description="Port of the KServe v2 gRPC endpoint (8001 is where Triton clients look; 0 = any free port).")
+    share_port: bool = Field(
+        False, description="Let the other gateways of this mesh (the same Redis) serve the same port, the kernel "
+        "spreading connections over them (SO_REUSEPORT; `batchline up --gateways N` sets it). A port already "
+        "served by anything else fails the start, with or without it.")
     gateway_id: str = Field("", description="Id of this gateway, the address of its reply list (default: a random one per process).")
     max_message_bytes: int = Field(
         64 * 1024 * 1024,

@@ -1,0 +1,68 @@
+"""Whether a TCP port is taken, and by whom.
+
+gRPC's servers set SO_REUSEPORT unless told not to, so a second server on a port that one already
+serves starts without error and the kernel splits the connections between the two. Only the
+gateways of one mesh may share their port: a gateway binds without SO_REUSEPORT unless it is told
+to share, and before it binds it looks whether the port is already taken, and by what.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+# Socket state LISTEN in /proc/net/tcp.
+_LISTEN = "0A"
+
+
+class PortInUse(OSError):
+    """The port is served by a process that may not share it; the message names that process."""
+
+    def __init__(self, port: int, hint: str = ""):
+        super().__init__(f"port {port} is in use by {owner(port)}{': ' + hint if hint else ''}")
+
+
+def in_use(host: str, port: int) -> bool:
+    """Whether a socket listens on host:port (or on every interface, which covers it)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        # As a server's own bind: a connection lingering in TIME_WAIT does not take the port.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
+
+
+def _listening_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(fields[9])
+        except OSError:
+            continue
+    return inodes
+
+
+def owner(port: int) -> str:
+    """Who listens on `port`: "pid N (command line)" where this user may see it (Linux's /proc)."""
+    inodes = {f"socket:[{inode}]" for inode in _listening_inodes(port)}
+    if inodes:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+                if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                    return f"pid {pid} ({command[:120]})"
+            except OSError:
+                continue  # gone, or another user's
+    return "another process"
