@@ -1,8 +1,8 @@
 """Weighted fair shares of a model between tenants, on top of priorities and deadlines.
 
 Each gateway keeps, per model, two decaying counts per tenant over about WINDOW_S: the rows the
-tenant offered and the rows admitted for it. Among the tenants that offered anything in the
-window, a tenant whose share of the admitted rows is above its weight's share is *over its
+tenant offered and the rows admitted for it. Among the tenants that offered anything in the last
+IDLE_S, a tenant whose share of the admitted rows is above its weight's share is *over its
 share*: its requests are queued OVER_SHARE levels below the priority they asked for (the queue
 is ordered by level, then deadline).
 
@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 from batchline.contract import MAX_PRIORITY_LEVELS, OVER_SHARE
 
 WINDOW_S = 1.0  # the time constant of the decaying counts
-_FORGET = 1e-3  # a tenant whose offered count decayed below this is no longer active
+# A tenant that offered nothing for this long is no longer sharing: the others' shares follow
+# who is sending now, not a decaying count that a busy tenant's burst keeps above zero for many
+# windows (a tenant left alone was counted over its share for about ten seconds so).
+IDLE_S = 1.0
 
 
 @dataclass
@@ -31,6 +34,7 @@ class _Counts:
     offered: float = 0.0
     admitted: float = 0.0
     at: float = 0.0
+    last_offer: float = 0.0
 
     def decay(self, now: float, window_s: float) -> None:
         if now > self.at:
@@ -43,6 +47,7 @@ class _Counts:
 @dataclass
 class FairShares:
     window_s: float = WINDOW_S
+    idle_s: float = IDLE_S
     _models: dict[tuple[str, str], dict[str, _Counts]] = field(default_factory=dict)
     _weights: dict[str, float] = field(default_factory=dict)
 
@@ -54,7 +59,8 @@ class FairShares:
         for counts in tenants.values():
             counts.decay(now, self.window_s)
         mine.offered += rows
-        for name in [n for n, c in tenants.items() if c.offered < _FORGET]:
+        mine.last_offer = now
+        for name in [n for n, c in tenants.items() if now - c.last_offer > self.idle_s]:
             del tenants[name]
         if len(tenants) < 2:
             return priority

@@ -12,7 +12,7 @@ import numpy as np
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
-from gateway.fairness import OVER_SHARE, FairShares
+from gateway.fairness import IDLE_S, OVER_SHARE, FairShares
 
 MODEL = ("m", "1")
 
@@ -48,6 +48,22 @@ def test_a_tenant_that_stopped_sending_is_forgotten_and_shares_follow_the_window
     assert fair.level(MODEL, "a", 1.0, 1, 1, 0.0) == 1 + OVER_SHARE
     # b sends nothing for many windows: a is alone again.
     assert fair.level(MODEL, "a", 1.0, 1, 1, 20.0) == 1
+    assert set(fair.shares(MODEL)) == {"a"}
+
+
+def test_a_tenant_left_alone_is_within_its_share_a_second_after_the_other_stops():
+    fair = FairShares(window_s=1.0)
+    # Both send for five seconds, a taking 70% of what is admitted.
+    for step in range(500):
+        _serve(fair, step * 0.01, {"a": 7, "b": 3})
+    assert fair.level(MODEL, "a", 1.0, 1, 7, 5.0) == 1 + OVER_SHARE
+    # b stops at 5 s; a goes on alone, and is no longer demoted once b was idle IDLE_S.
+    levels = {}
+    for step in range(500, 800):
+        now = step * 0.01
+        levels[round(now, 2)] = fair.level(MODEL, "a", 1.0, 1, 7, now)
+        fair.admitted(MODEL, "a", 7, now)
+    assert all(level == 1 for now, level in levels.items() if now > 5.0 + IDLE_S), levels
     assert set(fair.shares(MODEL)) == {"a"}
 
 
