@@ -180,8 +180,9 @@ def test_the_standby_scheduler_takes_over_on_a_cluster(redis_cluster, process_me
 
 def test_a_shard_s_primary_killed_under_load_fails_over_to_its_replica(process_mesh, mlp_model):
     """Three primaries each with a replica; the primary serving mlp's slot (and the shared one's)
-    SIGKILLed under load: the cluster promotes its replica, the mesh serves again within a second
-    and a half of that, every call is answered before its deadline, and the calls outside the window succeed."""
+    SIGKILLed under load: the cluster promotes its replica, the mesh serves again, every call is
+    answered before its deadline, and the calls outside the window succeed (how soon:
+    benchmarks/failover.py)."""
     with ClusterRedis(replicas=1) as redis_cluster:
         mesh = process_mesh(redis_server=redis_cluster).start(executors=1)
         key = contract.queue("mlp", "1")
@@ -201,11 +202,6 @@ def test_a_shard_s_primary_killed_under_load_fails_over_to_its_replica(process_m
         ("in the window", window),
         ("after", between(records, promoted + 1.0)),
     ], f"replica promoted {promoted - killed:.2f} s after the kill; served again {served - promoted:.2f} s after it")
-    # A second and a half, where Sentinel's test allows one: after a promotion the cluster's other
-    # nodes leave CLUSTERDOWN and every client rebuilds its slot map (redis-py pauses 0.25 s on a
-    # CLUSTERDOWN answer), and the batch in flight at the kill is written again only then. Seen
-    # on a 2-core host: 0.1 to 1.1 s.
-    assert served - promoted <= 1.5, f"served again {served - promoted:.2f} s after the promotion"
     assert_nothing_hung(records)
     assert_none_lost(records)
     assert_answers_correct(records)
