@@ -16,6 +16,7 @@ import sys
 import time
 
 from batchline import logs
+from batchline.embedded_redis import RedisStartError
 from batchline.redis_client import mask
 from batchline.optimize import DEFAULT_VARIANTS, MIN_GAIN, VARIANTS
 from batchline.mesh import Mesh, build_demo
@@ -56,6 +57,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             time.sleep(SUPERVISE_POLL_S)
     except KeyboardInterrupt:
         code = 130
+    except RedisStartError as exc:
+        say(args, f"batchline: cannot start Redis: {exc}", sys.stderr)
+        code = 1
     except SystemExit as exc:
         if exc.code not in (None, 0):
             say(args, str(exc.code), sys.stderr)
@@ -129,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Start a local mesh: a private Redis (unless --redis-url), N executors, the scheduler "
         "and the gateway. Builds the demo model repository (minilm, mlp) first if the repository "
         "path does not exist. A service that exits is restarted (with a growing backoff; --max-restarts "
-        "bounds a crash loop), the embedded Redis too. Ctrl-C stops every process it started: the gateways "
-        "first (they answer the requests they hold), then the scheduler, then the executors, Redis last; "
-        "a second Ctrl-C kills what is left.",
+        "bounds a crash loop), the embedded Redis too (one that cannot start again stops the mesh). Ctrl-C "
+        "stops every process it started: the gateways first (they answer the requests they hold), then the "
+        "scheduler, then the executors, Redis last; a second Ctrl-C kills what is left.",
     )
     up.add_argument("--model-repository", default=DEFAULT_REPOSITORY,
                     help=f"model repository to serve; the demo models are built there if it does not exist (default: {DEFAULT_REPOSITORY})")

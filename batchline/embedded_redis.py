@@ -67,6 +67,10 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+class RedisStartError(RuntimeError):
+    """The server did not start: the message says why, on one line."""
+
+
 class EmbeddedRedis:
     """A redis-server child process in a session of its own: a Ctrl-C in the terminal reaches
     the services, which drain through it, and not Redis, which the owner stops last.
@@ -125,8 +129,12 @@ class EmbeddedRedis:
             "--hz", "100",
             *self.extra_args,
         ]
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True, preexec_fn=die_with_parent if self.die_with_parent else None)
+        try:
+            self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         start_new_session=True, preexec_fn=die_with_parent if self.die_with_parent else None)
+        except OSError as exc:
+            self.close()
+            raise RedisStartError(f"cannot run {self.binary}: {exc}") from None
         quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
         # masterauth too: a server that becomes a replica (behind Sentinel) authenticates to its primary with it.
         self.proc.stdin.write(f'requirepass "{quoted}"\nmasterauth "{quoted}"\n'.encode() if self.password else b"")
@@ -135,8 +143,10 @@ class EmbeddedRedis:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                why = "; ".join(filter(None, (err.strip(), self._log_tail())))
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {why}")
+                why = "; ".join(filter(None, [*map(str.strip, err.splitlines()), self._log_tail()]))
+                code = self.proc.returncode
+                self.close()  # a server that failed to start leaves nothing behind
+                raise RedisStartError(f"redis-server exited with {code}: {why}")
             try:
                 # Over its own socket, in a directory of its own: on the TCP port another server (one
                 # that took the port first) could answer for a server that is failing to start.
@@ -150,8 +160,8 @@ class EmbeddedRedis:
                         return self
             except OSError:
                 time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"redis-server did not answer on {self.host}:{self.port} within {timeout} s")
+        self.close()
+        raise RedisStartError(f"redis-server did not answer on {self.host}:{self.port} within {timeout} s")
 
     def _log_tail(self, lines: int = 2) -> str:
         """The last lines it logged (after its start-up banner, the reason it stopped), on one line."""

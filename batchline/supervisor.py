@@ -7,8 +7,9 @@ and starts over once the service has run STABLE_S. More than `max_restarts`
 crashes of one service within CRASH_LOOP_WINDOW_S is a crash loop: the mesh
 stops, and the message names the service and gives its last log lines. An
 embedded Redis is restarted the same way (the services reconnect by
-themselves). Each restart is logged and counted in batchline_restarts_total
-on the supervisor's metrics endpoint.
+themselves); one that cannot start again stops the mesh, with a line that
+says why. Each restart is logged and counted in batchline_restarts_total on
+the supervisor's metrics endpoint.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from batchline import logs, metrics
-from batchline.embedded_redis import EmbeddedRedis
+from batchline.embedded_redis import EmbeddedRedis, RedisStartError
 from batchline.lifecycle import PARENT_ENV
 
 RESTART_BACKOFF_S = 0.5
@@ -41,6 +42,11 @@ STOP_POLL_S = 0.05
 
 class CrashLoop(SystemExit):
     """A service crashed more often than the limit allows: the mesh stops."""
+
+
+class RedisLost(SystemExit):
+    """The embedded Redis died and could not be started again (its port taken, its binary failing):
+    without it no service can work, so the mesh stops."""
 
 
 @dataclass
@@ -141,7 +147,11 @@ class Supervisor:
         say(self.args, f"batchline: Redis exited with code {code}; restarting it (empty: the services re-register, "
             "and the requests it held are answered UNAVAILABLE)")
         self.redis.stop()
-        self.redis.start()
+        try:
+            self.redis.start()
+        except RedisStartError as exc:
+            raise RedisLost(f"batchline: Redis exited with code {code} and could not be restarted: {exc}; "
+                            "stopping the mesh") from None
         metrics.RESTARTS.labels("redis").inc()
 
     def stop(self) -> None:

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 
 import numpy as np
@@ -192,10 +193,29 @@ def test_an_embedded_redis_that_cannot_start_says_why_even_with_its_port_answere
         second = EmbeddedRedis(port=first.port)
         with pytest.raises(RuntimeError) as info:
             second.start()  # the first server answers on that port: only the second's own socket tells
+        assert not os.path.exists(second.dir)  # a server that failed to start leaves nothing behind
         second.close()
     message = str(info.value)
     assert message.startswith("redis-server exited with 1: ") and "\n" not in message
     assert f"127.0.0.1:{first.port}" in message and "Address already in use" in message
+
+def test_up_whose_redis_cannot_start_says_why_in_one_line_and_leaves_nothing_behind(model_repository, tmp_path):
+    # A redis-server that fails the way a real one does on a bad configuration.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "redis-server").write_text("#!/bin/sh\necho 'FATAL CONFIG FILE ERROR: Bad directive' >&2\nexit 1\n")
+    (bin_dir / "redis-server").chmod(0o755)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchline.cli", "up", "--model-repository", str(model_repository),
+         "--gateway-port", "0", "--metrics-port", "-1"],
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stdout + stderr
+    assert stderr == "batchline: cannot start Redis: redis-server exited with 1: FATAL CONFIG FILE ERROR: Bad directive\n"
+    assert "started" not in stdout  # no service was started without its Redis
+    assert not list(pathlib.Path(tempfile.gettempdir()).glob(f"batchline-redis-{proc.pid}-*"))
+
 
 def test_service_help_texts_list_their_settings():
     for module, flag in (("gateway", "--max-message-bytes"), ("scheduler", "--max-batches-per-executor"), ("executor", "--model-repository")):

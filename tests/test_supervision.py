@@ -1,11 +1,13 @@
 """`batchline up` keeps its mesh running: real services SIGKILLed under load from a stock client,
-and a real crash loop (a model ONNX Runtime cannot load)."""
+a real crash loop (a model ONNX Runtime cannot load), and an embedded Redis that cannot come back
+(another process took its port)."""
 from __future__ import annotations
 
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +15,7 @@ import urllib.request
 from collections import Counter
 
 import numpy as np
+import psutil
 import pytest
 import tritonclient.grpc as tc
 from prometheus_client.parser import text_string_to_metric_families
@@ -155,6 +158,59 @@ def test_a_crash_loop_stops_up_and_names_the_service_with_its_last_output(tmp_pa
     assert "INVALID_PROTOBUF" in output[message.end():] or "Protobuf parsing failed" in output[message.end():], output
     assert "restarting it in 0.5 s" in output
     assert "batchline: stopped" in output
+
+
+def _listen(port: int) -> socket.socket | None:
+    """A socket listening on 127.0.0.1:`port`, or None while the port is taken."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_an_embedded_redis_that_cannot_restart_stops_the_mesh_with_one_line_saying_why(mlp_repository):
+    up = Up("--model-repository", str(mlp_repository), "--gateway-port", "0", "--metrics-port", "-1")
+    squatter = None
+    try:
+        up.wait_for(r"listening on", STARTUP_S)
+        output = up.output
+        port = int(re.search(r"started Redis \S+ at redis://\S*:(\d+)/0 ", output).group(1))
+        directory = re.search(r"the services use unix://:\*\*\*@(\S+)/redis\.sock", output).group(1)
+        [redis_pid] = [c.pid for c in psutil.Process(up.proc.pid).children() if "redis-server" in c.name()]
+        services = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", output)]
+        # `up` is held still while Redis dies and this process takes its port: its restart must fail.
+        os.kill(up.proc.pid, signal.SIGSTOP)
+        try:
+            os.kill(redis_pid, signal.SIGKILL)
+            squatter = poll(lambda: _listen(port), 10, f"Redis's port {port} to be free")
+        finally:
+            os.kill(up.proc.pid, signal.SIGCONT)
+        code = up.proc.wait(150)
+        up.reader.join(10)
+    finally:
+        up.stop()
+        if squatter is not None:
+            squatter.close()
+    output = up.output
+    assert code == 1, output
+    assert "Traceback" not in output, output
+    why = re.findall(r"batchline: Redis exited with code -9 and could not be restarted: redis-server exited with 1: "
+                     rf".*127\.0\.0\.1:{port}.*Address already in use.*; stopping the mesh\n", output)
+    assert len(why) == 1, output
+    assert "batchline: stopped" in output
+    poll(lambda: not any(_alive(p) for p in [*services, redis_pid]), 30, "every process of the mesh to end")
+    assert not os.path.exists(directory)
 
 
 def test_up_without_the_demo_extra_says_what_to_install(monkeypatch, tmp_path):
