@@ -1,8 +1,9 @@
 """The deployment files: compose stack, Dockerfiles, Prometheus/Grafana config, k8s manifests.
 
-No Docker engine here, so these check what can be checked without one: docker-compose's
-own validation of the files, hadolint on the Dockerfiles, every path a file refers to,
-and that every setting, port and metric name the files use is one the services have.
+No Docker here, so these check what can be checked without it: the compose files as `docker
+compose config` checks and resolves them (tests/compose_config.py: the Compose Specification's
+schema, merges, profiles and consistency), hadolint on the Dockerfiles, every path a file refers
+to, and that every setting, port and metric name the files use is one the services have.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from concurrent import futures
 import pytest
 import yaml
 
+import compose_config
 from executor.settings import ExecutorSettings
 from gateway.settings import GatewaySettings
 from scheduler.settings import SchedulerSettings
@@ -63,41 +65,79 @@ def compose() -> dict:
     return load_yaml(COMPOSE)
 
 
-# --- docker-compose -----------------------------------------------------------------
-
-def compose_command() -> list[str]:
-    """docker-compose (v1, what CI installs) or the `docker compose` plugin."""
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
-        return ["docker", "compose"]
-    pytest.fail("neither docker-compose nor `docker compose` is installed (.ci/run installs Debian's docker-compose)")
-
-
-def run_compose(*files: pathlib.Path, args: tuple[str, ...] = ("config", "-q")) -> subprocess.CompletedProcess:
-    cmd = compose_command()
-    for f in files:
-        cmd += ["-f", str(f)]
-    # Only the files decide: no COMPOSE_* from the caller's shell.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
-    return subprocess.run([*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-
+# --- Compose ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, COMPOSE_GPU]], ids=["default", "gpu-override"])
 def test_compose_config_is_valid(files):
-    result = run_compose(*files)
-    assert result.returncode == 0, result.stderr + result.stdout
+    assert {"redis", "gateway", "scheduler", "executor"} <= set(compose_config.config(*files)["services"])
 
 
 @pytest.fixture(scope="module")
 def resolved() -> dict[str, dict]:
-    """`docker-compose config` (anchors, merges and overrides applied) of each file set."""
-    out = {}
-    for key, files in (("default", [COMPOSE]), ("gpu-override", [COMPOSE, COMPOSE_GPU])):
-        result = run_compose(*files, args=("config",))
-        assert result.returncode == 0, result.stderr
-        out[key] = yaml.safe_load(result.stdout)["services"]
-    return out
+    """The services of each file set as `docker compose config` resolves them (anchors, merges and
+    overrides applied)."""
+    return {key: compose_config.config(*files)["services"]
+            for key, files in (("default", [COMPOSE]), ("gpu-override", [COMPOSE, COMPOSE_GPU]))}
+
+
+def _mutated(compose: dict, change) -> dict:
+    broken = json.loads(json.dumps(compose))
+    change(broken)
+    return broken
+
+
+# What Compose refuses, and so must the validation: each case breaks one thing in a copy of the real file.
+BROKEN = {
+    "unknown service key": (lambda c: c["services"]["gateway"].update(enviroment={"A": "1"}), "'enviroment'"),
+    "wrong type": (lambda c: c["services"]["gateway"].update(ports="8001:8001"), "is not of type 'array'"),
+    "unknown top-level key": (lambda c: c.update(servics={}), "'servics' does not match"),
+    "bad depends_on condition": (lambda c: c["services"]["gateway"]["depends_on"]["redis"].update(condition="healthy"),
+                                 "services.gateway.depends_on"),
+    "undefined dependency": (lambda c: c["services"]["grafana"].update(depends_on=["prometheus", "loki"]),
+                             "'grafana' depends on 'loki', an undefined service"),
+    "dependency on an inactive profile": (lambda c: c["services"]["scheduler"]["depends_on"].update(
+        {"gateway-tls": {"condition": "service_started"}}), "depends on 'gateway-tls', a service of an inactive profile"),
+    "dependency cycle": (lambda c: c["services"]["redis"].update(depends_on=["gateway"]), "dependency cycle: "),
+    "no image nor build": (lambda c: c["services"]["jaeger"].pop("image"), "'jaeger' has neither an image nor a build"),
+    "missing build context": (lambda c: c["services"]["executor"].update(build={"context": "no-such-dir"}),
+                              "builds from no-such-dir, which is not a directory"),
+    "undefined volume": (lambda c: c["services"]["grafana"]["volumes"].append("grafana-data:/var/lib/grafana"),
+                         "refers to undefined volume 'grafana-data'"),
+    "undefined network": (lambda c: c["services"]["redis"].update(networks=["backend"]), "undefined network 'backend'"),
+    "bad duration": (lambda c: c["services"]["redis"]["healthcheck"].update(interval="2 seconds"),
+                     "invalid healthcheck interval: '2 seconds'"),
+    "bad port": (lambda c: c["services"]["gateway"]["ports"].append("8001:99999"), "invalid port mapping: '8001:99999'"),
+    "bad interpolation": (lambda c: c["services"]["gateway"]["environment"].update(BATCHLINE_GATEWAY_PORT="${PORT"),
+                          "invalid interpolation format"),
+    "required variable": (lambda c: c["services"]["gateway"]["environment"].update(
+        BATCHLINE_GATEWAY_PORT="${BATCHLINE_TEST_UNSET:?set it}"), "required variable BATCHLINE_TEST_UNSET is missing"),
+    # Not resolved by tests/compose_config.py, so refused rather than left unchecked.
+    "extends": (lambda c: c["services"]["executor"].update(extends={"service": "scheduler"}),
+                "services.executor.extends: not resolved"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN, ids=list(BROKEN))
+def test_a_broken_compose_file_is_refused(compose, case, tmp_path):
+    change, message = BROKEN[case]
+    assert compose_config.config(COMPOSE)  # the real file passes: the change is what breaks it
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(yaml.safe_dump(_mutated(compose, change)))
+    (tmp_path / "deploy").symlink_to(DEPLOY)  # the build context and mounts, as beside the real file
+    with pytest.raises(compose_config.ComposeError) as refused:
+        compose_config.config(broken, env={})
+    assert message in str(refused.value)
+
+
+def test_a_broken_override_or_yaml_is_refused_naming_the_file(tmp_path):
+    override = tmp_path / "docker-compose.gpu.yml"
+    override.write_text(COMPOSE_GPU.read_text().replace("capabilities: [gpu]", "capabilities: gpu"))
+    with pytest.raises(compose_config.ComposeError, match=r"^docker-compose\.gpu\.yml: services\.executor\.deploy"):
+        compose_config.config(COMPOSE, override)
+    unparsable = tmp_path / "docker-compose.yml"
+    unparsable.write_text(COMPOSE.read_text().replace("  redis:\n", "  redis:\n   - [\n", 1))
+    with pytest.raises(compose_config.ComposeError, match=r"^docker-compose\.yml: not valid YAML"):
+        compose_config.config(unparsable)
 
 
 def test_gpu_override_switches_the_executor_to_cuda_and_a_gpu(resolved):
@@ -206,8 +246,8 @@ def test_the_tls_profile_adds_a_gateway_with_tls_and_tokens_from_deploy_tls(comp
     assert (ROOT / "deploy" / "tls" / "README.md").is_file()
     assert ignored("deploy/tls/tls.key", dockerignore_patterns())  # never sent to an image build
     # Off unless asked for; valid with the profile on.
-    result = run_compose(COMPOSE, args=("--profile", "tls", "config", "-q"))
-    assert result.returncode == 0, result.stderr + result.stdout
+    assert "gateway-tls" not in compose_config.config(COMPOSE)["services"]
+    assert compose_config.config(COMPOSE, profiles=["tls"])["services"]["gateway-tls"]["ports"] == ["8443:8443"]
 
 
 def test_metrics_ports_are_the_contract(compose):
