@@ -39,6 +39,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Callable
 
 import _common
 import grpc_floor
@@ -74,6 +75,31 @@ def admitted_in_budget(step: StepResult) -> float:
     """The share of the requests admitted (not refused with RESOURCE_EXHAUSTED) answered OK within the budget."""
     admitted = step.sent - step.status_counts.get("RESOURCE_EXHAUSTED", 0)
     return step.good / admitted if admitted else 0.0
+
+
+def sweep_capacity(step: Callable[[int], StepResult], sweep: list[int], most: int) -> list[StepResult]:
+    """`step` at each concurrency of `sweep` (extended in place). On a faster host the sweep's last
+    step can still be well within the budget, and the capacity would then be understated (and
+    goodput / capacity flattered): it goes on while the last step's admitted requests meet the
+    budget and it still gains goodput, up to `most` in flight."""
+    steps = [step(c) for c in sweep]
+    while (admitted_in_budget(steps[-1]) >= 0.99 and sweep[-1] < most
+           and (len(steps) < 2 or steps[-1].goodput_rps > steps[-2].goodput_rps)):
+        sweep.append(min(most, sweep[-1] + max(4, sweep[-1] // 2)))
+        steps.append(step(sweep[-1]))
+    return steps
+
+
+def capacity_of(steps: list[StepResult]) -> tuple[StepResult | None, float]:
+    """The step of the capacity at the budget (the best goodput with 99% of the requests sent answered
+    OK in budget; None if none did), and the capacity over admitted requests only: counting a refusal
+    as a miss makes a stricter admission control lower the capacity and so raise goodput / capacity,
+    which the capacity over admitted requests does not reward."""
+    meeting = [st for st in steps if in_budget(st) >= 0.99]
+    if not meeting:
+        return None, 0.0
+    cap = max(meeting, key=lambda r: r.goodput_rps)
+    return cap, max((st.goodput_rps for st in steps if admitted_in_budget(st) >= 0.99), default=cap.goodput_rps)
 
 
 def main() -> int:
@@ -122,28 +148,17 @@ def main() -> int:
             cpu[c] = (per_request, cores)
             return st
 
-        steps = [step(c) for c in sweep]
-        # On a faster host the sweep's last step can still be well within the budget, and the
-        # capacity would then be understated (and goodput / capacity flattered): go on while the
-        # last step's admitted requests meet the budget and it still gains goodput.
-        while (admitted_in_budget(steps[-1]) >= 0.99 and sweep[-1] < args.concurrency
-               and (len(steps) < 2 or steps[-1].goodput_rps > steps[-2].goodput_rps)):
-            sweep.append(min(args.concurrency, sweep[-1] + max(4, sweep[-1] // 2)))
-            steps.append(step(sweep[-1]))
+        steps = sweep_capacity(step, sweep, args.concurrency)
     print(f"throughput without a deadline: {unbounded.throughput_rps:.0f} req/s (closed loop, {args.concurrency} "
           f"in flight, 60 s budgets, mean batch {_common.f(unbounded.mean_batch_size)})")
     for c, st in zip(sweep, steps):
         print(f"  {c} in flight, {args.budget_ms:g} ms budgets: goodput {st.goodput_rps:.0f}/s, "
               f"{100 * in_budget(st):.1f}% OK within budget, mean batch {_common.f(st.mean_batch_size)}, {st.status_counts}")
-    meeting = [st for st in steps if in_budget(st) >= 0.99]
-    if not meeting:
+    cap, admitted_cap = capacity_of(steps)
+    if cap is None:
         print(f"no concurrency in {sweep} answered 99% within {args.budget_ms:g} ms: lower --concurrency-sweep")
         return 1
-    cap = max(meeting, key=lambda r: r.goodput_rps)
     capacity = cap.goodput_rps
-    # Counting a refusal as a miss (above) makes a stricter admission control lower the capacity and so
-    # raise goodput / capacity. The capacity over admitted requests only does not reward refusing.
-    admitted_cap = max((st.goodput_rps for st in steps if admitted_in_budget(st) >= 0.99), default=capacity)
     # Offered: twice the larger of the two, so that a sweep whose refusals pulled the first one
     # down does not make the overload lighter than twice what the mesh was seen to serve.
     rate = args.factor * max(capacity, admitted_cap)

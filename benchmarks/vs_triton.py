@@ -1,15 +1,25 @@
-"""batchline against Triton, side by side: the same ONNX files, the same client, alternating rounds.
+"""batchline against Triton at its best, side by side: the same ONNX files, the same client, alternating rounds.
 
-    python benchmarks/vs_triton.py [--rounds 3] [--duration 10] [--peer-python /work/peers/triton/bin/python]
+    python benchmarks/vs_triton.py [--rounds 3] [--duration 10] [--workloads mlp 16 128]
+                                   [--peer-python /work/peers/triton/bin/python]
 
 Triton runs through nvidia-pytriton (PyPI; it ships Triton's server binary) in its own virtualenv
 (`python -m venv /work/peers/triton && /work/peers/triton/bin/pip install nvidia-pytriton onnxruntime
-numpy`), serving the repository's latest versions with its dynamic batcher set from each config.toml
-(benchmarks/peers/pytriton_server.py). batchline runs as `batchline up` would. Both stay up for the
-whole run; each round measures every workload on both, the order alternating from round to round, with
-the same `batchline bench` client (tritonclient's grpc.aio stubs). Per workload it prints each round's
-requests/s and p50/p99 on both, and the median over rounds of batchline/Triton for throughput and
-latency, with the CPU each request took per process (psutil, over the measured window).
+numpy`), ONNX Runtime in its Python backend (benchmarks/peers/pytriton_server.py). batchline runs as
+`batchline up` would, untuned.
+
+1. The sweep. Triton is compared at its best on this host, not with batchline's settings: for each
+   workload the script first sweeps Triton's own settings, in two passes of --sweep-duration
+   seconds a step: the layout (1 instance x 2 threads, 2 x 1, ONNX Runtime's thread spinning on
+   and off) at config.toml's queue delay, then `max_queue_delay` (0, 0.5, 1, 2, 5, 10 ms) with
+   the best layout. The best setting is the one with the most requests/s. It prints every step.
+2. The comparison. Each round measures every workload on batchline, on Triton at its best setting
+   and on Triton "as config.toml says" (its dynamic batcher and instances set from batchline's
+   config.toml, as batchline's executor reads it), the order rotating from round to round, with
+   the same `batchline bench` client (tritonclient's grpc.aio stubs). It prints each round's
+   requests/s and p50/p99, and for both Triton settings the median over rounds of batchline/Triton
+   for throughput and latency, with the CPU each request took per process (psutil, over the
+   measured window).
 
 The text workload sends batchline the sentences of benchmarks/lengths.py as text (tokenized by its
 gateway, batched by length); Triton's client sends token ids padded to 128, as Triton users do
@@ -17,6 +27,7 @@ without ragged batching (padded, the run costs the same whatever the tokens' val
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import os
@@ -29,7 +40,7 @@ import sys
 import sysconfig
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import _common
 import lengths
@@ -96,12 +107,22 @@ class Triton:
         self.proc: subprocess.Popen | None = None
         self.address = ""
         self.crashes = 0
+        self.flags: tuple[str, ...] = ()  # pytriton_server.py's: the models and Triton's settings
+
+    def serve(self, flags: tuple[str, ...]) -> None:
+        """Serve with these settings: a fresh server unless the one up already has them."""
+        if self.alive() and flags == self.flags:
+            return
+        self.stop()
+        self.flags = flags
+        self.start()
 
     def start(self) -> "Triton":
         env = dict(os.environ)
         # pytriton's Triton binary links against libpython from the interpreter's LIBDIR.
         env["LD_LIBRARY_PATH"] = ":".join(filter(None, [sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH")]))
-        self.proc = subprocess.Popen([self.peer_python, str(PEER_SERVER), "--model-repository", str(self.repository)],
+        self.proc = subprocess.Popen([self.peer_python, str(PEER_SERVER), "--model-repository", str(self.repository),
+                                      *self.flags],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      start_new_session=True)
         ready: queue.Queue[str] = queue.Queue()
@@ -145,11 +166,6 @@ class Triton:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc = None
 
-    def restart(self) -> None:
-        self.crashes += 1
-        self.stop()
-        self.start()
-
 
 @functools.cache
 def _texts() -> list[str]:
@@ -171,29 +187,82 @@ def measure(address: str, w: Workload, args, peer: bool = False) -> Run:
     return Run(step, cpu)
 
 
-def measure_peer(peer: Triton, w: Workload, args, attempts: int = 3) -> Run | None:
-    """A step on Triton; measured again on a restarted server when Triton died during it (its wrapper
-    process may outlive it: a step answered UNAVAILABLE, or one that cannot connect, is the sign)."""
+def measure_peer(peer: Triton, w: Workload, args, setting: "Setting", attempts: int = 3) -> Run | None:
+    """A step on Triton with `setting`; measured again on a fresh server when Triton died during it
+    (its wrapper process may outlive it: a step answered UNAVAILABLE, or one that cannot connect, is the sign)."""
+    flags = ("--models", w.model, *setting.flags)
     for _ in range(attempts):
-        if not peer.alive():
-            try:
-                peer.restart()
-            except PeerDown as exc:
-                print(f"{exc}; trying again", flush=True)
-                continue
+        try:
+            peer.serve(flags)
+        except PeerDown as exc:
+            print(f"{exc}; trying again", flush=True)
+            continue
         try:
             run = measure(peer.address, w, args, peer=True)
         except Exception as exc:  # noqa: BLE001 - the server died before or as the step connected
             print(f"Triton unreachable for '{w.name}' ({exc}); restarting it", flush=True)
+            peer.crashes += 1
             peer.stop()
             continue
         if not run.step.status_counts.get("UNAVAILABLE"):
             return run
         print(f"Triton died during '{w.name}' ({run.step.status_counts}); measuring it again on a fresh server",
               flush=True)
+        peer.crashes += 1
         peer.stop()  # the next attempt, or the next step, starts a fresh one
     print(f"Triton died {attempts} times in a row during '{w.name}': no figure for it this round", flush=True)
     return None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Triton's settings for a workload's model; the defaults: as batchline's config.toml says."""
+    instances: int = 0             # 0: config.toml's instance_count, each on cores / instances threads
+    threads: int = 0
+    spinning: bool = False
+    delay_ms: float | None = None  # max_queue_delay; None: config.toml's
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        flags = ["--spinning" if self.spinning else "--no-spinning"]
+        if self.instances:
+            flags += ["--instances", str(self.instances), "--threads", str(self.threads)]
+        if self.delay_ms is not None:
+            flags += ["--max-queue-delay-ms", f"{self.delay_ms:g}"]
+        return tuple(flags)
+
+    @property
+    def name(self) -> str:
+        if self == AS_CONFIGURED:
+            return "as config.toml says"
+        delay = "config.toml's delay" if self.delay_ms is None else f"delay {self.delay_ms:g} ms"
+        return f"{self.instances}x{self.threads}, spinning {'on' if self.spinning else 'off'}, {delay}"
+
+
+AS_CONFIGURED = Setting()
+LAYOUTS = [(1, 2), (2, 1)]                 # instances x ONNX Runtime threads, on 2 cores
+DELAYS_MS = [0.0, 0.5, 1.0, 2.0, 5.0, 10.0]
+
+
+def sweep(peer: Triton, w: Workload, args) -> tuple[Setting, list[tuple[Setting, Run | None]]]:
+    """Triton's best setting for `w` on this host: the layout first, then the queue delay with it."""
+    quick = argparse.Namespace(**{**vars(args), "duration": args.sweep_duration, "warmup": args.sweep_warmup})
+    steps: list[tuple[Setting, Run | None]] = []
+
+    def served(setting: Setting) -> float:
+        run = measure_peer(peer, w, quick, setting)
+        steps.append((setting, run))
+        print(f"sweep {w.name:32s} {setting.name:40s} " + (
+            f"{run.step.throughput_rps:8.0f}/s p50 {run.p50:6.1f} ms p99 {run.p99:6.1f} ms" if run else "no figure"),
+            flush=True)
+        return run.step.throughput_rps if run else 0.0
+
+    layout = max((Setting(i, t, spin) for i, t in LAYOUTS for spin in (False, True)), key=served)
+    for delay in DELAYS_MS:
+        served(replace(layout, delay_ms=delay))
+    measured = [(st, run) for st, run in steps if run is not None]
+    best = max(measured, key=lambda sr: sr[1].step.throughput_rps)[0] if measured else AS_CONFIGURED
+    return best, steps
 
 
 def ratio(a: float, b: float) -> float:
@@ -228,49 +297,63 @@ def cpu_table(results: dict[Workload, tuple[list[Run], list[Run]]]) -> str:
     return _common.table(rows)
 
 
+SIDES = ["batchline", "Triton at its best", "Triton as config.toml says"]
+DEFAULT_WORKLOADS = ["mlp unary, 32", "minilm 16", "minilm 128"]
+
+
 def main() -> int:
     p = _common.arg_parser(__doc__.splitlines()[0], progress=False)
     _common.step_args(p, duration=10.0, rounds=3)
+    p.add_argument("--sweep-duration", type=float, default=5.0, help="measured seconds per sweep step (default: 5)")
+    p.add_argument("--sweep-warmup", type=float, default=2.0, help="warm-up seconds per sweep step (default: 2)")
     p.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON,
                    help=f"the Python of the virtualenv with nvidia-pytriton (default: {DEFAULT_PEER_PYTHON})")
-    p.add_argument("--workloads", nargs="*", default=[],
-                   help="only the workloads whose name contains one of these words (e.g. mlp, 128)")
+    p.add_argument("--workloads", nargs="*", default=DEFAULT_WORKLOADS,
+                   help="only the workloads whose name contains one of these (default: the targets' "
+                        f"{DEFAULT_WORKLOADS}; '' for every workload)")
     args = p.parse_args()
     if not pathlib.Path(args.peer_python).exists():
         raise SystemExit(f"no {args.peer_python}: create the peer's virtualenv as this script's docstring says")
-    workloads = [w for w in WORKLOADS if not args.workloads or any(k in w.name for k in args.workloads)]
+    workloads = [w for w in WORKLOADS if any(k in w.name for k in args.workloads)]
     repo = _common.ensure_repository(args.model_repository)
     print(f"machine: {_common.machine()}")
-    results: dict[Workload, tuple[list[Run], list[Run]]] = {w: ([], []) for w in workloads}
+    results: dict[Workload, dict[str, list[Run | None]]] = {w: {side: [] for side in SIDES} for w in workloads}
+    sweeps: dict[Workload, tuple[Setting, list[tuple[Setting, Run | None]]]] = {}
     peer = Triton(repo, args.peer_python)
     with _common.mesh(repo, log_level=args.log_level) as ours:
         try:
-            peer.start()
-        except PeerDown as exc:
-            raise SystemExit(str(exc)) from None
-        try:
+            for w in workloads:
+                sweeps[w] = sweep(peer, w, args)
+                print(f"Triton's best for '{w.name}': {sweeps[w][0].name}", flush=True)
             for r in range(args.rounds):
                 for w in workloads:
-                    for side in ((0, 1) if r % 2 == 0 else (1, 0)):
-                        run = measure(ours, w, args) if side == 0 else measure_peer(peer, w, args)
+                    for side in SIDES[r % 3:] + SIDES[:r % 3]:
+                        if side == "batchline":
+                            run = measure(ours, w, args)
+                        else:
+                            run = measure_peer(peer, w, args, sweeps[w][0] if side == SIDES[1] else AS_CONFIGURED)
                         results[w][side].append(run)
-                        if run is None:
-                            continue
-                        who = "batchline" if side == 0 else "Triton"
-                        print(f"round {r + 1} {w.name:32s} {who:9s} {run.step.throughput_rps:8.0f}/s "
-                              f"p50 {run.p50:6.1f} ms p99 {run.p99:6.1f} ms  {run.step.status_counts}", flush=True)
+                        if run is not None:
+                            print(f"round {r + 1} {w.name:32s} {side:26s} {run.step.throughput_rps:8.0f}/s "
+                                  f"p50 {run.p50:6.1f} ms p99 {run.p99:6.1f} ms  {run.step.status_counts}", flush=True)
         finally:
             peer.stop()
+    f = _common.f
+    print(f"\nThe sweep of Triton's settings ({args.sweep_duration:g} s a step):")
+    rows = [["workload", "Triton setting", "req/s", "p50 ms", "p99 ms", ""]]
+    for w, (best, steps) in sweeps.items():
+        rows += [[w.name, st.name, f(run.step.throughput_rps, ".0f") if run else "-", f(run.p50) if run else "-",
+                  f(run.p99) if run else "-", "best" if st == best else ""] for st, run in steps]
+    print(_common.table(rows))
     head = ["workload", "thr ratio", "p50 ratio", "p99 ratio", "p50 bl", "p50 Triton", "p99 bl", "p99 Triton",
             "rounds (req/s, batchline vs Triton)"]
-    rows = [head] + [row for w, (o, t) in results.items() for row in report(w, o, t)]
-    print()
-    print(f"batchline / Triton, median of {args.rounds} alternating rounds (ratios > 1: batchline serves more; "
-          "latency ratios < 1: batchline answers sooner)")
-    print(_common.table(rows))
-    print()
-    print("CPU per request, ms (median over rounds; the warm-up's requests included):")
-    print(cpu_table(results))
+    for side in SIDES[1:]:
+        print(f"\nbatchline / {side}, median of {args.rounds} rotating rounds (ratios > 1: batchline serves more; "
+              "latency ratios < 1: batchline answers sooner)")
+        rows = [head] + [row for w, by in results.items() for row in report(w, by["batchline"], by[side])]
+        print(_common.table(rows))
+    print("\nCPU per request, ms (median over rounds; the warm-up's requests included; Triton at its best):")
+    print(cpu_table({w: (by["batchline"], by[SIDES[1]]) for w, by in results.items()}))
     if peer.crashes:
         print(f"\nTriton's Python backend died {peer.crashes} time(s) during the run; those steps were measured again.")
     return 0

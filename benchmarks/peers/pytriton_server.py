@@ -7,7 +7,10 @@ Runs in the peer's own virtualenv (`pip install nvidia-pytriton onnxruntime nump
 nothing from batchline. Each model's latest version is bound with Triton's dynamic batcher set from its
 config.toml as batchline reads it: max_batch_size, max_queue_delay_ms, preferred_batch_sizes, and one
 Triton model instance per `instance_count`, each an ONNX Runtime session on its share of the cores
-(the way batchline's executor splits them). Requests are run by ONNX Runtime in pytriton's Python
+(the way batchline's executor splits them), with ONNX Runtime's thread spinning off. Those are
+batchline's settings, not Triton's best on a host: --max-queue-delay-ms, --instances, --threads and
+--spinning set Triton's own, for vs_triton.py's sweep; --max-queue-size (with the REJECT queue
+policy) and --queue-timeout-ms set its queue policy, for overload_vs_triton.py's. Requests are run by ONNX Runtime in pytriton's Python
 process, as a Triton user without a GPU would serve an ONNX file through pytriton. Inputs listed under
 [padding] are padded to the batch's longest member, as batchline does; the benchmark sends
 equal-length requests, so nothing is padded in practice.
@@ -26,7 +29,7 @@ import tomllib
 
 import numpy as np
 import onnxruntime as ort
-from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+from pytriton.model_config import DynamicBatcher, ModelConfig, QueuePolicy, Tensor, TimeoutAction
 from pytriton.triton import Triton, TritonConfig
 
 _NUMPY = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
@@ -40,11 +43,11 @@ def latest_version(model_dir: pathlib.Path) -> pathlib.Path:
     return max(versions, key=lambda p: int(p.name))
 
 
-def session(path: pathlib.Path, threads: int) -> ort.InferenceSession:
+def session(path: pathlib.Path, threads: int, spinning: bool) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
-    # As batchline's executor runs on a host it shares with its ingress.
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # Off: as batchline's executor runs on a host it shares with its ingress.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
 
 
@@ -77,13 +80,14 @@ def infer_function(sess: ort.InferenceSession, padding: dict):
     return infer
 
 
-def bind(triton: Triton, model_dir: pathlib.Path, cores: int) -> str:
+def bind(triton: Triton, model_dir: pathlib.Path, args: argparse.Namespace) -> str:
     cfg_path = model_dir / "config.toml"
     cfg = tomllib.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-    instances = int(cfg.get("instance_count", 1))
-    threads = max(1, cores // instances)
+    instances = args.instances or int(cfg.get("instance_count", 1))
+    threads = args.threads or max(1, args.cores // instances)
+    delay_ms = float(cfg.get("max_queue_delay_ms", 2.0)) if args.max_queue_delay_ms is None else args.max_queue_delay_ms
     path = latest_version(model_dir) / "model.onnx"
-    sessions = [session(path, threads) for _ in range(instances)]
+    sessions = [session(path, threads, args.spinning) for _ in range(instances)]
     padding = cfg.get("padding", {})
     first = sessions[0]
 
@@ -94,8 +98,11 @@ def bind(triton: Triton, model_dir: pathlib.Path, cores: int) -> str:
     config = ModelConfig(
         max_batch_size=int(cfg.get("max_batch_size", 8)),
         batcher=DynamicBatcher(
-            max_queue_delay_microseconds=int(float(cfg.get("max_queue_delay_ms", 2.0)) * 1000),
+            max_queue_delay_microseconds=int(delay_ms * 1000),
             preferred_batch_size=list(cfg.get("preferred_batch_sizes", [])) or None,
+            default_queue_policy=QueuePolicy(
+                timeout_action=TimeoutAction.REJECT, max_queue_size=args.max_queue_size,
+                default_timeout_microseconds=int(args.queue_timeout_ms * 1000), allow_timeout_override=True),
         ),
         batching=True,
     )
@@ -107,7 +114,8 @@ def bind(triton: Triton, model_dir: pathlib.Path, cores: int) -> str:
         config=config,
         strict=False,
     )
-    return f"{model_dir.name} ({instances} instance(s) x {threads} thread(s), {path.parent.name})"
+    return (f"{model_dir.name} ({instances} instance(s) x {threads} thread(s), spinning {'on' if args.spinning else 'off'}, "
+            f"queue delay {delay_ms:g} ms, queue cap {args.max_queue_size or 'none'}, {path.parent.name})")
 
 
 def main() -> int:
@@ -116,6 +124,15 @@ def main() -> int:
     p.add_argument("--models", nargs="*", default=[], help="only these models (default: all)")
     p.add_argument("--grpc-port", type=int, default=0, help="0 = any free port")
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--max-queue-delay-ms", type=float, default=None, help="default: each config.toml's")
+    p.add_argument("--instances", type=int, default=0, help="model instances (default: each config.toml's)")
+    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads per instance (default: cores / instances)")
+    p.add_argument("--spinning", action=argparse.BooleanOptionalAction, default=False,
+                   help="ONNX Runtime's intra-op thread spinning (default: off, as batchline's executor)")
+    p.add_argument("--max-queue-size", type=int, default=0,
+                   help="requests queued per model before Triton rejects more (REJECT policy; default: 0, unbounded)")
+    p.add_argument("--queue-timeout-ms", type=float, default=0.0,
+                   help="a request queued longer is rejected (default_timeout_microseconds; 0: none)")
     args = p.parse_args()
     repo = pathlib.Path(args.model_repository)
     ports = {}
@@ -132,7 +149,7 @@ def main() -> int:
                           log_verbose=0, exit_on_error=True)
     stop = threading.Event()
     with Triton(config=config) as triton:
-        bound = [bind(triton, d, args.cores) for d in sorted(repo.iterdir())
+        bound = [bind(triton, d, args) for d in sorted(repo.iterdir())
                  if d.is_dir() and (not args.models or d.name in args.models)]
         triton.run()
         # Only now: handlers installed before Triton starts break pytriton's model handshake.

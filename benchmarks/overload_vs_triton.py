@@ -1,0 +1,130 @@
+"""Overload against Triton at its best: batchline untuned against Triton's REJECT queue policy with its
+queue cap swept, as the offered load rises past capacity.
+
+    python benchmarks/overload_vs_triton.py [--seq-len 16] [--budget-ms 200] [--factors 1,2,3,4] [--rounds 3]
+
+1. batchline's capacity at the budget (minilm --seq-len tokens, closed loop, overload.py's sweep:
+   the best goodput with 99% of the requests answered OK within --budget-ms).
+2. For each factor f of --factors, open-loop Poisson arrivals at f x that capacity, every request
+   with a --budget-ms deadline:
+   - the sweep: Triton (benchmarks/peers/pytriton_server.py, at the best layout vs_triton.py found
+     for minilm on a 2-core host: one instance, two threads, spinning off, its default queue delay)
+     with its REJECT queue policy at each `max_queue_size` of --queue-caps, the queue timeout at the
+     budget (a request queued longer is rejected rather than run late), one run each;
+   - the comparison: batchline, untuned, against Triton at the cap that served the most good
+     requests, --rounds rotating rounds.
+   It prints the sweep, then per factor the median goodput (OK answers within the budget per
+   second) of both, goodput / batchline's capacity, the ratio batchline / Triton, and how much of
+   its 2x goodput each keeps at 3x.
+
+Triton runs in its own virtualenv (vs_triton.py's docstring says how).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import _common
+import overload
+from batchline.bench import InputOptions, StepResult, run_closed, run_open
+from vs_triton import DEFAULT_PEER_PYTHON, PeerDown, Setting, Triton
+
+# minilm's best layout here (vs_triton.py's sweep): one instance on both cores.
+LAYOUT = Setting(1, 2, False)
+
+
+def peer_flags(cap: int, budget_ms: float) -> tuple[str, ...]:
+    return ("--models", "minilm", *LAYOUT.flags, "--max-queue-size", str(cap), "--queue-timeout-ms", f"{budget_ms:g}")
+
+
+def main() -> int:
+    p = _common.arg_parser(__doc__.splitlines()[0], progress=False)
+    p.add_argument("--seq-len", type=int, default=16, help="minilm tokens per request (default: 16)")
+    p.add_argument("--budget-ms", type=float, default=200.0, help="per-request budget (default: 200)")
+    p.add_argument("--factors", default="1,2,3,4", help="offered load / batchline's capacity (default: 1,2,3,4)")
+    p.add_argument("--queue-caps", default="8,16,32,64", help="Triton's max_queue_size values (default: 8,16,32,64)")
+    p.add_argument("--sweep-duration", type=float, default=8.0, help="measured seconds per sweep run (default: 8)")
+    p.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON,
+                   help=f"the Python of the virtualenv with nvidia-pytriton (default: {DEFAULT_PEER_PYTHON})")
+    _common.step_args(p, duration=10.0, rounds=3)
+    args = p.parse_args()
+    repo = _common.ensure_repository(args.model_repository)
+    inputs = InputOptions(seq_len=args.seq_len, int_ranges={"input_ids": (1000, 29000)})
+    factors = [float(x) for x in args.factors.split(",")]
+    caps = [int(x) for x in args.queue_caps.split(",")]
+    print(f"machine: {_common.machine()}; minilm {args.seq_len} tokens, budget {args.budget_ms:g} ms")
+
+    def closed(address: str, c: int) -> StepResult:
+        return run_closed(address, "minilm", c, args.duration, warmup=args.warmup, inputs=inputs,
+                          budget_ms=args.budget_ms)
+
+    def offered(address: str, rate: float, duration: float) -> StepResult:
+        return run_open(address, "minilm", rate, duration, warmup=args.warmup, budget_ms=args.budget_ms, inputs=inputs)
+
+    peer = Triton(repo, args.peer_python)
+    sweeps: dict[float, list[tuple[int, StepResult]]] = {}
+    rounds: dict[float, dict[str, list[StepResult]]] = {f: {"batchline": [], "Triton": []} for f in factors}
+    with _common.mesh(repo, log_level=args.log_level) as ours:
+        sweep = [2, 4, 8, 12, 16]
+        cap, _ = overload.capacity_of(overload.sweep_capacity(lambda c: closed(ours, c), sweep, 64))
+        if cap is None:
+            raise SystemExit(f"no concurrency in {sweep} answered 99% within {args.budget_ms:g} ms")
+        capacity = cap.goodput_rps
+        print(f"batchline's capacity at the budget: {capacity:.0f} req/s ({cap.concurrency} in flight)", flush=True)
+        try:
+            for factor in factors:
+                rate = factor * capacity
+                sweeps[factor] = []
+                for q in caps:
+                    peer.serve(peer_flags(q, args.budget_ms))
+                    st = offered(peer.address, rate, args.sweep_duration)
+                    sweeps[factor].append((q, st))
+                    print(f"sweep {factor:g}x ({rate:.0f}/s) Triton max_queue_size {q:3d}: goodput "
+                          f"{st.goodput_rps:.0f}/s {st.status_counts}", flush=True)
+                best = max(sweeps[factor], key=lambda qs: qs[1].goodput_rps)[0]
+                for r in range(args.rounds):
+                    for side in (("batchline", "Triton") if r % 2 == 0 else ("Triton", "batchline")):
+                        if side == "Triton":
+                            peer.serve(peer_flags(best, args.budget_ms))
+                        st = offered(ours if side == "batchline" else peer.address, rate, args.duration)
+                        rounds[factor][side].append(st)
+                        print(f"round {r + 1} {factor:g}x {side:9s} goodput {st.goodput_rps:.0f}/s "
+                              f"{st.status_counts}", flush=True)
+        except PeerDown as exc:
+            raise SystemExit(str(exc)) from None
+        finally:
+            peer.stop()
+
+    f = _common.f
+    print(f"\nTriton's queue cap swept ({args.sweep_duration:g} s a run), goodput req/s:")
+    rows = [["offered", *(f"max_queue_size {q}" for q in caps), "best"]]
+    for factor, runs in sweeps.items():
+        best = max(runs, key=lambda qs: qs[1].goodput_rps)[0]
+        rows.append([f"{factor:g}x", *(f(st.goodput_rps, ".0f") for _, st in runs), str(best)])
+    print(_common.table(rows))
+    print(f"\nbatchline untuned against Triton at its best cap, median of {args.rounds} alternating rounds "
+          f"(capacity {capacity:.0f} req/s):")
+    rows = [["offered", "offered/s", "batchline goodput/s", "goodput/capacity", "Triton goodput/s",
+             "Triton goodput/capacity", "batchline/Triton", "batchline refused", "rounds (batchline vs Triton)"]]
+    goodput = {}
+    for factor, by in rounds.items():
+        ours_g = statistics.median(st.goodput_rps for st in by["batchline"])
+        theirs_g = statistics.median(st.goodput_rps for st in by["Triton"])
+        goodput[factor] = (ours_g, theirs_g)
+        refused = statistics.median(st.status_counts.get("RESOURCE_EXHAUSTED", 0) / max(1, st.sent)
+                                    for st in by["batchline"])
+        rows.append([f"{factor:g}x", f"{factor * capacity:.0f}", f"{ours_g:.0f}", f"{ours_g / capacity:.2f}",
+                     f"{theirs_g:.0f}", f"{theirs_g / capacity:.2f}", f(ours_g / theirs_g if theirs_g else None, ".2f"),
+                     f"{100 * refused:.0f}%", "; ".join(f"{a.goodput_rps:.0f} vs {b.goodput_rps:.0f}"
+                                                       for a, b in zip(by["batchline"], by["Triton"]))])
+    print(_common.table(rows))
+    if 2.0 in goodput and 3.0 in goodput:
+        for i, who in enumerate(("batchline", "Triton")):
+            kept = goodput[3.0][i] / goodput[2.0][i] if goodput[2.0][i] else float("nan")
+            print(f"{who}: goodput at 3x / at 2x = {kept:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
