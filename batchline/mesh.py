@@ -72,6 +72,8 @@ class Mesh:
 
     def start(self) -> str:
         a = self.args
+        if a.gateway_port and ports.in_use(a.host, a.gateway_port):
+            raise SystemExit(f"batchline: {ports.PortInUse(a.gateway_port, 'stop it, or choose another --gateway-port')}")
         repo = pathlib.Path(a.model_repository).resolve()
         if not repo.exists():
             build_demo(repo)
@@ -87,8 +89,6 @@ class Mesh:
                    f"(the services use {mask(self.redis_url)})")
         client = connect_sync(self.redis_url, 2)
         client.ping()
-        if a.gateway_port and ports.in_use(a.host, a.gateway_port):
-            raise SystemExit(f"batchline: {ports.PortInUse(a.gateway_port, 'stop it, or choose another --gateway-port')}")
         self.supervisor = Supervisor(a, self.redis_url, self.redis, self.env)
         base = getattr(a, "metrics_port", 0)
         gateways = getattr(a, "gateways", 1)
