@@ -20,6 +20,7 @@ from batchline.errors import InvalidArgument, Unavailable
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS
+from batchline.text_inputs import configured, first_too_long, token_arrays
 
 
 class Tokenizers:
@@ -43,12 +44,7 @@ class Tokenizers:
             if blob is None:
                 raise Unavailable(f"the tokenizer of model '{model.name}' is not in Redis yet (its executor publishes "
                                   "it when it loads the model): retry")
-            tokenizer = Tokenizer.from_str(blob.decode())
-            tokenizer.no_padding()
-            if text.truncate:
-                tokenizer.enable_truncation(text.max_length)
-            else:
-                tokenizer.no_truncation()
+            tokenizer = configured(blob.decode(), text)
             self._loaded[key] = tokenizer
         return tokenizer
 
@@ -60,19 +56,12 @@ class Tokenizers:
         strings = _strings(request, model)
         tokenizer = await self.get(model)
         encodings = tokenizer.encode_batch(strings)
-        lengths = [len(e.ids) for e in encodings]
-        for i, n in enumerate(lengths):
-            if n > text.max_length:  # (truncating, the tokenizer has cut it already)
-                raise InvalidArgument(f"input '{text.name}': element {i} is {n} tokens, more than the {text.max_length} "
-                                      f"model '{model.name}' takes (its [tokenizer] does not truncate)")
-        width = max(lengths)
-        ids = np.zeros((len(strings), width), np.int64)
-        mask = np.zeros((len(strings), width), np.int64)
-        for i, (e, n) in enumerate(zip(encodings, lengths)):
-            ids[i, :n] = e.ids[:n]
-            mask[i, :n] = 1
-        return _with_inputs(request, [(text.ids_input, ids), (text.mask_input, mask)]
-                            + ([(text.type_ids_input, np.zeros_like(ids))] if text.type_ids_input else []))
+        too_long = first_too_long(encodings, text)
+        if too_long:
+            i, n = too_long
+            raise InvalidArgument(f"input '{text.name}': element {i} is {n} tokens, more than the {text.max_length} "
+                                  f"model '{model.name}' takes (its [tokenizer] does not truncate)")
+        return _with_inputs(request, token_arrays(encodings, text))
 
 
 def _strings(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> list[str]:
