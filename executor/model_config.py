@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pathlib
 import tomllib
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
@@ -36,6 +36,18 @@ class TokenizerConfig(BaseModel):
     ids_input: str = Field("input_ids", description="The graph's input that takes the token ids.")
     mask_input: str = Field("attention_mask", description="The graph's input that takes the attention mask.")
     type_ids_input: str = Field("", description="The graph's token-type input, if it has one (fed zeros).")
+
+
+class OptimizeConfig(BaseModel):
+    """`[optimize]`: how `batchline optimize` judges this model's variants against FP32."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    outputs: dict[str, Literal["embedding", "classes", "values"]] = Field(
+        default_factory=dict,
+        description="Output name = how the accuracy gate judges it: `embedding` (cosines and nearest neighbours), "
+        "`classes` (argmax kept, values close) or `values` (values close). Outputs not named here are judged by "
+        "their name and values (docs/guides/optimize.md#the-gate).")
 
 
 class ModelConfig(BaseModel):
@@ -93,6 +105,11 @@ class ModelConfig(BaseModel):
         "the gateway tokenizes into its token-id inputs; those stay available to clients that tokenize themselves. "
         "Keys: `path` (required: the directory of tokenizer.json), `max_length` (512), `truncate` (true; false "
         "refuses longer texts), `input`, `ids_input`, `mask_input`, `type_ids_input`.",
+    )
+    optimize: OptimizeConfig | None = Field(
+        None, description="An `[optimize]` table for `batchline optimize` (the executors ignore it): "
+        "`outputs = { NAME = \"embedding\" | \"classes\" | \"values\" }` says how its accuracy gate judges each output "
+        "(default: by the output's name and values).",
     )
     version_policy: dict[str, Any] = Field(
         default_factory=lambda: {"latest": 1},
