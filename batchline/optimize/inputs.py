@@ -1,6 +1,6 @@
 """The inputs `batchline optimize` judges and calibrates with: the user's (a .npz of the model's
-inputs, or a text file tokenized with the model's tokenizer), else generated ones (and the report
-says so). Nothing comes from the network."""
+inputs, or a text file tokenized as the gateway tokenizes the model's text), else generated ones
+(and the report says so). Nothing comes from the network."""
 from __future__ import annotations
 
 import pathlib
@@ -10,9 +10,13 @@ import numpy as np
 
 from batchline.codec import DATATYPES
 from batchline.protocol import internal_pb2 as pb
+from batchline.text_inputs import configured, first_too_long, token_arrays
 
 GENERATED_ROWS = 256
 GENERATED_LENGTH = 128  # for the variable dims of generated inputs (a sequence length)
+# Rows that calibrate activation ranges (int8-static, TensorRT's table), spread over the inputs:
+# ranges settle within a few hundred rows, and each row costs a run that records every tensor.
+CALIBRATION_ROWS = 512
 
 
 class InputsError(ValueError):
@@ -23,10 +27,23 @@ class InputsError(ValueError):
 class Inputs:
     batches: list[dict[str, np.ndarray]]  # each at most the model's max_batch_size rows
     source: str                           # what they are, for the report
+    timing: dict[str, np.ndarray] | None = None  # the batch speed is measured on (default: the first)
+
+    def __post_init__(self) -> None:
+        if self.timing is None:
+            self.timing = self.batches[0]
 
     @property
     def rows(self) -> int:
         return sum(next(iter(b.values())).shape[0] for b in self.batches)
+
+
+def spread(batches: list[dict[str, np.ndarray]], rows: int) -> list[int]:
+    """Indices of batches holding about `rows` rows, spread evenly over `batches` (texts come sorted
+    by length: every length)."""
+    per = len(next(iter(batches[0].values())))
+    count = min(len(batches), max(1, -(-rows // per)))
+    return sorted({round(i * (len(batches) - 1) / max(count - 1, 1)) for i in range(count)})
 
 
 def _split(arrays: dict[str, np.ndarray], batch: int) -> list[dict[str, np.ndarray]]:
@@ -53,30 +70,34 @@ def from_npz(path: pathlib.Path, info: pb.ModelInfo, batch: int) -> Inputs:
     return Inputs(_split(arrays, batch), f"{path.name}: {rows.pop()} rows")
 
 
-def from_texts(path: pathlib.Path, model_dir: pathlib.Path, info: pb.ModelInfo, batch: int,
-               max_length: int = GENERATED_LENGTH) -> Inputs:
-    tokenizer_file = model_dir / "tokenizer" / "tokenizer.json"
-    if not tokenizer_file.exists():
-        raise InputsError(f"--texts needs the model's tokenizer at {tokenizer_file}")
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    tokenizer.enable_truncation(max_length)
-    tokenizer.enable_padding()
+def from_texts(path: pathlib.Path, tokenizer_json: bytes, info: pb.ModelInfo, batch: int) -> Inputs:
+    """The texts at `path` (one a line) tokenized as the gateway tokenizes the model's text input
+    (config.toml's [tokenizer]: its tokenizer, max_length, truncation and input names), in batches
+    of texts of similar length, as the scheduler's length-aware batches are. The timing batch is
+    the file's first texts, lengths mixed."""
+    text = info.text
+    if not text.name:
+        raise InputsError(f"--texts needs a [tokenizer] table in the config.toml of model '{info.name}' (its "
+                          f"tokenizer and the inputs it feeds); the model takes {sorted(s.name for s in info.inputs)}")
     lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not lines:
         raise InputsError(f"{path}: no text (one sentence a line)")
-    names = {s.name for s in info.inputs}
-    if "input_ids" not in names:
-        raise InputsError(f"--texts needs a model with an `input_ids` input; model '{info.name}' takes {sorted(names)}")
-    batches = []
-    for i in range(0, len(lines), batch):
-        encodings = tokenizer.encode_batch(lines[i:i + batch])
-        columns = {"input_ids": [e.ids for e in encodings], "attention_mask": [e.attention_mask for e in encodings],
-                   "token_type_ids": [e.type_ids for e in encodings]}
-        batches.append({s.name: np.asarray(columns[s.name], dtype=DATATYPES[s.datatype]) for s in info.inputs})
-    return Inputs(batches, f"{path.name}: {len(lines)} texts, tokenized with the model's tokenizer (at most "
-                           f"{max_length} tokens)")
+    tokenizer = configured(tokenizer_json.decode(), text)
+    encodings = tokenizer.encode_batch(lines)
+    too_long = first_too_long(encodings, text)
+    if too_long:
+        i, n = too_long
+        raise InputsError(f"{path}: text {i + 1} is {n} tokens, more than the {text.max_length} model '{info.name}' "
+                          "takes (its [tokenizer] does not truncate)")
+    dtypes = {s.name: DATATYPES[s.datatype] for s in info.inputs}
+
+    def feeds(chosen: list) -> dict[str, np.ndarray]:
+        return {name: array.astype(dtypes[name]) for name, array in token_arrays(chosen, text)}
+
+    by_length = sorted(encodings, key=lambda e: len(e.ids))
+    batches = [feeds(by_length[i:i + batch]) for i in range(0, len(lines), batch)]
+    return Inputs(batches, f"{path.name}: {len(lines)} texts, tokenized with the model's [tokenizer] (at most "
+                           f"{text.max_length} tokens)", timing=feeds(encodings[:batch]))
 
 
 def generated(info: pb.ModelInfo, batch: int, rows: int = GENERATED_ROWS, seed: int = 0) -> Inputs:

@@ -3,9 +3,7 @@ fastest that passes as the model's next version, with its report (optimize.json)
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -13,12 +11,13 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import onnxruntime as ort
 
-from batchline.optimize import DEFAULT_VARIANTS, MIN_GAIN, VARIANTS, gate, inputs, speed, tensorrt
+from batchline.optimize import DEFAULT_VARIANTS, MIN_GAIN, VARIANTS, gate, inputs, providers, search, speed, tensorrt
 from batchline.optimize.inputs import InputsError  # noqa: F401 (raised through optimize())
+from batchline.optimize.report import summary, write_version  # noqa: F401 (summary: the command's)
 from batchline.optimize.variants import Int8Options, build
 from executor.repository import RepositoryError, load_model, read_config
+from executor.settings import DEFAULT_PROVIDERS
 
-REPORT = "optimize.json"
 GATE_BATCH = 16  # rows per run when judging: a batch, but one any batched model takes
 TENSORRT_INT8 = "tensorrt-int8"
 NO_INPUTS = "no calibration inputs (--calibration or --texts)"
@@ -49,14 +48,32 @@ def _latest(model_dir: pathlib.Path) -> pathlib.Path:
     return max(versions, key=lambda p: int(p.name))
 
 
-def _session(path: pathlib.Path) -> ort.InferenceSession:
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-
-
 def _outputs(session: ort.InferenceSession, batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     names = [o.name for o in session.get_outputs()]
     runs = [session.run(names, b) for b in batches]
     return {n: np.concatenate([r[i] for r in runs]) for i, n in enumerate(names)}
+
+
+@dataclass
+class _Context:
+    """What every variant is judged and timed against."""
+    o: Options
+    source: pathlib.Path
+    scratch: pathlib.Path
+    data: inputs.Inputs
+    reference: dict[str, np.ndarray]
+    kinds: dict[str, str]
+    sizes: list[int]
+    baselines: dict[str, ort.InferenceSession]  # FP32 per provider, to time against
+
+    def calibration(self) -> list[dict[str, np.ndarray]]:
+        return [self.data.batches[i] for i in inputs.spread(self.data.batches, inputs.CALIBRATION_ROWS)]
+
+    def baseline(self, provider: str, options: dict | None = None) -> ort.InferenceSession:
+        if provider not in self.baselines:
+            self.baselines[provider] = ort.InferenceSession(str(self.source),
+                                                            providers=providers.session_providers(provider, options))
+        return self.baselines[provider]
 
 
 def optimize(o: Options) -> dict:
@@ -72,43 +89,45 @@ def optimize(o: Options) -> dict:
         raise OptimizeError(f"model '{o.model}' is not in {o.repository} (models there: {', '.join(known) or 'none'})")
     source = _latest(model_dir)
     try:
-        info = load_model(model_dir, source, read_config(model_dir), ["CPUExecutionProvider"], "", 0, True, 0).info
+        config = read_config(model_dir)
+        loaded = load_model(model_dir, source, config, [providers.CPU], "", 0, True, 0)
     except RepositoryError as exc:
         raise OptimizeError(str(exc)) from None
+    info, tokenizer_json = loaded.info, loaded.tokenizer_json
+    del loaded  # its session runs on the executor's share of the cores: timed against, it would flatter variants
     if info.max_batch_size == 0:
         raise OptimizeError(f"model '{o.model}' has no batch dimension (max_batch_size 0): its variants are judged "
                             "and timed on batches")
+    declared = (config.get("optimize") or {}).get("outputs", {})
+    strangers = sorted(set(declared) - {s.name for s in info.outputs})
+    if strangers:
+        raise OptimizeError(f"{model_dir}/config.toml: [optimize] outputs names {strangers}, not outputs of model "
+                            f"'{o.model}' (its outputs: {sorted(s.name for s in info.outputs)})")
     batch = min(GATE_BATCH, info.max_batch_size)
     if o.calibration is not None:
         data = inputs.from_npz(o.calibration, info, batch)
     elif o.texts is not None:
-        data = inputs.from_texts(o.texts, model_dir, info, batch)
+        data = inputs.from_texts(o.texts, tokenizer_json, info, batch)
     else:
         data = inputs.generated(info, batch)
     scratch = o.scratch or pathlib.Path(tempfile.mkdtemp(prefix=f"batchline-optimize-{o.model}-"))
     scratch.mkdir(parents=True, exist_ok=True)
-    fp32 = _session(source / "model.onnx")
+    fp32 = ort.InferenceSession(str(source / "model.onnx"), providers=[providers.CPU])  # the gate's reference
     reference = _outputs(fp32, data.batches)
-    sizes = sorted({batch, info.max_batch_size})
-    calibration = (lambda: data.batches) if (o.calibration or o.texts) else None
+    kinds = {name: gate.kind_of(name, array, declared) for name, array in reference.items()}
+    available = ort.get_available_providers()
+    serves_on = providers.serving(config["providers"] or DEFAULT_PROVIDERS, available)
+    ctx = _Context(o, source / "model.onnx", scratch, data, reference, {k: v[0] for k, v in kinds.items()},
+                   sorted({batch, info.max_batch_size}), {fp32.get_providers()[0]: fp32})
     results = []
-    for name in o.variants:
-        if name == TENSORRT_INT8:
-            results.append(_tensorrt_int8(source / "model.onnx", calibration, scratch, data.batches, reference,
-                                          sizes, o))
-            continue
-        variant = build(name, source / "model.onnx", scratch, o.int8, calibration)
-        if variant is None:
-            results.append({"name": name, "skipped": NO_INPUTS})
-            continue
-        session = _session(variant.path)
-        verdict = gate.judge(reference, _outputs(session, data.batches), o.thresholds)
-        timing = speed.compare(fp32, session, data.batches[0], sizes, o.rounds)
-        results.append({"name": name, "notes": variant.notes, "gpu_only": variant.gpu_only, "gate": verdict,
-                        "speed": timing, "file": str(variant.path)})
-    chosen, why = _choose(results, str(info.max_batch_size), o.min_gain)
+    for step in providers.plan(o.variants, available, serves_on):
+        begun = time.perf_counter()
+        result = _tensorrt_int8(ctx, step) if step.variant == TENSORRT_INT8 else _variant(ctx, step)
+        results.append({**result, "seconds": round(time.perf_counter() - begun, 1)} if "gate" in result else result)
+    chosen, why = providers.choose(results, str(info.max_batch_size), o.min_gain, serves_on)
     report = {"model": o.model, "source_version": source.name, "written_version": None, "chosen": chosen,
-              "why": why, "inputs": data.source, "provider": "CPUExecutionProvider",
+              "why": why, "inputs": data.source, "reference_provider": fp32.get_providers()[0], "serves_on": serves_on,
+              "outputs": {k: {"kind": kind, "why": reason} for k, (kind, reason) in kinds.items()},
               "thresholds": asdict(o.thresholds), "int8": asdict(o.int8), "variants": results,
               "scratch": str(scratch), "seconds": 0.0}
     if chosen is not None:
@@ -117,77 +136,76 @@ def optimize(o: Options) -> dict:
     report = json.loads(json.dumps(report))  # as optimize.json holds it
     if chosen is not None:
         written = next(r for r in results if r.get("name") == chosen)
-        _write_version(model_dir, report, pathlib.Path(written["file"]), [pathlib.Path(f) for f in written.get("extra_files", [])])
+        write_version(model_dir, report, pathlib.Path(written["file"]),
+                      [pathlib.Path(f) for f in written.get("extra_files", [])])
     return report
 
 
-def _tensorrt_int8(source: pathlib.Path, calibration, scratch: pathlib.Path, batches: list, reference: list,
-                   sizes: list[int], o: Options) -> dict:
+def _judged(ctx: _Context, name: str, path: pathlib.Path, step: providers.Step, notes: list[str],
+            timed: bool = True) -> dict:
+    """A variant judged against FP32's outputs and (if `timed`) timed against FP32 on its provider."""
+    session = ort.InferenceSession(str(path), providers=providers.session_providers(step.provider))
+    ran_on = session.get_providers()[0]
+    if ran_on != step.provider:  # onnxruntime-gpu lists CUDA where there is none, and falls back
+        return {"name": name, "skipped": f"ONNX Runtime offers {step.provider} but the session runs on {ran_on}"}
+    verdict = gate.judge(ctx.reference, _outputs(session, ctx.data.batches), ctx.o.thresholds, ctx.kinds)
+    result = {"name": name, "notes": notes, "provider": ran_on, "choosable": step.choosable, "gate": verdict,
+              "file": str(path)}
+    if timed:
+        result["speed"] = speed.compare(ctx.baseline(ran_on), session, ctx.data.timing, ctx.sizes, ctx.o.rounds)
+    return result
+
+
+def _variant(ctx: _Context, step: providers.Step) -> dict:
+    if step.provider is None:
+        return {"name": step.variant, "skipped": step.skipped}
+    calibration = ctx.calibration if (ctx.o.calibration or ctx.o.texts) else None
+    variant = build(step.variant, ctx.source, ctx.scratch, ctx.o.int8, calibration)
+    if variant is None:
+        return {"name": step.variant, "skipped": NO_INPUTS}
+    result = _judged(ctx, step.variant, variant.path, step, variant.notes)
+    if step.variant != "int8-dynamic" or not ctx.o.int8.search or result.get("gate", {"passed": True})["passed"]:
+        return result
+
+    def attempt(names: list[str]) -> dict:
+        path = ctx.scratch / f"int8-dynamic-{len(names)}-fp32.onnx"
+        kept = build(step.variant, ctx.source, ctx.scratch, ctx.o.int8, None, exclude=names, path=path)
+        return _judged(ctx, step.variant, path, step, kept.notes, timed=False)
+
+    record = search.exclusions(ctx.source, variant.path, ctx.o.int8.op_types, ctx.scratch, ctx.data.batches,
+                               ctx.reference, ctx.kinds, attempt)
+    chosen = record.pop("chosen")
+    record["all_quantized"] = {k: result[k] for k in ("gate", "speed", "file")}
+    if chosen is None:
+        return {**result, "search": record}
+    session = ort.InferenceSession(chosen["file"], providers=providers.session_providers(step.provider))
+    chosen["speed"] = speed.compare(ctx.baseline(step.provider), session, ctx.data.timing, ctx.sizes, ctx.o.rounds)
+    chosen["notes"] = chosen["notes"] + [
+        f"{len(record['fp32_nodes'])} of {record['quantized_nodes']} quantized nodes kept in FP32, the most harmful "
+        f"(with every one quantized: {'; '.join(result['gate']['failed'])})"]
+    return {**chosen, "search": record}
+
+
+def _tensorrt_int8(ctx: _Context, step: providers.Step) -> dict:
     """TensorRT's INT8: the FP32 model with a calibration table, judged and timed against FP32 on
     TensorRT where it runs; elsewhere the table is written to the scratch directory and the variant
     reported as skipped, with the reason."""
-    if calibration is None:
+    if not (ctx.o.calibration or ctx.o.texts):
         return {"name": TENSORRT_INT8, "skipped": NO_INPUTS}
-    out = scratch / TENSORRT_INT8
-    table = tensorrt.write_table(source, calibration, out)
-    if not tensorrt.available():
-        return {"name": TENSORRT_INT8, "skipped": tensorrt.unavailable_reason(), "calibration_table": str(table)}
+    out = ctx.scratch / TENSORRT_INT8
+    table = tensorrt.write_table(ctx.source, ctx.calibration, out)
+    if step.provider is None:
+        return {"name": TENSORRT_INT8, "skipped": step.skipped, "calibration_table": str(table)}
     cache = {"trt_engine_cache_enable": True, "trt_engine_cache_path": str(out)}
-    int8 = ort.InferenceSession(str(source), providers=[
-        (tensorrt.PROVIDER, {"trt_int8_enable": True, "trt_int8_calibration_table_name": tensorrt.TABLE, **cache}),
-        "CUDAExecutionProvider", "CPUExecutionProvider"])
-    fp32 = ort.InferenceSession(str(source), providers=[(tensorrt.PROVIDER, cache), "CUDAExecutionProvider",
-                                                        "CPUExecutionProvider"])
-    verdict = gate.judge(reference, _outputs(int8, batches), o.thresholds)
+    int8 = ort.InferenceSession(str(ctx.source), providers=providers.session_providers(tensorrt.PROVIDER, {
+        "trt_int8_enable": True, "trt_int8_calibration_table_name": tensorrt.TABLE, **cache}))
+    ran_on = int8.get_providers()[0]
+    if ran_on != tensorrt.PROVIDER:
+        return {"name": TENSORRT_INT8, "skipped": f"ONNX Runtime offers {tensorrt.PROVIDER} but the session runs on "
+                                                  f"{ran_on}", "calibration_table": str(table)}
+    verdict = gate.judge(ctx.reference, _outputs(int8, ctx.data.batches), ctx.o.thresholds, ctx.kinds)
+    timing = speed.compare(ctx.baseline(tensorrt.PROVIDER, cache), int8, ctx.data.timing, ctx.sizes, ctx.o.rounds)
     return {"name": TENSORRT_INT8, "notes": ["FP32 model served with trt_int8_enable and its calibration table; "
                                              "timed against FP32 on TensorRT"],
-            "gpu_only": False, "gate": verdict, "speed": speed.compare(fp32, int8, batches[0], sizes, o.rounds),
-            "file": str(source), "extra_files": [str(table)]}
-
-
-def _choose(results: list[dict], largest: str, min_gain: float) -> tuple[str | None, str]:
-    """The fastest variant at the largest batch size that passed the gate and runs here, if faster than FP32."""
-    eligible = [r for r in results if "gate" in r and r["gate"]["passed"] and not r["gpu_only"]]
-    if not eligible:
-        return None, "no variant that runs on this host's provider passed the gate"
-    best = max(eligible, key=lambda r: r["speed"][largest]["throughput_ratio"])
-    ratio = best["speed"][largest]["throughput_ratio"]
-    if ratio < min_gain:
-        return None, (f"the fastest variant that passed the gate ({best['name']}) is not enough faster than FP32 "
-                      f"({ratio:.2f}x, under {min_gain}x)")
-    return best["name"], f"the fastest that passed the gate: {ratio:.2f}x FP32's throughput at batch {largest}"
-
-
-def _write_version(model_dir: pathlib.Path, report: dict, model_file: pathlib.Path,
-                   extra_files: list[pathlib.Path] = ()) -> None:
-    """The new version appears whole or not at all: written beside the repository's models under a
-    name no loader takes for a model, then renamed into place."""
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".batchline-optimize-{model_dir.name}-", dir=model_dir.parent))
-    try:
-        shutil.copyfile(model_file, staging / "model.onnx")
-        for extra in extra_files:  # e.g. TensorRT's calibration table, which executors look for beside the model
-            shutil.copyfile(extra, staging / extra.name)
-        (staging / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-        os.rename(staging, model_dir / report["written_version"])
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def summary(report: dict) -> str:
-    """The report as a person reads it: one line per variant, then the verdict."""
-    lines = [f"model {report['model']} version {report['source_version']}; inputs: {report['inputs']}"]
-    for r in report["variants"]:
-        if "skipped" in r:
-            lines.append(f"  {r['name']}: skipped ({r['skipped']})")
-            continue
-        speeds = ", ".join(f"batch {k}: {v['throughput_ratio']:.2f}x" for k, v in r["speed"].items())
-        gate_text = "passed" if r["gate"]["passed"] else "failed: " + "; ".join(r["gate"]["failed"])
-        measured = "; ".join(", ".join(f"{k} {v:.4f}" for k, v in m.items() if isinstance(v, float))
-                             for m in r["gate"]["outputs"].values())
-        lines.append(f"  {r['name']}: {speeds} FP32's throughput; gate {gate_text} ({measured})"
-                     + (" [GPU only]" if r["gpu_only"] else ""))
-    written = (f"wrote version {report['written_version']} ({report['chosen']}): {report['why']}"
-               if report["written_version"] else f"wrote nothing: {report['why']}")
-    lines += [written, f"variants kept in {report['scratch']}; {report['seconds']:.0f} s"]
-    return "\n".join(lines)
+            "provider": ran_on, "choosable": step.choosable, "gate": verdict, "speed": timing,
+            "file": str(ctx.source), "extra_files": [str(table)]}

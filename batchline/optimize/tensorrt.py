@@ -13,20 +13,9 @@ import tempfile
 from typing import Callable
 
 import numpy as np
-import onnxruntime as ort
 
 PROVIDER = "TensorrtExecutionProvider"
 TABLE = "calibration.flatbuffers"
-
-
-def available() -> bool:
-    return PROVIDER in ort.get_available_providers()
-
-
-def unavailable_reason() -> str:
-    return (f"TensorRT is not available here (ONNX Runtime offers {', '.join(ort.get_available_providers())}): "
-            f"on a GPU host with onnxruntime-gpu and TensorRT this variant is the FP32 model served with "
-            f"trt_int8_enable and the calibration table written beside it")
 
 
 def write_table(source: pathlib.Path, batches: Callable[[], list[dict[str, np.ndarray]]], out: pathlib.Path) -> pathlib.Path:

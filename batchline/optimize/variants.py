@@ -3,11 +3,12 @@
 - graph: ONNX Runtime's offline graph optimizations (fusions), saved.
 - int8-dynamic: weights quantized to 8 bits ahead of time, activations at run time. The default
   quantizes MatMul weights only, per channel: quantizing every op, or per tensor, costs minilm's
-  embeddings enough accuracy to spoil a search index (cosine 0.87-0.93 against 0.99).
+  embeddings enough accuracy to spoil a search index (cosine 0.87-0.93 against 0.99). Nodes named
+  in `exclude` stay in FP32 (search.py finds which).
 - int8-static: weights and activations quantized in QDQ form, activation ranges calibrated on
   the calibration inputs (only when some are given).
-- fp16: weights and activations in half precision, for GPU executors: measured on CPU, never
-  chosen there.
+- fp16: weights and activations in half precision, for GPU executors (judged where CUDA runs:
+  providers.py).
 - tensorrt-int8 (batchline/optimize/tensorrt.py, not built here): the FP32 model with TensorRT's
   calibration table, judged only where TensorRT runs.
 """
@@ -21,6 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 from batchline.optimize import VARIANTS
+from batchline.optimize.inputs import CALIBRATION_ROWS
 
 
 # CPU flags of x86 instructions that multiply unsigned by signed 8-bit values into 32-bit sums
@@ -57,6 +59,7 @@ class Int8Options:
     op_types: tuple[str, ...] = ("MatMul",)  # () = every op type the quantizer knows
     per_channel: bool = True
     weight_type: str = "auto"                # QInt8 | QUInt8 | auto (auto_weight_type)
+    search: bool = True                      # int8-dynamic failing the gate: keep its most harmful nodes in FP32
 
     def resolved_weight_type(self) -> tuple[str, str]:
         """(weight type, why) with auto resolved for this host."""
@@ -69,15 +72,15 @@ class Int8Options:
 class Variant:
     name: str
     path: pathlib.Path
-    gpu_only: bool = False  # measured on CPU, chosen only on a GPU executor
     notes: list[str] = field(default_factory=list)
 
 
 def build(name: str, source: pathlib.Path, out: pathlib.Path, int8: Int8Options,
-          calibration: Callable[[], list[dict[str, np.ndarray]]] | None) -> Variant | None:
-    """Write variant `name` of the model at `source` into the directory `out` (None: it does not
-    apply, e.g. int8-static without calibration inputs)."""
-    path = out / f"{name}.onnx"
+          calibration: Callable[[], list[dict[str, np.ndarray]]] | None, exclude: list[str] = (),
+          path: pathlib.Path | None = None) -> Variant | None:
+    """Write variant `name` of the model at `source` into the directory `out` (or to `path`); None:
+    it does not apply, e.g. int8-static without calibration inputs."""
+    path = path or out / f"{name}.onnx"
     if name == "graph":
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
@@ -90,7 +93,8 @@ def build(name: str, source: pathlib.Path, out: pathlib.Path, int8: Int8Options,
         weight_type, why = int8.resolved_weight_type()
         # MatMuls of two activations (attention's Q·K) stay in float: only weights are quantized ahead.
         quantize_dynamic(source, path, op_types_to_quantize=list(int8.op_types) or None, per_channel=int8.per_channel,
-                         weight_type=getattr(QuantType, weight_type), extra_options={"MatMulConstBOnly": True})
+                         weight_type=getattr(QuantType, weight_type), nodes_to_exclude=list(exclude),
+                         extra_options={"MatMulConstBOnly": True})
         return Variant(name, path, notes=[f"op types {list(int8.op_types) or 'all'}, "
                                           f"{'per channel' if int8.per_channel else 'per tensor'}, {weight_type} ({why})"])
     if name == "int8-static":
@@ -109,13 +113,13 @@ def build(name: str, source: pathlib.Path, out: pathlib.Path, int8: Int8Options,
         quantize_static(source, path, Reader(), quant_format=QuantFormat.QDQ, op_types_to_quantize=list(int8.op_types) or None,
                         per_channel=int8.per_channel, activation_type=QuantType.QUInt8,
                         weight_type=getattr(QuantType, int8.resolved_weight_type()[0]))
-        return Variant(name, path, notes=["QDQ, activation ranges calibrated (MinMax) on the calibration inputs"])
+        return Variant(name, path, notes=[f"QDQ, activation ranges calibrated (MinMax) on the calibration inputs (at most "
+                                             f"{CALIBRATION_ROWS} rows, spread over them)"])
     if name == "fp16":
         import onnx
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
         model = convert_float_to_float16(onnx.load(str(source)), keep_io_types=True)
         onnx.save(model, str(path))
-        return Variant(name, path, gpu_only=True,
-                       notes=["half precision for GPU executors: CPUs run FP16 through casts, so it is not chosen here"])
+        return Variant(name, path, notes=["half precision, inputs and outputs kept FP32, for GPU executors"])
     raise ValueError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)})")
