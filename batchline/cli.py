@@ -75,6 +75,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status.main(args.redis_url, args.json)
 
 
+def _output_kinds(given: list[str], known: tuple[str, ...]) -> dict[str, str]:
+    kinds = {}
+    for item in given:
+        name, _, kind = item.partition("=")
+        if not name or kind not in known:
+            raise SystemExit(f"batchline optimize: --output {item!r} must read NAME=KIND, KIND one of {', '.join(known)}")
+        kinds[name] = kind
+    return kinds
+
+
 def cmd_optimize(args: argparse.Namespace) -> int:
     try:
         from batchline.optimize import gate, run, variants
@@ -90,6 +100,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         int8=variants.Int8Options(tuple(t for t in args.int8_ops.split(",") if t), not args.per_tensor, args.weight_type),
         scratch=pathlib.Path(args.scratch) if args.scratch else None,
         min_gain=args.min_gain,
+        outputs=_output_kinds(args.output, gate.KINDS),
     )
     try:
         report = run.optimize(options)
@@ -208,15 +219,19 @@ def main(argv: list[str] | None = None) -> int:
                      help=f"comma-separated, from {', '.join(VARIANTS)} (default: all; int8-static and tensorrt-int8 only with inputs)")
     opt.add_argument("--calibration", default="", help=".npz with one array per model input (rows first): judges "
                      "the variants and calibrates int8-static and tensorrt-int8")
-    opt.add_argument("--texts", default="", help="text file, one sentence a line, tokenized with the model's "
-                     "tokenizer (<model>/tokenizer): as --calibration, for a text model")
+    opt.add_argument("--texts", default="", help="text file, one sentence a line, tokenized as the model's "
+                     "[tokenizer] table in config.toml says (as the gateway does): as --calibration, for a text model")
+    opt.add_argument("--output", action="append", default=[], metavar="NAME=KIND",
+                     help="judge output NAME as KIND: embedding (cosines, nearest neighbours), classes (argmax "
+                     "agreement) or values (absolute error); repeatable; over config.toml's [optimize] outputs "
+                     "(default: by the output's name and values, docs/guides/optimize.md)")
     opt.add_argument("--min-mean-cosine", type=float, default=0.99, help="embeddings: mean cosine to FP32 (default: 0.99)")
     opt.add_argument("--min-p1-cosine", type=float, default=0.98, help="embeddings: 1st percentile cosine (default: 0.98)")
     opt.add_argument("--min-neighbour-overlap", type=float, default=0.9,
                      help="embeddings: share of each one's top-10 neighbours kept (default: 0.9)")
     opt.add_argument("--max-abs-error", type=float, default=0.05, help="other outputs: largest absolute error (default: 0.05)")
     opt.add_argument("--min-argmax-agreement", type=float, default=0.99,
-                     help="other outputs with a last dim > 1: share of rows whose argmax is kept (default: 0.99)")
+                     help="classes outputs with more than one column: share of rows whose argmax is kept (default: 0.99)")
     opt.add_argument("--int8-ops", default="MatMul", help="op types INT8 quantizes, comma-separated; empty = all (default: MatMul)")
     opt.add_argument("--per-tensor", action="store_true", help="quantize weights per tensor, not per channel")
     opt.add_argument("--weight-type", choices=("auto", "QInt8", "QUInt8"), default="auto",

@@ -310,6 +310,13 @@ def test_each_output_is_judged_as_what_it_is_by_name_values_or_config(tmp_path):
     assert {k: v["kind"] for k, v in report["outputs"].items()} == {"logits": "classes", "scores": "values",
                                                                     "hidden": "embedding"}
     assert report["outputs"]["hidden"]["why"] == "[optimize] outputs in config.toml"
+    # --output says otherwise again: it wins over config.toml.
+    report = optimize(Options("classifier", tmp_path, variants=("graph",), calibration=tmp_path / "x.npz",
+                              outputs={"hidden": "values"}))
+    assert report["outputs"]["hidden"] == {"kind": "values", "why": "--output"}
+    assert report["outputs"]["scores"]["kind"] == "values"  # config.toml's, for what --output leaves alone
+    with pytest.raises(OptimizeError, match=r"--output names \['nope'\], not outputs of model"):
+        optimize(Options("classifier", tmp_path, variants=("graph",), outputs={"nope": "values"}))
     config.write_text('max_batch_size = 64\n[optimize]\noutputs = { probability = "classes" }\n')
     with pytest.raises(OptimizeError, match=r"\[optimize\] outputs names \['probability'\], not outputs of model"):
         optimize(Options("classifier", tmp_path, variants=("graph",)))

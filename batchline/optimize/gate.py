@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# How an output is judged: embedding (cosines, nearest neighbours), classes (argmax agreement),
+# values (absolute error); executor/model_config.py's [optimize] outputs takes the same names.
 KINDS = ("embedding", "classes", "values")
 # Default kinds by output name (case-insensitive, first match wins), before looking at the values.
 EMBEDDING_NAMES = ("*embed*", "sentence*", "pooler*", "last_hidden*")
@@ -32,11 +34,12 @@ class Thresholds:
     min_argmax_agreement: float = 0.99
 
 
-def kind_of(name: str, reference: np.ndarray, declared: dict[str, str]) -> tuple[str, str]:
-    """How output `name` is judged, and why: as config.toml's [optimize] outputs says, else by its
-    name, else a probability distribution (rows >= 0 summing to 1) is classes, else values."""
+def kind_of(name: str, reference: np.ndarray, declared: dict[str, tuple[str, str]]) -> tuple[str, str]:
+    """How output `name` is judged, and why: as declared (kind, where: --output, else config.toml's
+    [optimize] outputs), else by its name, else a probability distribution (rows >= 0 summing to 1)
+    is classes, else values."""
     if name in declared:
-        return declared[name], "[optimize] outputs in config.toml"
+        return declared[name]
     rows = reference.ndim >= 2 and np.issubdtype(reference.dtype, np.floating)
     lowered = name.lower()
     if rows and any(fnmatch.fnmatchcase(lowered, p) for p in EMBEDDING_NAMES):

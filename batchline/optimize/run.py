@@ -39,6 +39,7 @@ class Options:
     scratch: pathlib.Path | None = None
     rounds: int = 3
     min_gain: float = MIN_GAIN  # write the fastest passing variant only if it serves this many times FP32
+    outputs: dict[str, str] = field(default_factory=dict)  # how to judge an output (--output), over config.toml's
 
 
 def _latest(model_dir: pathlib.Path) -> pathlib.Path:
@@ -98,11 +99,14 @@ def optimize(o: Options) -> dict:
     if info.max_batch_size == 0:
         raise OptimizeError(f"model '{o.model}' has no batch dimension (max_batch_size 0): its variants are judged "
                             "and timed on batches")
-    declared = (config.get("optimize") or {}).get("outputs", {})
-    strangers = sorted(set(declared) - {s.name for s in info.outputs})
-    if strangers:
-        raise OptimizeError(f"{model_dir}/config.toml: [optimize] outputs names {strangers}, not outputs of model "
-                            f"'{o.model}' (its outputs: {sorted(s.name for s in info.outputs)})")
+    configured = (config.get("optimize") or {}).get("outputs", {})
+    for where, named in ((f"{model_dir}/config.toml: [optimize] outputs", configured), ("--output", o.outputs)):
+        strangers = sorted(set(named) - {s.name for s in info.outputs})
+        if strangers:
+            raise OptimizeError(f"{where} names {strangers}, not outputs of model '{o.model}' "
+                                f"(its outputs: {sorted(s.name for s in info.outputs)})")
+    declared = {name: (kind, "[optimize] outputs in config.toml") for name, kind in configured.items()}
+    declared |= {name: (kind, "--output") for name, kind in o.outputs.items()}
     batch = min(GATE_BATCH, info.max_batch_size)
     if o.calibration is not None:
         data = inputs.from_npz(o.calibration, info, batch)
