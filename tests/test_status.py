@@ -1,6 +1,7 @@
 """`batchline status`, the real command against a real mesh whose queue is held back."""
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -45,8 +46,10 @@ def _hold_the_lease(m, r: redis.Redis) -> None:
          "the scheduler to stand by")
 
 
-def test_status_shows_the_leader_executors_gateways_and_queues_by_priority(mesh_factory):
-    m = mesh_factory(models=["mlp"])
+@contextlib.contextmanager
+def _three_queued(m):
+    """Requests of priority 1, 3 and 3 queued for mlp while the scheduler stands by; yields Redis
+    and the calls, which are cancelled at the end if still unanswered."""
     r = redis.Redis.from_url(m.redis_url)
     _hold_the_lease(m, r)
     channel = grpc.insecure_channel(m.address)
@@ -54,6 +57,17 @@ def test_status_shows_the_leader_executors_gateways_and_queues_by_priority(mesh_
     calls = [stub.ModelInfer.future(_request(p), timeout=30) for p in (1, 3, 3)]
     try:
         poll(lambda: r.zcard(contract.queue("mlp", "1")) == 3, 15, "three requests queued")
+        yield r, calls
+    finally:
+        for call in calls:
+            call.cancel()
+        channel.close()
+        r.delete(contract.LEADER)
+
+
+def test_status_shows_the_leader_executors_gateways_and_queues_by_priority(mesh_factory):
+    m = mesh_factory(models=["mlp"])
+    with _three_queued(m) as (r, calls):
         status = json.loads(_status(m.redis_url, "--json"))
         assert status["leader"] == "held-by-the-test"
         [executor] = status["executors"]
@@ -66,22 +80,14 @@ def test_status_shows_the_leader_executors_gateways_and_queues_by_priority(mesh_
         assert "leader scheduler: held-by-the-test" in screen
         assert "mlp:1 on CPUExecutionProvider" in screen and m.address in screen
         assert "mlp:1: 3 (priority 1: 1, priority 3: 2)" in screen
-    finally:
         r.delete(contract.LEADER)  # the scheduler takes the lease back and answers them
         for call in calls:
             assert call.result(timeout=30) is not None
-        channel.close()
 
 
 def test_status_shows_the_requests_queued_for_a_model_no_executor_serves(mesh_factory):
     m = mesh_factory(models=["mlp"])
-    r = redis.Redis.from_url(m.redis_url)
-    _hold_the_lease(m, r)
-    channel = grpc.insecure_channel(m.address)
-    stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
-    calls = [stub.ModelInfer.future(_request(p), timeout=30) for p in (1, 3, 3)]
-    try:
-        poll(lambda: r.zcard(contract.queue("mlp", "1")) == 3, 15, "three requests queued")
+    with _three_queued(m) as (r, _):
         executor = m.executors.pop()
         m.call(executor.stop(0))  # the only executor deregisters: no model is served
         poll(lambda: not any(r.exists(contract.executor(e.decode())) for e in r.smembers(contract.EXECUTORS)), 15,
@@ -93,11 +99,6 @@ def test_status_shows_the_requests_queued_for_a_model_no_executor_serves(mesh_fa
         screen = _status(m.redis_url)
         assert "mlp:1: 3 (priority 1: 1, priority 3: 2), served by no executor" in screen, screen
         assert "no model served" not in screen
-    finally:
-        for call in calls:
-            call.cancel()
-        channel.close()
-        r.delete(contract.LEADER)
 
 
 @pytest.mark.parametrize("flags", [(), ("--json",)], ids=["screen", "json"])
