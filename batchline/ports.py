@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import socket
 
 # Socket state LISTEN in /proc/net/tcp.
 _LISTEN = "0A"
+_CREDENTIALS = re.compile(r"(://)[^@/\s]*@")
+_SECRET_FLAG = re.compile(r"^-.*(password|token|secret)", re.IGNORECASE)
 
 
 class PortInUse(OSError):
@@ -52,6 +55,16 @@ def _listening_inodes(port: int) -> set[str]:
     return inodes
 
 
+def redacted(argv: list[str]) -> str:
+    """A command line fit for a message: a URL's credentials and the value after a flag that names
+    a password, token or secret are ***. (A service's command line carries its Redis URL.)"""
+    words, hide = [], False
+    for arg in filter(None, argv):
+        words.append("***" if hide else _CREDENTIALS.sub(r"\1***@", arg))
+        hide = "=" not in arg and _SECRET_FLAG.search(arg) is not None
+    return " ".join(words)
+
+
 def owner(port: int) -> str:
     """Who listens on `port`: "pid N (command line)" where this user may see it (Linux's /proc)."""
     inodes = {f"socket:[{inode}]" for inode in _listening_inodes(port)}
@@ -61,8 +74,8 @@ def owner(port: int) -> str:
                 fds = os.listdir(f"/proc/{pid}/fd")
                 if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-                    return f"pid {pid} ({command[:120]})"
+                        argv = f.read().decode(errors="replace").split("\0")
+                    return f"pid {pid} ({redacted(argv)[:120]})"
             except OSError:
                 continue  # gone, or another user's
     return "another process"

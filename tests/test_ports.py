@@ -10,7 +10,7 @@ import sys
 import grpc
 import pytest
 
-from batchline.ports import PortInUse
+from batchline.ports import PortInUse, redacted
 from gateway.app import GatewayApp
 from gateway.settings import GatewaySettings
 
@@ -67,3 +67,12 @@ def test_a_gateway_process_and_batchline_up_on_a_served_port_exit_in_one_line(me
         # (the gateway's log lines go to stderr before it)
         last = done.stderr.strip().splitlines()[-1]
         assert f"port {foreign_server} is in use by pid {os.getpid()} (" in last, (what, done.stderr)
+
+
+def test_the_command_line_a_refusal_names_keeps_no_credentials():
+    argv = ["python", "-m", "gateway", "--redis-url", "unix://:s3cret@/tmp/redis.sock?db=0", "--redis-password",
+            "hunter2", "--auth-file=/etc/auth.toml", "rediss://user:pw@host:6380/0", ""]
+    shown = redacted(argv)
+    assert "s3cret" not in shown and "hunter2" not in shown and "pw@" not in shown, shown
+    assert shown == ("python -m gateway --redis-url unix://***@/tmp/redis.sock?db=0 --redis-password *** "
+                     "--auth-file=/etc/auth.toml rediss://***@host:6380/0")
