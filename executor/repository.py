@@ -20,6 +20,7 @@ import onnxruntime as ort
 from batchline.codec import DATATYPES, onnx_datatype
 from batchline.optimize import tensorrt
 from batchline.protocol import internal_pb2 as pb
+from executor import providers as gpu
 from executor.model_config import ConfigError, read_model_config, select_versions
 
 log = logging.getLogger(__name__)
@@ -111,23 +112,46 @@ def intra_op_threads_for(instances: int, configured: int = 0, cores: int = 0) ->
 
 
 def create_session(
-    path: pathlib.Path, providers: list[tuple[str, dict[str, Any]]], intra_op_threads: int, allow_spinning: bool = True
+    path: pathlib.Path, providers: list[tuple[str, dict[str, Any]]], intra_op_threads: int, allow_spinning: bool = True,
+    label: str = "",
 ) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    if intra_op_threads:
-        opts.intra_op_num_threads = intra_op_threads
-    if not allow_spinning:
-        # ORT's worker threads otherwise busy-wait after every run, taking cores
-        # from the gateway and scheduler when they share a host.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    try:
-        return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
-    except Exception as exc:  # noqa: BLE001 - GPU provider libraries missing or broken
-        if [p for p, _ in providers] == ["CPUExecutionProvider"]:
-            raise
-        log.warning("%s: providers %s failed (%s); falling back to CPU", path, [p for p, _ in providers], exc)
-        return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+    """A session on the first of `providers` that comes up. One a GPU provider cannot use is dropped
+    with its options kept for the rest, and the session's log names (`label`, else the path) which
+    it runs on instead and why."""
+    def options() -> ort.SessionOptions:
+        opts = ort.SessionOptions()
+        if intra_op_threads:
+            opts.intra_op_num_threads = intra_op_threads
+        if not allow_spinning:
+            # ORT's worker threads otherwise busy-wait after every run, taking cores
+            # from the gateway and scheduler when they share a host.
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        return opts
+
+    if [p for p, _ in providers] == [gpu.CPU]:
+        return ort.InferenceSession(str(path), sess_options=options(), providers=providers)
+    available = ort.get_available_providers()
+    if any(p in gpu.GPU and p in available for p, _ in providers):
+        gpu.preload_cuda_libraries()
+    remaining, errors = list(providers), {}
+    while True:
+        try:
+            # ORT's own fallback would retry without any provider's options, and print why to stdout.
+            session = ort.InferenceSession(str(path), sess_options=options(), providers=remaining, enable_fallback=0)
+            break
+        except Exception as exc:  # noqa: BLE001 - GPU provider libraries missing or broken
+            if [p for p, _ in remaining] == [gpu.CPU]:
+                raise
+            errors[remaining[0][0]] = " ".join(str(exc).split())
+            remaining = remaining[1:] or [(gpu.CPU, {})]
+    if hasattr(session, "enable_fallback"):
+        session.enable_fallback()  # a provider failing in a run still falls back, as before
+    warning = gpu.fallback_warning(label or str(path), [p for p, _ in providers], session.get_providers(), available,
+                                   errors)
+    if warning:
+        log.warning("%s", warning)
+    return session
 
 
 def _tensor_specs(args, batched: bool) -> list[pb.TensorSpec]:
@@ -160,7 +184,8 @@ def load_model(
         if provider == tensorrt.PROVIDER:
             place_calibration_table(opts, version_dir)
     instances = int(config["instance_count"])
-    session = create_session(path, chosen, intra_op_threads_for(instances, intra_op_threads, cpu_cores), allow_spinning)
+    session = create_session(path, chosen, intra_op_threads_for(instances, intra_op_threads, cpu_cores), allow_spinning,
+                             f"{name} version {version}")
     batched = config["max_batch_size"] > 0
     inputs = _tensor_specs(session.get_inputs(), batched)
     outputs = _tensor_specs(session.get_outputs(), batched)

@@ -15,6 +15,7 @@ from batchline.optimize import DEFAULT_VARIANTS, MIN_GAIN, VARIANTS, gate, input
 from batchline.optimize.inputs import InputsError  # noqa: F401 (raised through optimize())
 from batchline.optimize.report import summary, write_version  # noqa: F401 (summary: the command's)
 from batchline.optimize.variants import Int8Options, build
+from executor import providers as gpu
 from executor.repository import RepositoryError, load_model, read_config
 from executor.settings import DEFAULT_PROVIDERS
 
@@ -123,8 +124,11 @@ def optimize(o: Options) -> dict:
     serves_on = providers.serving(config["providers"] or DEFAULT_PROVIDERS, available)
     ctx = _Context(o, source / "model.onnx", scratch, data, reference, {k: v[0] for k, v in kinds.items()},
                    sorted({batch, info.max_batch_size}), {fp32.get_providers()[0]: fp32})
+    steps = providers.plan(o.variants, available, serves_on)
+    if any(step.provider in providers.GPU for step in steps):
+        gpu.preload_cuda_libraries()
     results = []
-    for step in providers.plan(o.variants, available, serves_on):
+    for step in steps:
         begun = time.perf_counter()
         result = _tensorrt_int8(ctx, step) if step.variant == TENSORRT_INT8 else _variant(ctx, step)
         results.append({**result, "seconds": round(time.perf_counter() - begun, 1)} if "gate" in result else result)
@@ -151,7 +155,8 @@ def _judged(ctx: _Context, name: str, path: pathlib.Path, step: providers.Step, 
     session = ort.InferenceSession(str(path), providers=providers.session_providers(step.provider))
     ran_on = session.get_providers()[0]
     if ran_on != step.provider:  # onnxruntime-gpu lists CUDA where there is none, and falls back
-        return {"name": name, "skipped": f"ONNX Runtime offers {step.provider} but the session runs on {ran_on}"}
+        return {"name": name, "skipped": f"ONNX Runtime offers {step.provider} but the session runs on {ran_on}: "
+                                         f"{gpu.why_unavailable(step.provider)}"}
     verdict = gate.judge(ctx.reference, _outputs(session, ctx.data.batches), ctx.o.thresholds, ctx.kinds)
     result = {"name": name, "notes": notes, "provider": ran_on, "choosable": step.choosable, "gate": verdict,
               "file": str(path)}
@@ -206,7 +211,8 @@ def _tensorrt_int8(ctx: _Context, step: providers.Step) -> dict:
     ran_on = int8.get_providers()[0]
     if ran_on != tensorrt.PROVIDER:
         return {"name": TENSORRT_INT8, "skipped": f"ONNX Runtime offers {tensorrt.PROVIDER} but the session runs on "
-                                                  f"{ran_on}", "calibration_table": str(table)}
+                                                  f"{ran_on}: {gpu.why_unavailable(tensorrt.PROVIDER)}",
+                "calibration_table": str(table)}
     verdict = gate.judge(ctx.reference, _outputs(int8, ctx.data.batches), ctx.o.thresholds, ctx.kinds)
     timing = speed.compare(ctx.baseline(tensorrt.PROVIDER, cache), int8, ctx.data.timing, ctx.sizes, ctx.o.rounds)
     return {"name": TENSORRT_INT8, "notes": ["FP32 model served with trt_int8_enable and its calibration table; "
