@@ -88,6 +88,11 @@ REDISPATCHED = Counter("batchline_redispatched", "Requests requeued because thei
 SCHEDULER_LEADER = Gauge("batchline_scheduler_leader", "1 while this scheduler holds the scheduling lease.")
 
 # -- executor -----------------------------------------------------------------------------------
+MODEL_PROVIDER = Gauge(
+    "batchline_model_provider", "1 for the ONNX Runtime execution provider each model version loaded in this executor "
+    "runs on (its session's first provider: what it fell back to when a GPU provider could not be created).",
+    _MV + ("provider",),
+)
 INFERENCE_COUNT = Counter("batchline_inference_count", "Rows executed.", _MV)
 EXECUTION_COUNT = Counter("batchline_execution_count", "Batches executed (rows/batches = mean batch size).", _MV)
 PADDING_EFFICIENCY = Histogram(

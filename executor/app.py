@@ -67,6 +67,8 @@ class ExecutorApp:
         s = self.settings
         models = await self.repository.initial()
         self.lanes = executor_lanes(s, models)
+        for model in models:
+            _report_provider(model)
         self.executor.catalog = self._catalog
         if s.warmup:
             await asyncio.to_thread(self.executor.warmup)
@@ -120,6 +122,7 @@ class ExecutorApp:
         """Serve `model` on its lanes (one per instance), replacing a loaded copy of the same version."""
         key = (model.name, model.version)
         await self.executor.publish_tokenizers([model])  # before a gateway can see the model
+        _report_provider(model)
         while len(self.lanes) < model.instances:
             lane = Executor(self.settings, [], lane_id(self.executor.executor_id, len(self.lanes)))
             self.lanes.append(lane)
@@ -137,6 +140,7 @@ class ExecutorApp:
                 lane.models[key].info.unloading = unloading
 
     def release(self, key: tuple[str, str]) -> None:
+        _report_provider(None, key)
         for lane in self.lanes:
             if key in lane.models:
                 self._drop(lane, key)
@@ -165,3 +169,19 @@ class ExecutorApp:
         if self.server:
             await self.server.stop(grace)
         metrics.stop_metrics_server(self.metrics_port)
+
+
+# The provider each placed version's gauge names, to clear it on release or replacement.
+_PROVIDERS: dict[tuple[str, str], str] = {}
+
+
+def _report_provider(model: LoadedModel | None, key: tuple[str, str] | None = None) -> None:
+    """The provider gauge of a version placed (`model`), or of one released (`key`)."""
+    if model is not None:
+        key = (model.name, model.version)
+    old = _PROVIDERS.pop(key, None)
+    if old is not None:
+        metrics.MODEL_PROVIDER.remove(*key, old)
+    if model is not None and model.info.providers:
+        _PROVIDERS[key] = model.info.providers[0]
+        metrics.MODEL_PROVIDER.labels(*key, _PROVIDERS[key]).set(1)

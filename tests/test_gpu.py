@@ -8,11 +8,13 @@ works. The parts that need no GPU (the reasons, the CPU's provider) run everywhe
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import logging
 import pathlib
 import subprocess
 import sys
+import urllib.request
 
 import numpy as np
 import onnx
@@ -180,6 +182,23 @@ def test_the_executor_serves_on_cuda_and_says_so(gpu_mesh):
     with tc.InferenceServerClient(address) as client:
         config = client.get_model_config(MESH_MODEL).config
     assert config.parameters["providers"].string_value.split(",")[0] == gpu.CUDA
+    assert _provider_metrics(gpu_mesh) == {(MESH_MODEL, gpu.CUDA)}
+
+
+def _provider_metrics(mesh: ProcessMesh) -> set[tuple[str, str]]:
+    """(model, provider) of every batchline_model_provider sample at 1 on the executor's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    [name] = mesh.executors
+    for port in mesh.listening_ports(name):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        except (OSError, ValueError, http.client.HTTPException):
+            continue  # the gRPC port
+        return {(s.labels["model"], s.labels["provider"]) for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "batchline_model_provider" and s.value == 1}
+    raise AssertionError(f"no /metrics among {name}'s ports {mesh.listening_ports(name)}")
 
 
 @pytest.mark.gpu

@@ -100,6 +100,9 @@ async def test_requests_show_up_in_the_metrics(mesh, metrics_port):
     def d(name: str, **labels: str) -> float:
         return delta(before, after, name, **labels)
 
+    # Executor: the provider the model runs on (here the CPU, the only one this host offers).
+    assert total(after, "batchline_model_provider", provider="CPUExecutionProvider", **mlp) >= 1
+    assert not present(after, "batchline_model_provider", provider="CUDAExecutionProvider", **mlp)
     # Gateway: every request counted once, by outcome.
     assert d("batchline_request_success_total", **mlp) == N
     assert d("batchline_request_duration_seconds_count", **mlp) == N
