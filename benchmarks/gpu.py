@@ -16,8 +16,9 @@ Phases, in order, each skipped (with the reason in the results) when the budget 
    calibration inputs of real sentences at 16 and at 128 tokens; the 128-token run writes the version
    the mesh then serves (when FP16 passes and gains; else the script places the variant, and says so);
 5. mesh: the executor's provider as `batchline status` reports it, then minilm FP16 at 128 tokens,
-   closed loop, through 1, 2, 4 and 8 gateways with one executor and 4 and 8 with two; mesh/ceiling
-   and CPU per request per process (benchmarks/gpu_mesh.py);
+   closed loop, 64 in flight per gateway, through 1, 2, 4 and 8 gateways with one executor and 4 and 8
+   with two (--mesh-steps chooses others, and streams); mesh/ceiling and CPU per request per process
+   (benchmarks/gpu_mesh.py);
 6. tests: `pytest -m gpu tests/test_gpu.py`;
 7. cpu-scaling: the CPU provider only, mlp and minilm 16 tokens, the mesh pinned to 2, 4, 8 and 16
    cores (gateways and executors growing with them), the clients on 4 cores of their own where the
@@ -46,8 +47,8 @@ import gpu_ceiling
 import gpu_report
 
 ROOT = _common.ROOT
-GATEWAYS_ONE_EXECUTOR = (1, 2, 4, 8)
-GATEWAYS_TWO_EXECUTORS = (4, 8)
+# Gateways x executors: one executor fed by more and more gateways, then a second executor.
+MESH_STEPS = "1x1,2x1,4x1,8x1,4x2,8x2"
 IN_FLIGHT_PER_GATEWAY = 64
 SCALING_CORES = (2, 4, 8, 16)
 CLIENT_CORES = 4
@@ -189,33 +190,47 @@ def optimize(run: Run, paths: dict, work: pathlib.Path) -> pathlib.Path:
     return served
 
 
-def mesh(run: Run, served: pathlib.Path, provider: str, quick: bool) -> None:
+def parse_steps(text: str) -> list[tuple[int, int, bool]]:
+    """'1x1,8x2,8x2s': gateways x executors, s for ModelStreamInfer streams; executors never decrease
+    (the script adds executors to the running mesh, it does not stop them)."""
+    steps = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        streams = item.endswith("s")
+        g, _, e = item.rstrip("s").partition("x")
+        if not (g.isdigit() and e.isdigit() and int(g) > 0 and int(e) > 0):
+            raise SystemExit(f"--mesh-steps: {item!r} is not GATEWAYSxEXECUTORS[s], e.g. 8x2 or 8x2s")
+        steps.append((int(g), int(e), streams))
+    if [e for _, e, _ in steps] != sorted(e for _, e, _ in steps):
+        raise SystemExit(f"--mesh-steps: executors must not decrease from step to step ({text})")
+    return steps
+
+
+def mesh(run: Run, served: pathlib.Path, provider: str, quick: bool, steps: list[tuple[int, int, bool]]) -> None:
     import gpu_mesh
 
     warmup, duration = (1.0, 2.0) if quick else (2.0, 6.0)
     env = {"BATCHLINE_EXECUTOR_PROVIDERS": json.dumps(
         ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
         if provider == gpu_ceiling.CUDA else ["CPUExecutionProvider"])}
-    steps = [(g, 1) for g in GATEWAYS_ONE_EXECUTOR] + [(g, 2) for g in GATEWAYS_TWO_EXECUTORS]
-    if quick:
-        steps = [(1, 1), (2, 1), (2, 2)]
     out: dict = {"steps": [], "warmup_s": warmup, "duration_s": duration}
     run.results["mesh"] = out
-    clients = gpu_mesh.Clients(max(CLIENT_CORES, max(g for g, _ in steps)))
+    clients = gpu_mesh.Clients(max(CLIENT_CORES, max(g for g, _, _ in steps)))
     try:
         with gpu_mesh.GrowingMesh(served, env=env) as m:
             out["providers"] = m.providers()
             print(f"[gpu] providers as batchline status reports them: {out['providers']}", flush=True)
-            for g, e in steps:
+            for g, e, streams in steps:
+                calls = "streams" if streams else "unary"
                 if run.left() < warmup + duration + 20:
-                    run.results["skipped"][f"mesh {g} gateways {e} executors"] = "budget spent"
+                    run.results["skipped"][f"mesh {g} gateways {e} executors {calls}"] = "budget spent"
                     continue
                 while m.executors < e:
                     m.add_executor()
-                step = clients.step(m.gateways(g), "minilm", IN_FLIGHT_PER_GATEWAY * g, duration, warmup, seq_len=128)
+                step = clients.step(m.gateways(g), "minilm", IN_FLIGHT_PER_GATEWAY * g, duration, warmup, seq_len=128,
+                                    streaming=streams)
                 step["executors"] = e
                 out["steps"].append(step)
-                print(f"[gpu] mesh {g} gateways, {e} executors: {gpu_report.step_line(step)}", flush=True)
+                print(f"[gpu] mesh {g} gateways, {e} executors, {calls}: {gpu_report.step_line(step)}", flush=True)
                 run.save()
             out["providers_after"] = m.providers()
     finally:
@@ -283,9 +298,13 @@ def main() -> int:
                    "(default: cuda)")
     p.add_argument("--phases", default="environment,models,ceiling,optimize,mesh,tests,cpu-scaling",
                    help="comma-separated subset, in the order above")
+    p.add_argument("--mesh-steps", default=MESH_STEPS, help="the mesh phase's steps, GATEWAYSxEXECUTORS each, "
+                   "s appended for ModelStreamInfer streams instead of unary calls, executors never decreasing "
+                   f"(default: {MESH_STEPS}; --quick: 1x1,2x1,2x2)")
     p.add_argument("--quick", action="store_true", help="short steps: check that the script works")
     args = p.parse_args()
     provider = gpu_ceiling.CUDA if args.provider == "cuda" else gpu_ceiling.CPU
+    steps = parse_steps("1x1,2x1,2x2" if args.quick and args.mesh_steps == MESH_STEPS else args.mesh_steps)
     wanted = set(args.phases.split(","))
     run = Run(pathlib.Path(args.out), args.budget_s)
     run.results["argv"] = sys.argv[1:]
@@ -310,7 +329,7 @@ def main() -> int:
             else:
                 served = run.phase("optimize", 60, optimize, run, paths, work) or served
         if "mesh" in wanted:
-            run.phase("mesh", 40, mesh, run, served, provider, args.quick)
+            run.phase("mesh", 40, mesh, run, served, provider, args.quick, steps)
         if "tests" in wanted:
             run.phase("tests", 30, tests, run)
         if "cpu-scaling" in wanted:

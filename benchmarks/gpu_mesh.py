@@ -37,7 +37,7 @@ def _client_main(conn, barrier, cores: list[int] | None) -> None:
         barrier.wait()
         try:
             step = run_closed(job["address"], job["model"], job["concurrency"], job["duration"],
-                              warmup=job["warmup"], version=job.get("version", ""),
+                              warmup=job["warmup"], version=job.get("version", ""), streaming=job.get("streaming", False),
                               budget_ms=_common.CAPACITY_BUDGET_MS,
                               inputs=InputOptions(seq_len=job.get("seq_len"),
                                                   int_ranges={"input_ids": (1000, 29000)} if job.get("seq_len") else {}))
@@ -67,7 +67,7 @@ class Clients:
         return {p.pid: "client" for p in self.procs}
 
     def step(self, addresses: list[str], model: str, in_flight: int, duration: float, warmup: float,
-             seq_len: int | None = None, version: str = "") -> dict:
+             seq_len: int | None = None, version: str = "", streaming: bool = False) -> dict:
         """One closed-loop step over `addresses` (client i drives addresses[i % len]); the summed
         throughput, the worst client's p99 and median p50, and CPU ms per answered request per
         kind of process over the measured window."""
@@ -75,7 +75,7 @@ class Clients:
         for i, c in enumerate(self.conns):
             c.send({"address": addresses[i % len(addresses)], "model": model, "duration": duration, "warmup": warmup,
                     "concurrency": max(1, in_flight // n + (1 if i < in_flight % n else 0)),
-                    "seq_len": seq_len, "version": version})
+                    "seq_len": seq_len, "version": version, "streaming": streaming})
         self.barrier.wait()
         time.sleep(warmup)
         before = _common.cpu_seconds(self.pids)
@@ -93,7 +93,7 @@ class Clients:
                 statuses[k] = statuses.get(k, 0) + v
         cpu = {k: 1e3 * (after[k] - before[k]) / answered if answered else None for k in KINDS}
         cpu["total"] = sum(v for v in cpu.values() if v is not None) if answered else None
-        return {"gateways": len(addresses), "in_flight": in_flight, "clients": n,
+        return {"gateways": len(addresses), "in_flight": in_flight, "clients": n, "streaming": streaming,
                 "throughput": sum(r["throughput_rps"] for r in results),
                 "p50_ms": p50s[len(p50s) // 2],
                 "p99_ms": max((r["latency_ms"] or {}).get("p99", float("nan")) for r in results),
