@@ -35,6 +35,8 @@ def _client_main(conn, barrier, cores: list[int] | None) -> None:
         if job is None:
             return
         barrier.wait()
+        if not job:
+            continue  # not in this step
         try:
             step = run_closed(job["address"], job["model"], job["concurrency"], job["duration"],
                               warmup=job["warmup"], version=job.get("version", ""), streaming=job.get("streaming", False),
@@ -70,18 +72,23 @@ class Clients:
              seq_len: int | None = None, version: str = "", streaming: bool = False) -> dict:
         """One closed-loop step over `addresses` (client i drives addresses[i % len]); the summed
         throughput, the worst client's p99 and median p50, and CPU ms per answered request per
-        kind of process over the measured window."""
-        n = len(self.conns)
+        kind of process over the measured window.
+
+        The clients in the step are the most the pool has that share the gateways evenly (a multiple
+        of their number): a gateway driven by two clients while another has one would be given twice
+        the load, and the step would measure the busier one's limit."""
+        g = len(addresses)
+        n = len(self.conns) // g * g if len(self.conns) >= g else len(self.conns)
         for i, c in enumerate(self.conns):
-            c.send({"address": addresses[i % len(addresses)], "model": model, "duration": duration, "warmup": warmup,
+            c.send({"address": addresses[i % g], "model": model, "duration": duration, "warmup": warmup,
                     "concurrency": max(1, in_flight // n + (1 if i < in_flight % n else 0)),
-                    "seq_len": seq_len, "version": version, "streaming": streaming})
+                    "seq_len": seq_len, "version": version, "streaming": streaming} if i < n else {})
         self.barrier.wait()
         time.sleep(warmup)
         before = _common.cpu_seconds(self.pids)
         time.sleep(duration)
         after = _common.cpu_seconds(self.pids)
-        results = [c.recv() for c in self.conns]
+        results = [c.recv() for c in self.conns[:n]]
         errors = [r["error"] for r in results if "error" in r]
         if errors:
             return {"error": "; ".join(sorted(set(errors)))}
