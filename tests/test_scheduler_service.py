@@ -322,3 +322,51 @@ def test_queue_depth_by_level_counts_what_the_scan_did_not_reach():
     assert pending_by_level([1, 1, 2], 3) == {1: 2, 2: 1}
     assert pending_by_level([1, 1, 2], 10) == {1: 2, 2: 8}
     assert pending_by_level([], 0) == {}
+
+
+def _step_commands(r: redis.Redis, s, eid: str, members: int) -> list[str]:
+    """The commands the scheduler sends Redis (a script counts as one) in the step that dispatches a
+    batch of `members` requests: from its scan to its next one, on the scan's connection, less the
+    wake-up of its own blocking wait (sent when that wait must listen to more)."""
+    held = _fill_executor(r, s, eid)
+    gateway_id = f"gw-count-{members}"
+    for _ in range(members):
+        _enqueue(r, gateway_id, now_us() + 30_000_000, _mlp_request(np.ones((1, 32))))
+    time.sleep(0.05)  # past mlp's queue delay: the step dispatches at once, whatever company it expects
+    seen: list[dict] = []
+    with r.monitor() as mon:
+        other = redis.Redis.from_url(s.settings.redis_url)
+        other.srem(contract.inflight(("mlp", "1"), eid), *held)  # the executor is free: a report says so
+        other.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1").SerializeToString())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sum(map(_is_scan, seen)) < 2:
+            seen.append(mon.next_command())
+            if any(map(_is_dispatch, seen)) and deadline - time.monotonic() > 1:
+                deadline = time.monotonic() + 1  # the next step, if any, within a second
+    assert len(_replies(r, gateway_id, members)) == members, "the batch was not answered"
+    assert sum(map(_is_dispatch, seen)) == 1, "one dispatch script for the whole batch"
+    scan = next(c for c in seen if _is_scan(c))
+    step = seen[seen.index(scan):]
+    step = step[:next((i for i, c in enumerate(step) if i and _is_scan(c)), len(step))]
+    wake = contract.scheduler_wake(s.scheduler_id)
+    return [c["command"].split(" ", 1)[0] for c in step
+            if c["client_type"] != "lua" and wake not in c["command"]
+            and (c["client_address"], c["client_port"]) == (scan["client_address"], scan["client_port"])]
+
+
+def _is_scan(cmd: dict) -> bool:
+    return cmd["client_type"] != "lua" and cmd["command"].startswith("EVAL") and "'ZRANGE'" in cmd["command"]
+
+
+def _is_dispatch(cmd: dict) -> bool:
+    return cmd["client_type"] != "lua" and cmd["command"].startswith("EVAL") and "hand_over(4" in cmd["command"]
+
+
+def test_a_step_costs_the_same_redis_commands_whatever_its_batch_size(mesh_factory):
+    # Per batch, not per request: the step that dispatches a batch reads every queue and in-flight
+    # set in one command and writes the dispatch (one script for all its members) and the load
+    # view in one pipeline, so a batch of 24 costs the scheduler what a batch of 1 does.
+    m, r, s, eid = _leader_of_mlp(mesh_factory)
+    one = _step_commands(r, s, eid, 1)
+    many = _step_commands(r, s, eid, 24)
+    assert one == many == ["EVAL", "EVAL", "SET"], (one, many)  # the scan; the dispatch and the load view
