@@ -45,6 +45,11 @@ REJECTED = Counter(
     "batchline_rejected", "Requests refused before they were queued (reason: queue_full, overload, deadline; rate: the tenant's max_rate).",
     _MV + ("reason",),
 )
+REFUSALS_REUSED = Counter(
+    "batchline_refusals_reused", "Overload refusals answered by an earlier refusal's verdict (the same model and "
+    "priority, nothing it was judged on changed since) without playing the queue again; also counted in "
+    "batchline_rejected.", _MV,
+)
 TENANT_REQUESTS = Counter(
     "batchline_tenant_requests", "Inference requests of each tenant (the tenant of the caller's token; counted when "
     "the gateway has an auth file), by lower-case gRPC status name (ok, resource_exhausted, ...).", ("model", "tenant", "status"),

@@ -87,6 +87,16 @@ def admit(load: pb.ModelLoad, model: pb.ModelInfo, request: Candidate, now_s: fl
     never come back (an open-loop client's) would otherwise push it ever later while the
     overload lasts.
     """
+    verdict = assess(load, model, request, now_s, since, headroom)
+    if isinstance(verdict, Overloaded):
+        return verdict.refusal(model, request, now_s, retries_at_s)
+    return verdict
+
+
+def assess(load: pb.ModelLoad, model: pb.ModelInfo, request: Candidate, now_s: float, since: Sequence[Pending] = (),
+           headroom: float = 1.0) -> DeadlineExceeded | Overloaded | None:
+    """`admit`'s judgement before the answer is worded: None to admit; DeadlineExceeded when the
+    budget is shorter than the request takes alone; else the Overloaded verdict."""
     cost = BatchCost.of_load(load)
     budget_s = request.budget_s
     units = request.rows * max(1, request.length)
@@ -108,14 +118,37 @@ def admit(load: pb.ModelLoad, model: pb.ModelInfo, request: Candidate, now_s: fl
         return None
     priority = request.priority
     queued = sum(load.queued_rows[: max(1, priority)]) + sum(p.rows for p in since if p.priority <= priority)
-    own = finish - budget_s * headroom
-    wait = max(own, min(retries_at_s - now_s, own + budget_s))
-    return ResourceExhausted(
-        f"model '{model.name}' is overloaded: with {queued} rows queued ahead at priority <= {priority}, "
-        f"this request would finish in about {finish * 1e3:.0f} ms, past its {_stated(request)}; "
-        f"retry in {math.ceil(wait * 1e3)} ms, with a larger timeout, or at a higher priority",
-        retry_after_s=wait,
-    )
+    # It holds while the request would neither fit its budget nor start at once on an idle executor.
+    return Overloaded(now_s + finish, now_s + finish - budget_s * headroom, queued,
+                      min(now_s + finish - budget_s * headroom, now_s + finish - alone), cost.typical(units))
+
+
+@dataclass(frozen=True, slots=True)
+class Overloaded:
+    """Why a request was refused as overload, in absolute time: it would have finished at
+    `finish_at_s`, and would fit from `fits_at_s` if nothing else changed (`queued` rows ahead).
+
+    The verdict holds for a later request of the same model, priority and size that has no more time
+    (but not too little to be worth running), until `holds_until_s`, as long as what it was judged on is unchanged
+    (the view, the requests admitted since, the headroom): such a request is refused by it without
+    playing the queue again (gateway/ledger.py). Under overload most requests are refusals, and
+    each one's CPU comes from the model's on a shared host."""
+    finish_at_s: float
+    fits_at_s: float
+    queued: int
+    holds_until_s: float
+    shortest_budget_s: float  # a request of the same size with less is refused as hopeless instead
+
+    def refusal(self, model: pb.ModelInfo, request: Candidate, now_s: float, retries_at_s: float) -> ResourceExhausted:
+        """The refusal at `now_s`, with the retry-after hint `admit` gives (see there)."""
+        own = self.fits_at_s - now_s
+        wait = max(own, min(retries_at_s - now_s, own + request.budget_s))
+        return ResourceExhausted(
+            f"model '{model.name}' is overloaded: with {self.queued} rows queued ahead at priority <= "
+            f"{request.priority}, this request would finish in about {(self.finish_at_s - now_s) * 1e3:.0f} ms, past "
+            f"its {_stated(request)}; retry in {math.ceil(wait * 1e3)} ms, with a larger timeout, or at a higher priority",
+            retry_after_s=wait,
+        )
 
 
 def _stated(request: Candidate) -> str:

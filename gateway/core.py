@@ -216,7 +216,7 @@ class Gateway:
             reply = await self._queue_and_wait(call, admitted, calibration, traceparent, tracestate)
         finally:
             if admitted is not None:
-                admitted.over = True
+                self.ledger.done(admitted)
         error = from_status_value(reply.code, reply.message) if reply.code != 0 else None
         if calibration and (error is None or isinstance(error, DeadlineExceeded)):
             # In time: answered with room left for the way back (shed or not run: not in time).

@@ -6,6 +6,11 @@ counts ahead of later arrivals until a view counts it (the view's seen_us for th
 reaches its enqueue, or the view was taken after Redis confirmed it), or it is over: answered or
 given up (an idle scheduler publishes no view after its answer, so waiting for one would count it
 ahead of every arrival until the view expires).
+
+Under overload most arrivals are refused, and each refusal's CPU comes from the model's on a shared
+host: a request like one just refused as overload (the same model, priority and size, no more
+time) is refused by that verdict, without playing the queue again, until the view changes, a
+request this gateway admitted is over, the headroom moves, or the time comes when it would fit.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from batchline import contract, metrics
 from batchline.errors import BatchlineError, DeadlineExceeded
 from batchline.planning import DEADLINE_AWARE, Pending
 from batchline.protocol import internal_pb2 as pb
-from gateway.admission import Calibration, Candidate, admit, retry_spacing_s
+from gateway.admission import Calibration, Candidate, Overloaded, assess, retry_spacing_s
 from gateway.request import Call
 
 ModelKey = tuple[str, str]
@@ -31,6 +36,26 @@ class Admitted:
     over: bool = False     # answered or given up: ahead of nobody
 
 
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """The last overload refusal at one model and priority level, with what it was judged on."""
+    verdict: Overloaded
+    view_us: int     # the view's updated_us
+    epoch: int       # the ledger's epoch
+    headroom: float
+    rows: int
+    length: int
+    budget_s: float
+
+    def covers(self, call: Call, view_us: int, epoch: int, headroom: float, now_s: float) -> bool:
+        """Whether `call` is refused by the same verdict: nothing it was judged on changed, and the
+        call is of the same size with no more time (which only moves its deadline earlier), yet
+        enough to be refused as overload rather than as hopeless."""
+        return (now_s < self.verdict.holds_until_s and view_us == self.view_us and epoch == self.epoch
+                and headroom == self.headroom and call.rows == self.rows and call.length == self.length
+                and self.verdict.shortest_budget_s <= call.run_budget_s <= self.budget_s)
+
+
 class AdmissionLedger:
     def __init__(self, gateway_id: str, headroom: float, target: float) -> None:
         self.gateway_id = gateway_id
@@ -41,13 +66,28 @@ class AdmissionLedger:
         # When the requests refused so far are expected back (time.time()), per model and
         # priority level: later refusals are told to come after them (admission.retry_spacing_s).
         self._retries_at: dict[tuple[str, str, int], float] = {}
+        # The last overload refusal per model and priority level, which later requests like it are
+        # refused by until what it was judged on changes; an answered request changes the epoch.
+        self._refusals: dict[tuple[str, str, int], _Refusal] = {}
+        self._epoch = 0
 
     def check(self, load: pb.ModelLoad, call: Call, arrived_us: int,
               gateways: int) -> tuple[Admitted, Calibration | None]:
         """Admit `call` by the view `load`, or raise the refusal. Returns the record that counts it
-        ahead of later arrivals (the caller fills in when it was queued, and marks it over) and
-        the calibration to tell whether it was answered in time."""
+        ahead of later arrivals (the caller fills in when it was queued, and tells `done` when it is
+        over) and the calibration to tell whether it was answered in time."""
         key = call.key
+        calibration = self.calibration(key, over_share=call.priority > contract.OVER_SHARE)
+        headroom = calibration.headroom if calibration else self.headroom
+        candidate = Candidate(call.rows, call.priority, call.run_budget_s, call.length, stated_budget_s=call.budget_s)
+        now_s = arrived_us / 1e6
+        retry_key = (*key, call.priority)
+        last = self._refusals.get(retry_key)
+        if last is not None and last.covers(call, load.updated_us, self._epoch, headroom, now_s):
+            metrics.REFUSALS_REUSED.labels(*key).inc()
+            self._refused(load, call, retry_key, last.verdict.refusal(call.model, candidate, now_s,
+                                                                     self._retries_at.get(retry_key, 0.0)),
+                          now_s, gateways)
         admitted = self._admitted[key]
         seen_us = load.seen_us.get(self.gateway_id, 0)
         while admitted and (admitted[0].over or 0 < admitted[0].confirmed_us <= load.updated_us
@@ -57,18 +97,23 @@ class AdmissionLedger:
             # it read. This gateway's requests reach Redis in the order they were stamped.)
             admitted.popleft()
         since = [a.item for a in admitted if a.item.priority <= call.priority and not a.over]
-        calibration = self.calibration(key, over_share=call.priority > contract.OVER_SHARE)
-        headroom = calibration.headroom if calibration else self.headroom
-        candidate = Candidate(call.rows, call.priority, call.run_budget_s, call.length, stated_budget_s=call.budget_s)
-        now_s = arrived_us / 1e6
-        retry_key = (*key, call.priority)
-        refusal = admit(load, call.model, candidate, now_s, since, headroom, self._retries_at.get(retry_key, 0.0))
-        if refusal is not None:
-            self._refused(load, call, retry_key, refusal, now_s, gateways)
+        verdict = assess(load, call.model, candidate, now_s, since, headroom)
+        if isinstance(verdict, Overloaded):
+            self._refusals[retry_key] = _Refusal(verdict, load.updated_us, self._epoch, headroom, call.rows,
+                                                 call.length, call.run_budget_s)
+            verdict = verdict.refusal(call.model, candidate, now_s, self._retries_at.get(retry_key, 0.0))
+        if verdict is not None:
+            self._refused(load, call, retry_key, verdict, now_s, gateways)
         record = Admitted(Pending("", call.rows, call.priority, now_s + call.run_budget_s, float("-inf"),
                                   length=call.length))
         admitted.append(record)
         return record, calibration
+
+    def done(self, record: Admitted) -> None:
+        """`record`'s request was answered or given up: it is ahead of nobody, and refusals judged
+        while it was queued may no longer hold."""
+        record.over = True
+        self._epoch += 1
 
     def _refused(self, load: pb.ModelLoad, call: Call, retry_key: tuple[str, str, int], refusal: BatchlineError,
                  now_s: float, gateways: int) -> None:
