@@ -1,6 +1,5 @@
 """What a scheduling step writes: batches sent to executors and requests shed, queued on the
-step's pipeline (one Redis round trip per step, for every model), then booked once Redis has run
-them."""
+step's pipeline (one Redis round trip per step), then booked once Redis has run them."""
 from __future__ import annotations
 
 import logging
@@ -34,38 +33,6 @@ class Sent:
     entries: list[pb.QueueEntry]
     dispatched_us: int
     span: Any  # the batch's span (tracing on), ended once the dispatch is written
-
-
-class StepWrites:
-    """A step's writes on its one pipeline: the dispatches and sheds of every model, booked together
-    once Redis has run them."""
-
-    def __init__(self, pipe) -> None:
-        self.pipe = pipe
-        self.sends: list[tuple[ModelKey, int, Sent]] = []  # (model, index of its result in the pipeline, dispatch)
-        self.sheds: list[tuple[ModelKey, int]] = []
-
-    def send(self, key: ModelKey, executor_id: str, planned: PlannedBatch, entries: list[pb.QueueEntry]) -> None:
-        self.sends.append((key, len(self.pipe), send(self.pipe, key, executor_id, planned, entries)))
-
-    def shed(self, key: ModelKey, expired: list[Pending], entries: dict[bytes, pb.QueueEntry]) -> None:
-        shed(self.pipe, key, expired, entries)
-        self.sheds.append((key, len(expired)))
-
-    def end_spans(self) -> None:
-        """The batches' spans end once their dispatch is written, or failed."""
-        for _, _, sent in self.sends:
-            if sent.span is not None:
-                sent.span.end()
-
-    def book(self, results: list, counts: Counter, timeline) -> None:
-        """Count what Redis ran (`results`, the pipeline's); tell `timeline` of each batch dispatched."""
-        for key, n in self.sheds:
-            counts["shed"] += n
-            metrics.SHED.labels(*key).inc(n)
-        for key, i, sent in self.sends:
-            if book(key, sent, results[i], counts):
-                timeline.dispatched(sent.executor_id, sent.batch_id, sent.planned.start, sent.planned.finish)
 
 
 def send(pipe, key: ModelKey, executor_id: str, planned: PlannedBatch, entries: list[pb.QueueEntry]) -> Sent:

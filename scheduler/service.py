@@ -1,10 +1,9 @@
 """The scheduler: reads queues and executor load from Redis, plans, dispatches.
 
 `step()` coordinates one round: it reads every queue's head and every
-executor's in-flight set in one command (contract.scan), asks the pure policy
-(scheduler.policy.plan) what to do with each queue, and writes every model's
-sheds, dispatches and load view in one pipeline: two round trips a step,
-whatever the number of models or of requests in a batch. The scheduler never touches
+executor's in-flight set in one pipeline, asks the pure policy
+(scheduler.policy.plan) what to do with each queue, and writes the sheds, the
+dispatches and the load view in one more. The scheduler never touches
 tensors: it moves queue members (request metadata) into batches and tells
 executors which batches are theirs. Its parts:
 
@@ -160,28 +159,19 @@ class Scheduler:
                    for eid, batches in zip(executors, held)}
         self._held = {eid: len(batches) for eid, batches in zip(executors, held)}
         wake_at: float | None = None
-        # What the whole step writes goes to Redis in one round trip, whatever the number of
-        # models: each one's sheds, dispatches and load view, and the blocking wait's wake-up.
-        async with self.redis.pipeline(transaction=False) as pipe:
-            writes = dispatch.StepWrites(pipe)
-            try:
-                for key, members in zip(models, heads):
-                    wake_at = _earlier(wake_at, await self._schedule(writes, key, members, free_at, now))
-                # An empty queue planned before another queue's dispatch kept the shared
-                # executor busy: look again, so that arrivals to it need no wake-up either.
-                for key in models:
-                    if not self.queues.depths[key] and contract.queue(*key) not in self.wakeups.blocked:
-                        ready = [free_at[e] for e in self._holders(key, free_at) if free_at[e] != float("inf")]
-                        blocked, ready_at = busy_until(now, ready, self.settings.dispatch_lead_ms / 1000)
-                        if blocked:
-                            self.wakeups.blocked.add(contract.queue(*key))
-                            wake_at = _earlier(wake_at, ready_at)
-                self.queues.keep_only({m for members in heads for m in members})
-                self.wakeups.relisten_on(pipe)
-                results = await pipe.execute() if len(pipe) else []
-            finally:
-                writes.end_spans()
-        writes.book(results, self.counts, self.timeline)
+        for key, members in zip(models, heads):
+            wake_at = _earlier(wake_at, await self._schedule(key, members, free_at, now))
+        # An empty queue planned before another queue's dispatch kept the shared
+        # executor busy: look again, so that arrivals to it need no wake-up either.
+        for key in models:
+            if not self.queues.depths[key] and contract.queue(*key) not in self.wakeups.blocked:
+                ready = [free_at[e] for e in self._holders(key, free_at) if free_at[e] != float("inf")]
+                blocked, ready_at = busy_until(now, ready, self.settings.dispatch_lead_ms / 1000)
+                if blocked:
+                    self.wakeups.blocked.add(contract.queue(*key))
+                    wake_at = _earlier(wake_at, ready_at)
+        self.queues.keep_only({m for members in heads for m in members})
+        await self.wakeups.relisten()
         if time.monotonic() - self.profiles.saved_at >= self.settings.profile_save_s:
             await self.profiles.save()
         return wake_at
@@ -193,20 +183,35 @@ class Scheduler:
         self.wakeups.notify = {contract.notify(*k): contract.queue(*k) for k in sorted(self.registry.models)}
 
     async def _scan(self, models: list[ModelKey], executors: list[str]) -> tuple[list[list[bytes]], list[set[bytes]]]:
-        """One round trip: drop the arrivals' tokens, take the reports, read each queue's head and
+        """One pipeline: drop the arrivals' tokens, take the reports, read each queue's head and
         depth and each executor's in-flight sets. Returns the heads and each executor's batch ids."""
+        rounds = contract.Rounds(self.redis)
+        pipe = rounds.next()
+        # The arrivals' tokens go first (on a cluster, a round of their own): the scan below sees
+        # every request whose token it drops.
+        notices = list(self.wakeups.notify)
+        if notices:
+            pipe.delete(*notices)
+        pipe.lpop(contract.REPORTS, DRAIN)
+        pipe = rounds.next()
+        for name, version in models:
+            pipe.zrange(contract.queue(name, version), 0, self.settings.queue_scan_limit - 1)
+            pipe.zcard(contract.queue(name, version))
         # An executor's in-flight sets are per model (in the model's slot): one per model it has.
         sets = [(eid, (m.name, m.version)) for eid in executors for m in self.registry.executors[eid].models]
+        for eid, key in sets:
+            pipe.smembers(contract.inflight(key, eid))
         async with metrics.redis_rtt("scheduler", "scan"):
-            read = await contract.scan(self.redis, list(self.wakeups.notify), [contract.queue(*m) for m in models],
-                                       [contract.inflight(key, eid) for eid, key in sets],
-                                       self.settings.queue_scan_limit, DRAIN)
-        self._observe(self.wakeups.take_reports() + read.reports)
-        self.queues.depths.update(zip(models, read.depths))
+            results = await rounds.execute()
+        if notices:
+            del results[0]
+        self._observe(self.wakeups.take_reports() + (results[0] or []))
+        for i, key in enumerate(models):
+            self.queues.depths[key] = results[2 + 2 * i]
         held: dict[str, set[bytes]] = {eid: set() for eid in executors}
-        for (eid, _), ids in zip(sets, read.inflight):
+        for (eid, _), ids in zip(sets, results[1 + 2 * len(models):]):
             held[eid] |= ids
-        return read.heads, [held[eid] for eid in executors]
+        return [results[1 + 2 * i] for i in range(len(models))], [held[eid] for eid in executors]
 
     def _observe(self, reports: list[bytes]) -> None:
         for blob in reports:
@@ -224,10 +229,8 @@ class Scheduler:
                 return usable
         return []
 
-    async def _schedule(self, writes: dispatch.StepWrites, key: ModelKey, members: list[bytes],
-                        free_at: dict[str, float], now: float) -> float | None:
-        """Plan one model's queue and queue what the plan says on the step's `writes`; when to look
-        at it again."""
+    async def _schedule(self, key: ModelKey, members: list[bytes], free_at: dict[str, float], now: float) -> float | None:
+        """Plan one model's queue and write what the plan says; when to look at it again."""
         info = self.registry.models[key]
         holders = self._holders(key, free_at)
         await self.profiles.adopt([(*key, kind(self.registry, e, key)) for e in holders])
@@ -251,22 +254,38 @@ class Scheduler:
         decision = plan(now, queue, policy, [free_at[e] for e in ready], cost,
                         lead=self.settings.dispatch_lead_ms / 1000, company=company)
         (self.wakeups.blocked.add if decision.blocked else self.wakeups.blocked.discard)(contract.queue(*key))
+        # What the step does goes to Redis in one round trip: sheds, dispatches, the load view.
+        async with self.redis.pipeline(transaction=False) as pipe:
+            if decision.expired:
+                dispatch.shed(pipe, key, decision.expired, self.queues.entries)
+            sends = []
+            for planned in decision.batches:
+                eid = ready[planned.executor]
+                free_at[eid] = planned.finish
+                self.timeline.planned(eid, planned.finish, now)
+                entries = [self.queues.entries[m.member] for m in planned.members]
+                sends.append((len(pipe), dispatch.send(pipe, key, eid, planned, entries)))
+            # The view shows what is left after this step: a batch just sent must not
+            # look joinable to a request admitted against it.
+            gone = {m.request_id for b in decision.batches for m in b.members} | {p.request_id for p in decision.expired}
+            left = [p for p in queue if p.request_id not in gone] if gone else queue
+            self.queues.left(key, now, len(left))
+            if self.settings.policy != FIFO and self.views.due(key, now, changed=bool(gone)):
+                idle_at = [max(now, self.timeline.idle_at.get(e, now)) for e in holders]
+                self.views.publish(pipe, key, info, idle_at, cost, left, now, self._scanned_at, slice_rows,
+                                   policy.length_aware)
+            try:
+                results = await pipe.execute() if len(pipe) else []
+            finally:
+                for _, sent in sends:
+                    if sent.span is not None:
+                        sent.span.end()
         if decision.expired:
-            writes.shed(key, decision.expired, self.queues.entries)
-        for planned in decision.batches:
-            eid = ready[planned.executor]
-            free_at[eid] = planned.finish
-            self.timeline.planned(eid, planned.finish, now)
-            writes.send(key, eid, planned, [self.queues.entries[m.member] for m in planned.members])
-        # The view shows what is left after this step: a batch just sent must not
-        # look joinable to a request admitted against it.
-        gone = {m.request_id for b in decision.batches for m in b.members} | {p.request_id for p in decision.expired}
-        left = [p for p in queue if p.request_id not in gone] if gone else queue
-        self.queues.left(key, now, len(left))
-        if self.settings.policy != FIFO and self.views.due(key, now, changed=bool(gone)):
-            idle_at = [max(now, self.timeline.idle_at.get(e, now)) for e in holders]
-            self.views.publish(writes.pipe, key, info, idle_at, cost, left, now, self._scanned_at, slice_rows,
-                               policy.length_aware)
+            self.counts["shed"] += len(decision.expired)
+            metrics.SHED.labels(*key).inc(len(decision.expired))
+        for i, sent in sends:
+            if dispatch.book(key, sent, results[i], self.counts):
+                self.timeline.dispatched(sent.executor_id, sent.batch_id, sent.planned.start, sent.planned.finish)
         return decision.wake_at
 
     def status(self) -> pb.SchedulerStatus:

@@ -97,22 +97,17 @@ class Wakeups:
                 # frees the executor: if it no longer counts the queue as waiting, look again.
                 self._arrived_during_step.add(queue)
 
-    def _should_relisten(self) -> bool:
-        want = set(self.keys())
-        return not want <= self.listening or (not self.leads() and want != self.listening)
-
     async def relisten(self) -> None:
         """Interrupt the blocking wait when it should listen to a list it does not (a queue no
         longer blocked, a model registered, the lease taken), or to fewer shared lists (the
         lease lost). A wait that listens to more than it needs is left alone: it ends at the
         next report, and a token it reads for a blocked queue is ignored."""
-        if self._should_relisten():
-            await contract.wake(self.redis, self.key)
-
-    def relisten_on(self, pipe) -> None:
-        """relisten(), queued on a step's pipeline."""
-        if self._should_relisten():
-            contract.wake(pipe, self.key)
+        want = set(self.keys())
+        if not want <= self.listening or (not self.leads() and want != self.listening):
+            async with self.redis.pipeline(transaction=True) as pipe:  # (never without its expiry)
+                pipe.rpush(self.key, 1)
+                pipe.pexpire(self.key, contract.SCHEDULER_WAKE_TTL_MS)
+                await pipe.execute()
 
     def step_begins(self) -> None:
         self.event.clear()

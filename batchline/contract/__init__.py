@@ -16,13 +16,10 @@ from batchline.contract.calls import (  # noqa: F401
     enqueue,
     push_with_ttl,
     release_lease,
-    Scan,
     report,
-    scan,
     shed,
     take_lease,
     take_token,
-    wake,
 )
 from batchline.contract.keys import *  # noqa: F401,F403
 from batchline.contract.slots import Rounds, get_many, on_cluster  # noqa: F401
@@ -30,7 +27,6 @@ from batchline.contract.scripts import (  # noqa: F401
     ANNOUNCE_LUA,
     HAND_OVER_LUA,
     REPORT_LUA,
-    SCAN_LUA,
     BATCH_DONE_LUA,
     COUNT_WITH_TTL_LUA,
     DISPATCH_LUA,

@@ -108,53 +108,9 @@ def dispatch(client, batch: pb.Batch, members: Sequence[bytes], batch_ttl_ms: in
     return client.eval(scripts.DISPATCH_LUA, len(keys) + 2, *keys, *hand_over, *args)
 
 
-@dataclass(slots=True)
-class Scan:
-    """A scheduling step's read (contract.scan)."""
-    reports: list[bytes]
-    heads: list[list[bytes]]    # per queue, its first members in queue order
-    depths: list[int]           # per queue
-    inflight: list[set[bytes]]  # per in-flight set, its batch ids
-
-
-async def scan(client, notices: Sequence[str], queues: Sequence[str], inflight: Sequence[str],
-               limit: int, drain: int) -> Scan:
-    """Drop the arrival tokens of `notices`, take up to `drain` execution reports, read the first
-    `limit` members and the depth of each of `queues`, and the `inflight` sets (an asyncio
-    client's). One command on one Redis (scripts.SCAN_LUA); on a cluster, a round that drops the
-    tokens and takes the reports, then one that reads."""
-    if not slots.on_cluster(client):
-        reply = await client.eval(scripts.SCAN_LUA, 1 + len(notices) + len(queues) + len(inflight), k.REPORTS,
-                                  *notices, *queues, *inflight, len(notices), len(queues), limit, drain)
-        n = 1 + 2 * len(queues)
-        return Scan(reply[0], reply[1:n:2], reply[2:n:2], [set(ids) for ids in reply[n:]])
-    rounds = slots.Rounds(client)
-    pipe = rounds.next()
-    if notices:
-        pipe.delete(*notices)
-    pipe.lpop(k.REPORTS, drain)
-    pipe = rounds.next()
-    for queue in queues:
-        pipe.zrange(queue, 0, limit - 1)
-        pipe.zcard(queue)
-    for key in inflight:
-        pipe.smembers(key)
-    results = await rounds.execute()
-    if notices:
-        del results[0]
-    n = 1 + 2 * len(queues)
-    return Scan(results[0] or [], results[1:n:2], results[2:n:2], results[n:])
-
-
 def push_with_ttl(client, key: str, ttl_s: int, values: Sequence[bytes]) -> Any:
     """Append `values` to the list `key` and set its expiry in one command."""
     return client.eval(scripts.PUSH_WITH_TTL_LUA, 1, key, ttl_s, *values)
-
-
-def wake(client, scheduler_wake_key: str) -> Any:
-    """Interrupt a scheduler's blocking wait through its own wake list, with the list's expiry in
-    the same command (should that scheduler die before reading it)."""
-    return push_with_ttl(client, scheduler_wake_key, -(-k.SCHEDULER_WAKE_TTL_MS // 1000), [1])
 
 
 def count(client, model: ModelKey, field: str, increment: int) -> Any:

@@ -57,32 +57,6 @@ hand_over(1, ARGV[1], ARGV[2], ARGV[3])
 """
 
 
-# A scheduling step's read, in one command on one Redis: the arrivals' tokens dropped (first: every
-# request whose token goes is in the read), the execution reports taken, each queue's head and
-# depth, the in-flight sets. A reply of one array rather than one per command: the scheduler steps
-# once or twice a batch, and its client's cost is per reply. On a Redis Cluster the keys span
-# slots, and the scan is the same commands pipelined (contract.calls.scan).
-# KEYS: reports list, the notify lists, the queues, the in-flight sets.
-# ARGV: notify lists, queues, scan limit, reports taken at most.
-# Returns {reports, head 1, depth 1, ..., head N, depth N, in-flight set 1, ...}.
-SCAN_LUA = """
-local notices, queues, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-for i = 2, 1 + notices do
-  redis.call('DEL', KEYS[i])
-end
-local out = {redis.call('LPOP', KEYS[1], ARGV[4]) or {}}
-local q = 1 + notices
-for i = q + 1, q + queues do
-  out[#out + 1] = redis.call('ZRANGE', KEYS[i], 0, limit - 1)
-  out[#out + 1] = redis.call('ZCARD', KEYS[i])
-end
-for i = q + queues + 1, #KEYS do
-  out[#out + 1] = redis.call('SMEMBERS', KEYS[i])
-end
-return out
-"""
-
-
 # The scheduler lease: renewed only by its holder, so a scheduler that lost
 # it (paused past the TTL) cannot extend another's.
 # KEYS: leader key; ARGV: scheduler id, ttl ms. Returns 1 when held.
