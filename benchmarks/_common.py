@@ -13,6 +13,7 @@ import pathlib
 import platform
 import re
 import shutil
+import socket
 import tempfile
 import time
 from collections import Counter
@@ -82,6 +83,22 @@ def mesh(model_repository: str | pathlib.Path, env: dict[str, str] | None = None
         yield address
     finally:
         m.stop()
+
+
+def free_base(span: int = 8) -> int:
+    """A base port with `span` free ports after it (the mesh's metrics endpoints)."""
+    for base in range(19100, 29000, span):
+        ok = True
+        for port in range(base, base + span):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise SystemExit("no free metrics ports")
 
 
 def ensure_repository(path: str | pathlib.Path) -> pathlib.Path:

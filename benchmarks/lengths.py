@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import random
 import re
-import socket
 import statistics
 import sys
 import urllib.request
@@ -36,22 +35,6 @@ def workload(seed: int = 0) -> list[str]:
     for i, s in enumerate(sentences):
         out.append(" ".join(rng.sample(sentences, TAIL_SENTENCES)) if i % TAIL_EVERY == 0 else s)
     return out
-
-
-def free_base(span: int = 8) -> int:
-    """A base port with `span` free ports after it (the mesh's metrics endpoints)."""
-    for base in range(19100, 29000, span):
-        ok = True
-        for port in range(base, base + span):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise SystemExit("no free metrics ports")
 
 
 def padding(port: int) -> tuple[float, float]:
@@ -84,7 +67,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         address, metrics = {}, {}
         for mode, env in modes.items():
-            base = free_base()
+            base = _common.free_base()
             address[mode] = stack.enter_context(_common.mesh(repo, env=env, log_level=args.log_level, metrics_port=base))
             metrics[mode] = base + 2  # gateway, scheduler, then the executor
         runs: dict[str, list] = {m: [] for m in modes}

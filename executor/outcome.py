@@ -112,6 +112,14 @@ async def write(redis: Redis, executor_id: str, batch: pb.Batch, model: LoadedMo
         queue = metrics.QUEUE_DURATION.labels(*labels)
         for m in ok:
             queue.observe(max(0, timing.start_us - m.entry.enqueued_us) / 1e6)
+        if timing.ran_until_us:
+            run_s = timing.infer_ns / 1e9
+            waited_s = max(0, timing.ran_until_us - timing.infer_ns // 1000 - batch.dispatched_us) / 1e6
+            dispatch, execute = metrics.STAGE_DISPATCH.labels(*labels), metrics.STAGE_EXECUTE.labels(*labels)
+            # Once per request, not per batch: the stages' quantiles are then the requests' own.
+            for _ in ok:
+                dispatch.observe(waited_s)
+                execute.observe(run_s)
 
 
 def _statistics(ok: Sequence[Member], rows: int, timing: Timing, done_us: int) -> list:

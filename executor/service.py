@@ -342,11 +342,15 @@ class Executor:
                         if traced:
                             telemetry.current_span().set_attribute("batchline.padding_efficiency", efficiency)
             t2 = time.perf_counter_ns()
+        ran_until_us = start_us + (t2 - t0) // 1000 if t2 > t1 else 0
         replies: dict[str, list[bytes]] = defaultdict(list)
         for m in members:
-            replies[m.entry.gateway_id].append(running.reply(model, m).SerializeToString())
+            r = running.reply(model, m)
+            if r.code == 0:
+                r.ran_until_us = ran_until_us
+            replies[m.entry.gateway_id].append(r.SerializeToString())
         t3 = time.perf_counter_ns()
-        timing = Timing(start_us, t1 - t0, t2 - t_run, t3 - t2, start_us + (t2 - t0) // 1000 if t2 > t1 else 0, units)
+        timing = Timing(start_us, t1 - t0, t2 - t_run, t3 - t2, ran_until_us, units)
         with _phase("write", traced):
             await outcome.write(self.redis, self.executor_id, batch, model, members, replies, timing, self.written)
         if traced:

@@ -186,6 +186,7 @@ class Gateway:
         tenant: str = "",
         weight: float = 1.0,
     ) -> ipb.ModelInferResponse:
+        started = time.perf_counter()
         model = await self.catalog.model(request.model_name, request.model_version)
         if model.text.name:
             request = await self.tokenizers.convert(request, model)
@@ -213,7 +214,7 @@ class Gateway:
         if tenant:
             self.fair.admitted(call.key, tenant, call.rows, arrived_us / 1e6)
         try:
-            reply = await self._queue_and_wait(call, admitted, calibration, traceparent, tracestate)
+            reply = await self._queue_and_wait(call, admitted, calibration, traceparent, tracestate, started)
         finally:
             if admitted is not None:
                 self.ledger.done(admitted)
@@ -226,18 +227,19 @@ class Gateway:
         return reply.response
 
     async def _queue_and_wait(self, call: Call, admitted: Admitted | None, calibration: Calibration | None,
-                              traceparent: str, tracestate: str) -> pb.Reply:
+                              traceparent: str, tracestate: str, started: float) -> pb.Reply:
         """Write the request to Redis with the next group commit and wait for its reply."""
         enqueued = now_us()
         deadline = enqueued + int(call.run_budget_s * 1e6)
         entry = queue_entry(call, self.gateway_id, enqueued, deadline, traceparent, tracestate)
         if not logs.structured():
-            return await self._write_and_wait(call, entry, enqueued, deadline, admitted, calibration)
+            return await self._write_and_wait(call, entry, enqueued, deadline, admitted, calibration, started)
         with logs.context(request_id=entry.request_id, trace_id=tracecontext.trace_id(entry.traceparent) or ""):
-            return await self._write_and_wait(call, entry, enqueued, deadline, admitted, calibration)
+            return await self._write_and_wait(call, entry, enqueued, deadline, admitted, calibration, started)
 
     async def _write_and_wait(self, call: Call, entry: pb.QueueEntry, enqueued: int, deadline: int,
-                              admitted: Admitted | None, calibration: Calibration | None) -> pb.Reply:
+                              admitted: Admitted | None, calibration: Calibration | None, started: float) -> pb.Reply:
+        """`started`: the request's arrival (perf_counter), where its enqueue stage begins."""
         member = entry.SerializeToString()
         fut = self.replies.expect(entry.request_id)
         if admitted is not None:
@@ -252,6 +254,7 @@ class Gateway:
             else:
                 await self.commit.write(write, deadline, call.run_budget_s)
             self.replies.queued(entry.request_id, write.model)
+            metrics.STAGE_ENQUEUE.labels(*call.key).observe(time.perf_counter() - started)
             if admitted is not None:
                 admitted.confirmed_us = now_us()
             # A timer on the reply's own future rather than asyncio.wait_for, which wraps every
@@ -260,13 +263,17 @@ class Gateway:
             timer = asyncio.get_running_loop().call_later(
                 max(0.0, enqueued / 1e6 + call.budget_s - time.time()), _time_out, fut)
             try:
-                return await fut
+                reply = await fut
             except asyncio.TimeoutError:
                 raise DeadlineExceeded(
                     f"no answer from model '{call.model.name}' within the {duration_text(call.budget_s)} budget"
                 ) from None
             finally:
                 timer.cancel()
+            if reply.ran_until_us:
+                # Measured once this coroutine runs again, so a busy event loop shows up here.
+                metrics.STAGE_REPLY.labels(*call.key).observe(max(0, now_us() - reply.ran_until_us) / 1e6)
+            return reply
         except BaseException:
             # Timed out, cancelled by the client, refused, or Redis failed: make
             # sure no executor spends time on a request nobody waits for.

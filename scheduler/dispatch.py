@@ -70,6 +70,9 @@ def book(key: ModelKey, sent: Sent, taken: int, counts: Counter) -> bool:
     metrics.BATCHES_DISPATCHED.labels(key[0], key[1], planned.reason).inc()
     metrics.BATCH_SIZE.labels(key[0], key[1]).observe(planned.rows)
     metrics.DISPATCH_SLACK.labels(key[0], key[1]).observe(planned.slack)  # negative: late, in the le="0" bucket
+    queue = metrics.STAGE_QUEUE.labels(*key)
+    for e in sent.entries:
+        queue.observe(max(0, sent.dispatched_us - e.enqueued_us) / 1e6)
     if sent.span is not None:
         for m, e in zip(planned.members, sent.entries):
             telemetry.record_span(

@@ -182,6 +182,7 @@ def metrics_page() -> str:
             buckets.append(f"| `{name}` | {bounds} |")
     doc = metrics.__doc__ or ""
     labels_note = next((p for p in doc.split("\n\n") if p.startswith("Label values")), "")
+    stages_note = next((p for p in doc.split("\n\n") if p.startswith("The ``batchline_stage_")), "")
     return "\n".join([
         "# Metrics reference", "", GENERATED, "",
         "Every service serves Prometheus text at `http://HOST:PORT/metrics` (`--metrics-port`: gateway 8002,",
@@ -190,6 +191,9 @@ def metrics_page() -> str:
         "`_count` series. The guide: [observability](../guides/observability.md).", "",
         "| metric | type | labels | service | meaning |", "|---|---|---|---|---|", *rows, "",
         " ".join(labels_note.replace("``", "`").split()), "",
+        "## Service stages", "",
+        " ".join(stages_note.replace("``", "`").split()), "",
+        "`benchmarks/tail.py` prints each stage's quantiles beside the client's.", "",
         "## Histogram buckets", "",
         "| histogram | upper bounds |", "|---|---|", *buckets, "",
     ])

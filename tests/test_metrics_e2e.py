@@ -129,6 +129,18 @@ async def test_requests_show_up_in_the_metrics(mesh, metrics_port):
     assert d("batchline_compute_infer_duration_seconds_count", **mlp) >= 1
     assert d("batchline_executor_busy_seconds_total") > 0
 
+    # The service stages: one observation per request answered, each where its stage ends.
+    stages = ("enqueue", "queue", "dispatch", "execute", "reply")
+    for stage in stages:
+        assert d(f"batchline_stage_{stage}_seconds_count", **mlp) == N, stage
+        assert d(f"batchline_stage_{stage}_seconds_sum", **mlp) > 0, stage
+    # From the enqueue stamp on, the stages follow one another inside the gateway's own time for
+    # the request (one host, one clock here): in seconds, not a unit off, and nothing counted twice.
+    # A microsecond per request and stage allows for the wall clock's truncation to µs.
+    after_enqueue = sum(d(f"batchline_stage_{stage}_seconds_sum", **mlp) for stage in stages[1:])
+    assert after_enqueue <= d("batchline_request_duration_seconds_sum", **mlp) + N * len(stages) * 1e-6
+    assert d("batchline_stage_enqueue_seconds_sum", **mlp) <= d("batchline_request_duration_seconds_sum", **mlp)
+
     # Scheduler: the queue's depth is reported (drained by now, so never negative).
     assert present(after, "batchline_pending_requests", **mlp)
     assert total(after, "batchline_pending_requests", **mlp) >= 0

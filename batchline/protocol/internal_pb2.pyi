@@ -54,16 +54,18 @@ class Batch(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., members: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., executor_id: _Optional[str] = ..., dispatched_us: _Optional[int] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Reply(_message.Message):
-    __slots__ = ("request_id", "code", "message", "response")
+    __slots__ = ("request_id", "code", "message", "response", "ran_until_us")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    RAN_UNTIL_US_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     code: int
     message: str
     response: _inference_pb2.ModelInferResponse
-    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[_inference_pb2.ModelInferResponse, _Mapping]] = ...) -> None: ...
+    ran_until_us: int
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[_inference_pb2.ModelInferResponse, _Mapping]] = ..., ran_until_us: _Optional[int] = ...) -> None: ...
 
 class ExecutionReport(_message.Message):
     __slots__ = ("executor_id", "batch_id", "model_name", "model_version", "rows", "requests", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "failed", "warmup", "ran_until_us", "units")
