@@ -29,6 +29,9 @@ class Registry:
     # Registered but without a live heartbeat: dead, or stopped. The
     # scheduler hands their batches back and then forgets them.
     stale: list[str] = field(default_factory=list)
+    # versions() per name: the gateway resolves every request (twice when it is refused), and a
+    # registry changes only when it is loaded.
+    _versions: dict[str, list[str]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     async def load(cls, redis: aioredis.Redis) -> "Registry":
@@ -45,6 +48,7 @@ class Registry:
         return reg
 
     def add(self, info: pb.ExecutorInfo) -> None:
+        self._versions.clear()
         self.executors[info.executor_id] = info
         for m in info.models:
             key = (m.name, m.version)
@@ -54,7 +58,10 @@ class Registry:
 
     def versions(self, name: str) -> list[str]:
         """The versions of `name` that take requests (some executor serves them, not just releases them)."""
-        return sorted({v for (n, v) in self.holders if n == name}, key=_version_key)
+        found = self._versions.get(name)
+        if found is None:
+            found = self._versions[name] = sorted({v for (n, v) in self.holders if n == name}, key=_version_key)
+        return list(found)
 
     def model_names(self) -> list[str]:
         return sorted({n for (n, _) in self.holders})
