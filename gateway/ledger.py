@@ -40,18 +40,18 @@ class Admitted:
 class _Refusal:
     """The last overload refusal at one model and priority level, with what it was judged on."""
     verdict: Overloaded
-    view_us: int     # the view's updated_us
-    epoch: int       # the ledger's epoch
+    view: pb.ModelLoad  # the view it was judged by (the object: two reads of one update may differ in seen_us)
+    epoch: int          # the ledger's epoch
     headroom: float
     rows: int
     length: int
     budget_s: float
 
-    def covers(self, call: Call, view_us: int, epoch: int, headroom: float, now_s: float) -> bool:
+    def covers(self, call: Call, view: pb.ModelLoad, epoch: int, headroom: float, now_s: float) -> bool:
         """Whether `call` is refused by the same verdict: nothing it was judged on changed, and the
         call is of the same size with no more time (which only moves its deadline earlier), yet
         enough to be refused as overload rather than as hopeless."""
-        return (now_s < self.verdict.holds_until_s and view_us == self.view_us and epoch == self.epoch
+        return (now_s < self.verdict.holds_until_s and view is self.view and epoch == self.epoch
                 and headroom == self.headroom and call.rows == self.rows and call.length == self.length
                 and self.verdict.shortest_budget_s <= call.run_budget_s <= self.budget_s)
 
@@ -83,7 +83,7 @@ class AdmissionLedger:
         now_s = arrived_us / 1e6
         retry_key = (*key, call.priority)
         last = self._refusals.get(retry_key)
-        if last is not None and last.covers(call, load.updated_us, self._epoch, headroom, now_s):
+        if last is not None and last.covers(call, load, self._epoch, headroom, now_s):
             metrics.REFUSALS_REUSED.labels(*key).inc()
             self._refused(load, call, retry_key, last.verdict.refusal(call.model, candidate, now_s,
                                                                      self._retries_at.get(retry_key, 0.0)),
@@ -99,7 +99,7 @@ class AdmissionLedger:
         since = [a.item for a in admitted if a.item.priority <= call.priority and not a.over]
         verdict = assess(load, call.model, candidate, now_s, since, headroom)
         if isinstance(verdict, Overloaded):
-            self._refusals[retry_key] = _Refusal(verdict, load.updated_us, self._epoch, headroom, call.rows,
+            self._refusals[retry_key] = _Refusal(verdict, load, self._epoch, headroom, call.rows,
                                                  call.length, call.run_budget_s)
             verdict = verdict.refusal(call.model, candidate, now_s, self._retries_at.get(retry_key, 0.0))
         if verdict is not None:

@@ -145,3 +145,16 @@ def test_a_changed_headroom_is_judged_again(headroom):
     before = reused()
     outcome(ledger, load, call(budget_s=0.2), NOW_US + 1)
     assert reused() == before
+
+
+def test_another_read_of_the_same_view_is_judged_again():
+    # Two reads of one update may differ in what they say this gateway's requests are counted to
+    # (seen_us): a verdict is bound to the view object it was judged by.
+    ledger, load = AdmissionLedger("gw", 1.0, 0.0), view()
+    assert isinstance(outcome(ledger, load, call(), NOW_US), ResourceExhausted)
+    again = pb.ModelLoad()
+    again.CopyFrom(load)
+    again.seen_us["gw"] = NOW_US
+    before = reused()
+    assert isinstance(outcome(ledger, again, call(), NOW_US + 1_000), ResourceExhausted)
+    assert reused() == before
