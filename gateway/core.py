@@ -27,7 +27,7 @@ from gateway.admission import Calibration
 from gateway.catalog import Catalog
 from gateway.commit import GroupCommit
 from gateway.fairness import FairShares
-from gateway.ledger import Admitted, AdmissionLedger, usable
+from gateway.ledger import AdmissionLedger, Ticket, usable
 from gateway import presence
 from gateway.replies import Replies
 from gateway.repository import RepositoryControl
@@ -201,11 +201,11 @@ class Gateway:
                 metrics.TENANT_OVER_SHARE.labels(model.name, tenant).inc()
             if telemetry.enabled():
                 telemetry.current_span().set_attribute("batchline.tenant", tenant)
-        admitted, calibration = None, None
+        ticket = None
         load = self.views.get(call.key, call.budget_s) if self.settings.admission_control else None
         if usable(load, arrived_us):
             try:
-                admitted, calibration = self.ledger.check(load, call, arrived_us, self.gateways)
+                ticket = self.ledger.check(load, call, arrived_us, self.gateways)
             except ResourceExhausted as exc:
                 if call.priority == asked:
                     raise
@@ -214,36 +214,38 @@ class Gateway:
         if tenant:
             self.fair.admitted(call.key, tenant, call.rows, arrived_us / 1e6)
         try:
-            reply = await self._queue_and_wait(call, admitted, calibration, traceparent, tracestate, started)
-        finally:
-            if admitted is not None:
-                self.ledger.done(admitted)
+            reply = await self._queue_and_wait(call, ticket, traceparent, tracestate, started)
+        except BaseException:
+            if ticket is not None:
+                ticket.over()
+            raise
         error = from_status_value(reply.code, reply.message) if reply.code != 0 else None
-        if calibration and (error is None or isinstance(error, DeadlineExceeded)):
+        if ticket is not None:
             # In time: answered with room left for the way back (shed or not run: not in time).
-            calibration.observe(in_time=error is None and now_us() - arrived_us <= call.run_budget_s * 1e6)
+            judged = error is None or isinstance(error, DeadlineExceeded)
+            ticket.over(error is None and now_us() - arrived_us <= call.run_budget_s * 1e6 if judged else None)
         if error is not None:
             raise error
         return reply.response
 
-    async def _queue_and_wait(self, call: Call, admitted: Admitted | None, calibration: Calibration | None,
-                              traceparent: str, tracestate: str, started: float) -> pb.Reply:
+    async def _queue_and_wait(self, call: Call, ticket: Ticket | None, traceparent: str, tracestate: str,
+                              started: float) -> pb.Reply:
         """Write the request to Redis with the next group commit and wait for its reply."""
         enqueued = now_us()
         deadline = enqueued + int(call.run_budget_s * 1e6)
         entry = queue_entry(call, self.gateway_id, enqueued, deadline, traceparent, tracestate)
         if not logs.structured():
-            return await self._write_and_wait(call, entry, enqueued, deadline, admitted, calibration, started)
+            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started)
         with logs.context(request_id=entry.request_id, trace_id=tracecontext.trace_id(entry.traceparent) or ""):
-            return await self._write_and_wait(call, entry, enqueued, deadline, admitted, calibration, started)
+            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started)
 
     async def _write_and_wait(self, call: Call, entry: pb.QueueEntry, enqueued: int, deadline: int,
-                              admitted: Admitted | None, calibration: Calibration | None, started: float) -> pb.Reply:
+                              ticket: Ticket | None, started: float) -> pb.Reply:
         """`started`: the request's arrival (perf_counter), where its enqueue stage begins."""
         member = entry.SerializeToString()
         fut = self.replies.expect(entry.request_id)
-        if admitted is not None:
-            admitted.enqueued_us = enqueued
+        if ticket is not None:
+            ticket.queued(enqueued)
         write = contract.QueueWrite(entry.request_id, call.key, call.request.SerializeToString(),
                                     contract.payload_ttl_ms(deadline, enqueued), member,
                                     contract.queue_score(call.priority, deadline), call.model.max_queue_size)
@@ -255,8 +257,8 @@ class Gateway:
                 await self.commit.write(write, deadline, call.run_budget_s)
             self.replies.queued(entry.request_id, write.model)
             metrics.STAGE_ENQUEUE.labels(*call.key).observe(time.perf_counter() - started)
-            if admitted is not None:
-                admitted.confirmed_us = now_us()
+            if ticket is not None:
+                ticket.confirmed(now_us())
             # A timer on the reply's own future rather than asyncio.wait_for, which wraps every
             # request's wait in more futures and callbacks: the gateway's CPU is what small models
             # are bound by.
@@ -277,9 +279,9 @@ class Gateway:
         except BaseException:
             # Timed out, cancelled by the client, refused, or Redis failed: make
             # sure no executor spends time on a request nobody waits for.
-            if calibration and now_us() >= deadline:
+            if ticket is not None and now_us() >= deadline:
                 # Unanswered at its deadline, whether our timer or the client's (a cancellation) fired first.
-                calibration.observe(in_time=False)
+                ticket.over(in_time=False)
             self.replies.forget(entry.request_id)
             if fut.done() and not fut.cancelled():
                 fut.exception()  # failed by an outage while we were still queueing: already answered

@@ -36,6 +36,31 @@ class Admitted:
     over: bool = False     # answered or given up: ahead of nobody
 
 
+class Ticket:
+    """An admitted request's part in the ledger, told by the gateway as the request moves: `queued`
+    when its entry is stamped, `confirmed` once Redis has it, `over` when it is answered or given up
+    (whether in time, when that says something about the predictions, feeds the calibration)."""
+
+    __slots__ = ("_ledger", "record", "calibration")
+
+    def __init__(self, ledger: "AdmissionLedger", record: Admitted, calibration: Calibration | None) -> None:
+        self._ledger, self.record, self.calibration = ledger, record, calibration
+
+    def queued(self, enqueued_us: int) -> None:
+        self.record.enqueued_us = enqueued_us
+
+    def confirmed(self, at_us: int) -> None:
+        self.record.confirmed_us = at_us
+
+    def over(self, in_time: bool | None = None) -> None:
+        """Answered or given up; `in_time` (None: it tells nothing) is learned from, once."""
+        if self.record.over:
+            return
+        self._ledger.done(self.record)
+        if in_time is not None and self.calibration is not None:
+            self.calibration.observe(in_time)
+
+
 @dataclass(frozen=True, slots=True)
 class _Refusal:
     """The last overload refusal at one model and priority level, with what it was judged on."""
@@ -71,11 +96,9 @@ class AdmissionLedger:
         self._refusals: dict[tuple[str, str, int], _Refusal] = {}
         self._epoch = 0
 
-    def check(self, load: pb.ModelLoad, call: Call, arrived_us: int,
-              gateways: int) -> tuple[Admitted, Calibration | None]:
-        """Admit `call` by the view `load`, or raise the refusal. Returns the record that counts it
-        ahead of later arrivals (the caller fills in when it was queued, and tells `done` when it is
-        over) and the calibration to tell whether it was answered in time."""
+    def check(self, load: pb.ModelLoad, call: Call, arrived_us: int, gateways: int) -> Ticket:
+        """Admit `call` by the view `load`, or raise the refusal. The ticket counts it ahead of later
+        arrivals until a view counts it or it is over."""
         key = call.key
         calibration = self.calibration(key, over_share=call.priority > contract.OVER_SHARE)
         headroom = calibration.headroom if calibration else self.headroom
@@ -107,7 +130,7 @@ class AdmissionLedger:
         record = Admitted(Pending("", call.rows, call.priority, now_s + call.run_budget_s, float("-inf"),
                                   length=call.length))
         admitted.append(record)
-        return record, calibration
+        return Ticket(self, record, calibration)
 
     def done(self, record: Admitted) -> None:
         """`record`'s request was answered or given up: it is ahead of nobody, and refusals judged

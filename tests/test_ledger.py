@@ -33,13 +33,13 @@ def reused() -> float:
 
 
 def outcome(ledger: AdmissionLedger, load: pb.ModelLoad, c: Call, at_us: int):
-    """The admitted record (queued at `at_us`, as the gateway stamps it), or the refusal."""
+    """The admitted request's ticket (queued at `at_us`, as the gateway stamps it), or the refusal."""
     try:
-        record = ledger.check(load, c, at_us, 1)[0]
+        ticket = ledger.check(load, c, at_us, 1)
     except (ResourceExhausted, DeadlineExceeded) as exc:
         return exc
-    record.enqueued_us = at_us
-    return record
+    ticket.queued(at_us)
+    return ticket
 
 
 def test_a_request_like_one_just_refused_is_refused_by_its_verdict():
@@ -81,7 +81,7 @@ def test_an_answered_request_ends_the_verdicts_judged_while_it_was_queued():
         records.append(last)
     assert isinstance(last, ResourceExhausted) and 1 < len(records) < 8
     before = reused()
-    ledger.done(records[0])
+    records[0].over()
     assert not isinstance(outcome(ledger, load, call(budget_s=0.08), NOW_US + 1), Exception)
     assert reused() == before
 
@@ -115,8 +115,8 @@ def test_reusing_refusals_never_changes_a_decision(events):
             load = view(now_us, busy_s=0.05 * rows, queued=rows * 4)
         elif kind == "answer" and records:
             a, b = records.pop(0)
-            reusing.done(a)
-            playing.done(b)
+            a.over()
+            b.over()
         elif kind == "arrive":
             c = call(rows, budget, priority)
             playing._refusals.clear()
@@ -126,12 +126,24 @@ def test_reusing_refusals_never_changes_a_decision(events):
                 records.append((a, b))
 
 
-def test_check_is_unchanged_for_a_request_that_fits():
-    ledger = AdmissionLedger("gw", 1.0, 0.0)
-    record, calibration = ledger.check(view(busy_s=0.0, queued=0), call(), NOW_US, 1)
-    assert calibration is None and not record.over
-    ledger.done(record)
-    assert record.over
+def test_a_ticket_is_over_once_and_feeds_the_calibration_once():
+    ledger = AdmissionLedger("gw", 0.5, 0.99)
+    ticket = ledger.check(view(busy_s=0.0, queued=0), call(), NOW_US, 1)
+    assert ticket.calibration is ledger.calibration(("m", "1")) and not ticket.record.over
+    ticket.queued(NOW_US)
+    ticket.confirmed(NOW_US + 5)
+    assert (ticket.record.enqueued_us, ticket.record.confirmed_us) == (NOW_US, NOW_US + 5)
+    start = ticket.calibration.headroom
+    ticket.over(in_time=False)
+    lowered = ticket.calibration.headroom
+    assert ticket.record.over and lowered < start
+    ticket.over(in_time=False)  # given up after it was judged late: learned from once
+    ticket.over()
+    assert ticket.calibration.headroom == lowered
+    # Over without a verdict (e.g. an error that says nothing of the prediction): nothing learned.
+    other = ledger.check(view(busy_s=0.0, queued=0), call(), NOW_US, 1)
+    other.over()
+    assert other.record.over and ticket.calibration.headroom == lowered
 
 
 @pytest.mark.parametrize("headroom", [0.5, 0.9])
