@@ -16,8 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import onnxruntime as ort
 
-CPU = "CPUExecutionProvider"
-CUDA = "CUDAExecutionProvider"
+from batchline.optimize.providers import CPU, CUDA
 ONE_RUN, TWO_SESSIONS = "one run at a time", "two sessions at once"
 
 

@@ -10,6 +10,7 @@ CPU over the same measured window.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pathlib
@@ -114,6 +115,20 @@ class Clients:
             p.join(5)
 
 
+@contextlib.contextmanager
+def pinned(cores: list[int] | None):
+    """This process (and the services it starts inside, which inherit it) on `cores`, if given."""
+    if not cores:
+        yield
+        return
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
 class GrowingMesh:
     """A mesh started with one gateway and one executor, to which gateways (each on a port of its own)
     and executors are added while it runs."""
@@ -126,7 +141,7 @@ class GrowingMesh:
         self.executors = 1
 
     def __enter__(self) -> "GrowingMesh":
-        with self._pinned():
+        with pinned(self.cores):
             self.addresses.append(self.mesh.start())
         self.redis = connect_sync(self.mesh.redis_url, 2)
         return self
@@ -134,28 +149,11 @@ class GrowingMesh:
     def __exit__(self, *exc) -> None:
         self.mesh.stop()
 
-    def _pinned(self):
-        """The services started inside inherit `cores` as their affinity."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def pin():
-            if not self.cores:
-                yield
-                return
-            saved = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, self.cores)
-            try:
-                yield
-            finally:
-                os.sched_setaffinity(0, saved)
-        return pin()
-
     def gateways(self, n: int) -> list[str]:
         """The addresses of `n` gateways, starting the ones missing."""
         while len(self.addresses) < n:
             gid = f"gateway-{len(self.addresses)}"
-            with self._pinned():
+            with pinned(self.cores):
                 self.mesh.supervisor.spawn(gid, "gateway", "--port", "0", "--model-control-mode", "none",
                                            "--gateway-id", gid, "--metrics-port", "-1")
             self.addresses.append(self.mesh._wait_ready(self.redis, gateway=gid))
@@ -163,7 +161,7 @@ class GrowingMesh:
 
     def add_executor(self, timeout: float = 180.0) -> None:
         eid = f"executor-{self.executors}"
-        with self._pinned():
+        with pinned(self.cores):
             self.mesh.supervisor.spawn(eid, "executor", "--model-repository", str(self.repo), "--executor-id", eid,
                                        "--metrics-port", "-1", "--nice", "5", "--model-control-mode", "none")
         self.executors += 1

@@ -15,12 +15,9 @@ import threading
 
 import onnxruntime as ort
 
-log = logging.getLogger(__name__)
+from batchline.optimize.providers import CPU, CUDA, GPU, TENSORRT  # noqa: F401 (the executor's names for them)
 
-CPU = "CPUExecutionProvider"
-CUDA = "CUDAExecutionProvider"
-TENSORRT = "TensorrtExecutionProvider"
-GPU = (TENSORRT, CUDA)
+log = logging.getLogger(__name__)
 
 
 def build() -> tuple[str, str, str]:
