@@ -17,8 +17,8 @@ Phases, in order, each skipped (with the reason in the results) when the budget 
    the mesh then serves (when FP16 passes and gains; else the script places the variant, and says so);
 5. mesh: the executor's provider as `batchline status` reports it, then minilm FP16 at 128 tokens,
    closed loop, 64 in flight per gateway, through 1, 2, 4 and 8 gateways with one executor and 4 and 8
-   with two (--mesh-steps chooses others, and streams); mesh/ceiling and CPU per request per process
-   (benchmarks/gpu_mesh.py);
+   with two (--mesh-steps chooses others, streams, and several sequences a request); mesh/ceiling and
+   CPU per sequence per process (benchmarks/gpu_mesh.py);
 6. tests: `pytest -m gpu tests/test_gpu.py`;
 7. cpu-scaling: the CPU provider only, mlp and minilm 16 tokens, the mesh pinned to 2, 4, 8 and 16
    cores (gateways and executors growing with them), the clients on 4 cores of their own where the
@@ -190,22 +190,25 @@ def optimize(run: Run, paths: dict, work: pathlib.Path) -> pathlib.Path:
     return served
 
 
-def parse_steps(text: str) -> list[tuple[int, int, bool]]:
-    """'1x1,8x2,8x2s': gateways x executors, s for ModelStreamInfer streams; executors never decrease
-    (the script adds executors to the running mesh, it does not stop them)."""
+def parse_steps(text: str) -> list[tuple[int, int, bool, int]]:
+    """'1x1,8x2,8x2s,8x4s/4': gateways x executors, s for ModelStreamInfer streams, /R for R sequences
+    in each request (default 1); executors never decrease (the script adds executors to the running
+    mesh, it does not stop them)."""
     steps = []
     for item in filter(None, (t.strip() for t in text.split(","))):
-        streams = item.endswith("s")
-        g, _, e = item.rstrip("s").partition("x")
-        if not (g.isdigit() and e.isdigit() and int(g) > 0 and int(e) > 0):
-            raise SystemExit(f"--mesh-steps: {item!r} is not GATEWAYSxEXECUTORS[s], e.g. 8x2 or 8x2s")
-        steps.append((int(g), int(e), streams))
-    if [e for _, e, _ in steps] != sorted(e for _, e, _ in steps):
+        layout, _, rows = item.partition("/")
+        streams = layout.endswith("s")
+        g, _, e = layout.rstrip("s").partition("x")
+        if not (g.isdigit() and e.isdigit() and int(g) > 0 and int(e) > 0) or (rows and not rows.isdigit()) \
+                or rows == "0":
+            raise SystemExit(f"--mesh-steps: {item!r} is not GATEWAYSxEXECUTORS[s][/ROWS], e.g. 8x2, 8x2s or 8x4s/4")
+        steps.append((int(g), int(e), streams, int(rows or 1)))
+    if [e for _, e, _, _ in steps] != sorted(e for _, e, _, _ in steps):
         raise SystemExit(f"--mesh-steps: executors must not decrease from step to step ({text})")
     return steps
 
 
-def mesh(run: Run, served: pathlib.Path, provider: str, quick: bool, steps: list[tuple[int, int, bool]]) -> None:
+def mesh(run: Run, served: pathlib.Path, provider: str, quick: bool, steps: list[tuple[int, int, bool, int]]) -> None:
     import gpu_mesh
 
     warmup, duration = (1.0, 2.0) if quick else (2.0, 6.0)
@@ -214,20 +217,20 @@ def mesh(run: Run, served: pathlib.Path, provider: str, quick: bool, steps: list
         if provider == gpu_ceiling.CUDA else ["CPUExecutionProvider"])}
     out: dict = {"steps": [], "warmup_s": warmup, "duration_s": duration}
     run.results["mesh"] = out
-    clients = gpu_mesh.Clients(max(CLIENT_CORES, max(g for g, _, _ in steps)))
+    clients = gpu_mesh.Clients(max(CLIENT_CORES, max(g for g, _, _, _ in steps)))
     try:
         with gpu_mesh.GrowingMesh(served, env=env) as m:
             out["providers"] = m.providers()
             print(f"[gpu] providers as batchline status reports them: {out['providers']}", flush=True)
-            for g, e, streams in steps:
-                calls = "streams" if streams else "unary"
+            for g, e, streams, rows in steps:
+                calls = ("streams" if streams else "unary") + (f", {rows} rows a request" if rows > 1 else "")
                 if run.left() < warmup + duration + 20:
                     run.results["skipped"][f"mesh {g} gateways {e} executors {calls}"] = "budget spent"
                     continue
                 while m.executors < e:
                     m.add_executor()
                 step = clients.step(m.gateways(g), "minilm", IN_FLIGHT_PER_GATEWAY * g, duration, warmup, seq_len=128,
-                                    streaming=streams)
+                                    streaming=streams, rows=rows)
                 step["executors"] = e
                 out["steps"].append(step)
                 print(f"[gpu] mesh {g} gateways, {e} executors, {calls}: {gpu_report.step_line(step)}", flush=True)
@@ -299,7 +302,8 @@ def main() -> int:
     p.add_argument("--phases", default="environment,models,ceiling,optimize,mesh,tests,cpu-scaling",
                    help="comma-separated subset, in the order above")
     p.add_argument("--mesh-steps", default=MESH_STEPS, help="the mesh phase's steps, GATEWAYSxEXECUTORS each, "
-                   "s appended for ModelStreamInfer streams instead of unary calls, executors never decreasing "
+                   "s appended for ModelStreamInfer streams instead of unary calls, /R for R sequences a request, "
+                   "executors never decreasing "
                    f"(default: {MESH_STEPS}; --quick: 1x1,2x1,2x2)")
     p.add_argument("--quick", action="store_true", help="short steps: check that the script works")
     args = p.parse_args()

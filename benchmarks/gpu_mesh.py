@@ -28,7 +28,7 @@ KINDS = ("client", "gateway", "scheduler", "executor", "redis")
 def _client_main(conn, barrier, cores: list[int] | None) -> None:
     if cores:
         os.sched_setaffinity(0, cores)
-    from batchline.bench import InputOptions, run_closed
+    from batchline.bench import run_closed
 
     conn.send("ready")
     while True:
@@ -42,11 +42,21 @@ def _client_main(conn, barrier, cores: list[int] | None) -> None:
             step = run_closed(job["address"], job["model"], job["concurrency"], job["duration"],
                               warmup=job["warmup"], version=job.get("version", ""), streaming=job.get("streaming", False),
                               budget_ms=_common.CAPACITY_BUDGET_MS,
-                              inputs=InputOptions(seq_len=job.get("seq_len"),
-                                                  int_ranges={"input_ids": (1000, 29000)} if job.get("seq_len") else {}))
+                              inputs=_inputs(job.get("seq_len"), job.get("rows", 1)))
             conn.send(asdict(step))
         except Exception as exc:  # noqa: BLE001 - the step fails, not the client
             conn.send({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _inputs(seq_len: int | None, rows: int):
+    """minilm's token inputs, `rows` sequences of `seq_len` tokens a request (one row: the shapes the
+    model's config gives, with `seq_len` for the dynamic length)."""
+    from batchline.bench import InputOptions
+
+    if not seq_len:
+        return InputOptions()
+    shapes = {name: [rows, seq_len] for name in ("input_ids", "attention_mask")} if rows > 1 else {}
+    return InputOptions(seq_len=seq_len, shapes=shapes, int_ranges={"input_ids": (1000, 29000)})
 
 
 class Clients:
@@ -70,10 +80,10 @@ class Clients:
         return {p.pid: "client" for p in self.procs}
 
     def step(self, addresses: list[str], model: str, in_flight: int, duration: float, warmup: float,
-             seq_len: int | None = None, version: str = "", streaming: bool = False) -> dict:
-        """One closed-loop step over `addresses` (client i drives addresses[i % len]); the summed
-        throughput, the worst client's p99 and median p50, and CPU ms per answered request per
-        kind of process over the measured window.
+             seq_len: int | None = None, version: str = "", streaming: bool = False, rows: int = 1) -> dict:
+        """One closed-loop step over `addresses` (client i drives addresses[i % len]), each request
+        carrying `rows` sequences; the summed throughput in sequences/s, the worst client's p99 and
+        median p50, and CPU ms per answered sequence per kind of process over the measured window.
 
         The clients in the step are the most the pool has that share the gateways evenly (a multiple
         of their number): a gateway driven by two clients while another has one would be given twice
@@ -83,7 +93,7 @@ class Clients:
         for i, c in enumerate(self.conns):
             c.send({"address": addresses[i % g], "model": model, "duration": duration, "warmup": warmup,
                     "concurrency": max(1, in_flight // n + (1 if i < in_flight % n else 0)),
-                    "seq_len": seq_len, "version": version, "streaming": streaming} if i < n else {})
+                    "seq_len": seq_len, "version": version, "streaming": streaming, "rows": rows} if i < n else {})
         self.barrier.wait()
         time.sleep(warmup)
         before = _common.cpu_seconds(self.pids)
@@ -93,7 +103,7 @@ class Clients:
         errors = [r["error"] for r in results if "error" in r]
         if errors:
             return {"error": "; ".join(sorted(set(errors)))}
-        answered = sum(r["throughput_rps"] * r["duration_s"] for r in results)
+        answered = rows * sum(r["throughput_rps"] * r["duration_s"] for r in results)
         p50s = sorted((r["latency_ms"] or {}).get("p50", float("nan")) for r in results)
         statuses: dict[str, int] = {}
         for r in results:
@@ -102,7 +112,7 @@ class Clients:
         cpu = {k: 1e3 * (after[k] - before[k]) / answered if answered else None for k in KINDS}
         cpu["total"] = sum(v for v in cpu.values() if v is not None) if answered else None
         return {"gateways": len(addresses), "in_flight": in_flight, "clients": n, "streaming": streaming,
-                "throughput": sum(r["throughput_rps"] for r in results),
+                "rows": rows, "throughput": rows * sum(r["throughput_rps"] for r in results),
                 "p50_ms": p50s[len(p50s) // 2],
                 "p99_ms": max((r["latency_ms"] or {}).get("p99", float("nan")) for r in results),
                 "mean_batch": next((r["mean_batch_size"] for r in results if r["mean_batch_size"]), None),

@@ -91,15 +91,16 @@ def _mesh(results: dict) -> list[str]:
              f"mesh, minilm {'FP16 ' if 'fp16 128' in results.get('ceiling', {}).get('best', {}) else ''}128 tokens, "
              f"closed loop ({m['duration_s']:g} s per step after {m['warmup_s']:g} s), against the ceiling "
              f"{_n(ceiling)} seq/s:"]
-    rows = [["gateways", "executors", "calls", "in flight", "seq/s", "mesh/ceiling", "p50 ms", "p99 ms", "batch"]
-            + [f"{k} ms/req" for k in KINDS]]
+    rows = [["gateways", "executors", "calls", "rows a request", "in flight", "seq/s", "mesh/ceiling", "p50 ms",
+             "p99 ms", "batch"] + [f"{k} ms/seq" for k in KINDS]]
     for s in m["steps"]:
         if "error" in s:
-            rows.append([str(s.get("gateways", "?")), str(s.get("executors", "?")), "", "", s["error"][:40]] + [""] * 10)
+            rows.append([str(s.get("gateways", "?")), str(s.get("executors", "?")), "", "", "", s["error"][:40]]
+                        + [""] * 10)
             continue
         cpu = s["cpu_ms_per_request"]
         rows.append([str(s["gateways"]), str(s["executors"]), "streams" if s.get("streaming") else "unary",
-                     str(s["in_flight"]), _n(s["throughput"]),
+                     str(s.get("rows", 1)), str(s["in_flight"]), _n(s["throughput"]),
                      _n(s["throughput"] / ceiling, ".2f") if ceiling else "-", _n(s["p50_ms"], ".1f"),
                      _n(s["p99_ms"], ".1f"), _n(s["mean_batch"], ".1f")] + [_n(cpu.get(k), ".3f") for k in KINDS])
     lines.append(_common.table(rows))

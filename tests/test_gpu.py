@@ -105,6 +105,17 @@ def test_the_warning_names_what_it_fell_back_from_what_it_runs_on_and_why():
     assert gpu.fallback_warning("m", offered, [gpu.CPU], [gpu.CPU]) is None
 
 
+def test_the_gpu_scripts_mesh_steps_read_streams_and_rows_and_name_a_bad_step():
+    bench = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+    parsed = subprocess.run([sys.executable, "-c", "import gpu; print(gpu.parse_steps('1x1, 8x4s/4,8x6/2'))"],
+                            cwd=bench, capture_output=True, text=True, timeout=60)
+    assert parsed.stdout.strip() == "[(1, 1, False, 1), (8, 4, True, 4), (8, 6, False, 2)]", parsed.stderr
+    for bad in ("8x4s/0", "8x4/x", "8x", "4x2,4x1"):
+        out = subprocess.run([sys.executable, "gpu.py", "--mesh-steps", bad], cwd=bench, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode != 0 and "--mesh-steps" in out.stderr and bad.split(",")[0] in out.stderr, out.stderr
+
+
 def test_a_cpu_host_serves_on_the_cpu_and_warns_of_nothing(tmp_path, caplog):
     if set(gpu.GPU) & set(ort.get_available_providers()):
         pytest.skip("this ONNX Runtime offers a GPU provider")
