@@ -76,6 +76,15 @@ def why_unavailable(provider: str, available: list[str] | None = None) -> str:
     return "; ".join(reasons) or "no reason found"
 
 
+def usable(available: list[str]) -> list[str]:
+    """Those of `available` (what ONNX Runtime lists) whose libraries load in this process: what a
+    session asked for them would run on. onnxruntime-gpu lists TensorRT without its libraries."""
+    cuda_version = build()[2]
+    if cuda_version and any(p in GPU for p in available):  # a CPU build has no CUDA libraries to load
+        preload_cuda_libraries()
+    return [p for p in available if p == CPU or not unloadable(libraries(p, cuda_version))]
+
+
 def fallback_warning(label: str, requested: list[str], running: list[str], available: list[str],
                      errors: dict[str, str] | None = None) -> str | None:
     """The warning for a session (`label`) that runs on `running[0]` although it asked first for

@@ -76,6 +76,13 @@ def test_why_tensorrt_is_unavailable_names_its_missing_library():
     assert offered.startswith("libnvinfer.so.10 cannot be loaded")
 
 
+def test_a_provider_listed_without_its_libraries_is_not_usable():
+    # No host that runs this suite has TensorRT's libraries (a GPU host's onnxruntime-gpu lists it all
+    # the same): what optimize and the executor may count on is the CPU.
+    assert gpu.unloadable(["libnvinfer.so.10"])
+    assert gpu.usable([gpu.TENSORRT, gpu.CPU]) == [gpu.CPU]
+
+
 def test_the_libraries_looked_for_follow_the_cuda_version_onnx_runtime_was_built_with():
     assert gpu.libraries(gpu.CUDA, "13.0") == ["libcuda.so.1", "libcudart.so.13", "libcublasLt.so.13",
                                               "libcublas.so.13", "libcurand.so.10", "libcudnn.so.9"]

@@ -120,13 +120,11 @@ def optimize(o: Options) -> dict:
     fp32 = ort.InferenceSession(str(source / "model.onnx"), providers=[providers.CPU])  # the gate's reference
     reference = _outputs(fp32, data.batches)
     kinds = {name: gate.kind_of(name, array, declared) for name, array in reference.items()}
-    available = ort.get_available_providers()
+    available = gpu.usable(ort.get_available_providers())
     serves_on = providers.serving(config["providers"] or DEFAULT_PROVIDERS, available)
     ctx = _Context(o, source / "model.onnx", scratch, data, reference, {k: v[0] for k, v in kinds.items()},
                    sorted({batch, info.max_batch_size}), {fp32.get_providers()[0]: fp32})
     steps = providers.plan(o.variants, available, serves_on)
-    if any(step.provider in providers.GPU for step in steps):
-        gpu.preload_cuda_libraries()
     results = []
     for step in steps:
         begun = time.perf_counter()
