@@ -16,9 +16,9 @@ Phases, in order, each skipped (with the reason in the results) when the budget 
    calibration inputs of real sentences at 16 and at 128 tokens; the 128-token run writes the version
    the mesh then serves (when FP16 passes and gains; else the script places the variant, and says so);
 5. mesh: the executor's provider as `batchline status` reports it, then minilm FP16 at 128 tokens,
-   closed loop, 64 in flight per gateway, through 1, 2, 4 and 8 gateways with one executor and 4 and 8
-   with two (--mesh-steps chooses others, streams, and several sequences a request); mesh/ceiling and
-   CPU per sequence per process (benchmarks/gpu_mesh.py);
+   closed loop, 64 requests in flight per gateway: 1 gateway and 1 executor, 4 and 2 unary, 8 and 4 on
+   streams, then 4 and 6 on streams with four sequences a request (--mesh-steps chooses others);
+   mesh/ceiling and CPU per sequence per process (benchmarks/gpu_mesh.py);
 6. tests: `pytest -m gpu tests/test_gpu.py`;
 7. cpu-scaling: the CPU provider only, mlp and minilm 16 tokens, the mesh pinned to 2, 4, 8 and 16
    cores (gateways and executors growing with them), the clients on 4 cores of their own where the
@@ -48,7 +48,7 @@ import gpu_report
 
 ROOT = _common.ROOT
 # Gateways x executors: one executor fed by more and more gateways, then a second executor.
-MESH_STEPS = "1x1,2x1,4x1,8x1,4x2,8x2"
+MESH_STEPS = "1x1,4x2,8x4s,4x6s/4"
 IN_FLIGHT_PER_GATEWAY = 64
 SCALING_CORES = (2, 4, 8, 16)
 CLIENT_CORES = 4
