@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from batchline.planning import DEADLINE_AWARE, FIFO, Cost, Formed, Pending, form_batch
+from batchline.planning import DEADLINE_AWARE, FIFO, BatchingRule, Cost, Formed, Pending, form_batch
+from batchline.protocol import internal_pb2 as pb
 
 # Why a batch went out; also the label of the dispatch-reason metric.
 FULL = "full"            # no more rows fit (max_batch_size reached)
@@ -41,15 +42,19 @@ DELAY = "delay"          # the oldest member waited max_queue_delay
 NO_COMPANY = "no_company"  # nothing more is expected to arrive before the delay is up
 
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ModelPolicy:
-    max_batch_size: int              # rows per batch; 0 = the model has no batch dim (one request per batch)
+    """What the plan reads of a model's settings: the batching rule, which the gateways' admission
+    control plays by too, and how long a batch may wait for company, the scheduler's alone."""
+    rule: BatchingRule
     max_queue_delay: float           # seconds the oldest request may wait for company
-    preferred_batch_sizes: tuple[int, ...] = ()
-    kind: str = DEADLINE_AWARE
-    over_share_rows: int = 0         # the most rows of a batch an over-share request heads (0: max_batch_size)
-    length_aware: bool = False       # batch requests of similar lengths together (batchline.planning._by_length)
+
+    @classmethod
+    def of_model(cls, info: pb.ModelInfo, kind: str = DEADLINE_AWARE, length_aware: bool = False) -> ModelPolicy:
+        """The policy `kind` (SchedulerSettings.policy) for a model of config `info`; `length_aware`
+        asks for length-aware batching (BatchingRule.of_model says where it applies)."""
+        rule = BatchingRule.of_model(info, deadline_aware=kind != FIFO, length_aware=length_aware)
+        return cls(rule, info.max_queue_delay_ms / 1000)
 
 
 # An over-share batch may take at most this share of the shortest budget of the requests within
@@ -115,7 +120,7 @@ def plan(
     one is expected before its wait is up. None: not known, it waits the whole
     max_queue_delay, as Triton does (the FIFO policy always does).
     """
-    aware = policy.kind != FIFO
+    aware = policy.rule.deadline_aware
     out = Plan()
     free = list(free_at)
     live = _hopeful(now, queue, free, cost, aware, out.expired)
@@ -126,8 +131,7 @@ def plan(
             out._wake(start - lead)  # no executor is ready: let the queue grow
             out.blocked = True
             break
-        formed = form_batch(live, start, policy.max_batch_size, policy.preferred_batch_sizes, cost, deadline_aware=aware,
-                            over_share_rows=policy.over_share_rows, length_aware=policy.length_aware and aware)
+        formed = form_batch(live, start, policy.rule, cost)
         for m in formed.late:
             out.expired.append(m)
             live.remove(m)
@@ -179,8 +183,9 @@ def _decide(now: float, start: float, executor: int, formed: Formed, waiting: in
             company: float | None) -> tuple[PlannedBatch | None, float]:
     """Whether the batch `formed` (of `waiting` requests left) goes now, and why: (the batch, 0), or
     (None, when to look again) when it waits for company."""
-    aware = policy.kind != FIFO
-    cap = policy.max_batch_size if policy.max_batch_size > 0 else None
+    rule = policy.rule
+    aware = rule.deadline_aware
+    cap = rule.max_batch_size if rule.max_batch_size > 0 else None
     members = formed.send
     rows = sum(m.rows for m in members)
     batch_cost = cost.predict(formed.units)
@@ -193,7 +198,7 @@ def _decide(now: float, start: float, executor: int, formed: Formed, waiting: in
         reason = PREFERRED
     elif cap is None or rows >= cap or len(members) < waiting:
         reason = FULL
-    elif rows in policy.preferred_batch_sizes:
+    elif rows in rule.preferred_batch_sizes:
         reason = PREFERRED
     elif aware and now >= send_by:
         reason = DEADLINE

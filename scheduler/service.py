@@ -23,6 +23,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from dataclasses import replace
 
 from batchline import contract, metrics
 from batchline.contract import OVER_SHARE
@@ -242,10 +243,9 @@ class Scheduler:
         over = [p.length for p in queue if p.priority > OVER_SHARE]
         in_share = self.queues.in_share_budget(key, now) if over else None
         slice_rows = over_share_rows(cost, in_share, max(over), info.max_batch_size) if in_share is not None else 0
-        policy = ModelPolicy(max_batch_size=info.max_batch_size, max_queue_delay=info.max_queue_delay_ms / 1000,
-                             preferred_batch_sizes=tuple(info.preferred_batch_sizes), kind=self.settings.policy,
-                             over_share_rows=slice_rows,
-                             length_aware=self.settings.length_aware_batching and bool(info.padded_inputs))
+        policy = ModelPolicy.of_model(info, self.settings.policy, self.settings.length_aware_batching)
+        if slice_rows:
+            policy = replace(policy, rule=replace(policy.rule, over_share_rows=slice_rows))
         ready = [e for e in holders if free_at[e] != float("inf")]
         if in_share is not None and queue[0].priority > OVER_SHARE:
             # Over-share work goes only to an executor with nothing else to run, so that a request
@@ -272,8 +272,7 @@ class Scheduler:
             self.queues.left(key, now, len(left))
             if self.settings.policy != FIFO and self.views.due(key, now, changed=bool(gone)):
                 idle_at = [max(now, self.timeline.idle_at.get(e, now)) for e in holders]
-                self.views.publish(pipe, key, info, idle_at, cost, left, now, self._scanned_at, slice_rows,
-                                   policy.length_aware)
+                self.views.publish(pipe, key, info, idle_at, cost, policy.rule, left, now, self._scanned_at)
             try:
                 results = await pipe.execute() if len(pipe) else []
             finally:
