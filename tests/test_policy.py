@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import pytest
 
+from batchline.contract import OVER_SHARE
 from batchline.planning import BatchingRule, FunctionCost, Pending, play, queue_tail
 from batchline.protocol import internal_pb2 as pb
-from scheduler.policy import DEADLINE, DELAY, FIFO, FULL, NO_COMPANY, PREFERRED, ModelPolicy, PlannedBatch, free_after, plan
+from scheduler.policy import (
+    DEADLINE, DELAY, FIFO, FULL, NO_COMPANY, PREFERRED, ModelPolicy, PlannedBatch, free_after, over_share_rows, plan,
+)
 from scheduler.profile import LatencyProfile
 
 FAR = 1000.0  # a deadline far enough never to matter
@@ -808,3 +811,54 @@ def test_a_models_policy_is_its_batching_rule_and_its_queue_delay():
     assert policy.rule == BatchingRule(8, (4,), length_aware=True) and policy.max_queue_delay == 0.005
     # FIFO, the Triton baseline: no deadline cuts a batch, and batches are the head's prefix.
     assert ModelPolicy.of_model(info, FIFO, length_aware=True).rule == BatchingRule(8, (4,), deadline_aware=False)
+
+
+# --- over-share work while requests within their shares are about ------------------
+
+
+def _over(n: int) -> list[Pending]:
+    return [req(f"a{i}", priority=1 + OVER_SHARE) for i in range(n)]
+
+
+# 10 ms a row: with 0.1 s the shortest in-share budget, an over-share batch may take 25 ms, 2 rows.
+PER_ROW = FunctionCost(lambda units: 0.01 * units)
+IN_SHARE_BUDGET = 0.1
+
+
+def test_an_over_share_head_is_capped_and_goes_only_to_an_executor_with_nothing_to_run():
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.0)
+    p = plan(0.0, _over(4), policy, [0.0, 0.0], PER_ROW, in_share_budget=IN_SHARE_BUDGET, busy=[True, False])
+    assert p.rule == BatchingRule(8, over_share_rows=2)
+    # One capped batch, on the idle executor (its index in free_at); the rest waits for it.
+    assert [(ids(b), b.executor) for b in p.batches] == [(["a0", "a1"], 1)]
+    assert p.blocked and p.wake_at == pytest.approx(0.02)
+
+
+def test_over_share_work_waits_while_every_executor_has_something_to_run():
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.0)
+    p = plan(0.0, _over(4), policy, [0.0, 0.0], PER_ROW, in_share_budget=IN_SHARE_BUDGET, busy=[True, True])
+    assert p.batches == [] and p.blocked and p.wake_at == FAR
+
+
+def test_without_requests_within_their_shares_over_share_work_goes_as_any():
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.0)
+    p = plan(0.0, _over(4), policy, [0.0, 0.0], PER_ROW, in_share_budget=None, busy=[True, False])
+    assert p.rule is policy.rule
+    assert [(ids(b), b.executor) for b in p.batches] == [(["a0", "a1", "a2", "a3"], 0)]
+
+
+def test_a_head_within_its_share_takes_any_executor_and_a_full_batch():
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.0)
+    queue = [req("b"), *_over(4)]
+    p = plan(0.0, queue, policy, [0.0, 0.0], PER_ROW, in_share_budget=IN_SHARE_BUDGET, busy=[True, False])
+    # The cap is the rule's all the same: a batch an over-share request heads would take 2 rows.
+    assert p.rule.over_share_rows == 2
+    assert [(ids(b), b.executor) for b in p.batches] == [(["b", "a0", "a1", "a2", "a3"], 0)]
+
+
+def test_the_cap_leaves_an_over_share_batch_a_slice_of_the_in_share_budget():
+    # Its longest over-share request counts: 4 units a row, 40 ms a row, more than the 25 ms slice.
+    assert over_share_rows(PER_ROW, IN_SHARE_BUDGET, 4, 8) == 1
+    assert over_share_rows(PER_ROW, IN_SHARE_BUDGET, 1, 8) == 2
+    assert over_share_rows(PER_ROW, 10.0, 1, 8) == 0  # the whole batch fits: no cap
+    assert over_share_rows(PER_ROW, None, 1, 8) == 0
