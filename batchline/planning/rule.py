@@ -9,6 +9,7 @@ config and that view (`of_load`), so both sides play the queue by one rule.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from batchline.protocol import internal_pb2 as pb
 
@@ -41,6 +42,6 @@ class BatchingRule:
         return cls(info.max_batch_size, tuple(info.preferred_batch_sizes), load.over_share_rows, load.length_aware,
                    True, join_lead)
 
-    def load_fields(self) -> dict:
+    def load_fields(self) -> dict[str, Any]:
         """The pb.ModelLoad fields that carry this rule to the gateways (`of_load` reads them back)."""
         return {"over_share_rows": self.over_share_rows, "length_aware": self.length_aware}

@@ -196,7 +196,8 @@ def _by_length(queue: Sequence[Pending], at: int, cap: int, start: float,
 
 
 def _prefix(window: Sequence[Pending], cap: int) -> list[Pending]:
-    members, rows = [], 0
+    members: list[Pending] = []
+    rows = 0
     for p in window:
         if members and rows + p.rows > cap:
             break
