@@ -2,6 +2,7 @@
 # One entry point for a fresh machine:
 #   ./dev.sh up [batchline up flags]   install, build the demo models, run the whole mesh
 #   ./dev.sh test [pytest args]        install, run the test suite
+#   ./dev.sh lint                      install, run ruff and mypy (pyproject.toml says on what)
 # Installs into ./.venv (Python >= 3.11; set PYTHON to choose the interpreter).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -37,8 +38,13 @@ case "$cmd" in
     install
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
+  lint)
+    install
+    "$VENV/bin/ruff" check .
+    exec "$VENV/bin/mypy"
+    ;;
   *)
-    echo "usage: ./dev.sh up [batchline up flags] | ./dev.sh test [pytest args]" >&2
+    echo "usage: ./dev.sh up [batchline up flags] | ./dev.sh test [pytest args] | ./dev.sh lint" >&2
     exit 2
     ;;
 esac

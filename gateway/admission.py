@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from batchline.errors import BatchlineError, DeadlineExceeded, ResourceExhausted, duration_text
-from batchline.planning import BatchCost, Pending, resume
+from batchline.planning import BatchCost, BatchingRule, Pending, resume
 from batchline.protocol import internal_pb2 as pb
 
 # A batch that leaves sooner than this after a request arrives (or should have left already: the
@@ -55,8 +55,27 @@ def _tail(load: pb.ModelLoad, priority: int, now_s: float) -> pb.QueueTail:
     return pb.QueueTail(free_s=[now_s + load.backlog_s / executors] * executors)
 
 
+def judged_by(load: pb.ModelLoad, model: pb.ModelInfo) -> tuple[BatchCost, BatchingRule]:
+    """The cost and the batching rule the scheduler played by in the view `load` of `model`, built
+    once per view: every request admitted until the next read is judged by them."""
+    held = _judged.get(id(load))
+    if held is not None and held[0] is load and held[1] is model:
+        return held[2], held[3]
+    if len(_judged) >= _JUDGED_KEEP:
+        _judged.clear()
+    cost, rule = BatchCost.of_load(load), BatchingRule.of_load(model, load, JOIN_LEAD_S)
+    _judged[id(load)] = (load, model, cost, rule)
+    return cost, rule
+
+
+# The views last judged by, with what was built of them (judged_by); a few per model, so the
+# entries of views replaced since are dropped before they add up.
+_judged: dict[int, tuple[pb.ModelLoad, pb.ModelInfo, BatchCost, BatchingRule]] = {}
+_JUDGED_KEEP = 64
+
+
 def predicted_finish_s(load: pb.ModelLoad, model: pb.ModelInfo, request: Candidate, now_s: float,
-                       since: Sequence[Pending] = (), cost: BatchCost | None = None) -> float:
+                       since: Sequence[Pending] = ()) -> float:
     """Seconds from `now_s` until `request`, arriving now, is predicted answered.
 
     The scheduler's play of the queue at the request's priority or higher, resumed from the view
@@ -69,8 +88,8 @@ def predicted_finish_s(load: pb.ModelLoad, model: pb.ModelInfo, request: Candida
     tail = _tail(load, request.priority, now_s)
     arrival = Pending("", request.rows, request.priority, float("inf"), now_s, length=max(1, request.length),
                       queued=False)
-    played = resume(tail, since, arrival, model.max_batch_size, model.preferred_batch_sizes,
-                    cost or BatchCost.of_load(load), JOIN_LEAD_S, load.over_share_rows, load.length_aware)
+    cost, rule = judged_by(load, model)
+    played = resume(tail, since, arrival, rule, cost)
     return played.finish_of(arrival) - now_s
 
 
@@ -97,7 +116,7 @@ def assess(load: pb.ModelLoad, model: pb.ModelInfo, request: Candidate, now_s: f
            headroom: float = 1.0) -> DeadlineExceeded | Overloaded | None:
     """`admit`'s judgement before the answer is worded: None to admit; DeadlineExceeded when the
     budget is shorter than the request takes alone; else the Overloaded verdict."""
-    cost = BatchCost.of_load(load)
+    cost, _ = judged_by(load, model)
     budget_s = request.budget_s
     units = request.rows * max(1, request.length)
     alone = cost.predict(units)
@@ -110,7 +129,7 @@ def assess(load: pb.ModelLoad, model: pb.ModelInfo, request: Candidate, now_s: f
             f"the {_stated(request)} is shorter than model '{model.name}' takes to run this request "
             f"alone (about {cost.typical(units) * 1e3:.1f} ms): raise the timeout"
         )
-    finish = predicted_finish_s(load, model, request, now_s, since, cost)
+    finish = predicted_finish_s(load, model, request, now_s, since)
     if finish <= budget_s * headroom or finish <= alone + 1e-6:  # (1 µs: float error of now + cost - now)
         # No later than alone means it starts at once on an idle executor: there is no queue to
         # mispredict. Refusing it would also leave a learned headroom that fell too low with no

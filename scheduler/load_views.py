@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from batchline import contract
-from batchline.planning import BatchCost, Pending, queue_tails
+from batchline.planning import BatchCost, BatchingRule, Pending, queue_tails
 from batchline.protocol import internal_pb2 as pb
 
 # A view is published after every step that changed the queue, and at least this often while
@@ -52,10 +52,10 @@ class LoadViews:
         return changed or now - self.published_at.get(key, 0.0) >= PUBLISH_EVERY_S
 
     def publish(self, pipe, key: ModelKey, info: pb.ModelInfo, idle_at: list[float], cost: BatchCost,
-                queue: list[Pending], now: float, scanned_at: float, over_share_rows: int = 0,
-                length_aware: bool = False) -> None:
-        """Queue on `pipe` the view of `queue` (what is left queued after the step), with the model's
-        holders free at `idle_at`; `scanned_at`, when the step began reading the queues, dates it."""
+                rule: BatchingRule, queue: list[Pending], now: float, scanned_at: float) -> None:
+        """Queue on `pipe` the view of `queue` (what is left queued after the step), played by `rule`
+        with the model's holders free at `idle_at`; `scanned_at`, when the step began reading the
+        queues, dates it."""
         self.published_at[key] = now
         seen = self.seen.setdefault(key, {})
         for gateway in [g for g, t in seen.items() if now - t / 1e6 > SEEN_KEEP_S]:
@@ -70,8 +70,6 @@ class LoadViews:
             executors=len(idle_at),
             backlog_s=sum(t - now for t in idle_at),
             queued_rows=rows, policy=self.policy, updated_us=int(min(now, scanned_at or now) * 1e6),
-            tails=queue_tails(queue, idle_at or [now], info.max_batch_size, info.preferred_batch_sizes, cost,
-                              over_share_rows, length_aware),
-            seen_us=seen, over_share_rows=over_share_rows, length_aware=length_aware,
+            tails=queue_tails(queue, idle_at or [now], rule, cost), seen_us=seen, **rule.load_fields(),
         )
         pipe.set(contract.load(*key), load.SerializeToString(), px=contract.LOAD_TTL_MS)

@@ -25,13 +25,19 @@ Two policies share the mechanics:
 Batches are handed to an executor only when it is about to be free (within
 `lead` seconds): while every executor is busy, requests keep queueing and
 form larger batches instead of waiting in an executor's private backlog.
+
+While requests within their tenants' shares are about, over-share work is held
+back: a batch headed by an over-share request is capped (`over_share_rows`)
+and goes only to an executor with nothing else to run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
-from batchline.planning import DEADLINE_AWARE, FIFO, Cost, Formed, Pending, form_batch
+from batchline.contract import OVER_SHARE
+from batchline.planning import DEADLINE_AWARE, FIFO, BatchingRule, Cost, Formed, Pending, form_batch
+from batchline.protocol import internal_pb2 as pb
 
 # Why a batch went out; also the label of the dispatch-reason metric.
 FULL = "full"            # no more rows fit (max_batch_size reached)
@@ -41,15 +47,19 @@ DELAY = "delay"          # the oldest member waited max_queue_delay
 NO_COMPANY = "no_company"  # nothing more is expected to arrive before the delay is up
 
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ModelPolicy:
-    max_batch_size: int              # rows per batch; 0 = the model has no batch dim (one request per batch)
+    """What the plan reads of a model's settings: the batching rule, which the gateways' admission
+    control plays by too, and how long a batch may wait for company, the scheduler's alone."""
+    rule: BatchingRule
     max_queue_delay: float           # seconds the oldest request may wait for company
-    preferred_batch_sizes: tuple[int, ...] = ()
-    kind: str = DEADLINE_AWARE
-    over_share_rows: int = 0         # the most rows of a batch an over-share request heads (0: max_batch_size)
-    length_aware: bool = False       # batch requests of similar lengths together (batchline.planning._by_length)
+
+    @classmethod
+    def of_model(cls, info: pb.ModelInfo, kind: str = DEADLINE_AWARE, length_aware: bool = False) -> ModelPolicy:
+        """The policy `kind` (SchedulerSettings.policy) for a model of config `info`; `length_aware`
+        asks for length-aware batching (BatchingRule.of_model says where it applies)."""
+        rule = BatchingRule.of_model(info, deadline_aware=kind != FIFO, length_aware=length_aware)
+        return cls(rule, info.max_queue_delay_ms / 1000)
 
 
 # An over-share batch may take at most this share of the shortest budget of the requests within
@@ -82,6 +92,9 @@ class PlannedBatch:
 
 @dataclass
 class Plan:
+    # The rule the batches were formed by: the model's, with this plan's over-share cap. The load
+    # view publishes it, so that admission plays the queue by the same rule.
+    rule: BatchingRule
     batches: list[PlannedBatch] = field(default_factory=list)
     expired: list[Pending] = field(default_factory=list)
     wake_at: float | None = None  # None: nothing to do until something new happens
@@ -103,6 +116,8 @@ def plan(
     cost: Cost,
     lead: float = 0.0,
     company: float | None = None,
+    in_share_budget: float | None = None,
+    busy: Sequence[bool] | None = None,
 ) -> Plan:
     """Decide what to do with one model's queue at time `now`.
 
@@ -114,10 +129,14 @@ def plan(
     waited (scheduler.company); a batch that could wait for more waits only while at least
     one is expected before its wait is up. None: not known, it waits the whole
     max_queue_delay, as Triton does (the FIFO policy always does).
+    `in_share_budget` is the shortest budget of the requests queued within their tenants' shares
+    lately (None: none came), which over-share work leaves room for (`_over_share`); `busy[i]`
+    whether executor i has batches to run (None: none has).
     """
-    aware = policy.kind != FIFO
-    out = Plan()
-    free = list(free_at)
+    aware = policy.rule.deadline_aware
+    rule, usable = _over_share(policy.rule, queue, cost, in_share_budget, busy)
+    out = Plan(rule)
+    free = list(free_at) if usable is None else [free_at[i] for i in usable]
     live = _hopeful(now, queue, free, cost, aware, out.expired)
     while live and free:
         i = min(range(len(free)), key=free.__getitem__)
@@ -126,14 +145,14 @@ def plan(
             out._wake(start - lead)  # no executor is ready: let the queue grow
             out.blocked = True
             break
-        formed = form_batch(live, start, policy.max_batch_size, policy.preferred_batch_sizes, cost, deadline_aware=aware,
-                            over_share_rows=policy.over_share_rows, length_aware=policy.length_aware and aware)
+        formed = form_batch(live, start, rule, cost)
         for m in formed.late:
             out.expired.append(m)
             live.remove(m)
         if not formed.send:
             continue
-        batch, wait_until = _decide(now, start, i, formed, len(live), policy, cost, company)
+        executor = i if usable is None else usable[i]
+        batch, wait_until = _decide(now, start, executor, formed, len(live), policy, cost, company)
         if batch is None:
             out._wake(wait_until)
             break
@@ -155,6 +174,23 @@ def plan(
         if ready_at is not None:
             out._wake(ready_at)
     return out
+
+
+def _over_share(rule: BatchingRule, queue: Sequence[Pending], cost: Cost, in_share_budget: float | None,
+                busy: Sequence[bool] | None) -> tuple[BatchingRule, list[int] | None]:
+    """The rule to form this plan's batches by, and the executors it may use (None: all): with
+    over-share requests queued while requests within their shares are about, the rule caps the
+    batches they head, and when one heads the queue, only executors with nothing to run take work,
+    so that a request within its tenant's share arriving meanwhile waits for one such batch at most."""
+    if in_share_budget is None:
+        return rule, None
+    over = [p.length for p in queue if p.priority > OVER_SHARE]
+    if not over:
+        return rule, None
+    rule = replace(rule, over_share_rows=over_share_rows(cost, in_share_budget, max(over), rule.max_batch_size))
+    if queue[0].priority <= OVER_SHARE or busy is None:
+        return rule, None
+    return rule, [i for i, b in enumerate(busy) if not b]
 
 
 def _hopeful(now: float, queue: Sequence[Pending], free: Sequence[float], cost: Cost, aware: bool,
@@ -179,8 +215,9 @@ def _decide(now: float, start: float, executor: int, formed: Formed, waiting: in
             company: float | None) -> tuple[PlannedBatch | None, float]:
     """Whether the batch `formed` (of `waiting` requests left) goes now, and why: (the batch, 0), or
     (None, when to look again) when it waits for company."""
-    aware = policy.kind != FIFO
-    cap = policy.max_batch_size if policy.max_batch_size > 0 else None
+    rule = policy.rule
+    aware = rule.deadline_aware
+    cap = rule.max_batch_size if rule.max_batch_size > 0 else None
     members = formed.send
     rows = sum(m.rows for m in members)
     batch_cost = cost.predict(formed.units)
@@ -193,7 +230,7 @@ def _decide(now: float, start: float, executor: int, formed: Formed, waiting: in
         reason = PREFERRED
     elif cap is None or rows >= cap or len(members) < waiting:
         reason = FULL
-    elif rows in policy.preferred_batch_sizes:
+    elif rows in rule.preferred_batch_sizes:
         reason = PREFERRED
     elif aware and now >= send_by:
         reason = DEADLINE

@@ -25,7 +25,6 @@ import uuid
 from collections import Counter
 
 from batchline import contract, metrics
-from batchline.contract import OVER_SHARE
 from batchline.lifecycle import stop_tasks
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
@@ -35,7 +34,7 @@ from scheduler import dispatch
 from scheduler.fleet import Fleet
 from scheduler.leadership import Lease
 from scheduler.load_views import LoadViews
-from scheduler.policy import FIFO, ModelPolicy, busy_until, over_share_rows, plan
+from scheduler.policy import FIFO, ModelPolicy, busy_until, plan
 from scheduler.profiles import Profiles, kind
 from scheduler.queues import Queues
 from scheduler.settings import SchedulerSettings
@@ -239,20 +238,12 @@ class Scheduler:
         # FIFO is the Triton baseline: it always waits max_queue_delay.
         company = self.queues.company(key, len(queue), arrivals, now) if self.settings.policy != FIFO else None
         self.queues.report(key, info.priority_levels, queue)
-        over = [p.length for p in queue if p.priority > OVER_SHARE]
-        in_share = self.queues.in_share_budget(key, now) if over else None
-        slice_rows = over_share_rows(cost, in_share, max(over), info.max_batch_size) if in_share is not None else 0
-        policy = ModelPolicy(max_batch_size=info.max_batch_size, max_queue_delay=info.max_queue_delay_ms / 1000,
-                             preferred_batch_sizes=tuple(info.preferred_batch_sizes), kind=self.settings.policy,
-                             over_share_rows=slice_rows,
-                             length_aware=self.settings.length_aware_batching and bool(info.padded_inputs))
+        policy = ModelPolicy.of_model(info, self.settings.policy, self.settings.length_aware_batching)
         ready = [e for e in holders if free_at[e] != float("inf")]
-        if in_share is not None and queue[0].priority > OVER_SHARE:
-            # Over-share work goes only to an executor with nothing else to run, so that a request
-            # within its tenant's share arriving meanwhile waits for one such batch at most.
-            ready = [e for e in ready if not self._held.get(e)]
         decision = plan(now, queue, policy, [free_at[e] for e in ready], cost,
-                        lead=self.settings.dispatch_lead_ms / 1000, company=company)
+                        lead=self.settings.dispatch_lead_ms / 1000, company=company,
+                        in_share_budget=self.queues.in_share_budget(key, now),
+                        busy=[bool(self._held.get(e)) for e in ready])
         (self.wakeups.blocked.add if decision.blocked else self.wakeups.blocked.discard)(contract.queue(*key))
         # What the step does goes to Redis in one round trip: sheds, dispatches, the load view.
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -272,8 +263,7 @@ class Scheduler:
             self.queues.left(key, now, len(left))
             if self.settings.policy != FIFO and self.views.due(key, now, changed=bool(gone)):
                 idle_at = [max(now, self.timeline.idle_at.get(e, now)) for e in holders]
-                self.views.publish(pipe, key, info, idle_at, cost, left, now, self._scanned_at, slice_rows,
-                                   policy.length_aware)
+                self.views.publish(pipe, key, info, idle_at, cost, decision.rule, left, now, self._scanned_at)
             try:
                 results = await pipe.execute() if len(pipe) else []
             finally:

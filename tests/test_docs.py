@@ -183,7 +183,10 @@ def test_no_page_narrates_sessions(page):
 def test_the_readme_commands_are_the_ones_dev_sh_runs():
     readme = (ROOT / "README.md").read_text()
     dev = (ROOT / "dev.sh").read_text()
-    assert "./dev.sh up" in readme and "./dev.sh test" in readme
+    assert "./dev.sh up" in readme and "./dev.sh test" in readme and "./dev.sh lint" in readme
     assert re.search(r"^\s*up\)\n(?:.*\n)*?\s*exec .*batchline\" up", dev, re.M)
     assert re.search(r"^\s*test\)\n(?:.*\n)*?\s*exec .* -m pytest", dev, re.M)
-    assert "./dev.sh test" in (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^\s*lint\)\n\s*install\n\s*.*/ruff\" check \.\n\s*exec .*/mypy\"\n", dev, re.M)
+    # CI lints first, then runs the README's test command.
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "./dev.sh test" in ci and 0 <= ci.find("./dev.sh lint") < ci.find("./dev.sh test")

@@ -10,12 +10,14 @@ Pure: explicit times and a linear cost, no I/O.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchline.contract import OVER_SHARE
-from batchline.planning import BatchCost, FunctionCost, Pending, play, queue_tails
+from batchline.planning import BatchCost, BatchingRule, FunctionCost, Pending, play, queue_tails
 from batchline.protocol import internal_pb2 as pb
 from gateway.admission import JOIN_LEAD_S, Candidate, admit, predicted_finish_s
 from scheduler.policy import ModelPolicy, plan
@@ -47,17 +49,19 @@ def scenarios(draw):
     # Batches headed by an over-share tenant's request capped (gateway/fairness.py), or not.
     over_rows = draw(st.sampled_from([0, 0, 1, 2]))
     aware = draw(st.booleans())  # length-aware batches, or the head's prefix
-    return max_batch_size, preferred, cost, free, queue, over_rows, aware
+    return BatchingRule(max_batch_size, preferred, over_rows, aware), cost, free, queue
 
 
 @settings(max_examples=400, deadline=None)
 @given(scenarios(), levels, st.integers(0, 4), st.integers(1, 2), st.sampled_from([1, 4]))
 def test_admission_resumes_the_schedulers_play_and_predicts_what_it_will_do(scenario, priority, since_n, rows, length):
-    max_batch_size, preferred, cost, free, queue, over_rows, aware = scenario
-    model = pb.ModelInfo(name="m", version="1", max_batch_size=max_batch_size, preferred_batch_sizes=preferred)
-    rows = min(rows, max_batch_size) if max_batch_size else 1
-    view = pb.ModelLoad(**cost.load_fields(), executors=len(free), policy="deadline", over_share_rows=over_rows,
-                        length_aware=aware, tails=queue_tails(queue, free, max_batch_size, preferred, cost, over_rows, aware))
+    rule, cost, free, queue = scenario
+    model = pb.ModelInfo(name="m", version="1", max_batch_size=rule.max_batch_size,
+                         preferred_batch_sizes=rule.preferred_batch_sizes)
+    rows = min(rows, rule.max_batch_size) if rule.max_batch_size else 1
+    view = pb.ModelLoad(**cost.load_fields(), **rule.load_fields(), executors=len(free), policy="deadline",
+                        tails=queue_tails(queue, free, rule, cost))
+    assert BatchingRule.of_load(model, view) == rule
     # Admitted since the view by this gateway: queued, and planned from now on.
     since = [Pending(f"s{i}", 1, priority, NOW + 0.5, NOW, length=length) for i in range(since_n)]
 
@@ -67,8 +71,7 @@ def test_admission_resumes_the_schedulers_play_and_predicts_what_it_will_do(scen
     # since, then the new request (not in Redis until it arrives: a batch leaving about now is gone).
     arrival = Pending("new", rows, priority, INF, NOW, length=length, queued=False)
     ahead = [p for p in queue if p.priority <= priority]
-    truth = play([*ahead, *since, arrival], free, max_batch_size, preferred, cost, JOIN_LEAD_S, over_share_rows=over_rows,
-                 length_aware=aware)
+    truth = play([*ahead, *since, arrival], free, replace(rule, join_lead=JOIN_LEAD_S), cost)
     assert predicted == pytest.approx(truth.finish_of(arrival) - NOW, abs=1e-9)
 
     # ... and admission admits exactly when that finish is within the budget.
@@ -81,15 +84,13 @@ def test_admission_resumes_the_schedulers_play_and_predicts_what_it_will_do(scen
 @settings(max_examples=400, deadline=None)
 @given(scenarios())
 def test_the_batches_the_plan_sends_now_are_the_first_of_the_play(scenario):
-    max_batch_size, preferred, cost, free, queue, over_rows, aware = scenario
-    policy = ModelPolicy(max_batch_size=max_batch_size, max_queue_delay=0.0, preferred_batch_sizes=preferred,
-                         over_share_rows=over_rows, length_aware=aware)
-    decision = plan(NOW, queue, policy, free, cost, lead=1.0)
+    rule, cost, free, queue = scenario
+    decision = plan(NOW, queue, ModelPolicy(rule, max_queue_delay=0.0), free, cost, lead=1.0)
     # The plan first sheds what is hopeless even alone on the first free executor; the play of the
     # rest forms the same batches, on the same executors, at the same times.
     first_start = max(NOW, min(free))
     live = [p for p in queue if p.deadline > NOW and first_start + cost.typical(p.units) <= p.deadline]
-    played = play(live, free, max_batch_size, preferred, cost, over_share_rows=over_rows, length_aware=aware)
+    played = play(live, free, rule, cost)
     assert len(decision.batches) <= len(played.batches)
     for sent, simulated in zip(decision.batches, played.batches):
         assert (sent.members, sent.executor, sent.start, sent.finish) == (
@@ -101,10 +102,10 @@ def test_a_request_between_two_batches_joins_the_one_the_plan_would_put_it_in():
     # then 2; a new row joins the second batch (the first's head did not reach the queue's end).
     cost = FunctionCost(lambda units: 0.01 * units)
     queue = [Pending(f"q{i}", 1, 1, NOW + 1.0, NOW - 1.0) for i in range(6)]
-    played = play(queue, [NOW + 0.05], 4, (4,), cost)
+    played = play(queue, [NOW + 0.05], BatchingRule(4, (4,)), cost)
     assert [b.rows for b in played.batches] == [4, 2] and played.resume_queue == tuple(queue[4:])
     arrival = Pending("new", 1, 1, INF, NOW, queued=False)
-    again = play([*queue, arrival], [NOW + 0.05], 4, (4,), cost, JOIN_LEAD_S)
+    again = play([*queue, arrival], [NOW + 0.05], BatchingRule(4, (4,), join_lead=JOIN_LEAD_S), cost)
     assert [b.rows for b in again.batches] == [4, 3]
     assert again.finish_of(arrival) == pytest.approx(NOW + 0.05 + 0.04 + 0.03)
 
@@ -112,10 +113,10 @@ def test_a_request_between_two_batches_joins_the_one_the_plan_would_put_it_in():
 def test_an_over_share_head_makes_a_capped_batch_and_a_request_within_its_share_a_full_one():
     cost = FunctionCost(lambda units: 0.01 * units)
     over = [Pending(f"a{i}", 1, 1 + OVER_SHARE, NOW + 1.0, NOW - 1.0) for i in range(6)]
-    assert [b.rows for b in play(over, [NOW], 4, (), cost, over_share_rows=2).batches] == [2, 2, 2]
+    assert [b.rows for b in play(over, [NOW], BatchingRule(4, over_share_rows=2), cost).batches] == [2, 2, 2]
     within = [Pending("b", 1, 1, NOW + 1.0, NOW - 1.0), *over]
-    assert [b.rows for b in play(within, [NOW], 4, (), cost, over_share_rows=2).batches] == [4, 2, 1]
-    assert [b.rows for b in play(over, [NOW], 4, (), cost).batches] == [4, 2]
+    assert [b.rows for b in play(within, [NOW], BatchingRule(4, over_share_rows=2), cost).batches] == [4, 2, 1]
+    assert [b.rows for b in play(over, [NOW], BatchingRule(4), cost).batches] == [4, 2]
 
 
 # -- length-aware batches (deterministic) -----------------------------------------------------
@@ -125,13 +126,14 @@ def _lengths(lengths, deadline=NOW + 10.0, gap=0.0):
 
 
 PER_TOKEN = FunctionCost(lambda units: 0.001 + 0.0001 * units)
+LENGTH_AWARE = BatchingRule(4, length_aware=True)
 
 
 def test_length_aware_batches_put_similar_lengths_together():
     queue = _lengths([10, 100] * 4)
-    aware = play(queue, [NOW], 4, (), PER_TOKEN, length_aware=True)
+    aware = play(queue, [NOW], LENGTH_AWARE, PER_TOKEN)
     assert [[m.length for m in b.members] for b in aware.batches] == [[10, 10, 10, 10], [100, 100, 100, 100]]
-    plain = play(queue, [NOW], 4, (), PER_TOKEN)
+    plain = play(queue, [NOW], BatchingRule(4), PER_TOKEN)
     assert [[m.length for m in b.members] for b in plain.batches] == [[10, 100, 10, 100], [10, 100, 10, 100]]
     assert aware.free[0] < plain.free[0]  # the same requests, sooner: less padding run
 
@@ -139,11 +141,11 @@ def test_length_aware_batches_put_similar_lengths_together():
 def test_the_head_always_goes_first_so_a_long_request_is_never_starved():
     # A long request at the head takes its batch, whatever is behind it.
     queue = _lengths([200] + [10] * 12)
-    first = play(queue, [NOW], 4, (), PER_TOKEN, length_aware=True).batches[0]
+    first = play(queue, [NOW], LENGTH_AWARE, PER_TOKEN).batches[0]
     assert first.members[0] is queue[0]
     # Second in line behind shorts, it leads the next batch once the head's batch is gone.
     queue = _lengths([10, 200] + [10] * 12, gap=0.001)
-    batches = play(queue, [NOW], 4, (), PER_TOKEN, length_aware=True).batches
+    batches = play(queue, [NOW], LENGTH_AWARE, PER_TOKEN).batches
     assert queue[1] in batches[1].members and [m.length for m in batches[0].members] == [10] * 4
 
 
@@ -154,16 +156,16 @@ def test_a_request_that_cannot_wait_for_another_batch_goes_in_this_one():
     urgent = Pending("urgent", 1, 1, NOW + 2.5, NOW - 1.0, length=60)
     queue = [Pending("head", 1, 1, NOW + 2.45, NOW - 1.0, length=10), urgent,
              *[Pending(f"s{i}", 1, 1, NOW + 5.0, NOW - 1.0, length=10) for i in range(6)]]
-    first = play(queue, [NOW], 4, (), cost, length_aware=True).batches[0]
+    first = play(queue, [NOW], LENGTH_AWARE, cost).batches[0]
     assert urgent in first.members
     # With time to spare it waits for a batch of its own length instead.
     relaxed = [queue[0], Pending("later", 1, 1, NOW + 50.0, NOW - 1.0, length=60), *queue[2:]]
-    first = play(relaxed, [NOW], 4, (), cost, length_aware=True).batches[0]
+    first = play(relaxed, [NOW], LENGTH_AWARE, cost).batches[0]
     assert [m.length for m in first.members] == [10, 10, 10, 10]
 
 
 def test_the_plan_sends_the_length_aware_batch_and_leaves_the_rest_queued():
     queue = _lengths([10, 100] * 4)
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=0.0, length_aware=True)
+    policy = ModelPolicy(LENGTH_AWARE, max_queue_delay=0.0)
     decision = plan(NOW, queue, policy, [NOW], PER_TOKEN, lead=0.0)
     assert [m.length for m in decision.batches[0].members] == [10, 10, 10, 10]

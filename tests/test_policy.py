@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from batchline.planning import FunctionCost, Pending, play, queue_tail
-from scheduler.policy import DEADLINE, DELAY, FIFO, FULL, NO_COMPANY, PREFERRED, ModelPolicy, PlannedBatch, free_after, plan
+from batchline.contract import OVER_SHARE
+from batchline.planning import BatchingRule, FunctionCost, Pending, play, queue_tail
+from batchline.protocol import internal_pb2 as pb
+from scheduler.policy import (
+    DEADLINE, DELAY, FIFO, FULL, NO_COMPANY, PREFERRED, ModelPolicy, PlannedBatch, free_after, over_share_rows, plan,
+)
 from scheduler.profile import LatencyProfile
 
 FAR = 1000.0  # a deadline far enough never to matter
@@ -44,7 +48,7 @@ class RecordingPredict:
 
 
 def test_full_queue_dispatches_immediately_with_reason_full():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(4), max_queue_delay=10.0)
     queue = [req(f"r{i}") for i in range(4)]
     p = plan(0.0, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert len(p.batches) == 1
@@ -59,7 +63,7 @@ def test_full_queue_dispatches_immediately_with_reason_full():
 
 
 def test_multi_row_request_counts_its_rows():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(4), max_queue_delay=10.0)
     queue = [req("a", rows=3), req("b", rows=1)]
     p = plan(0.0, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert len(p.batches) == 1
@@ -69,7 +73,7 @@ def test_multi_row_request_counts_its_rows():
 
 
 def test_request_that_does_not_fit_stays_queued():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(4), max_queue_delay=10.0)
     queue = [req("a", rows=3, deadline=50.0), req("b", rows=2, deadline=40.0)]
     p = plan(0.0, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert len(p.batches) == 1
@@ -82,7 +86,7 @@ def test_request_that_does_not_fit_stays_queued():
 
 
 def test_second_batch_with_two_slots_follows_the_same_rules_and_waits():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=0.5)
+    policy = ModelPolicy(BatchingRule(4), max_queue_delay=0.5)
     queue = [req("a", rows=3), req("b", rows=2, enqueued=0.25)]
     p = plan(0.5, queue, policy, free_at=IDLE * 2, cost=FunctionCost(fixed(0.25)))
     # 'b' alone is not full, not preferred, far from its deadline, and has
@@ -92,7 +96,7 @@ def test_second_batch_with_two_slots_follows_the_same_rules_and_waits():
 
 
 def test_second_batch_with_two_slots_goes_out_when_its_own_rule_fires():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=0.5)
+    policy = ModelPolicy(BatchingRule(4), max_queue_delay=0.5)
     queue = [req("a", rows=3), req("b", rows=2, enqueued=0.25)]
     p = plan(0.75, queue, policy, free_at=IDLE * 2, cost=FunctionCost(fixed(0.25)))
     assert [(ids(b), b.rows, b.reason) for b in p.batches] == [(["a"], 3, FULL), (["b"], 2, DELAY)]
@@ -100,7 +104,7 @@ def test_second_batch_with_two_slots_goes_out_when_its_own_rule_fires():
 
 
 def test_second_batch_with_two_slots_can_be_full_too():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(4), max_queue_delay=10.0)
     queue = [req("a", rows=3), req("b", rows=2), req("c", rows=2), req("d", rows=1)]
     p = plan(0.0, queue, policy, free_at=IDLE * 3, cost=FunctionCost(fixed(0.25)))
     assert [(ids(b), b.rows, b.reason) for b in p.batches] == [(["a"], 3, FULL), (["b", "c"], 4, FULL)]
@@ -112,7 +116,7 @@ def test_second_batch_with_two_slots_can_be_full_too():
 
 
 def test_delay_not_yet_due_waits_until_oldest_plus_delay():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.5)
     queue = [req("a", enqueued=0.125), req("b", enqueued=0.25)]
     p = plan(0.5, queue, policy, free_at=IDLE * 4, cost=FunctionCost(fixed(0.25)))
     assert p.batches == []
@@ -121,7 +125,7 @@ def test_delay_not_yet_due_waits_until_oldest_plus_delay():
 
 
 def test_delay_due_exactly_now_dispatches_with_reason_delay():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.5)
     queue = [req("a", enqueued=0.125), req("b", enqueued=0.25)]
     p = plan(0.625, queue, policy, free_at=IDLE * 4, cost=FunctionCost(fixed(0.25)))
     assert len(p.batches) == 1
@@ -132,13 +136,13 @@ def test_delay_due_exactly_now_dispatches_with_reason_delay():
 
 
 def test_delay_past_dispatches_with_reason_delay():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.5)
     p = plan(3.0, [req("a", enqueued=0.125)], policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert [(ids(b), b.reason) for b in p.batches] == [(["a"], DELAY)]
 
 
 def test_delay_is_measured_from_the_oldest_member_not_the_first():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.5)
     # Queue order is priority-major, so the oldest request need not come first.
     queue = [req("new", enqueued=0.25, priority=1), req("old", enqueued=0.0, priority=2)]
     before = plan(0.375, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
@@ -152,13 +156,13 @@ def test_delay_is_measured_from_the_oldest_member_not_the_first():
 
 
 def test_no_company_expected_sends_at_once_with_reason_no_company():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.5)
     p = plan(0.125, [req("a", enqueued=0.125)], policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)), company=0.0)
     assert [(ids(b), b.reason) for b in p.batches] == [(["a"], NO_COMPANY)]
 
 
 def test_company_expected_waits_while_one_more_arrival_is_expected_before_the_delay_is_up():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.5)
     queue = [req("a", enqueued=0.0)]
     # 4 arrivals/s: one is expected in the last 0.25 s of the wait, which ends at 0.5.
     early = plan(0.125, queue, policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)), company=4.0)
@@ -171,7 +175,7 @@ def test_company_expected_waits_while_one_more_arrival_is_expected_before_the_de
 
 
 def test_the_wait_for_company_ends_by_the_deadline_rule_first():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=10.0)
     queue = [req("a", deadline=1.0)]
     # send_by = 1.0 - 0.25 = 0.75; one arrival is expected within 0.25 s at 4/s: wait until 0.5.
     p = plan(0.0, queue, policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)), company=4.0)
@@ -179,7 +183,7 @@ def test_the_wait_for_company_ends_by_the_deadline_rule_first():
 
 
 def test_fifo_waits_the_whole_delay_whatever_the_company():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, kind=FIFO)
+    policy = ModelPolicy(BatchingRule(8, deadline_aware=False), max_queue_delay=0.5)
     p = plan(0.125, [req("a", enqueued=0.0)], policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)), company=0.0)
     assert p.batches == [] and p.wake_at == 0.5
 
@@ -188,7 +192,7 @@ def test_fifo_waits_the_whole_delay_whatever_the_company():
 
 
 def test_deadline_not_yet_due_wakes_at_latest_dispatch_instant():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=10.0)
     queue = [req("a", deadline=1.0)]
     p = plan(0.5, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25), overhead_s=0.125))
     assert p.batches == []
@@ -196,7 +200,7 @@ def test_deadline_not_yet_due_wakes_at_latest_dispatch_instant():
 
 
 def test_deadline_due_dispatches_before_max_queue_delay():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=10.0)
     queue = [req("a", deadline=1.0)]
     p = plan(0.625, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25), overhead_s=0.125))
     assert len(p.batches) == 1
@@ -211,7 +215,7 @@ def test_deadline_due_dispatches_before_max_queue_delay():
 
 
 def test_deadline_uses_earliest_deadline_member_even_when_not_first():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=10.0)
     # The lower-priority request (second in queue order) has the earlier deadline.
     queue = [req("hi", deadline=5.0, priority=1), req("lo", deadline=1.0, priority=2)]
     before = plan(0.5, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25), overhead_s=0.125))
@@ -224,7 +228,7 @@ def test_deadline_uses_earliest_deadline_member_even_when_not_first():
 
 
 def test_deadline_prediction_is_for_the_batch_rows():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=10.0)
     predict = RecordingPredict(per_row=0.125)
     queue = [req("a", rows=2, deadline=1.0), req("b", rows=3, deadline=2.0)]
     p = plan(0.25, queue, policy, free_at=IDLE * 1, cost=FunctionCost(predict, fixed(0.0)))
@@ -237,7 +241,7 @@ def test_deadline_prediction_is_for_the_batch_rows():
 
 
 def test_preferred_size_when_everything_queued_is_taken():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, preferred_batch_sizes=(2, 4))
+    policy = ModelPolicy(BatchingRule(8, (2, 4)), max_queue_delay=10.0)
     queue = [req("a", rows=1), req("b", rows=3)]
     p = plan(0.0, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert len(p.batches) == 1
@@ -247,7 +251,7 @@ def test_preferred_size_when_everything_queued_is_taken():
 
 
 def test_non_preferred_size_waits():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0, preferred_batch_sizes=(2, 4))
+    policy = ModelPolicy(BatchingRule(8, (2, 4)), max_queue_delay=10.0)
     queue = [req("a", rows=1), req("b", rows=2)]
     p = plan(0.0, queue, policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert p.batches == []
@@ -258,7 +262,7 @@ def test_non_preferred_size_waits():
 
 
 def test_expired_requests_are_shed_and_the_rest_still_planned():
-    policy = ModelPolicy(max_batch_size=2, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(2), max_queue_delay=10.0)
     queue = [
         req("gone", deadline=0.5),
         req("a", deadline=5.0),
@@ -275,7 +279,7 @@ def test_expired_requests_are_shed_and_the_rest_still_planned():
 
 
 def test_all_expired_gives_no_batches_and_no_wake():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(4), max_queue_delay=10.0)
     p = plan(2.0, [req("a", deadline=1.0), req("b", deadline=2.0)], policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
     assert [e.request_id for e in p.expired] == ["a", "b"]
     assert p.batches == []
@@ -286,7 +290,7 @@ def test_all_expired_gives_no_batches_and_no_wake():
 
 
 def test_no_free_slots_no_batches_but_wake_at_earliest_deadline():
-    policy = ModelPolicy(max_batch_size=2, max_queue_delay=0.5)
+    policy = ModelPolicy(BatchingRule(2), max_queue_delay=0.5)
     queue = [req("a", deadline=3.0), req("b", deadline=2.0), req("c", deadline=4.0)]
     p = plan(1.0, queue, policy, free_at=[], cost=FunctionCost(fixed(0.25)))
     assert p.batches == []
@@ -295,7 +299,7 @@ def test_no_free_slots_no_batches_but_wake_at_earliest_deadline():
 
 
 def test_free_slots_limit_the_number_of_batches():
-    policy = ModelPolicy(max_batch_size=2, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(2), max_queue_delay=10.0)
     queue = [req(f"r{i}", deadline=10.0 + i) for i in range(7)]
     p = plan(0.0, queue, policy, free_at=IDLE * 2, cost=FunctionCost(fixed(0.25)))
     assert [ids(b) for b in p.batches] == [["r0", "r1"], ["r2", "r3"]]
@@ -307,7 +311,7 @@ def test_free_slots_limit_the_number_of_batches():
 
 
 def test_max_batch_size_zero_means_one_request_per_batch():
-    policy = ModelPolicy(max_batch_size=0, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(0), max_queue_delay=10.0)
     queue = [req("a"), req("b"), req("c")]
     p = plan(0.0, queue, policy, free_at=IDLE * 2, cost=FunctionCost(fixed(0.25)))
     assert [ids(b) for b in p.batches] == [["a"], ["b"]]
@@ -319,7 +323,7 @@ def test_max_batch_size_zero_means_one_request_per_batch():
 
 
 def test_slack_is_earliest_deadline_minus_now_minus_predicted_cost():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(4), max_queue_delay=10.0)
     predict = RecordingPredict(per_row=0.0625)
     queue = [req("a", deadline=3.0), req("b", deadline=2.0), req("c", deadline=4.0), req("d", deadline=5.0)]
     p = plan(0.5, queue, policy, free_at=IDLE * 1, cost=FunctionCost(predict, overhead_s=0.125))
@@ -333,7 +337,7 @@ def test_slack_is_earliest_deadline_minus_now_minus_predicted_cost():
 
 
 def test_members_taken_in_given_queue_order():
-    policy = ModelPolicy(max_batch_size=3, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(3), max_queue_delay=10.0)
     # Deliberately not sorted by id, enqueue time, or deadline: the caller's order wins.
     queue = [
         req("z", priority=1, deadline=9.0, enqueued=0.5),
@@ -483,7 +487,7 @@ def test_profile_round_trips_its_samples():
 
 
 def test_a_batch_is_predicted_at_its_rows_times_its_longest_member():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.0)
     per_unit = RecordingPredict(per_row=0.001)
     p = plan(0.0, [req("short", length=16), req("long", length=128)], policy, IDLE, FunctionCost(per_unit))
     [b] = p.batches
@@ -496,7 +500,7 @@ def test_a_batch_is_predicted_at_its_rows_times_its_longest_member():
 
 def test_a_short_request_is_not_shed_for_what_a_long_one_costs():
     # 1 ms per unit, 50 ms to go: 16 units make it, 128 cannot even alone.
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.0)
     queue = [req("long", length=128, deadline=0.05), req("short", length=16, deadline=0.05)]
     p = plan(0.0, queue, policy, IDLE, FunctionCost(RecordingPredict(per_row=0.001)))
     assert [m.request_id for m in p.expired] == ["long"]
@@ -505,7 +509,7 @@ def test_a_short_request_is_not_shed_for_what_a_long_one_costs():
 
 
 def test_a_long_request_that_would_make_the_head_late_waits_for_the_next_batch():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.0)
     queue = [req("head", length=16, deadline=0.05), req("long", length=128)]
     p = plan(0.0, queue, policy, [0.0, 0.0], FunctionCost(RecordingPredict(per_row=0.001)))
     assert [ids(b) for b in p.batches] == [["head"], ["long"]]
@@ -515,7 +519,7 @@ def test_a_long_request_that_would_make_the_head_late_waits_for_the_next_batch()
 def test_tail_counts_the_length_of_its_batches():
     per_unit = lambda units: 0.001 * units  # noqa: E731
     queue = [req("a", length=16), req("b", length=16), req("c", length=128), req("d", length=16)]
-    t = play(queue, IDLE, 2, (), FunctionCost(per_unit))
+    t = play(queue, IDLE, BatchingRule(2), FunctionCost(per_unit))
     # (a, b) at 2 x 16, then (c, d) padded to 128: 0.032 + 0.256
     last = t.batches[-1]
     assert (last.rows, max(m.length for m in last.members), last.start) == (2, 128, pytest.approx(0.032))
@@ -538,14 +542,14 @@ def test_profile_fits_one_line_through_batches_of_different_lengths():
 
 
 def test_batch_goes_to_the_executor_predicted_free_first():
-    policy = ModelPolicy(max_batch_size=2, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(2), max_queue_delay=10.0)
     queue = [req("a"), req("b")]
     p = plan(1.0, queue, policy, free_at=[1.5, 0.5, 1.25], cost=FunctionCost(fixed(0.25)))
     assert [(ids(b), b.executor, b.finish) for b in p.batches] == [(["a", "b"], 1, 1.25)]
 
 
 def test_no_executor_ready_lets_the_queue_grow_until_one_is_about_to_be_free():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=0.0)
+    policy = ModelPolicy(BatchingRule(4), max_queue_delay=0.0)
     queue = [req("a"), req("b")]
     # Busy until 2.0: nothing goes out now, even with the delay due; look again `lead` before.
     p = plan(1.0, queue, policy, free_at=[2.0], cost=FunctionCost(fixed(0.25)), lead=0.125)
@@ -557,7 +561,7 @@ def test_no_executor_ready_lets_the_queue_grow_until_one_is_about_to_be_free():
 
 
 def test_one_executor_takes_batches_back_to_back_and_the_next_waits():
-    policy = ModelPolicy(max_batch_size=2, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(2), max_queue_delay=10.0)
     queue = [req(f"r{i}") for i in range(6)]
     p = plan(0.0, queue, policy, free_at=[0.0, 0.0], cost=FunctionCost(fixed(0.5)))
     # Two idle executors take one full batch each; the third batch waits for the first to free up.
@@ -566,7 +570,7 @@ def test_one_executor_takes_batches_back_to_back_and_the_next_waits():
 
 
 def test_slack_counts_the_wait_for_a_busy_executor():
-    policy = ModelPolicy(max_batch_size=1, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(1), max_queue_delay=10.0)
     p = plan(1.0, [req("a", deadline=2.0)], policy, free_at=[1.25], cost=FunctionCost(fixed(0.25)), lead=0.5)
     assert p.batches[0].finish == 1.5
     assert p.batches[0].slack == 0.5
@@ -576,7 +580,7 @@ def test_slack_counts_the_wait_for_a_busy_executor():
 
 
 def test_a_batch_is_trimmed_when_that_gets_more_members_done_in_time():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=10.0)
     per_row = RecordingPredict(per_row=0.125)
     queue = [req("u1", deadline=0.3), req("u2", deadline=0.3), req("b", deadline=5.0)]
     # All three take 0.375 s: only 'b' in time. Two take 0.25 s: both urgent ones in time.
@@ -587,7 +591,7 @@ def test_a_batch_is_trimmed_when_that_gets_more_members_done_in_time():
 
 
 def test_one_urgent_member_does_not_shrink_a_batch_it_would_cost_more_than_it_saves():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=10.0)
     per_row = RecordingPredict(per_row=0.125)
     queue = [req("urgent", deadline=0.4375), req("b", deadline=5.0), req("c", deadline=5.0), req("d", deadline=5.0),
              req("e", deadline=5.0)]
@@ -598,7 +602,7 @@ def test_one_urgent_member_does_not_shrink_a_batch_it_would_cost_more_than_it_sa
 
 
 def test_hopeless_request_is_shed_by_the_central_estimate_not_the_margin():
-    policy = ModelPolicy(max_batch_size=1, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(1), max_queue_delay=10.0)
     queue = [req("tight", deadline=1.25), req("hopeless", deadline=1.0625)]
     # predict (with margin) says 0.5, expected (central) says 0.125
     p = plan(1.0, queue, policy, free_at=[0.0, 0.0], cost=FunctionCost(fixed(0.5), fixed(0.125)))
@@ -607,7 +611,7 @@ def test_hopeless_request_is_shed_by_the_central_estimate_not_the_margin():
 
 
 def test_requests_behind_a_busy_executor_are_shed_when_they_cannot_make_it():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=10.0)
+    policy = ModelPolicy(BatchingRule(4), max_queue_delay=10.0)
     queue = [req("a", deadline=1.5), req("b", deadline=3.0)]
     # The only executor is busy until 2.0: 'a' cannot finish by 1.5, 'b' can.
     p = plan(1.0, queue, policy, free_at=[2.0], cost=FunctionCost(fixed(0.25)))
@@ -619,7 +623,7 @@ def test_requests_behind_a_busy_executor_are_shed_when_they_cannot_make_it():
 
 
 def test_fifo_orders_by_arrival_within_priority_and_ignores_deadlines():
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.5, kind=FIFO)
+    policy = ModelPolicy(BatchingRule(8, deadline_aware=False), max_queue_delay=0.5)
     queue = [req("late_arrival", deadline=0.75, enqueued=0.25), req("early_arrival", deadline=5.0, enqueued=0.0),
              req("low", deadline=0.6, enqueued=0.0, priority=2)]
     # A deadline-aware plan would go now for 'late_arrival'; FIFO waits for the delay.
@@ -631,7 +635,7 @@ def test_fifo_orders_by_arrival_within_priority_and_ignores_deadlines():
 
 
 def test_fifo_sheds_only_what_is_past_its_deadline():
-    policy = ModelPolicy(max_batch_size=1, max_queue_delay=0.0, kind=FIFO)
+    policy = ModelPolicy(BatchingRule(1, deadline_aware=False), max_queue_delay=0.0)
     queue = [req("gone", deadline=1.0), req("doomed", deadline=1.125)]
     p = plan(1.0, queue, policy, free_at=IDLE, cost=FunctionCost(fixed(0.5)))
     assert [e.request_id for e in p.expired] == ["gone"]
@@ -639,7 +643,7 @@ def test_fifo_sheds_only_what_is_past_its_deadline():
 
 
 def test_plan_says_when_requests_wait_for_an_executor_rather_than_for_company():
-    policy = ModelPolicy(max_batch_size=4, max_queue_delay=1.0)
+    policy = ModelPolicy(BatchingRule(4), max_queue_delay=1.0)
     # Waiting for company (the executor is idle): a new arrival may fill the batch, look again.
     assert not plan(0.0, [req("a")], policy, free_at=IDLE, cost=FunctionCost(fixed(0.25))).blocked
     # Waiting for the busy executor: nothing changes before it frees up.
@@ -667,11 +671,11 @@ def linear(n: int) -> float:
 
 
 def played(queue, max_batch_size, free=IDLE, cost=linear, typical=None, preferred=()):
-    return play(queue, free, max_batch_size, preferred, FunctionCost(cost, typical))
+    return play(queue, free, BatchingRule(max_batch_size, preferred), FunctionCost(cost, typical))
 
 
 def test_view_of_an_empty_queue_is_when_each_executor_is_free():
-    t = queue_tail(1, [], [1.0, 1.5], 4, (), FunctionCost(linear))
+    t = queue_tail(1, [], [1.0, 1.5], BatchingRule(4), FunctionCost(linear))
     assert list(t.free_s) == [1.0, 1.5] and not t.items
 
 
@@ -693,7 +697,7 @@ def test_tail_batches_are_cut_to_meet_their_earliest_deadline():
     # gets more done in time (b, c, d), so the plan sheds a and sends those, and so does the play.
     queue = [req("a", deadline=0.125), req("b"), req("c"), req("d")]
     t = played(queue, 4)
-    first = plan(0.0, queue, ModelPolicy(max_batch_size=4, max_queue_delay=10.0), IDLE, FunctionCost(linear))
+    first = plan(0.0, queue, ModelPolicy(BatchingRule(4), max_queue_delay=10.0), IDLE, FunctionCost(linear))
     assert [ids(b) for b in first.batches] == [["b", "c", "d"]] and ids(PlannedBatch(tuple(first.expired), 0, "", 0)) == ["a"]
     assert [[m.request_id for m in b.members] for b in t.batches] == [["b", "c", "d"]]
     assert [p.request_id for p in t.shed] == ["a"]
@@ -721,7 +725,7 @@ def test_tail_keeps_a_head_that_is_late_only_by_the_margin():
     # plan sends it rather than shed it, so the play counts its executor time.
     margin = lambda n: linear(n) + 0.2  # noqa: E731
     queue = [req("tight", deadline=0.15), req("a")]
-    decision = plan(0.0, queue, ModelPolicy(max_batch_size=4, max_queue_delay=10.0), IDLE, FunctionCost(margin, linear))
+    decision = plan(0.0, queue, ModelPolicy(BatchingRule(4), max_queue_delay=10.0), IDLE, FunctionCost(margin, linear))
     assert not decision.expired and decision.batches[0].members[0].request_id == "tight"
     t = played(queue, 4, cost=margin, typical=linear)
     assert [p.request_id for b in t.batches for p in b.members] == ["tight", "a"]
@@ -745,7 +749,7 @@ def test_tail_of_a_model_without_batch_dim_is_one_request_per_batch():
 
 def test_tail_agrees_with_the_plans_first_batch():
     queue = [req(f"r{i}", deadline=0.2 + 0.01 * i) for i in range(12)]
-    policy = ModelPolicy(max_batch_size=8, max_queue_delay=0.0)
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.0)
     first = plan(0.0, queue, policy, IDLE, FunctionCost(linear)).batches[0]
     t = played(queue, 8)
     assert t.batches[0].members == first.members and t.batches[0].finish == pytest.approx(first.finish)
@@ -753,7 +757,7 @@ def test_tail_agrees_with_the_plans_first_batch():
 
 def test_more_than_a_preferred_size_queued_sends_the_largest_preferred_size():
     # Triton's rule: 31 queued, preferred 16 and 32, max 32: a batch of 16 now, 15 wait for company.
-    policy = ModelPolicy(max_batch_size=32, max_queue_delay=0.0, preferred_batch_sizes=(16, 32))
+    policy = ModelPolicy(BatchingRule(32, (16, 32)), max_queue_delay=0.0)
     queue = [req(f"r{i}") for i in range(31)]
     p = plan(0.0, queue, policy, free_at=IDLE, cost=FunctionCost(fixed(0.25)))
     assert [(b.rows, b.reason) for b in p.batches] == [(16, PREFERRED)]
@@ -794,7 +798,67 @@ def test_tail_cuts_batches_to_preferred_sizes_like_the_plan():
     # max 32, preferred 8 and 16: 20 queued go as 16, then 4.
     t = played(queue, 32, preferred=(8, 16))
     assert [(b.rows, b.start) for b in t.batches] == [(16, 0.0), (4, linear(16))]
-    policy = ModelPolicy(max_batch_size=32, max_queue_delay=10.0, preferred_batch_sizes=(8, 16))
+    policy = ModelPolicy(BatchingRule(32, (8, 16)), max_queue_delay=10.0)
     assert [b.rows for b in plan(0.0, queue, policy, IDLE, FunctionCost(linear)).batches] == [16]
     # The first batch's head reached the end of the queue: arrivals can change it.
     assert t.resume_queue == tuple(queue)
+
+
+def test_a_models_policy_is_its_batching_rule_and_its_queue_delay():
+    info = pb.ModelInfo(name="m", version="1", max_batch_size=8, preferred_batch_sizes=[4], max_queue_delay_ms=5.0,
+                        padded_inputs=["ids"])
+    policy = ModelPolicy.of_model(info, length_aware=True)
+    assert policy.rule == BatchingRule(8, (4,), length_aware=True) and policy.max_queue_delay == 0.005
+    # FIFO, the Triton baseline: no deadline cuts a batch, and batches are the head's prefix.
+    assert ModelPolicy.of_model(info, FIFO, length_aware=True).rule == BatchingRule(8, (4,), deadline_aware=False)
+
+
+# --- over-share work while requests within their shares are about ------------------
+
+
+def _over(n: int) -> list[Pending]:
+    return [req(f"a{i}", priority=1 + OVER_SHARE) for i in range(n)]
+
+
+# 10 ms a row: with 0.1 s the shortest in-share budget, an over-share batch may take 25 ms, 2 rows.
+PER_ROW = FunctionCost(lambda units: 0.01 * units)
+IN_SHARE_BUDGET = 0.1
+
+
+def test_an_over_share_head_is_capped_and_goes_only_to_an_executor_with_nothing_to_run():
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.0)
+    p = plan(0.0, _over(4), policy, [0.0, 0.0], PER_ROW, in_share_budget=IN_SHARE_BUDGET, busy=[True, False])
+    assert p.rule == BatchingRule(8, over_share_rows=2)
+    # One capped batch, on the idle executor (its index in free_at); the rest waits for it.
+    assert [(ids(b), b.executor) for b in p.batches] == [(["a0", "a1"], 1)]
+    assert p.blocked and p.wake_at == pytest.approx(0.02)
+
+
+def test_over_share_work_waits_while_every_executor_has_something_to_run():
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.0)
+    p = plan(0.0, _over(4), policy, [0.0, 0.0], PER_ROW, in_share_budget=IN_SHARE_BUDGET, busy=[True, True])
+    assert p.batches == [] and p.blocked and p.wake_at == FAR
+
+
+def test_without_requests_within_their_shares_over_share_work_goes_as_any():
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.0)
+    p = plan(0.0, _over(4), policy, [0.0, 0.0], PER_ROW, in_share_budget=None, busy=[True, False])
+    assert p.rule is policy.rule
+    assert [(ids(b), b.executor) for b in p.batches] == [(["a0", "a1", "a2", "a3"], 0)]
+
+
+def test_a_head_within_its_share_takes_any_executor_and_a_full_batch():
+    policy = ModelPolicy(BatchingRule(8), max_queue_delay=0.0)
+    queue = [req("b"), *_over(4)]
+    p = plan(0.0, queue, policy, [0.0, 0.0], PER_ROW, in_share_budget=IN_SHARE_BUDGET, busy=[True, False])
+    # The cap is the rule's all the same: a batch an over-share request heads would take 2 rows.
+    assert p.rule.over_share_rows == 2
+    assert [(ids(b), b.executor) for b in p.batches] == [(["b", "a0", "a1", "a2", "a3"], 0)]
+
+
+def test_the_cap_leaves_an_over_share_batch_a_slice_of_the_in_share_budget():
+    # Its longest over-share request counts: 4 units a row, 40 ms a row, more than the 25 ms slice.
+    assert over_share_rows(PER_ROW, IN_SHARE_BUDGET, 4, 8) == 1
+    assert over_share_rows(PER_ROW, IN_SHARE_BUDGET, 1, 8) == 2
+    assert over_share_rows(PER_ROW, 10.0, 1, 8) == 0  # the whole batch fits: no cap
+    assert over_share_rows(PER_ROW, None, 1, 8) == 0

@@ -725,7 +725,7 @@ def test_an_executor_that_cannot_finish_in_time_hands_its_work_back(mesh_factory
 
 
 def test_the_load_view_counts_queued_rows_per_priority_level(mesh_factory):
-    from batchline.planning import Pending
+    from batchline.planning import BatchingRule, Pending
 
     m = mesh_factory(models=["mlp"])
     r = _hold_lease(m)  # no step publishes meanwhile
@@ -739,7 +739,8 @@ def test_the_load_view_counts_queued_rows_per_priority_level(mesh_factory):
 
     async def publish():
         async with scheduler.redis.pipeline(transaction=False) as pipe:
-            scheduler.views.publish(pipe, key, info, [], scheduler.profiles.of((*key, "test")).cost(), queue, now, now)
+            cost = scheduler.profiles.of((*key, "test")).cost()
+            scheduler.views.publish(pipe, key, info, [], cost, BatchingRule.of_model(info), queue, now, now)
             await pipe.execute()
 
     m.call(publish())

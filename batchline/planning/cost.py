@@ -16,7 +16,7 @@ this code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from batchline.protocol import internal_pb2 as pb
 from batchline.sizing import margin_for
@@ -55,7 +55,7 @@ class BatchCost:
         return cls(load.cost_per_unit_s, load.cost_fixed_s, load.cost_margin_s,
                    tuple(load.margin_by_size_s), load.overhead_s)
 
-    def load_fields(self) -> dict:
+    def load_fields(self) -> dict[str, Any]:
         """The pb.ModelLoad fields that carry this cost to the gateways (`of_load` reads them back)."""
         return {"cost_per_unit_s": self.per_unit_s, "cost_fixed_s": self.fixed_s, "cost_margin_s": self.margin_s,
                 "margin_by_size_s": self.margin_by_size_s, "overhead_s": self.overhead_s}

@@ -33,6 +33,7 @@ from typing import Iterable, Sequence
 
 from batchline.contract.keys import OVER_SHARE
 from batchline.planning.cost import Cost
+from batchline.planning.rule import BatchingRule
 
 # The scheduling policies (SchedulerSettings.policy), as load views name them.
 DEADLINE_AWARE = "deadline"  # batches cut and requests shed by deadline; admission control on
@@ -50,8 +51,8 @@ class Pending:
     enqueued: float      # seconds, same clock; a batch cannot take a request before it is queued
     member: bytes = b""  # opaque to planning: the queue member to move
     length: int = 1      # elements per row at the model's variable dims (batchline.sizing)
-    # False: arriving, not in Redis yet. It cannot join a batch that leaves less than the play's
-    # join_lead after it arrives (at `enqueued`), unless it would be alone in it.
+    # False: arriving, not in Redis yet. It cannot join a batch that leaves less than the rule's
+    # join_lead (BatchingRule) after it arrives (at `enqueued`), unless it would be alone in it.
     queued: bool = True
 
     @property
@@ -84,35 +85,34 @@ class Formed:
         return len(self.send) + len(self.late)
 
 
-def form_batch(
-    queue: Sequence[Pending], start: float, max_batch_size: int, preferred_batch_sizes: Sequence[int], cost: Cost,
-    *, at: int = 0, deadline_aware: bool = True, join_lead: float = 0.0, over_share_rows: int = 0,
-    length_aware: bool = False,
-) -> Formed:
-    """The batch that starts at `start` with `queue[at]` (the rule in the module's docstring).
+def form_batch(queue: Sequence[Pending], start: float, rule: BatchingRule, cost: Cost, at: int = 0) -> Formed:
+    """The batch that starts at `start` with `queue[at]` (the rule in the module's docstring), by
+    the model's settings in `rule`.
 
     max_batch_size 0: the model has no batch dim, a batch is one request. A batch takes no request
-    queued after it starts, nor one still arriving (`queued` False) less than `join_lead` before.
-    Without `deadline_aware` (the FIFO policy) deadlines cut nothing. `over_share_rows` (0: none)
-    caps a batch whose head is queued at an over-share level (batchline.contract.OVER_SHARE).
-    With `length_aware`, the members need not be the head's prefix (`_by_length`).
+    queued after it starts, nor one still arriving (`queued` False) less than the rule's
+    `join_lead` before. Without `deadline_aware` (the FIFO policy) deadlines cut nothing.
+    `over_share_rows` (0: none) caps a batch whose head is queued at an over-share level
+    (batchline.contract.OVER_SHARE). With `length_aware`, the members need not be the head's
+    prefix (`_by_length`).
     """
-    cap = max_batch_size if max_batch_size > 0 else None
-    if cap is not None and over_share_rows and queue[at].priority > OVER_SHARE:
-        cap = min(cap, over_share_rows)
-    if length_aware and cap is not None:
-        window, members = _by_length(queue, at, cap, start, join_lead, cost)
+    cap = rule.max_batch_size if rule.max_batch_size > 0 else None
+    if cap is not None and rule.over_share_rows and queue[at].priority > OVER_SHARE:
+        cap = min(cap, rule.over_share_rows)
+    if rule.length_aware and cap is not None:
+        window, members = _by_length(queue, at, cap, start, rule.join_lead, cost)
         rows, longest, earliest = _measure(members)
     else:
-        window, rows, longest, earliest = _take(queue, at, cap, start, join_lead)
+        window, rows, longest, earliest = _take(queue, at, cap, start, rule.join_lead)
         members = window
     preferred = False
-    if preferred_batch_sizes and rows not in preferred_batch_sizes and (cap is None or rows < cap):
-        cut = _preferred_prefix(members, preferred_batch_sizes)
+    preferred_sizes = rule.preferred_batch_sizes
+    if preferred_sizes and rows not in preferred_sizes and (cap is None or rows < cap):
+        cut = _preferred_prefix(members, preferred_sizes)
         if cut:
             members, preferred = members[:cut], True
             rows, longest, earliest = _measure(members)
-    if deadline_aware and start + cost.predict(rows * longest) > earliest:
+    if rule.deadline_aware and start + cost.predict(rows * longest) > earliest:
         send, late = _most_on_time(members, start, cost)
         return Formed(send, late, len(window), preferred, len(send) < len(members), units(send))
     return Formed(members, [], len(window), preferred, False, rows * longest)
@@ -196,7 +196,8 @@ def _by_length(queue: Sequence[Pending], at: int, cap: int, start: float,
 
 
 def _prefix(window: Sequence[Pending], cap: int) -> list[Pending]:
-    members, rows = [], 0
+    members: list[Pending] = []
+    rows = 0
     for p in window:
         if members and rows + p.rows > cap:
             break
@@ -272,11 +273,10 @@ class Played:
 
 
 def play(
-    queue: Sequence[Pending], free: Sequence[float], max_batch_size: int, preferred_batch_sizes: Sequence[int],
-    cost: Cost, join_lead: float = 0.0, unplanned_from: int | None = None, now: float = float("-inf"),
-    over_share_rows: int = 0, length_aware: bool = False,
+    queue: Sequence[Pending], free: Sequence[float], rule: BatchingRule, cost: Cost,
+    unplanned_from: int | None = None, now: float = float("-inf"),
 ) -> Played:
-    """Serve `queue` (in service order) by `form_batch`, each batch on the executor free first.
+    """Serve `queue` (in service order) by `form_batch` with `rule`, each batch on the executor free first.
 
     `free[i]`: when executor i can start its next batch (at least one executor). A batch starts
     then, or once its first request is queued if that is later. Requests from index
@@ -294,8 +294,7 @@ def play(
         start = max(free[e], rest[i].enqueued)
         if id(rest[i]) in unplanned and start < now:
             start = now
-        formed = form_batch(rest, start, max_batch_size, preferred_batch_sizes, cost, at=i, join_lead=join_lead,
-                            over_share_rows=over_share_rows, length_aware=length_aware)
+        formed = form_batch(rest, start, rule, cost, i)
         if resume is None and i + formed.window >= len(rest):
             resume = (tuple(rest[i:]), tuple(free))
         shed.extend(formed.late)
@@ -303,7 +302,7 @@ def play(
             finish = start + cost.predict(formed.units)
             batches.append(SimulatedBatch(tuple(formed.send), e, start, finish))
             free[e] = finish
-        if not length_aware or _is_prefix(rest, i, formed):
+        if not rule.length_aware or _is_prefix(rest, i, formed):
             i += formed.taken
         else:
             gone = {id(p) for p in formed.send} | {id(p) for p in formed.late}

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from batchline.planning.cost import Cost
+from batchline.planning.rule import BatchingRule
 from batchline.planning.simulation import Pending, Played, play
 from batchline.protocol import internal_pb2 as pb
 
@@ -19,16 +20,13 @@ from batchline.protocol import internal_pb2 as pb
 _QUEUED = float("-inf")
 
 
-def queue_tail(
-    level: int, queue: Sequence[Pending], free: Sequence[float], max_batch_size: int,
-    preferred_batch_sizes: Sequence[int], cost: Cost, over_share_rows: int = 0, length_aware: bool = False,
-) -> pb.QueueTail:
+def queue_tail(level: int, queue: Sequence[Pending], free: Sequence[float], rule: BatchingRule,
+               cost: Cost) -> pb.QueueTail:
     """The view of priority `level`: `queue` holds what is queued at that level or higher, in
     service order; `free` when each executor holding the model is free (none: the view says so)."""
     if not free:
         return pb.QueueTail(level=level)
-    played = play(queue, free, max_batch_size, preferred_batch_sizes, cost, over_share_rows=over_share_rows,
-                  length_aware=length_aware)
+    played = play(queue, free, rule, cost)
     return pb.QueueTail(
         level=level, free_s=played.resume_free,
         items=[pb.QueueTail.Item(rows=p.rows, length=p.length, deadline_s=p.deadline, priority=p.priority)
@@ -36,32 +34,25 @@ def queue_tail(
     )
 
 
-def queue_tails(
-    queue: Sequence[Pending], free: Sequence[float], max_batch_size: int, preferred_batch_sizes: Sequence[int],
-    cost: Cost, over_share_rows: int = 0, length_aware: bool = False,
-) -> list[pb.QueueTail]:
+def queue_tails(queue: Sequence[Pending], free: Sequence[float], rule: BatchingRule,
+                cost: Cost) -> list[pb.QueueTail]:
     """A model's views: level 1 and each lower level with requests queued (a level without any has
     the play of the level above). `queue` in service order, priority-major."""
     levels = sorted({1, *(p.priority for p in queue)})
-    return [queue_tail(level, [p for p in queue if p.priority <= level], free, max_batch_size,
-                       preferred_batch_sizes, cost, over_share_rows, length_aware) for level in levels]
+    return [queue_tail(level, [p for p in queue if p.priority <= level], free, rule, cost) for level in levels]
 
 
-def resume(
-    tail: pb.QueueTail, since: Sequence[Pending], arrival: Pending, max_batch_size: int,
-    preferred_batch_sizes: Sequence[int], cost: Cost, join_lead: float, over_share_rows: int = 0,
-    length_aware: bool = False,
-) -> Played:
+def resume(tail: pb.QueueTail, since: Sequence[Pending], arrival: Pending, rule: BatchingRule,
+           cost: Cost) -> Played:
     """The play of `tail` with `since` queued behind what it holds and then `arrival` (`queued`
-    False), which arrives at its `enqueued` and joins no batch leaving less than `join_lead` later.
+    False), which arrives at its `enqueued` and joins no batch leaving less than the rule's
+    `join_lead` later.
 
     `since` are queued already but not in the view: the scheduler has not planned them, and
     starts no batch they lead before the arrival.
     """
     queue = _queued(tail)
-    return play([*queue, *since, arrival], tail.free_s, max_batch_size, preferred_batch_sizes, cost, join_lead,
-                unplanned_from=len(queue), now=arrival.enqueued, over_share_rows=over_share_rows,
-                length_aware=length_aware)
+    return play([*queue, *since, arrival], tail.free_s, rule, cost, unplanned_from=len(queue), now=arrival.enqueued)
 
 
 # The requests of the views last resumed, by the view: a gateway resumes one view for every
