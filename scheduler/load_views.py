@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from batchline import contract
+from batchline.contract.keys import ModelKey
+from batchline.contract.scheduler_store import StepWrites
 from batchline.planning import BatchCost, Pending, queue_tails
 from batchline.protocol import internal_pb2 as pb
 
@@ -21,7 +22,6 @@ PUBLISH_EVERY_S = 0.02
 # sends nothing): its own count of what it admitted is over long before.
 SEEN_KEEP_S = 60.0
 
-ModelKey = tuple[str, str]
 
 
 def pending_by_level(scanned: list[int], depth: int) -> Counter:
@@ -51,10 +51,10 @@ class LoadViews:
     def due(self, key: ModelKey, now: float, changed: bool) -> bool:
         return changed or now - self.published_at.get(key, 0.0) >= PUBLISH_EVERY_S
 
-    def publish(self, pipe, key: ModelKey, info: pb.ModelInfo, idle_at: list[float], cost: BatchCost,
+    def publish(self, writes: StepWrites, key: ModelKey, info: pb.ModelInfo, idle_at: list[float], cost: BatchCost,
                 queue: list[Pending], now: float, scanned_at: float, over_share_rows: int = 0,
                 length_aware: bool = False) -> None:
-        """Queue on `pipe` the view of `queue` (what is left queued after the step), with the model's
+        """Queue on `writes` the view of `queue` (what is left queued after the step), with the model's
         holders free at `idle_at`; `scanned_at`, when the step began reading the queues, dates it."""
         self.published_at[key] = now
         seen = self.seen.setdefault(key, {})
@@ -74,4 +74,4 @@ class LoadViews:
                               over_share_rows, length_aware),
             seen_us=seen, over_share_rows=over_share_rows, length_aware=length_aware,
         )
-        pipe.set(contract.load(*key), load.SerializeToString(), px=contract.LOAD_TTL_MS)
+        writes.publish_load(key, load.SerializeToString())
