@@ -4,7 +4,6 @@ paths are tested end to end elsewhere (test_scheduler_service.py, test_e2e.py)."
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import numpy as np
@@ -122,11 +121,9 @@ def test_the_batch_path_answers_a_member_whose_deadline_passed_without_running_i
     state.payloads[(MLP, "late")] = _request(1).SerializeToString()
     batch = pb.Batch(batch_id="b2", model_name="mlp", model_version="1", members=[late], executor_id="x1",
                      dispatched_us=now_us(), attempt=1)
-    started = time.monotonic()
 
     asyncio.run(_executor(mlp, state).process(batch))
 
     (reply,) = [pb.Reply.FromString(r) for r in state.replies["gw"]]
     assert reply.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] and "was not run" in reply.message
     assert state.stats[MLP]["fail_count"] == 1 and state.stats[MLP]["success_count"] == 0
-    assert time.monotonic() - started < 5
