@@ -144,7 +144,8 @@ class LiveRepository:
             await self.sync(name)
 
     async def follow_calls(self) -> None:
-        for name, (action, seq) in sorted((await self.app.executor.store.control_calls()).items(), key=lambda kv: kv[1][1]):
+        calls = await self.app.executor.store.control_calls()
+        for name, (action, seq) in sorted(calls.items(), key=lambda kv: kv[1][1]):
             if seq <= self.applied.get(name, 0):
                 continue
             if self.settings.models and name not in self.settings.models:

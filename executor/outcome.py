@@ -6,15 +6,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, Sequence
 
 from batchline import contract, metrics
 from batchline.contract import FinishedBatch
 from batchline.contract.executor_store import ExecutorStore
 from batchline.clock import now_us
-from batchline.errors import BatchlineError
 from batchline.protocol import internal_pb2 as pb
 from executor.repository import LoadedModel
+from executor.running import Member
 
 # A new Redis primary (a Sentinel failover) may lack the last writes the old one acknowledged:
 # replication is asynchronous, so only the final moments before the old primary died are at
@@ -55,12 +55,6 @@ class Written:
         for done in lost:
             await store.batch_done(done)
         return len(lost)
-
-
-class Member(Protocol):
-    entry: pb.QueueEntry
-    outputs: object | None
-    error: BatchlineError | None
 
 
 @dataclass(slots=True)

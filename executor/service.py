@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from typing import Callable
 
 from batchline.contract.keys import ModelKey
@@ -19,10 +20,7 @@ from batchline import logs, metrics, telemetry, tracecontext
 from batchline.contract.executor_store import ExecutorStore
 from batchline.clock import now_us
 from batchline.lifecycle import stop_tasks
-from batchline.codec import decode_inputs, onnx_strings
-from batchline.errors import BatchlineError, DeadlineExceeded, Internal, Unavailable
 from batchline.heartbeats import HeartbeatTrust
-from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, connect, connect_blocking
 from executor import outcome, running
@@ -267,8 +265,15 @@ class Executor:
             await self._run_batch(batch, model, provider, True)
 
     async def _run_batch(self, batch: pb.Batch, model: LoadedModel | None, provider: str, traced: bool) -> None:
-        start_us = now_us()
-        t0 = time.perf_counter_ns()
+        """A batch in three phases: take and decode its members, run them, answer them."""
+        taken = await self._take(batch, model, traced)
+        ran = await self._run(batch, model, taken, traced)
+        await self._answer(batch, model, provider, taken, ran, traced)
+
+    async def _take(self, batch: pb.Batch, model: LoadedModel | None, traced: bool) -> Taken:
+        """The members still awaited (payload there, gateway alive), decoded; one that cannot be
+        is answered alone."""
+        start_us, t0 = now_us(), time.perf_counter_ns()
         gateways = sorted({m.gateway_id for m in batch.members})
         with _phase("fetch", traced):
             async with metrics.redis_rtt("executor", "fetch"):
@@ -276,69 +281,73 @@ class Executor:
                                                          [m.request_id for m in batch.members], gateways)
         alive = dict(zip(gateways, beats))
         heartbeats_tell = self.heartbeats.heartbeats_tell()
-        members: list[Member] = []
-        for entry, blob in zip(batch.members, payloads):
-            if blob is None or (alive[entry.gateway_id] is None and heartbeats_tell):
-                continue  # answered, abandoned, or its gateway died: nobody is waiting
-            m = Member(entry)
-            members.append(m)
-            if model is None:
-                # The scheduler's registry was behind this executor's (e.g. a reload): not the client's fault.
-                m.error = Unavailable(f"executor {self.executor_id} no longer serves model '{batch.model_name}' version "
-                                      f"'{batch.model_version}': retry")
-                continue
-            try:
-                m.request = ipb.ModelInferRequest.FromString(blob)
-                m.inputs = decode_inputs(m.request)
-                for name in model.string_inputs:
-                    m.inputs[name] = onnx_strings(m.inputs[name], name)
-            except BatchlineError as exc:
-                m.error = exc
-            except Exception as exc:  # noqa: BLE001 - a corrupt payload fails alone
-                # The gateway validated it before queueing: what fails here is on the server's side.
-                m.error = Internal(f"the request's payload could not be decoded on executor {self.executor_id} ({exc})")
-        runnable = [m for m in members if m.error is None]
+        members = [running.decoded(entry, blob, model, batch, self.executor_id)
+                   for entry, blob in zip(batch.members, payloads)
+                   # answered, abandoned, or its gateway died: nobody is waiting
+                   if blob is not None and (alive[entry.gateway_id] is not None or not heartbeats_tell)]
+        return Taken(members, start_us, t0, time.perf_counter_ns())
+
+    async def _run(self, batch: pb.Batch, model: LoadedModel | None, taken: Taken, traced: bool) -> Ran:
+        """Run the runnable members, one batch at a time per executor id; a member whose deadline
+        passed while it waited for the model is answered without running."""
+        runnable = [m for m in taken.members if m.error is None]
+        if not runnable or model is None:
+            return Ran(taken.decoded_ns, taken.decoded_ns)
         units = 0
-        t1 = t_run = t2 = time.perf_counter_ns()
-        if runnable:
-            async with self._compute:
-                # Waiting for the other batch's run is not this batch's cost.
-                t_run = time.perf_counter_ns()
-                # A member whose deadline passed while it waited (the batch ahead ran long) is
-                # answered now rather than run for nobody: its gateway gives up at the deadline.
-                now = now_us()
-                for m in runnable:
-                    if 0 < m.entry.deadline_us < now:
-                        m.error = DeadlineExceeded(
-                            f"deadline exceeded: it had to be run within {(m.entry.deadline_us - m.entry.enqueued_us) / 1e3:.1f} ms "
-                            f"of arriving (its budget less the gateway's answer margin), and that passed while it waited for "
-                            f"model '{batch.model_name}' on executor {self.executor_id} (it was not run; "
-                            "retry with a larger timeout or less load)")
-                runnable = [m for m in runnable if m.error is None]
-                if runnable:
-                    with _phase("infer", traced):
-                        units = await running.run(model, runnable)
-                    if units:
-                        real = sum(m.entry.rows * max(1, m.entry.length) for m in runnable)
-                        efficiency = min(1.0, real / units)
-                        metrics.PADDING_EFFICIENCY.labels(model.name, model.version).observe(efficiency)
-                        if traced:
-                            telemetry.current_span().set_attribute("batchline.padding_efficiency", efficiency)
-            t2 = time.perf_counter_ns()
-        ran_until_us = start_us + (t2 - t0) // 1000 if t2 > t1 else 0
+        async with self._compute:
+            # Waiting for the other batch's run is not this batch's cost.
+            held_ns = time.perf_counter_ns()
+            # Its gateway gives up at the deadline: running it would be for nobody.
+            runnable = running.expire_late(runnable, now_us(), batch.model_name, self.executor_id)
+            if runnable:
+                with _phase("infer", traced):
+                    units = await running.run(model, runnable)
+                if units:
+                    real = sum(m.entry.rows * max(1, m.entry.length) for m in runnable)
+                    efficiency = min(1.0, real / units)
+                    metrics.PADDING_EFFICIENCY.labels(model.name, model.version).observe(efficiency)
+                    if traced:
+                        telemetry.current_span().set_attribute("batchline.padding_efficiency", efficiency)
+        return Ran(held_ns, time.perf_counter_ns(), units)
+
+    async def _answer(self, batch: pb.Batch, model: LoadedModel | None, provider: str, taken: Taken, ran: Ran,
+                      traced: bool) -> None:
+        """Encode each member's reply and write the finished batch in one command."""
+        ran_anything = ran.ended_ns > taken.decoded_ns
+        ran_until_us = taken.start_us + (ran.ended_ns - taken.started_ns) // 1000 if ran_anything else 0
         replies: dict[str, list[bytes]] = defaultdict(list)
-        for m in members:
+        for m in taken.members:
             r = running.reply(model, m)
             if r.code == 0:
                 r.ran_until_us = ran_until_us
             replies[m.entry.gateway_id].append(r.SerializeToString())
-        t3 = time.perf_counter_ns()
-        timing = Timing(start_us, t1 - t0, t2 - t_run, t3 - t2, ran_until_us, units)
+        encoded_ns = time.perf_counter_ns()
+        timing = Timing(taken.start_us, taken.decoded_ns - taken.started_ns, ran.ended_ns - ran.held_ns,
+                        encoded_ns - ran.ended_ns, ran_until_us, ran.units)
         with _phase("write", traced):
-            await outcome.write(self.store, self.executor_id, batch, model, members, replies, timing, self.written)
+            await outcome.write(self.store, self.executor_id, batch, model, taken.members, replies, timing,
+                                self.written)
         if traced:
             rows = sum(m.rows for m in batch.members)
             for e in batch.members:
-                telemetry.record_span(_tracer, "execute", start_us, now_us(), context=telemetry.extract(e.traceparent, e.tracestate),
+                telemetry.record_span(_tracer, "execute", taken.start_us, now_us(),
+                                      context=telemetry.extract(e.traceparent, e.tracestate),
                                       attributes={"batchline.batch_id": batch.batch_id, "batchline.batch_size": rows,
                                                   "batchline.executor_id": self.executor_id, "batchline.provider": provider})
+
+
+@dataclass(slots=True)
+class Taken:
+    """A batch's members once fetched and decoded, and when (perf_counter ns) that began and ended."""
+    members: list[Member]
+    start_us: int    # when the executor took the batch (epoch µs)
+    started_ns: int
+    decoded_ns: int
+
+
+@dataclass(slots=True)
+class Ran:
+    """When the batch held the model and when its runs ended (perf_counter ns; equal: nothing ran)."""
+    held_ns: int
+    ended_ns: int
+    units: int = 0   # the work run, in the latency profile's units

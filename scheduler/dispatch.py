@@ -34,7 +34,8 @@ class Sent:
     span: Any  # the batch's span (tracing on), ended once the dispatch is written
 
 
-def send(writes: StepWrites, key: ModelKey, executor_id: str, planned: PlannedBatch, entries: list[pb.QueueEntry]) -> Sent:
+def send(writes: StepWrites, key: ModelKey, executor_id: str, planned: PlannedBatch,
+         entries: list[pb.QueueEntry]) -> Sent:
     """Queue on `writes` the dispatch of `planned` (its members' queue `entries`) to `executor_id`."""
     batch_id = uuid.uuid4().hex
     dispatched_us = now_us()

@@ -147,7 +147,8 @@ def test_batch_done_script_writes_a_batch_of_thousands():
             r.sadd(contract.inflight(("m", "1"), "e1"), "b1")
             replies = [f"r{i}".encode() for i in range(n)]
             report = pb.ExecutionReport(executor_id="e1", batch_id="b1")
-            contract.batch_done(r, contract.FinishedBatch(batch, report, {"g1": replies}, ["success_count", n, "execution_count", 1], 1234))
+            stats = ["success_count", n, "execution_count", 1]
+            contract.batch_done(r, contract.FinishedBatch(batch, report, {"g1": replies}, stats, 1234))
             assert r.lrange(contract.reply("g1"), 0, -1) == replies
             assert 0 < r.ttl(contract.reply("g1")) <= contract.REPLY_TTL
             assert r.exists(*payloads, contract.batch(("m", "1"), "b1")) == 0
