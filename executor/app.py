@@ -6,8 +6,8 @@ import logging
 import time
 import uuid
 
-from batchline.contract.keys import ModelKey
 from batchline import metrics
+from batchline.contract.keys import ModelKey
 from batchline.lifecycle import stop_tasks
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import internal_pb2, internal_pb2_grpc

@@ -15,8 +15,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from batchline.contract.keys import ModelKey
 from batchline import logs, metrics, telemetry, tracecontext
+from batchline.contract.keys import ModelKey
 from batchline.contract.executor_store import ExecutorStore
 from batchline.clock import now_us
 from batchline.lifecycle import stop_tasks

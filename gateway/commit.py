@@ -12,8 +12,8 @@ from typing import Callable
 
 from batchline.contract.gateway_store import GatewayStore
 
-from batchline.contract.keys import ModelKey
 from batchline import contract, metrics
+from batchline.contract.keys import ModelKey
 from batchline.clock import now_us
 from batchline.errors import BatchlineError, Internal, ResourceExhausted, Unavailable
 from batchline.redis_client import REDIS_ERRORS, REDIS_REFUSALS

@@ -14,9 +14,9 @@ import time
 import uuid
 from dataclasses import replace
 
+from batchline import contract, logs, metrics, telemetry, tracecontext
 from batchline.contract.keys import ModelKey
 from batchline.contract.gateway_store import GatewayStore
-from batchline import contract, logs, metrics, telemetry, tracecontext
 from batchline.clock import now_us
 from batchline.errors import DeadlineExceeded, ResourceExhausted, Unavailable, duration_text, from_status_value
 from batchline.lifecycle import stop_tasks

@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from batchline.contract.keys import ModelKey
 from batchline.contract import MAX_PRIORITY_LEVELS, OVER_SHARE
+from batchline.contract.keys import ModelKey
 
 WINDOW_S = 1.0  # the time constant of the decaying counts
 # A tenant that offered nothing for this long is no longer sharing: the others' shares follow

@@ -6,8 +6,8 @@ import logging
 
 from batchline.contract.gateway_store import GatewayStore
 
-from batchline.contract.keys import ModelKey
 from batchline import contract
+from batchline.contract.keys import ModelKey
 from batchline.errors import BatchlineError
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S

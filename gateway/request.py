@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchline.contract.keys import ModelKey
 from batchline import contract, telemetry, tracecontext
+from batchline.contract.keys import ModelKey
 from batchline.errors import DeadlineExceeded, duration_text
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb

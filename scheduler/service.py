@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # After a step that failed for a reason other than Redis, the next one begins this much later.
 FAILED_STEP_RETRY_S = 0.1
 
+
 class Scheduler:
     def __init__(self, settings: SchedulerSettings, store: SchedulerStore | None = None):
         self.settings = settings
