@@ -11,7 +11,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from batchline import metrics, ports, undecodable
-from batchline.contract import on_cluster
 from batchline.protocol._pool import POOL
 from batchline.redis_client import REDIS_ERRORS
 
@@ -57,7 +56,7 @@ class ServerHandle:
 
     async def watch_redis(
         self,
-        redis,
+        store,
         interval: float = 0.5,
         on_change: Callable[[bool], None] | None = None,
         on_restart: Callable[[], None] | None = None,
@@ -76,7 +75,7 @@ class ServerHandle:
         seen: set[str | None] = set()
         while True:
             try:
-                current = await _run_id(redis)
+                current = await store.run_id()
                 now_up = True
                 if run_id is not None and current not in seen:
                     log.warning("Redis answers from a new primary (run_id %s -> %s): a failover or a restart",
@@ -149,12 +148,3 @@ async def start_server(
     await handle.set_serving(False)
     await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     return handle
-
-
-async def _run_id(redis) -> str | None:
-    """The serving Redis's run id; on a cluster every primary's, joined: it changes when a shard's
-    primary is replaced (its replica promoted) as when a lone Redis restarts."""
-    if on_cluster(redis):
-        infos = await redis.info("server", target_nodes=redis.PRIMARIES)
-        return ",".join(sorted(str(info.get("run_id")) for info in infos.values()))
-    return (await redis.info("server")).get("run_id")

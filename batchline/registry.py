@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
-
-from batchline import contract
+from batchline.contract.keys import ModelKey
+from batchline.contract.store import Store
 from batchline.errors import NotFound
 from batchline.protocol import internal_pb2 as pb
 
@@ -23,9 +22,9 @@ def _version_key(version: str) -> tuple[int, str]:
 class Registry:
     executors: dict[str, pb.ExecutorInfo] = field(default_factory=dict)
     # Every version some executor advertises, serving or being released (its queue is still served).
-    models: dict[tuple[str, str], pb.ModelInfo] = field(default_factory=dict)
-    holders: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # executors serving it
-    leaving: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # executors releasing it
+    models: dict[ModelKey, pb.ModelInfo] = field(default_factory=dict)
+    holders: dict[ModelKey, list[str]] = field(default_factory=dict)  # executors serving it
+    leaving: dict[ModelKey, list[str]] = field(default_factory=dict)  # executors releasing it
     # Registered but without a live heartbeat: dead, or stopped. The
     # scheduler hands their batches back and then forgets them.
     stale: list[str] = field(default_factory=list)
@@ -34,13 +33,10 @@ class Registry:
     _versions: dict[str, list[str]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    async def load(cls, redis: aioredis.Redis) -> "Registry":
-        ids = sorted(m.decode() for m in await redis.smembers(contract.EXECUTORS))
+    async def load(cls, store: Store) -> "Registry":
+        """The registry as `store` reads it (any role's store)."""
         reg = cls()
-        if not ids:
-            return reg
-        blobs = await redis.mget([contract.executor(i) for i in ids])
-        for eid, blob in zip(ids, blobs):
+        for eid, blob in await store.registrations():
             if blob is None:
                 reg.stale.append(eid)
                 continue
@@ -74,7 +70,7 @@ class Registry:
         """The model repository as the executors see it: per model and version, the best state any
         executor has it in (READY, LOADING, UNLOADING, UNAVAILABLE with a reason, never loaded)."""
         rank = {"READY": 0, "LOADING": 1, "UNLOADING": 2, "UNAVAILABLE": 3, "": 4}
-        best: dict[tuple[str, str], pb.RepositoryEntry] = {}
+        best: dict[ModelKey, pb.RepositoryEntry] = {}
         for info in self.executors.values():
             for e in info.repository:
                 seen = best.get((e.name, e.version))

@@ -15,19 +15,19 @@ import time
 import redis
 from redis.exceptions import RedisClusterException
 
-from batchline import contract
+from batchline.contract.admin_store import AdminStore
+from batchline.contract.keys import ModelKey
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import connect_sync, mask
 
 
-def gather(client: redis.Redis) -> dict:
+def gather(store: AdminStore) -> dict:
     """What `batchline status` shows, as plain data."""
     now = time.time()
-    leader = client.get(contract.LEADER)
     executors = []
-    models: set[tuple[str, str]] = set()
-    for eid in sorted(e.decode() for e in client.smembers(contract.EXECUTORS)):
-        blob = client.get(contract.executor(eid))
+    models: set[ModelKey] = set()
+    for eid in store.executor_ids():
+        blob = store.registration(eid)
         if blob is None:
             continue  # its heartbeat lapsed: the scheduler hands its batches back
         info = pb.ExecutorInfo.FromString(blob)
@@ -41,40 +41,18 @@ def gather(client: redis.Redis) -> dict:
         })
         models.update((m.name, m.version) for m in info.models)
     gateways = []
-    for gid, expires_ms in client.zrange(contract.GATEWAYS, 0, -1, withscores=True):
-        gid = gid.decode()
-        address = client.get(contract.gateway(gid))
+    for gid, expires_ms in store.gateways():
+        address = store.gateway_address(gid)
         if address is not None:
-            gateways.append({"id": gid, "address": address.decode(),
+            gateways.append({"id": gid, "address": address,
                              "heartbeat_expires_in_s": round(max(0.0, expires_ms / 1000 - now), 3)})
-    queues = [{"model": name, "version": version, **_depths(client, contract.queue(name, version)),
-               "served": (name, version) in models}
-              for name, version in sorted(models | _queued_models(client))]
-    return {"leader": leader.decode() if leader else None, "executors": executors, "gateways": gateways,
-            "queues": queues}
-
-
-def _queued_models(client: redis.Redis) -> set[tuple[str, str]]:
-    """The models whose queues hold requests, served or not (Redis drops an empty sorted set).
-    A cluster client scans every primary."""
-    prefix = contract.queue("*", "*").removesuffix(contract.model_tag("*", "*"))
-    return {contract.parse_model_tag(key.decode()[len(prefix):])
-            for key in client.scan_iter(match=contract.queue("*", "*"), count=1000)}
-
-
-def _depths(client: redis.Redis, key: str) -> dict:
-    depth = client.zcard(key)
-    by_level = {}
-    if depth:
-        # The levels in use lie between the first entry's and the last's (the queue is priority-major).
-        first, last = (client.zrange(key, i, i, withscores=True) for i in (0, -1))
-        if first and last:  # else it emptied since the ZCARD
-            levels = range(contract.priority_of(first[0][1]), contract.priority_of(last[0][1]) + 1)
-            with client.pipeline(transaction=False) as pipe:
-                for level in levels:
-                    pipe.zcount(key, *contract.priority_scores(level))
-                by_level = {str(level): n for level, n in zip(levels, pipe.execute()) if n}
-    return {"depth": depth, "by_priority": by_level}
+    queues = []
+    for name, version in sorted(models | store.queued_models()):
+        depth, by_level = store.depths((name, version))
+        queues.append({"model": name, "version": version, "depth": depth,
+                       "by_priority": {str(level): n for level, n in by_level.items()},
+                       "served": (name, version) in models})
+    return {"leader": store.leader(), "executors": executors, "gateways": gateways, "queues": queues}
 
 
 def render(status: dict) -> str:
@@ -104,11 +82,11 @@ def render(status: dict) -> str:
 
 def main(redis_url: str, as_json: bool) -> int:
     try:
-        client = connect_sync(redis_url, 5)  # a cluster's client connects here already
+        store = AdminStore(connect_sync(redis_url, 5))  # a cluster's client connects here already
         try:
-            status = gather(client)
+            status = gather(store)
         finally:
-            client.close()
+            store.close()
     except ValueError as exc:  # a malformed URL
         return _fail(f"batchline status: {exc}")
     except (redis.RedisError, RedisClusterException) as exc:

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict
 
 import _common
-from batchline import contract
+from batchline.contract.admin_store import AdminStore
 from batchline.mesh import Mesh, executors_up
 from batchline.redis_client import connect_sync
 
@@ -153,7 +153,7 @@ class GrowingMesh:
     def __enter__(self) -> "GrowingMesh":
         with pinned(self.cores):
             self.addresses.append(self.mesh.start())
-        self.redis = connect_sync(self.mesh.redis_url, 2)
+        self.store = AdminStore(connect_sync(self.mesh.redis_url, 2))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -166,7 +166,7 @@ class GrowingMesh:
             with pinned(self.cores):
                 self.mesh.supervisor.spawn(gid, "gateway", "--port", "0", "--model-control-mode", "none",
                                            "--gateway-id", gid, "--metrics-port", "-1")
-            self.addresses.append(self.mesh._wait_ready(self.redis, gateway=gid))
+            self.addresses.append(self.mesh._wait_ready(self.store, gateway=gid))
         return self.addresses[:n]
 
     def add_executor(self, timeout: float = 180.0) -> None:
@@ -178,8 +178,7 @@ class GrowingMesh:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.mesh.supervise()
-            live = [e.decode() for e in self.redis.smembers(contract.EXECUTORS)
-                    if self.redis.exists(contract.executor(e.decode()))]
+            live = self.store.live_executors()
             if executors_up(live, self.executors):
                 return
             time.sleep(0.2)
@@ -190,4 +189,4 @@ class GrowingMesh:
         from batchline.status import gather
 
         return {e["id"]: {f"{m['name']}:{m['version']}": m["provider"] for m in e["models"]}
-                for e in gather(self.redis)["executors"]}
+                for e in gather(self.store)["executors"]}

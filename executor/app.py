@@ -7,6 +7,7 @@ import time
 import uuid
 
 from batchline import metrics
+from batchline.contract.keys import ModelKey
 from batchline.lifecycle import stop_tasks
 from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import internal_pb2, internal_pb2_grpc
@@ -83,7 +84,7 @@ class ExecutorApp:
         for lane in self.lanes:
             await lane.start(self._address)
         self._health = asyncio.create_task(self.server.watch_redis(
-            self.executor.redis, on_change=self._redis_trouble, on_restart=self._new_primary))
+            self.executor.store, on_change=self._redis_trouble, on_restart=self._new_primary))
         self._follow = asyncio.create_task(self.repository.run(), name="repository")
         return self
 
@@ -103,7 +104,7 @@ class ExecutorApp:
         the old one but not replicated), so that their requests are answered instead of waiting."""
         for _ in range(REWRITE_ATTEMPTS):
             try:
-                n = sum([await lane.written.rewrite_lost(lane.redis) for lane in self.lanes])
+                n = sum([await lane.written.rewrite_lost(lane.store) for lane in self.lanes])
             except REDIS_ERRORS as exc:
                 log.warning("writing finished batches to the new Redis primary failed: %s", exc)
                 await asyncio.sleep(REWRITE_RETRY_S)
@@ -134,19 +135,19 @@ class ExecutorApp:
             elif key in lane.models:
                 self._drop(lane, key)
 
-    def mark_unloading(self, key: tuple[str, str], unloading: bool = True) -> None:
+    def mark_unloading(self, key: ModelKey, unloading: bool = True) -> None:
         for lane in self.lanes:
             if key in lane.models:
                 lane.models[key].info.unloading = unloading
 
-    def release(self, key: tuple[str, str]) -> None:
+    def release(self, key: ModelKey) -> None:
         _report_provider(None, key)
         for lane in self.lanes:
             if key in lane.models:
                 self._drop(lane, key)
 
     @staticmethod
-    def _drop(lane: Executor, key: tuple[str, str]) -> None:
+    def _drop(lane: Executor, key: ModelKey) -> None:
         del lane.models[key]
         lane.released[key] = time.monotonic()
 
@@ -172,10 +173,10 @@ class ExecutorApp:
 
 
 # The provider each placed version's gauge names, to clear it on release or replacement.
-_PROVIDERS: dict[tuple[str, str], str] = {}
+_PROVIDERS: dict[ModelKey, str] = {}
 
 
-def _report_provider(model: LoadedModel | None, key: tuple[str, str] | None = None) -> None:
+def _report_provider(model: LoadedModel | None, key: ModelKey | None = None) -> None:
     """The provider gauge of a version placed (`model`), or of one released (`key`)."""
     if model is not None:
         key = (model.name, model.version)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from batchline import contract
+from batchline.contract.executor_store import ExecutorStore
+from batchline.contract.keys import ModelKey
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, connect
 from batchline.registry import Registry
@@ -40,7 +42,6 @@ log = logging.getLogger(__name__)
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
 UNLOADED = "unloaded"  # the reason of a version released here (Triton's word)
 CONTROL_POLL_S = 0.25  # explicit mode: how often the repository calls are read; also the release check
-Key = tuple[str, str]
 
 
 @dataclass
@@ -58,7 +59,7 @@ class LiveRepository:
         self.settings = app.settings
         self.root = pathlib.Path(self.settings.model_repository)
         self.mode = self.settings.model_control_mode
-        self.slots: dict[Key, Slot] = {}
+        self.slots: dict[ModelKey, Slot] = {}
         self.notes: dict[str, str] = {}      # model -> why none of its versions serves ("unloaded", a config error)
         self.listed: set[str] = set()        # model directories of the repository at the last scan
         self.applied: dict[str, int] = {}    # model -> sequence number of the last repository call applied
@@ -94,11 +95,11 @@ class LiveRepository:
         if self.mode == "explicit":
             wanted = [n for n in s.load_model if not s.models or n in s.models]
             # Before the lanes (and their Redis clients) exist: a client of its own for this one read.
-            redis = connect(s.redis_url, s.redis_timeout_s)
+            store = ExecutorStore(connect(s.redis_url, s.redis_timeout_s))
             try:
-                calls = await self._calls(redis)
+                calls = await store.control_calls()
             finally:
-                await redis.aclose()
+                await store.aclose()
             for name, (action, seq) in calls.items():
                 self.applied[name] = seq
                 if action == "load" and name not in wanted:
@@ -143,7 +144,8 @@ class LiveRepository:
             await self.sync(name)
 
     async def follow_calls(self) -> None:
-        for name, (action, seq) in sorted((await self._calls()).items(), key=lambda kv: kv[1][1]):
+        calls = await self.app.executor.store.control_calls()
+        for name, (action, seq) in sorted(calls.items(), key=lambda kv: kv[1][1]):
             if seq <= self.applied.get(name, 0):
                 continue
             if self.settings.models and name not in self.settings.models:
@@ -203,16 +205,11 @@ class LiveRepository:
                     log.info("released %s version %s", *key)
                     await self.app.announce()
 
-    async def _may_release(self, key: Key) -> bool:
+    async def _may_release(self, key: ModelKey) -> bool:
         """Nothing of it is queued for this executor: its queue is empty or another executor serves it,
         and no batch of it waits here or runs (read in the order a request moves: queue, work list, run)."""
-        redis, lanes = self.app.executor.redis, self.app.lanes
-        rounds = contract.Rounds(redis, atomic=True)  # (keys of several slots: atomic on one Redis only)
-        pipe = rounds.next()
-        pipe.zcard(contract.queue(*key))
-        for lane in lanes:
-            pipe.lrange(contract.work(lane.executor_id), 0, -1)
-        depth, *works = await rounds.execute()
+        store, lanes = self.app.executor.store, self.app.lanes
+        depth, works = await store.queued_for(key, [lane.executor_id for lane in lanes])
         for blobs in works:
             for blob in blobs:
                 b = pb.Batch.FromString(blob)
@@ -223,7 +220,7 @@ class LiveRepository:
         if not depth:
             return True
         mine = {lane.executor_id for lane in lanes}
-        return any(e not in mine for e in (await Registry.load(redis)).holders.get(key, []))
+        return any(e not in mine for e in (await Registry.load(store)).holders.get(key, []))
 
     # -- loading ------------------------------------------------------------
 
@@ -278,9 +275,6 @@ class LiveRepository:
         if not any(n == name for n, _ in self.slots):
             self.notes[name] = reason
 
-    async def _calls(self, redis=None) -> dict[str, tuple[str, int]]:
-        raw = await (redis or self.app.executor.redis).hgetall(contract.CONTROL)
-        return {k.decode(): contract.parse_control(v) for k, v in raw.items()}
 
 
 def _load_error(exc: BaseException) -> str:

@@ -1,20 +1,20 @@
 """What an executor writes when a batch is done: the replies, the execution report for the
 scheduler, Triton's statistics counters and the Prometheus metrics, in one Redis command
-(contract.batch_done)."""
+(the store's batch_done)."""
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
-
-from redis.asyncio import Redis
+from typing import Mapping, Sequence
 
 from batchline import contract, metrics
+from batchline.contract import FinishedBatch
+from batchline.contract.executor_store import ExecutorStore
 from batchline.clock import now_us
-from batchline.errors import BatchlineError
 from batchline.protocol import internal_pb2 as pb
 from executor.repository import LoadedModel
+from executor.running import Member
 
 # A new Redis primary (a Sentinel failover) may lack the last writes the old one acknowledged:
 # replication is asynchronous, so only the final moments before the old primary died are at
@@ -29,42 +29,32 @@ class Written:
     """The writes of the last finished batches, kept so that a new primary can be given the ones it lacks."""
 
     def __init__(self) -> None:
-        self._recent: deque[tuple[float, int, tuple]] = deque()  # (when, reply bytes, batch_done's arguments)
+        self._recent: deque[tuple[float, int, FinishedBatch]] = deque()  # (when, reply bytes, the write)
         self._bytes = 0
 
-    def add(self, args: tuple) -> None:
-        size = sum(len(r) for replies in args[2].values() for r in replies)
-        self._recent.append((time.monotonic(), size, args))
+    def add(self, done: FinishedBatch) -> None:
+        size = done.reply_bytes
+        self._recent.append((time.monotonic(), size, done))
         self._bytes += size
         while len(self._recent) > REWRITE_KEEP or (self._bytes > REWRITE_KEEP_BYTES and len(self._recent) > 1):
             self._bytes -= self._recent.popleft()[1]
 
     def batches(self) -> list[pb.Batch]:
         """The batches kept, oldest first."""
-        return [args[0] for _, _, args in self._recent]
+        return [done.batch for _, _, done in self._recent]
 
-    async def rewrite_lost(self, redis: Redis) -> int:
+    async def rewrite_lost(self, store: ExecutorStore) -> int:
         """Write again each kept batch whose batch key Redis still holds: the batch's answers never
         reached this primary, and without them its requests would wait out their deadlines.
         Returns how many were written again."""
         since = time.monotonic() - REWRITE_WINDOW_S
-        kept = [args for at, _, args in self._recent if at >= since]
+        kept = [done for at, _, done in self._recent if at >= since]
         if not kept:
             return 0
-        async with redis.pipeline(transaction=False) as pipe:
-            for args in kept:
-                pipe.exists(contract.batch((args[0].model_name, args[0].model_version), args[0].batch_id))
-            held = await pipe.execute()
-        lost = [args for args, n in zip(kept, held) if n]
-        for args in lost:
-            await contract.batch_done(redis, *args)
+        lost = [done for done, held in zip(kept, await store.still_dispatched(kept)) if held]
+        for done in lost:
+            await store.batch_done(done)
         return len(lost)
-
-
-class Member(Protocol):
-    entry: pb.QueueEntry
-    outputs: object | None
-    error: BatchlineError | None
 
 
 @dataclass(slots=True)
@@ -77,7 +67,7 @@ class Timing:
     units: int = 0         # the work run, in the latency profile's units (batchline.sizing)
 
 
-async def write(redis: Redis, executor_id: str, batch: pb.Batch, model: LoadedModel | None,
+async def write(store: ExecutorStore, executor_id: str, batch: pb.Batch, model: LoadedModel | None,
                 members: Sequence[Member], replies: Mapping[str, Sequence[bytes]], timing: Timing,
                 written: Written | None = None) -> None:
     """Write a finished batch: `replies` per gateway id, for `members` (those still awaited); kept in
@@ -96,11 +86,11 @@ async def write(redis: Redis, executor_id: str, batch: pb.Batch, model: LoadedMo
     if len(ok) < len(members):
         failed = [m for m in members if m not in ok]
         stats += ("fail_count", len(failed), "fail_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in failed))
-    args = (batch, report, replies, stats, done_us // 1000 if succeeded else 0)
+    done = FinishedBatch(batch, report, replies, stats, done_us // 1000 if succeeded else 0)
     async with metrics.redis_rtt("executor", "write"):
-        await contract.batch_done(redis, *args)
+        await store.batch_done(done)
     if written is not None:
-        written.add(args)
+        written.add(done)
     metrics.EXECUTOR_BUSY.labels(executor_id).inc((now_us() - timing.start_us) / 1e6)
     if succeeded:
         labels = (model.name, model.version)

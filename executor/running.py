@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchline.codec import encode_array
-from batchline.errors import BatchlineError, Internal, InvalidArgument, status_value
+from batchline.codec import decode_inputs, encode_array, onnx_strings
+from batchline.errors import BatchlineError, DeadlineExceeded, Internal, InvalidArgument, Unavailable, status_value
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.sizing import row_length
@@ -28,6 +28,41 @@ class Member:
     inputs: dict[str, np.ndarray] | None = None
     outputs: dict[str, np.ndarray] | None = None
     error: BatchlineError | None = None
+
+
+def decoded(entry: pb.QueueEntry, blob: bytes, model: LoadedModel | None, batch: pb.Batch, executor_id: str) -> Member:
+    """A member from its queue entry and payload; with its error when it cannot be run."""
+    m = Member(entry)
+    if model is None:
+        # The scheduler's registry was behind this executor's (e.g. a reload): not the client's fault.
+        m.error = Unavailable(f"executor {executor_id} no longer serves model '{batch.model_name}' version "
+                              f"'{batch.model_version}': retry")
+        return m
+    try:
+        m.request = ipb.ModelInferRequest.FromString(blob)
+        m.inputs = decode_inputs(m.request)
+        for name in model.string_inputs:
+            m.inputs[name] = onnx_strings(m.inputs[name], name)
+    except BatchlineError as exc:
+        m.error = exc
+    except Exception as exc:  # noqa: BLE001 - a corrupt payload fails alone
+        # The gateway validated it before queueing: what fails here is on the server's side.
+        m.error = Internal(f"the request's payload could not be decoded on executor {executor_id} ({exc})")
+    return m
+
+
+def expire_late(members: list[Member], now_us: int, model_name: str, executor_id: str) -> list[Member]:
+    """Answer DEADLINE_EXCEEDED to the members whose deadline passed (while they waited for the
+    batch ahead to run); the others, to run."""
+    for m in members:
+        if 0 < m.entry.deadline_us < now_us:
+            m.error = DeadlineExceeded(
+                f"deadline exceeded: it had to be run within "
+                f"{(m.entry.deadline_us - m.entry.enqueued_us) / 1e3:.1f} ms "
+                f"of arriving (its budget less the gateway's answer margin), and that passed while it waited for "
+                f"model '{model_name}' on executor {executor_id} (it was not run; "
+                "retry with a larger timeout or less load)")
+    return [m for m in members if m.error is None]
 
 
 async def run(model: LoadedModel, members: list[Member]) -> int:

@@ -12,16 +12,15 @@ import contextlib
 import logging
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from typing import Callable
 
-from batchline import contract, logs, metrics, telemetry, tracecontext
-from batchline.recovery import hand_back, requeue_held_batches
+from batchline import logs, metrics, telemetry, tracecontext
+from batchline.contract.keys import ModelKey
+from batchline.contract.executor_store import ExecutorStore
 from batchline.clock import now_us
 from batchline.lifecycle import stop_tasks
-from batchline.codec import decode_inputs, onnx_strings
-from batchline.errors import BatchlineError, DeadlineExceeded, Internal, Unavailable
 from batchline.heartbeats import HeartbeatTrust
-from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, connect, connect_blocking
 from executor import outcome, running
@@ -50,12 +49,13 @@ def _phase(name: str, traced: bool):
 
 
 class Executor:
-    def __init__(self, settings: ExecutorSettings, models: list[LoadedModel], executor_id: str):
+    def __init__(self, settings: ExecutorSettings, models: list[LoadedModel], executor_id: str,
+                 store: ExecutorStore | None = None):
         self.settings = settings
         self.executor_id = executor_id  # one lane's id (executor/app.py: executor_lanes)
         self.models = {(m.name, m.version): m for m in models}
-        self.redis = connect(settings.redis_url, settings.redis_timeout_s)
-        self.blocking = connect_blocking(settings.redis_url, settings.redis_timeout_s)
+        self.store = store or ExecutorStore(connect(settings.redis_url, settings.redis_timeout_s),
+                                            connect_blocking(settings.redis_url, settings.redis_timeout_s))
         self.address = ""
         self.started_us = now_us()
         self.executed_batches = 0
@@ -73,10 +73,10 @@ class Executor:
         self.heartbeats = HeartbeatTrust()  # whether a gateway without a heartbeat is gone
         self.draining = False
         self._warmup_reports: list[pb.ExecutionReport] = []
-        self.running: Counter[tuple[str, str]] = Counter()  # batches being processed, per model version
+        self.running: Counter[ModelKey] = Counter()  # batches being processed, per model version
         # Versions released here (time.monotonic()): a batch of one that a scheduler sent before it saw
         # the release goes back to its queue for another executor instead of failing.
-        self.released: dict[tuple[str, str], float] = {}
+        self.released: dict[ModelKey, float] = {}
         # The first lane publishes the process's model repository: (entries, control mode, calls applied).
         self.catalog: Callable[[], tuple[list[pb.RepositoryEntry], str, dict[str, int]]] | None = None
         self.written = outcome.Written()  # its last batches' writes, for a new primary that lacks them
@@ -113,18 +113,13 @@ class Executor:
         if now > since:
             self.busy_share = min(1.0, (self.busy_s - busy_then) / (now - since))
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
-        # MULTI/EXEC: a connection lost part-way must not leave the set written without its expiry.
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(contract.executor(self.executor_id), self.info().SerializeToString(), px=ttl_ms)
-            pipe.sadd(contract.EXECUTORS, self.executor_id)
-            pipe.expire(contract.EXECUTORS, contract.REGISTRY_TTL)
-            await pipe.execute()
+        await self.store.register(self.executor_id, self.info().SerializeToString(), ttl_ms)
 
     async def start(self, address: str) -> None:
         self.address = address
         # A previous process with this id may have died holding batches it
         # had taken off its work list: hand those back (the rest it runs now).
-        n = sum((await requeue_held_batches(self.redis, self.executor_id, include_queued=False)).values())
+        n = sum((await self.store.requeue_held_batches(self.executor_id, include_queued=False)).values())
         if n:
             log.warning("requeued %d requests a previous %s had taken but not answered", n, self.executor_id)
         await self.register()
@@ -136,22 +131,13 @@ class Executor:
         log.info("executor %s serving %s", self.executor_id, sorted(f"{n}:{v}" for n, v in self.models))
 
     async def publish_tokenizers(self, models: list[LoadedModel]) -> None:
-        """The tokenizers of models that take text, where the gateways read them (bl:tokenizer:{sha256})."""
-        texts = {m.info.text.tokenizer_sha256: m.tokenizer_json for m in models if m.tokenizer_json}
-        if texts:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for sha, blob in texts.items():
-                    pipe.set(contract.tokenizer(sha), blob, ex=contract.TOKENIZER_TTL)
-                await pipe.execute()
+        """The tokenizers of models that take text, where the gateways read them."""
+        await self.store.publish_tokenizers({m.info.text.tokenizer_sha256: m.tokenizer_json
+                                             for m in models if m.tokenizer_json})
 
     async def publish_reports(self, reports: list[pb.ExecutionReport]) -> None:
         """Warm-up runs' reports, which seed the scheduler's latency profiles."""
-        if reports:
-            async with self.redis.pipeline(transaction=True) as pipe:  # (never without its expiry)
-                pipe.rpush(contract.REPORTS, *(r.SerializeToString() for r in reports))
-                pipe.ltrim(contract.REPORTS, -contract.REPORTS_CAP, -1)
-                pipe.expire(contract.REPORTS, contract.QUEUE_TTL)
-                await pipe.execute()
+        await self.store.publish_reports([r.SerializeToString() for r in reports])
 
     async def drain(self, timeout: float) -> None:
         """Take no new batches; finish the ones already sent here, or hand them back after `timeout`."""
@@ -160,14 +146,14 @@ class Executor:
             await self.register()  # the scheduler stops sending us batches
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                if self.busy_batches == 0 and not await self.redis.llen(contract.work(self.executor_id)):
+                if self.busy_batches == 0 and not await self.store.waiting_work(self.executor_id):
                     break
                 await asyncio.sleep(_DRAIN_POLL_S)
         except REDIS_ERRORS as exc:
             log.warning("drain: Redis failed (%s); handing back what is left", exc)
         await stop_tasks(self._workers)
         try:
-            n = sum((await requeue_held_batches(self.redis, self.executor_id, include_queued=True)).values())
+            n = sum((await self.store.requeue_held_batches(self.executor_id, include_queued=True)).values())
             if n:
                 log.info("drain: handed %d unstarted requests back to their queues", n)
         except REDIS_ERRORS:
@@ -176,13 +162,10 @@ class Executor:
     async def stop(self) -> None:
         await stop_tasks(self._workers + self._tasks)
         try:
-            # Deregistered, but left in the executor set: a batch the scheduler sent us
-            # after our last hand-back is recovered like a dead executor's, at once.
-            await self.redis.delete(contract.executor(self.executor_id))
+            await self.store.deregister(self.executor_id)
         except REDIS_ERRORS:
             pass
-        await self.redis.aclose()
-        await self.blocking.aclose()
+        await self.store.aclose()
 
     async def _heartbeat(self) -> None:
         swept = time.monotonic()
@@ -200,18 +183,17 @@ class Executor:
 
     async def _sweep_orphans(self) -> None:
         """Hand back batches held here that no worker runs (their processing failed on Redis)."""
-        requeued = await requeue_held_batches(
-            self.redis, self.executor_id, include_queued=False,
+        requeued = await self.store.requeue_held_batches(
+            self.executor_id, include_queued=False,
             skip=self._in_progress, older_than_us=now_us() - int(_ORPHAN_SWEEP_S * 1e6),
         )
         if requeued:
             log.warning("requeued %d requests of batches this executor had dropped", sum(requeued.values()))
 
     async def _work_loop(self) -> None:
-        key = contract.work(self.executor_id)
         while True:
             try:
-                item = await self.blocking.blpop([key], timeout=_WORK_WAIT_S)
+                item = await self.store.take_work(self.executor_id, _WORK_WAIT_S)
             except REDIS_ERRORS as exc:
                 log.warning("waiting for work failed: %s", exc)
                 await asyncio.sleep(WAIT_RETRY_S)
@@ -219,9 +201,9 @@ class Executor:
             if item is None:
                 continue
             try:
-                batch = pb.Batch.FromString(item[1])
+                batch = pb.Batch.FromString(item)
             except Exception:  # noqa: BLE001 - one unreadable batch must not stop the worker
-                log.exception("an unreadable batch (%d bytes) was dropped", len(item[1]))
+                log.exception("an unreadable batch (%d bytes) was dropped", len(item))
                 continue
             self._in_progress.add(batch.batch_id)
             try:
@@ -267,7 +249,7 @@ class Executor:
     async def _process(self, batch: pb.Batch) -> None:
         model = self.models.get((batch.model_name, batch.model_version))
         if model is None and time.monotonic() - self.released.get((batch.model_name, batch.model_version), -1e9) < _HAND_BACK_S:
-            n = await hand_back(self.redis, self.executor_id, batch)
+            n = await self.store.hand_back(self.executor_id, batch)
             log.info("batch %s: %s version %s was released here; %d requests went back to its queue",
                      batch.batch_id, batch.model_name, batch.model_version, n)
             return
@@ -283,79 +265,89 @@ class Executor:
             await self._run_batch(batch, model, provider, True)
 
     async def _run_batch(self, batch: pb.Batch, model: LoadedModel | None, provider: str, traced: bool) -> None:
-        start_us = now_us()
-        t0 = time.perf_counter_ns()
+        """A batch in three phases: take and decode its members, run them, answer them."""
+        taken = await self._take(batch, model, traced)
+        ran = await self._run(batch, model, taken, traced)
+        await self._answer(batch, model, provider, taken, ran, traced)
+
+    async def _take(self, batch: pb.Batch, model: LoadedModel | None, traced: bool) -> Taken:
+        """The members still awaited (payload there, gateway alive), decoded; one that cannot be
+        is answered alone."""
+        start_us, t0 = now_us(), time.perf_counter_ns()
         gateways = sorted({m.gateway_id for m in batch.members})
-        key = (batch.model_name, batch.model_version)
-        names = [contract.payload(key, m.request_id) for m in batch.members] + [contract.gateway(g) for g in gateways]
         with _phase("fetch", traced):
             async with metrics.redis_rtt("executor", "fetch"):
-                found = await contract.get_many(self.redis, names)
-        payloads, alive = found[: len(batch.members)], dict(zip(gateways, found[len(batch.members):]))
+                payloads, beats = await self.store.fetch((batch.model_name, batch.model_version),
+                                                         [m.request_id for m in batch.members], gateways)
+        alive = dict(zip(gateways, beats))
         heartbeats_tell = self.heartbeats.heartbeats_tell()
-        members: list[Member] = []
-        for entry, blob in zip(batch.members, payloads):
-            if blob is None or (alive[entry.gateway_id] is None and heartbeats_tell):
-                continue  # answered, abandoned, or its gateway died: nobody is waiting
-            m = Member(entry)
-            members.append(m)
-            if model is None:
-                # The scheduler's registry was behind this executor's (e.g. a reload): not the client's fault.
-                m.error = Unavailable(f"executor {self.executor_id} no longer serves model '{batch.model_name}' version "
-                                      f"'{batch.model_version}': retry")
-                continue
-            try:
-                m.request = ipb.ModelInferRequest.FromString(blob)
-                m.inputs = decode_inputs(m.request)
-                for name in model.string_inputs:
-                    m.inputs[name] = onnx_strings(m.inputs[name], name)
-            except BatchlineError as exc:
-                m.error = exc
-            except Exception as exc:  # noqa: BLE001 - a corrupt payload fails alone
-                # The gateway validated it before queueing: what fails here is on the server's side.
-                m.error = Internal(f"the request's payload could not be decoded on executor {self.executor_id} ({exc})")
-        runnable = [m for m in members if m.error is None]
+        members = [running.decoded(entry, blob, model, batch, self.executor_id)
+                   for entry, blob in zip(batch.members, payloads)
+                   # answered, abandoned, or its gateway died: nobody is waiting
+                   if blob is not None and (alive[entry.gateway_id] is not None or not heartbeats_tell)]
+        return Taken(members, start_us, t0, time.perf_counter_ns())
+
+    async def _run(self, batch: pb.Batch, model: LoadedModel | None, taken: Taken, traced: bool) -> Ran:
+        """Run the runnable members, one batch at a time per executor id; a member whose deadline
+        passed while it waited for the model is answered without running."""
+        runnable = [m for m in taken.members if m.error is None]
+        if not runnable or model is None:
+            return Ran(taken.decoded_ns, taken.decoded_ns)
         units = 0
-        t1 = t_run = t2 = time.perf_counter_ns()
-        if runnable:
-            async with self._compute:
-                # Waiting for the other batch's run is not this batch's cost.
-                t_run = time.perf_counter_ns()
-                # A member whose deadline passed while it waited (the batch ahead ran long) is
-                # answered now rather than run for nobody: its gateway gives up at the deadline.
-                now = now_us()
-                for m in runnable:
-                    if 0 < m.entry.deadline_us < now:
-                        m.error = DeadlineExceeded(
-                            f"deadline exceeded: it had to be run within {(m.entry.deadline_us - m.entry.enqueued_us) / 1e3:.1f} ms "
-                            f"of arriving (its budget less the gateway's answer margin), and that passed while it waited for "
-                            f"model '{batch.model_name}' on executor {self.executor_id} (it was not run; "
-                            "retry with a larger timeout or less load)")
-                runnable = [m for m in runnable if m.error is None]
-                if runnable:
-                    with _phase("infer", traced):
-                        units = await running.run(model, runnable)
-                    if units:
-                        real = sum(m.entry.rows * max(1, m.entry.length) for m in runnable)
-                        efficiency = min(1.0, real / units)
-                        metrics.PADDING_EFFICIENCY.labels(model.name, model.version).observe(efficiency)
-                        if traced:
-                            telemetry.current_span().set_attribute("batchline.padding_efficiency", efficiency)
-            t2 = time.perf_counter_ns()
-        ran_until_us = start_us + (t2 - t0) // 1000 if t2 > t1 else 0
+        async with self._compute:
+            # Waiting for the other batch's run is not this batch's cost.
+            held_ns = time.perf_counter_ns()
+            # Its gateway gives up at the deadline: running it would be for nobody.
+            runnable = running.expire_late(runnable, now_us(), batch.model_name, self.executor_id)
+            if runnable:
+                with _phase("infer", traced):
+                    units = await running.run(model, runnable)
+                if units:
+                    real = sum(m.entry.rows * max(1, m.entry.length) for m in runnable)
+                    efficiency = min(1.0, real / units)
+                    metrics.PADDING_EFFICIENCY.labels(model.name, model.version).observe(efficiency)
+                    if traced:
+                        telemetry.current_span().set_attribute("batchline.padding_efficiency", efficiency)
+        return Ran(held_ns, time.perf_counter_ns(), units)
+
+    async def _answer(self, batch: pb.Batch, model: LoadedModel | None, provider: str, taken: Taken, ran: Ran,
+                      traced: bool) -> None:
+        """Encode each member's reply and write the finished batch in one command."""
+        ran_anything = ran.ended_ns > taken.decoded_ns
+        ran_until_us = taken.start_us + (ran.ended_ns - taken.started_ns) // 1000 if ran_anything else 0
         replies: dict[str, list[bytes]] = defaultdict(list)
-        for m in members:
+        for m in taken.members:
             r = running.reply(model, m)
             if r.code == 0:
                 r.ran_until_us = ran_until_us
             replies[m.entry.gateway_id].append(r.SerializeToString())
-        t3 = time.perf_counter_ns()
-        timing = Timing(start_us, t1 - t0, t2 - t_run, t3 - t2, ran_until_us, units)
+        encoded_ns = time.perf_counter_ns()
+        timing = Timing(taken.start_us, taken.decoded_ns - taken.started_ns, ran.ended_ns - ran.held_ns,
+                        encoded_ns - ran.ended_ns, ran_until_us, ran.units)
         with _phase("write", traced):
-            await outcome.write(self.redis, self.executor_id, batch, model, members, replies, timing, self.written)
+            await outcome.write(self.store, self.executor_id, batch, model, taken.members, replies, timing,
+                                self.written)
         if traced:
             rows = sum(m.rows for m in batch.members)
             for e in batch.members:
-                telemetry.record_span(_tracer, "execute", start_us, now_us(), context=telemetry.extract(e.traceparent, e.tracestate),
+                telemetry.record_span(_tracer, "execute", taken.start_us, now_us(),
+                                      context=telemetry.extract(e.traceparent, e.tracestate),
                                       attributes={"batchline.batch_id": batch.batch_id, "batchline.batch_size": rows,
                                                   "batchline.executor_id": self.executor_id, "batchline.provider": provider})
+
+
+@dataclass(slots=True)
+class Taken:
+    """A batch's members once fetched and decoded, and when (perf_counter ns) that began and ended."""
+    members: list[Member]
+    start_us: int    # when the executor took the batch (epoch µs)
+    started_ns: int
+    decoded_ns: int
+
+
+@dataclass(slots=True)
+class Ran:
+    """When the batch held the model and when its runs ended (perf_counter ns; equal: nothing ran)."""
+    held_ns: int
+    ended_ns: int
+    units: int = 0   # the work run, in the latency profile's units

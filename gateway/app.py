@@ -11,7 +11,6 @@ from batchline.protocol import inference_pb2, inference_pb2_grpc
 from batchline.auth import Tokens
 from batchline.tls import TlsFiles, server_credentials
 from batchline.redis_client import REDIS_ERRORS
-from gateway import presence
 from gateway.core import Gateway
 from gateway.servicer import InferenceServicer
 from gateway.settings import GatewaySettings
@@ -61,7 +60,7 @@ class GatewayApp:
         self.server = await start_server(s.host, s.port, register, options, credentials)
         await self.gateway.start(self.address)
         self._health = asyncio.create_task(self.server.watch_redis(
-            self.gateway.redis, on_change=self.gateway.on_redis, on_restart=self.gateway.on_redis_restart))
+            self.gateway.store, on_change=self.gateway.on_redis, on_restart=self.gateway.on_redis_restart))
         return self
 
     async def _may_share_port(self) -> bool:
@@ -72,7 +71,7 @@ class GatewayApp:
             return s.share_port
         if s.share_port:
             try:
-                if await presence.serves(self.gateway.redis, f"{s.host}:{s.port}"):
+                if await self.gateway.store.serves(f"{s.host}:{s.port}"):
                     return True
             except REDIS_ERRORS as exc:
                 raise ports.PortInUse(s.port, f"cannot tell whether it is a gateway of this mesh ({exc})") from None

@@ -2,9 +2,8 @@
 and version, the labels of a request's metrics, readiness and statistics."""
 from __future__ import annotations
 
-from redis.asyncio import Redis
+from batchline.contract.gateway_store import GatewayStore
 
-from batchline import contract
 from batchline.errors import NotFound, Unavailable
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS
@@ -13,13 +12,13 @@ from gateway.repository import absent
 
 
 class Catalog:
-    def __init__(self, redis: Redis):
-        self.redis = redis
+    def __init__(self, store: GatewayStore):
+        self.store = store
         self.registry = Registry()
         self._served: set[str] = set()  # model names ever served: their absence is UNAVAILABLE, not NOT_FOUND
 
     async def refresh(self) -> None:
-        self.registry = await Registry.load(self.redis)
+        self.registry = await Registry.load(self.store)
         self._served.update(self.registry.model_names())
 
     async def refresh_or_unavailable(self) -> None:
@@ -64,7 +63,7 @@ class Catalog:
             if not self.registry.models:
                 await self.refresh()
             else:
-                await self.redis.ping()
+                await self.store.ping()
         except REDIS_ERRORS:
             return False
         return bool(self.registry.models)
@@ -88,10 +87,7 @@ class Catalog:
             await self.refresh_or_unavailable()
             models = [self.registry.models[k] for k in sorted(self.registry.models)]
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for m in models:
-                    pipe.hgetall(contract.stats(m.name, m.version))
-                raw = await pipe.execute()
+            counters = await self.store.statistics([(m.name, m.version) for m in models])
         except REDIS_ERRORS as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
-        return [(m, {k.decode(): int(v) for k, v in h.items()}) for m, h in zip(models, raw)]
+        return list(zip(models, counters))

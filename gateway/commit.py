@@ -10,9 +10,10 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from redis.asyncio import Redis
+from batchline.contract.gateway_store import GatewayStore
 
 from batchline import contract, metrics
+from batchline.contract.keys import ModelKey
 from batchline.clock import now_us
 from batchline.errors import BatchlineError, Internal, ResourceExhausted, Unavailable
 from batchline.redis_client import REDIS_ERRORS, REDIS_REFUSALS
@@ -40,9 +41,9 @@ def _end_wait(fut: asyncio.Future) -> None:
 
 
 class GroupCommit:
-    def __init__(self, redis: Redis, gateway_id: str, heartbeat_ttl_ms: int, linger_s: float,
+    def __init__(self, store: GatewayStore, gateway_id: str, heartbeat_ttl_ms: int, linger_s: float,
                  in_flight: Callable[[], int]) -> None:
-        self.redis = redis
+        self.store = store
         self.gateway_id = gateway_id
         self.address = ""  # written with every commit: executors skip a gateway without a heartbeat key
         self.heartbeat_ttl_ms = heartbeat_ttl_ms
@@ -66,7 +67,7 @@ class GroupCommit:
         self._kick()
         await waiting.done
 
-    def abandon(self, request_id: str, model: tuple[str, str], member: bytes) -> None:
+    def abandon(self, request_id: str, model: ModelKey, member: bytes) -> None:
         """Remove a request nobody waits for any more, with the next commit (if Redis is gone,
         its keys expire on their own)."""
         self._abandoned.append(contract.Abandoned(request_id, model, member))
@@ -95,7 +96,7 @@ class GroupCommit:
             abandoned, self._abandoned = self._abandoned, []
             try:
                 async with metrics.redis_rtt("gateway", "enqueue"):
-                    queued = await contract.enqueue(self.redis, self.gateway_id, self.address, self.heartbeat_ttl_ms,
+                    queued = await self.store.enqueue(self.gateway_id, self.address, self.heartbeat_ttl_ms,
                                                     [w.write for w in batch], abandoned)
             except Exception as exc:  # noqa: BLE001 - every writer must hear how its write ended
                 error = _commit_error(exc)

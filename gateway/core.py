@@ -15,6 +15,8 @@ import uuid
 from dataclasses import replace
 
 from batchline import contract, logs, metrics, telemetry, tracecontext
+from batchline.contract.keys import ModelKey
+from batchline.contract.gateway_store import GatewayStore
 from batchline.clock import now_us
 from batchline.errors import DeadlineExceeded, ResourceExhausted, Unavailable, duration_text, from_status_value
 from batchline.lifecycle import stop_tasks
@@ -49,31 +51,31 @@ class Gateway:
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
         self.gateway_id = settings.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
-        self.redis = connect(settings.redis_url, settings.redis_timeout_s)
-        self.blocking = connect_blocking(settings.redis_url, settings.redis_timeout_s)
-        self.catalog = Catalog(self.redis)  # the models served, from the executors' registrations
+        self.store = GatewayStore(connect(settings.redis_url, settings.redis_timeout_s),
+                                  connect_blocking(settings.redis_url, settings.redis_timeout_s))
+        self.catalog = Catalog(self.store)  # the models served, from the executors' registrations
         self.address = ""
-        self.replies = Replies(self.redis, self.blocking, self.gateway_id)
+        self.replies = Replies(self.store, self.gateway_id)
         self._tasks: list[asyncio.Task] = []
         self.draining = False
         self._heartbeat_ttl_ms = presence.heartbeat_ttl_ms(settings.heartbeat_interval_s)
-        self.commit = GroupCommit(self.redis, self.gateway_id, self._heartbeat_ttl_ms, settings.commit_linger_ms / 1000,
+        self.commit = GroupCommit(self.store, self.gateway_id, self._heartbeat_ttl_ms, settings.commit_linger_ms / 1000,
                                   lambda: len(self.replies.waiting))
-        self.views = LoadViews(self.redis, lambda: sorted(self.catalog.registry.models), settings.load_refresh_s)
+        self.views = LoadViews(self.store, lambda: sorted(self.catalog.registry.models), settings.load_refresh_s)
         self.ledger = AdmissionLedger(self.gateway_id, settings.admission_headroom, settings.admission_target)
         self.gateways = 1  # live gateways (from the heartbeats): each spaces only the refusals it gives itself
-        self.repository = RepositoryControl(self.redis, settings.model_control_mode)
+        self.repository = RepositoryControl(self.store, settings.model_control_mode)
         self.fair = FairShares()  # tenants' shares of each model (tokens' weights)
-        self.tokenizers = Tokenizers(self.redis)  # of the models that take text
+        self.tokenizers = Tokenizers(self.store)  # of the models that take text
         # Behind Sentinel or on a cluster, a Redis (a shard's primary) lost is most likely replaced by a replica.
         self.replicated = is_sentinel(settings.redis_url) or is_cluster_url(settings.redis_url)
         self._reconciling: set[asyncio.Task] = set()
 
     @property
-    def loads(self) -> dict[tuple[str, str], pb.ModelLoad]:
+    def loads(self) -> dict[ModelKey, pb.ModelLoad]:
         return self.views.loads
 
-    def calibration(self, key: tuple[str, str]) -> Calibration | None:
+    def calibration(self, key: ModelKey) -> Calibration | None:
         """Admission's learned headroom for a model (name, version); None unless it learns."""
         return self.ledger.calibration(key)
 
@@ -111,11 +113,10 @@ class Gateway:
         await stop_tasks(self._tasks)
         self.give_up()
         try:
-            await presence.leave(self.redis, self.gateway_id)
+            await self.store.leave(self.gateway_id)
         except REDIS_ERRORS:
             pass
-        await self.redis.aclose()
-        await self.blocking.aclose()
+        await self.store.aclose()
 
     # -- background --------------------------------------------------------
 
@@ -132,7 +133,7 @@ class Gateway:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                self.gateways = await presence.beat(self.redis, self.gateway_id, self.address, self._heartbeat_ttl_ms)
+                self.gateways = await self.store.beat(self.gateway_id, self.address, self._heartbeat_ttl_ms)
             except REDIS_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)
             except Exception:  # noqa: BLE001 - e.g. Redis out of memory: beat again later
@@ -169,13 +170,13 @@ class Gateway:
         """Let one more request of `tenant` through its `max_rate` cap, shared with every gateway
         (a token bucket in Redis, one second's worth deep), or refuse it with when to come back."""
         try:
-            taken, wait_ms = await contract.take_token(self.redis, tenant, max_rate, max(1.0, max_rate))
+            taken, wait_ms = await self.store.take_token(tenant, max_rate, max(1.0, max_rate))
         except REDIS_ERRORS as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
         if not taken:
             metrics.REJECTED.labels(*self.catalog.labels(model), "rate").inc()
             raise ResourceExhausted(f"tenant '{tenant}' is over its rate of {max_rate:g} requests/s: "
-                                    f"retry in {int(wait_ms)} ms", retry_after_s=int(wait_ms) / 1000)
+                                    f"retry in {wait_ms} ms", retry_after_s=wait_ms / 1000)
 
     async def infer(
         self,

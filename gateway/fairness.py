@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from batchline.contract import MAX_PRIORITY_LEVELS, OVER_SHARE
+from batchline.contract.keys import ModelKey
 
 WINDOW_S = 1.0  # the time constant of the decaying counts
 # A tenant that offered nothing for this long is no longer sharing: the others' shares follow
@@ -48,10 +49,10 @@ class _Counts:
 class FairShares:
     window_s: float = WINDOW_S
     idle_s: float = IDLE_S
-    _models: dict[tuple[str, str], dict[str, _Counts]] = field(default_factory=dict)
+    _models: dict[ModelKey, dict[str, _Counts]] = field(default_factory=dict)
     _weights: dict[str, float] = field(default_factory=dict)
 
-    def level(self, model: tuple[str, str], tenant: str, weight: float, priority: int, rows: int, now: float) -> int:
+    def level(self, model: ModelKey, tenant: str, weight: float, priority: int, rows: int, now: float) -> int:
         """The level to queue a request of `tenant` at (its `priority`, or OVER_SHARE below it); counts it as offered."""
         tenants = self._models.setdefault(model, {})
         self._weights[tenant] = weight
@@ -70,13 +71,13 @@ class FairShares:
             return priority
         return min(priority + OVER_SHARE, MAX_PRIORITY_LEVELS)
 
-    def admitted(self, model: tuple[str, str], tenant: str, rows: int, now: float) -> None:
+    def admitted(self, model: ModelKey, tenant: str, rows: int, now: float) -> None:
         counts = self._models.get(model, {}).get(tenant)
         if counts is not None:
             counts.decay(now, self.window_s)
             counts.admitted += rows
 
-    def shares(self, model: tuple[str, str]) -> dict[str, float]:
+    def shares(self, model: ModelKey) -> dict[str, float]:
         """Each active tenant's share of the rows admitted in the window (for tests and status)."""
         tenants = self._models.get(model, {})
         total = sum(c.admitted for c in tenants.values())

@@ -18,13 +18,12 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from batchline import contract, metrics
+from batchline.contract.keys import ModelKey
 from batchline.errors import BatchlineError, DeadlineExceeded
 from batchline.planning import DEADLINE_AWARE, Pending
 from batchline.protocol import internal_pb2 as pb
 from gateway.admission import Calibration, Candidate, Overloaded, assess, retry_spacing_s
 from gateway.request import Call
-
-ModelKey = tuple[str, str]
 
 
 @dataclass(slots=True)

@@ -4,12 +4,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from redis.asyncio import Redis
+from batchline.contract.gateway_store import GatewayStore
 
 from batchline import contract
+from batchline.contract.keys import ModelKey
 from batchline.errors import BatchlineError
 from batchline.protocol import internal_pb2 as pb
-from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, ListPop
+from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S
 
 log = logging.getLogger(__name__)
 
@@ -24,19 +25,19 @@ RECONCILE_ATTEMPTS = 10
 
 
 class Replies:
-    def __init__(self, redis: Redis, blocking: Redis, gateway_id: str) -> None:
-        self.redis = redis
-        self.blocking = blocking
+    def __init__(self, store: GatewayStore, gateway_id: str) -> None:
+        self.store = store
+        self.gateway_id = gateway_id
         self.key = contract.reply(gateway_id)
         self.waiting: dict[str, asyncio.Future] = {}  # request id -> its answer, for the requests queued
         # The waiting requests whose write Redis acknowledged, and their models (whose slot holds the payload).
-        self.acknowledged: dict[str, tuple[str, str]] = {}
+        self.acknowledged: dict[str, ModelKey] = {}
 
     def expect(self, request_id: str) -> asyncio.Future:
         fut = self.waiting[request_id] = asyncio.get_running_loop().create_future()
         return fut
 
-    def queued(self, request_id: str, model: tuple[str, str]) -> None:
+    def queued(self, request_id: str, model: ModelKey) -> None:
         """Redis acknowledged the request's write: from now on a primary without it has lost it."""
         self.acknowledged[request_id] = model
 
@@ -51,10 +52,7 @@ class Replies:
         ids = list(self.acknowledged.items())
         for _ in range(RECONCILE_ATTEMPTS):
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for request_id, model in ids:
-                        pipe.exists(contract.payload(model, request_id))
-                    held = await pipe.execute()
+                held = await self.store.payloads_held(ids)
                 break
             except REDIS_ERRORS as exc:
                 log.warning("reading which queued requests the new Redis primary holds failed: %s", exc)
@@ -80,7 +78,7 @@ class Replies:
 
     async def read(self) -> None:
         """Read the reply list for as long as the gateway runs (its own task)."""
-        pop = ListPop(self.blocking)
+        pop = self.store.list_pop()
         while True:
             try:
                 item = await pop([self.key], DRAIN)
@@ -93,7 +91,7 @@ class Replies:
             blobs = item[1]
             if not pop.all_at_once:
                 try:
-                    blobs += await self.redis.lpop(self.key, DRAIN) or []
+                    blobs += await self.store.pop_replies(self.gateway_id, DRAIN)
                 except REDIS_ERRORS as exc:
                     # The first is already off the list: answer it whatever happens to the rest.
                     log.warning("reading replies failed: %s", exc)

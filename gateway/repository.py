@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from redis.asyncio import Redis
+from batchline.contract.gateway_store import GatewayStore
 
-from batchline import contract
 from batchline.errors import InvalidArgument, NotFound, Unavailable
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS
@@ -49,8 +48,8 @@ def _loaded(info: pb.ExecutorInfo, name: str) -> bool:
 
 
 class RepositoryControl:
-    def __init__(self, redis: Redis, mode: str):
-        self.redis = redis
+    def __init__(self, store: GatewayStore, mode: str):
+        self.store = store
         self.mode = mode
 
     async def index(self, ready_only: bool) -> list[pb.RepositoryEntry]:
@@ -82,7 +81,7 @@ class RepositoryControl:
 
     async def _registry(self) -> Registry:
         try:
-            return await Registry.load(self.redis)
+            return await Registry.load(self.store)
         except REDIS_ERRORS as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
 
@@ -91,12 +90,7 @@ class RepositoryControl:
         if not name or ":" in name:
             raise InvalidArgument(f"model name {name!r} is not a model's name (empty, or contains ':')")
         try:
-            seq = await self.redis.incr(contract.CONTROL_SEQ)
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(contract.CONTROL, name, contract.control_record(action, seq))
-                pipe.expire(contract.CONTROL, contract.CONTROL_TTL)
-                pipe.expire(contract.CONTROL_SEQ, contract.CONTROL_TTL)
-                await pipe.execute()
+            seq = await self.store.control_call(name, action)
         except REDIS_ERRORS as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
         return seq

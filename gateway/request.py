@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchline import contract, telemetry, tracecontext
+from batchline.contract.keys import ModelKey
 from batchline.errors import DeadlineExceeded, duration_text
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
@@ -27,7 +28,7 @@ class Call:
     run_budget_s: float  # what the mesh plans by: the budget less the time kept for the answer's way back
 
     @property
-    def key(self) -> tuple[str, str]:
+    def key(self) -> ModelKey:
         return self.model.name, self.model.version
 
 

@@ -5,16 +5,15 @@ Here rather than on the executor because the cost model prices a request by its 
 length, and the gateway needs that length to admit it and the scheduler to batch it; the
 tokenizer (Hugging Face `tokenizers`, Rust) takes tens of microseconds a sentence, less than
 the gRPC call that carries it (docs/guides/model-repository.md#text-inputs has the numbers).
-The tokenizer travels from the executor that loaded it through Redis (bl:tokenizer:{sha256}),
+The tokenizer travels from the executor that loaded it through Redis (keys.tokenizer),
 so a gateway needs no copy of the repository.
 """
 from __future__ import annotations
 
 import numpy as np
-from redis.asyncio import Redis
+from batchline.contract.gateway_store import GatewayStore
 from tokenizers import Tokenizer
 
-from batchline import contract
 from batchline.codec import decode_tensor
 from batchline.errors import InvalidArgument, Unavailable
 from batchline.protocol import inference_pb2 as ipb
@@ -26,8 +25,8 @@ from batchline.text_inputs import configured, first_too_long, token_arrays
 class Tokenizers:
     """Tokenizers by the SHA-256 of their tokenizer.json, read from Redis once each."""
 
-    def __init__(self, redis: Redis) -> None:
-        self.redis = redis
+    def __init__(self, store: GatewayStore) -> None:
+        self.store = store
         self._loaded: dict[tuple[str, int, bool], Tokenizer] = {}
 
     async def get(self, model: pb.ModelInfo) -> Tokenizer:
@@ -38,7 +37,7 @@ class Tokenizers:
         tokenizer = self._loaded.get(key)
         if tokenizer is None:
             try:
-                blob = await self.redis.get(contract.tokenizer(sha))
+                blob = await self.store.tokenizer(sha)
             except REDIS_ERRORS as exc:
                 raise Unavailable(f"Redis is unreachable: {exc}") from None
             if blob is None:

@@ -12,9 +12,9 @@ import logging
 import time
 from typing import Callable
 
-from redis.asyncio import Redis
+from batchline.contract.gateway_store import GatewayStore
 
-from batchline import contract
+from batchline.contract.keys import ModelKey
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS
 
@@ -26,12 +26,9 @@ LOAD_AGE_SHARE = 0.1
 # The views are read at least this often, even when no request asks.
 IDLE_REFRESH_S = 0.5
 
-ModelKey = tuple[str, str]
-
-
 class LoadViews:
-    def __init__(self, redis: Redis, models: Callable[[], list[ModelKey]], refresh_s: float) -> None:
-        self.redis = redis
+    def __init__(self, store: GatewayStore, models: Callable[[], list[ModelKey]], refresh_s: float) -> None:
+        self.store = store
         self.models = models        # the models to read views of (the registry's, now)
         self.refresh_s = refresh_s  # the shortest time between two reads
         self.loads: dict[ModelKey, pb.ModelLoad] = {}
@@ -56,7 +53,7 @@ class LoadViews:
             keys = self.models()
             if keys:
                 try:
-                    blobs = await contract.get_many(self.redis, [contract.load(*k) for k in keys])
+                    blobs = await self.store.loads(keys)
                     self.loads = {k: pb.ModelLoad.FromString(b) for k, b in zip(keys, blobs) if b}
                 except REDIS_ERRORS:
                     self.loads = {}

@@ -40,7 +40,7 @@ class SchedulerApp:
 
         # A new primary is Redis back, as far as the scheduler is concerned.
         self._health = asyncio.create_task(self.server.watch_redis(
-            self.scheduler.redis, on_change=on_change, on_restart=lambda: on_change(True)))
+            self.scheduler.store, on_change=on_change, on_restart=lambda: on_change(True)))
         return self
 
     async def stop(self, grace: float = 2.0) -> None:

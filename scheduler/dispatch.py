@@ -12,6 +12,8 @@ from typing import Any
 import grpc
 
 from batchline import contract, logs, metrics, telemetry, tracecontext
+from batchline.contract.keys import ModelKey
+from batchline.contract.scheduler_store import StepWrites
 from batchline.clock import now_us
 from batchline.errors import duration_text
 from batchline.planning import Pending
@@ -21,12 +23,9 @@ from scheduler.policy import PlannedBatch
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("batchline.scheduler")
 
-ModelKey = tuple[str, str]
-
-
 @dataclass(slots=True)
 class Sent:
-    """A dispatch queued on a step's pipeline, booked once Redis has run it."""
+    """A dispatch queued on a step's writes, booked once Redis has run it."""
     batch_id: str
     executor_id: str
     planned: PlannedBatch
@@ -35,8 +34,9 @@ class Sent:
     span: Any  # the batch's span (tracing on), ended once the dispatch is written
 
 
-def send(pipe, key: ModelKey, executor_id: str, planned: PlannedBatch, entries: list[pb.QueueEntry]) -> Sent:
-    """Queue on `pipe` the dispatch of `planned` (its members' queue `entries`) to `executor_id`."""
+def send(writes: StepWrites, key: ModelKey, executor_id: str, planned: PlannedBatch,
+         entries: list[pb.QueueEntry]) -> Sent:
+    """Queue on `writes` the dispatch of `planned` (its members' queue `entries`) to `executor_id`."""
     batch_id = uuid.uuid4().hex
     dispatched_us = now_us()
     span = None
@@ -53,8 +53,8 @@ def send(pipe, key: ModelKey, executor_id: str, planned: PlannedBatch, entries: 
         dispatched_us=dispatched_us, reason=planned.reason, attempt=1,
         traceparent=(telemetry.inject(span)[0] if span else "") or tracecontext.child(None),
     )
-    contract.dispatch(pipe, batch, [m.member for m in planned.members],
-                      contract.payload_ttl_ms(max(e.deadline_us for e in entries), dispatched_us))
+    writes.dispatch(batch, [m.member for m in planned.members],
+                    contract.payload_ttl_ms(max(e.deadline_us for e in entries), dispatched_us))
     return Sent(batch_id, executor_id, planned, entries, dispatched_us, span)
 
 
@@ -87,8 +87,8 @@ def book(key: ModelKey, sent: Sent, taken: int, counts: Counter) -> bool:
     return True
 
 
-def shed(pipe, key: ModelKey, expired: list[Pending], entries: dict[bytes, pb.QueueEntry]) -> None:
-    """Queue on `pipe` the answers to requests that cannot make their deadline, and their removal."""
+def shed(writes: StepWrites, key: ModelKey, expired: list[Pending], entries: dict[bytes, pb.QueueEntry]) -> None:
+    """Queue on `writes` the answers to requests that cannot make their deadline, and their removal."""
     now = time.time()
     replies: dict[str, list[pb.Reply]] = {}
     for p in expired:
@@ -102,4 +102,4 @@ def shed(pipe, key: ModelKey, expired: list[Pending], entries: dict[bytes, pb.Qu
             message=f"deadline exceeded: {why} (shed before running; retry with a larger timeout or less load)",
         )
         replies.setdefault(entries[p.member].gateway_id, []).append(reply)
-    contract.shed(pipe, key, [p.member for p in expired], [p.request_id for p in expired], replies)
+    writes.shed(key, [p.member for p in expired], [p.request_id for p in expired], replies)

@@ -6,19 +6,17 @@ from __future__ import annotations
 import logging
 import time
 
-from redis.asyncio import Redis
-
-from batchline import contract, metrics
+from batchline import metrics
 from batchline.heartbeats import HeartbeatTrust
-from batchline.recovery import requeue_held_batches
+from batchline.contract.scheduler_store import SchedulerStore
 from batchline.registry import Registry
 
 log = logging.getLogger(__name__)
 
 
 class Fleet:
-    def __init__(self, redis: Redis, refresh_s: float) -> None:
-        self.redis = redis
+    def __init__(self, store: SchedulerStore, refresh_s: float) -> None:
+        self.store = store
         self.refresh_s = refresh_s
         self.registry = Registry()
         self.read_at = 0.0  # time.monotonic() of the last complete read; 0: read at the next step
@@ -34,7 +32,7 @@ class Fleet:
     async def refresh(self) -> dict[str, int]:
         """Read the registry; hand back the batches of the executors whose heartbeat expired and
         forget them. Returns those executors, with how many requests each had."""
-        self.registry = await Registry.load(self.redis)
+        self.registry = await Registry.load(self.store)
         gone: dict[str, int] = {}
         if self.registry.stale and self.heartbeats.heartbeats_tell():
             for eid in self.registry.stale:
@@ -49,8 +47,8 @@ class Fleet:
         return gone
 
     async def _recover(self, eid: str) -> int:
-        requeued = await requeue_held_batches(self.redis, eid, include_queued=True)
-        await self.redis.srem(contract.EXECUTORS, eid)
+        requeued = await self.store.requeue_held_batches(eid, include_queued=True)
+        await self.store.forget_executor(eid)
         for key, count in requeued.items():
             metrics.REDISPATCHED.labels(*key).inc(count)
         n = sum(requeued.values())

@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import time
 
-from redis.asyncio import Redis
-
-from batchline import contract
+from batchline.contract.scheduler_store import SchedulerStore
 
 # Renewals per TTL: the lease survives two missed renewals (a slow step, a Redis hiccup).
 RENEWALS_PER_TTL = 3
 
 
 class Lease:
-    def __init__(self, redis: Redis, holder_id: str, ttl_s: float) -> None:
+    def __init__(self, store: SchedulerStore, holder_id: str, ttl_s: float) -> None:
         self.holder_id = holder_id
         self.ttl_s = ttl_s
         self.held = False
         self.attempted_at = 0.0  # time.monotonic() of the last attempt to take or renew it
-        self.redis = redis
+        self.store = store
 
     @property
     def renew_every_s(self) -> float:
@@ -30,12 +28,12 @@ class Lease:
         now = time.monotonic()
         if now - self.attempted_at < self.renew_every_s:
             return self.held
-        self.held = bool(await contract.take_lease(self.redis, self.holder_id, int(self.ttl_s * 1000)))
+        self.held = await self.store.take_lease(self.holder_id, int(self.ttl_s * 1000))
         self.attempted_at = now
         return self.held
 
     async def release(self) -> None:
         """Give it up at once (a clean stop), so that a standby need not wait out the TTL."""
         if self.held:
-            await contract.release_lease(self.redis, self.holder_id)
+            await self.store.release_lease(self.holder_id)
         self.held = False

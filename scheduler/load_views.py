@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from batchline import contract
+from batchline.contract.keys import ModelKey
+from batchline.contract.scheduler_store import StepWrites
 from batchline.planning import BatchCost, BatchingRule, Pending, queue_tails
 from batchline.protocol import internal_pb2 as pb
 
@@ -21,7 +22,6 @@ PUBLISH_EVERY_S = 0.02
 # sends nothing): its own count of what it admitted is over long before.
 SEEN_KEEP_S = 60.0
 
-ModelKey = tuple[str, str]
 
 
 def pending_by_level(scanned: list[int], depth: int) -> Counter:
@@ -51,9 +51,9 @@ class LoadViews:
     def due(self, key: ModelKey, now: float, changed: bool) -> bool:
         return changed or now - self.published_at.get(key, 0.0) >= PUBLISH_EVERY_S
 
-    def publish(self, pipe, key: ModelKey, info: pb.ModelInfo, idle_at: list[float], cost: BatchCost,
+    def publish(self, writes: StepWrites, key: ModelKey, info: pb.ModelInfo, idle_at: list[float], cost: BatchCost,
                 rule: BatchingRule, queue: list[Pending], now: float, scanned_at: float) -> None:
-        """Queue on `pipe` the view of `queue` (what is left queued after the step), played by `rule`
+        """Queue on `writes` the view of `queue` (what is left queued after the step), played by `rule`
         with the model's holders free at `idle_at`; `scanned_at`, when the step began reading the
         queues, dates it."""
         self.published_at[key] = now
@@ -72,4 +72,4 @@ class LoadViews:
             queued_rows=rows, policy=self.policy, updated_us=int(min(now, scanned_at or now) * 1e6),
             tails=queue_tails(queue, idle_at or [now], rule, cost), seen_us=seen, **rule.load_fields(),
         )
-        pipe.set(contract.load(*key), load.SerializeToString(), px=contract.LOAD_TTL_MS)
+        writes.publish_load(key, load.SerializeToString())

@@ -6,9 +6,9 @@ from __future__ import annotations
 import struct
 import time
 
-from redis.asyncio import Redis
 
-from batchline import contract
+from batchline.contract.keys import ModelKey
+from batchline.contract.scheduler_store import ProfileKey, SchedulerStore
 from batchline.protocol import internal_pb2 as pb
 from batchline.registry import Registry
 from scheduler.profile import LatencyProfile
@@ -18,10 +18,9 @@ UNKNOWN_KIND = "unknown"
 # One sample as saved: units and seconds; warm-up samples are saved with negative units.
 _SAMPLE = struct.Struct("<ff")
 
-ProfileKey = tuple[str, str, str]  # model, version, execution provider
 
 
-def kind(registry: Registry, executor_id: str, model: tuple[str, str]) -> str:
+def kind(registry: Registry, executor_id: str, model: ModelKey) -> str:
     """The execution provider an executor runs a model on: executors of one kind share a profile."""
     info = registry.executors.get(executor_id)
     if info is not None:
@@ -32,8 +31,8 @@ def kind(registry: Registry, executor_id: str, model: tuple[str, str]) -> str:
 
 
 class Profiles:
-    def __init__(self, redis: Redis, default_s: float, margin_quantile: float) -> None:
-        self.redis = redis
+    def __init__(self, store: SchedulerStore, default_s: float, margin_quantile: float) -> None:
+        self.store = store
         self.default_s = default_s
         self.margin_quantile = margin_quantile
         self.by_key: dict[ProfileKey, LatencyProfile] = {}
@@ -46,7 +45,7 @@ class Profiles:
             p = self.by_key[key] = LatencyProfile(default=self.default_s, margin_quantile=self.margin_quantile)
         return p
 
-    def for_model(self, registry: Registry, model: tuple[str, str], holders: list[str]) -> LatencyProfile:
+    def for_model(self, registry: Registry, model: ModelKey, holders: list[str]) -> LatencyProfile:
         """The profile to plan with: the slowest kind among the holders errs late, not early."""
         profiles = [self.of((*model, kind(registry, e, model))) for e in holders] or [self.of((*model, UNKNOWN_KIND))]
         return max(profiles, key=lambda p: p.predict(1))
@@ -63,7 +62,7 @@ class Profiles:
         missing = [k for k in keys if k not in self.by_key]
         if not missing:
             return
-        blobs = await contract.get_many(self.redis, [contract.profile(*k) for k in missing])
+        blobs = await self.store.saved_profiles(missing)
         for key, blob in zip(missing, blobs):
             profile = self.of(key)
             if blob:
@@ -74,10 +73,7 @@ class Profiles:
         self.saved_at = time.monotonic()
         if not self.by_key:
             return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key, profile in self.by_key.items():
-                if len(profile):
-                    blob = b"".join([*(_SAMPLE.pack(-r, s) for r, s in profile.warm_up_samples()),
-                                     *(_SAMPLE.pack(r, s) for r, s in profile.samples())])
-                    pipe.set(contract.profile(*key), blob, ex=contract.PROFILE_TTL)
-            await pipe.execute()
+        await self.store.save_profiles({
+            key: b"".join([*(_SAMPLE.pack(-r, s) for r, s in profile.warm_up_samples()),
+                           *(_SAMPLE.pack(r, s) for r, s in profile.samples())])
+            for key, profile in self.by_key.items() if len(profile)})

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from batchline import metrics
 from batchline.contract import OVER_SHARE
+from batchline.contract.keys import ModelKey
 from batchline.planning import Pending
 from batchline.protocol import internal_pb2 as pb
 from scheduler.company import CompanyRate
 from scheduler.load_views import LoadViews, pending_by_level
 
-ModelKey = tuple[str, str]
 # How long the scheduler keeps batches headed by over-share requests short after the last request
 # within its tenant's share arrived.
 IN_SHARE_MEMORY_S = 2.0

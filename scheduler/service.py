@@ -25,6 +25,8 @@ import uuid
 from collections import Counter
 
 from batchline import contract, metrics
+from batchline.contract.keys import ModelKey
+from batchline.contract.scheduler_store import SchedulerStore
 from batchline.lifecycle import stop_tasks
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
@@ -46,22 +48,20 @@ log = logging.getLogger(__name__)
 # After a step that failed for a reason other than Redis, the next one begins this much later.
 FAILED_STEP_RETRY_S = 0.1
 
-ModelKey = tuple[str, str]
-
 
 class Scheduler:
-    def __init__(self, settings: SchedulerSettings):
+    def __init__(self, settings: SchedulerSettings, store: SchedulerStore | None = None):
         self.settings = settings
         self.scheduler_id = settings.scheduler_id or f"sched-{uuid.uuid4().hex[:12]}"
-        self.redis = connect(settings.redis_url, settings.redis_timeout_s)
-        self.blocking = connect_blocking(settings.redis_url, settings.redis_timeout_s)
-        self.fleet = Fleet(self.redis, settings.registry_refresh_s)
-        self.lease = Lease(self.redis, self.scheduler_id, settings.lease_ttl_s)
-        self.wakeups = Wakeups(self.redis, self.blocking, self.scheduler_id, lambda: self.lease.held)
+        self.store = store or SchedulerStore(connect(settings.redis_url, settings.redis_timeout_s),
+                                             connect_blocking(settings.redis_url, settings.redis_timeout_s))
+        self.fleet = Fleet(self.store, settings.registry_refresh_s)
+        self.lease = Lease(self.store, self.scheduler_id, settings.lease_ttl_s)
+        self.wakeups = Wakeups(self.store, self.scheduler_id, lambda: self.lease.held)
         self.views = LoadViews(settings.policy)
         self.queues = Queues(self.views)
         self.timeline = ExecutorTimeline(settings.default_execution_ms / 1000, settings.max_batches_per_executor)
-        self.profiles = Profiles(self.redis, settings.default_execution_ms / 1000, settings.margin_quantile)
+        self.profiles = Profiles(self.store, settings.default_execution_ms / 1000, settings.margin_quantile)
         self._scanned_at = 0.0  # when the last step began reading the queues
         self._held: dict[str, int] = {}  # batches each executor holds, as the last step read them
         self._tasks: list[asyncio.Task] = []
@@ -96,8 +96,7 @@ class Scheduler:
             pass
         self.lease.held = False
         self.queues.forget_gauges()
-        await self.redis.aclose()
-        await self.blocking.aclose()
+        await self.store.aclose()
 
     async def _loop(self) -> None:
         wake_at: float | None = None
@@ -163,11 +162,11 @@ class Scheduler:
         # An empty queue planned before another queue's dispatch kept the shared
         # executor busy: look again, so that arrivals to it need no wake-up either.
         for key in models:
-            if not self.queues.depths[key] and contract.queue(*key) not in self.wakeups.blocked:
+            if not self.queues.depths[key] and contract.queue(key) not in self.wakeups.blocked:
                 ready = [free_at[e] for e in self._holders(key, free_at) if free_at[e] != float("inf")]
                 blocked, ready_at = busy_until(now, ready, self.settings.dispatch_lead_ms / 1000)
                 if blocked:
-                    self.wakeups.blocked.add(contract.queue(*key))
+                    self.wakeups.blocked.add(contract.queue(key))
                     wake_at = _earlier(wake_at, ready_at)
         self.queues.keep_only({m for members in heads for m in members})
         await self.wakeups.relisten()
@@ -179,38 +178,22 @@ class Scheduler:
         for eid, requeued in (await self.fleet.refresh()).items():
             self.timeline.forget(eid)
             self.counts["redispatched"] += requeued
-        self.wakeups.notify = {contract.notify(*k): contract.queue(*k) for k in sorted(self.registry.models)}
+        self.wakeups.notify = {contract.notify(k): contract.queue(k) for k in sorted(self.registry.models)}
 
     async def _scan(self, models: list[ModelKey], executors: list[str]) -> tuple[list[list[bytes]], list[set[bytes]]]:
         """One pipeline: drop the arrivals' tokens, take the reports, read each queue's head and
         depth and each executor's in-flight sets. Returns the heads and each executor's batch ids."""
-        rounds = contract.Rounds(self.redis)
-        pipe = rounds.next()
-        # The arrivals' tokens go first (on a cluster, a round of their own): the scan below sees
-        # every request whose token it drops.
-        notices = list(self.wakeups.notify)
-        if notices:
-            pipe.delete(*notices)
-        pipe.lpop(contract.REPORTS, DRAIN)
-        pipe = rounds.next()
-        for name, version in models:
-            pipe.zrange(contract.queue(name, version), 0, self.settings.queue_scan_limit - 1)
-            pipe.zcard(contract.queue(name, version))
         # An executor's in-flight sets are per model (in the model's slot): one per model it has.
         sets = [(eid, (m.name, m.version)) for eid in executors for m in self.registry.executors[eid].models]
-        for eid, key in sets:
-            pipe.smembers(contract.inflight(key, eid))
         async with metrics.redis_rtt("scheduler", "scan"):
-            results = await rounds.execute()
-        if notices:
-            del results[0]
-        self._observe(self.wakeups.take_reports() + (results[0] or []))
-        for i, key in enumerate(models):
-            self.queues.depths[key] = results[2 + 2 * i]
+            scan = await self.store.scan(list(self.wakeups.notify), models, sets, self.settings.queue_scan_limit, DRAIN)
+        self._observe(self.wakeups.take_reports() + scan.reports)
+        for key, depth in zip(models, scan.depths):
+            self.queues.depths[key] = depth
         held: dict[str, set[bytes]] = {eid: set() for eid in executors}
-        for (eid, _), ids in zip(sets, results[1 + 2 * len(models):]):
+        for (eid, _), ids in zip(sets, scan.inflight):
             held[eid] |= ids
-        return [results[1 + 2 * i] for i in range(len(models))], [held[eid] for eid in executors]
+        return scan.heads, [held[eid] for eid in executors]
 
     def _observe(self, reports: list[bytes]) -> None:
         for blob in reports:
@@ -244,9 +227,9 @@ class Scheduler:
                         lead=self.settings.dispatch_lead_ms / 1000, company=company,
                         in_share_budget=self.queues.in_share_budget(key, now),
                         busy=[bool(self._held.get(e)) for e in ready])
-        (self.wakeups.blocked.add if decision.blocked else self.wakeups.blocked.discard)(contract.queue(*key))
+        (self.wakeups.blocked.add if decision.blocked else self.wakeups.blocked.discard)(contract.queue(key))
         # What the step does goes to Redis in one round trip: sheds, dispatches, the load view.
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with self.store.step_writes() as pipe:
             if decision.expired:
                 dispatch.shed(pipe, key, decision.expired, self.queues.entries)
             sends = []
@@ -265,7 +248,7 @@ class Scheduler:
                 idle_at = [max(now, self.timeline.idle_at.get(e, now)) for e in holders]
                 self.views.publish(pipe, key, info, idle_at, cost, decision.rule, left, now, self._scanned_at)
             try:
-                results = await pipe.execute() if len(pipe) else []
+                results = await pipe.execute()
             finally:
                 for _, sent in sends:
                     if sent.span is not None:

@@ -16,10 +16,9 @@ import logging
 import time
 from typing import Callable
 
-from redis.asyncio import Redis
-
 from batchline import contract
-from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, ListPop
+from batchline.contract.scheduler_store import SchedulerStore
+from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +29,9 @@ NOTICE_RECHECK_S = 0.002
 
 
 class Wakeups:
-    def __init__(self, redis: Redis, blocking: Redis, scheduler_id: str, leads: Callable[[], bool]) -> None:
-        self.redis = redis
-        self.blocking = blocking
+    def __init__(self, store: SchedulerStore, scheduler_id: str, leads: Callable[[], bool]) -> None:
+        self.store = store
+        self.scheduler_id = scheduler_id
         self.leads = leads  # whether this scheduler holds the lease now
         self.event = asyncio.Event()
         self.key = contract.scheduler_wake(scheduler_id)  # its own list: a step interrupts the wait through it
@@ -65,7 +64,7 @@ class Wakeups:
 
     async def listen(self) -> None:
         """The blocking wait, for as long as the scheduler runs (its own task)."""
-        pop = ListPop(self.blocking)
+        pop = self.store.list_pop()
         while True:
             keys = self.keys()
             self.listening = set(keys)
@@ -104,10 +103,7 @@ class Wakeups:
         next report, and a token it reads for a blocked queue is ignored."""
         want = set(self.keys())
         if not want <= self.listening or (not self.leads() and want != self.listening):
-            async with self.redis.pipeline(transaction=True) as pipe:  # (never without its expiry)
-                pipe.rpush(self.key, 1)
-                pipe.pexpire(self.key, contract.SCHEDULER_WAKE_TTL_MS)
-                await pipe.execute()
+            await self.store.wake(self.scheduler_id)
 
     def step_begins(self) -> None:
         self.event.clear()

@@ -143,7 +143,7 @@ def test_bad_credentials_get_their_status_and_never_reach_redis(guarded):
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     # Nothing was queued, no payload written: the refusals happened before the gateway touched Redis.
-    assert r.zcard(contract.queue("mlp", "1")) == 0 and not list(r.scan_iter(contract.payload(("*", "*"), "*")))
+    assert r.zcard(contract.queue(("mlp", "1"))) == 0 and not list(r.scan_iter(contract.payload(("*", "*"), "*")))
     r.delete(contract.LEADER)
 
 

@@ -49,7 +49,7 @@ def test_a_group_commit_over_two_shards_keeps_each_write_s_answer_and_announces_
     from batchline.redis_client import connect
 
     bounded, other = ("mlp", "1"), ("minilm", "1")
-    assert redis_cluster.shard_of(contract.queue(*bounded)) != redis_cluster.shard_of(contract.queue(*other))
+    assert redis_cluster.shard_of(contract.queue(bounded)) != redis_cluster.shard_of(contract.queue(other))
 
     async def commit():
         client = connect(redis_cluster.url, 2)
@@ -61,11 +61,11 @@ def test_a_group_commit_over_two_shards_keeps_each_write_s_answer_and_announces_
             await client.aclose()
 
     assert asyncio.run(commit()) == [1, 1, 0, 1]  # "c" found its queue full (max_queue_size 1)
-    r = redis_cluster.node(redis_cluster.shard_of(contract.queue(*other)))
-    assert sorted(r.zrange(contract.queue(*other), 0, -1)) == [b"b", b"d"]
+    r = redis_cluster.node(redis_cluster.shard_of(contract.queue(other)))
+    assert sorted(r.zrange(contract.queue(other), 0, -1)) == [b"b", b"d"]
     assert r.get(contract.payload(other, "d")) == b"p-d"
     shared = redis_cluster.node(redis_cluster.shard_of(contract.REPORTS))
-    assert [shared.llen(contract.notify(*m)) for m in (bounded, other)] == [1, 1]
+    assert [shared.llen(contract.notify(m)) for m in (bounded, other)] == [1, 1]
     assert shared.get(contract.gateway("gw")) == b"127.0.0.1:1"
 
 
@@ -85,8 +85,8 @@ def test_a_cluster_without_every_slot_or_named_as_one_redis_stops_a_service_in_o
     line = _one_line(_start_gateway(redis_cluster.servers[0].url))
     assert "is a Redis Cluster node: name the cluster as redis+cluster://" in line
     # A slot uncovered: the model whose keys hash there could never be served.
-    owner = redis_cluster.shard_of(contract.queue("mlp", "1"))
-    slot = redis_cluster.node(owner).cluster("keyslot", contract.queue("mlp", "1"))
+    owner = redis_cluster.shard_of(contract.queue(("mlp", "1")))
+    slot = redis_cluster.node(owner).cluster("keyslot", contract.queue(("mlp", "1")))
     redis_cluster.node(owner).execute_command("CLUSTER DELSLOTS", slot)
     line = _one_line(_start_gateway(redis_cluster.url))
     assert "only 16383 of its 16384 hash slots are assigned" in line and "redis-cli --cluster fix" in line
@@ -103,17 +103,17 @@ def test_both_demo_models_are_served_with_their_keys_on_different_shards(redis_c
     assert client.infer("minilm", [text], client_timeout=60).as_numpy("sentence_embedding").shape == (1, 384)
     rows = []
     for model in ("mlp", "minilm"):
-        queue = contract.queue(model, "1")
+        queue = contract.queue((model, "1"))
         shard = redis_cluster.shard_of(queue)
         slot = redis_cluster.node(0).cluster("keyslot", queue)
         # Every key of the model is in its slot: its statistics, written by the executor's clean-up, are there.
-        assert redis_cluster.node(shard).exists(contract.stats(model, "1")), f"{model}'s statistics not on shard {shard}"
+        assert redis_cluster.node(shard).exists(contract.stats((model, "1"))), f"{model}'s statistics not on shard {shard}"
         rows.append((model, slot, shard))
     print("\nmodel   slot   shard (node port)")
     for model, slot, shard in rows:
         print(f"{model:7} {slot:5}  {shard} ({redis_cluster.servers[shard].port})")
     assert rows[0][2] != rows[1][2], f"both models' keys on one shard: {rows}"
-    assert contract.model_tag("mlp", "1") in contract.queue("mlp", "1")
+    assert contract.model_tag(("mlp", "1")) in contract.queue(("mlp", "1"))
 
 
 def test_an_executor_killed_under_load_on_a_cluster(redis_cluster, process_mesh, mlp_model):
@@ -185,7 +185,7 @@ def test_a_shard_s_primary_killed_under_load_fails_over_to_its_replica(process_m
     benchmarks/failover.py)."""
     with ClusterRedis(replicas=1) as redis_cluster:
         mesh = process_mesh(redis_server=redis_cluster).start(executors=1)
-        key = contract.queue("mlp", "1")
+        key = contract.queue(("mlp", "1"))
         with load_for(mesh, mlp_model) as load:
             load.wait_ok(200, since=0, timeout=60, check=mesh.check_alive)
             old = redis_cluster.shard_of(key)

@@ -39,7 +39,7 @@ def test_queue_entry_carries_trace_context_deadline_and_expiring_payload(mesh_fa
     client.async_infer("mlp", [inp], callback=lambda result, error: answers.put(error), request_id="traced",
                        timeout=1_500_000, priority=2, headers={"traceparent": CLIENT_TRACE, "tracestate": "k=v"})
     try:
-        members = _queued(r, contract.queue("mlp", "1"))
+        members = _queued(r, contract.queue(("mlp", "1")))
         assert len(members) == 1
         entry = pb.QueueEntry.FromString(members[0])
         assert entry.rows == 3 and entry.priority == 2 and entry.model_version == "1"
@@ -51,14 +51,14 @@ def test_queue_entry_carries_trace_context_deadline_and_expiring_payload(mesh_fa
         payload = ipb.ModelInferRequest.FromString(r.get(payload_key))
         assert payload.id == "traced" and payload.inputs[0].name == "features"
         assert 0 < r.pttl(payload_key) <= 1_500 + contract.PAYLOAD_GRACE_MS
-        assert r.ttl(contract.queue("mlp", "1")) > 0
+        assert r.ttl(contract.queue(("mlp", "1"))) > 0
         # The budget runs out; the answer says so and the request leaves Redis.
         err = answers.get(timeout=10)
         assert err is not None and err.status() == "StatusCode.DEADLINE_EXCEEDED", err
         deadline = time.monotonic() + 5
-        while (r.exists(payload_key) or r.zcard(contract.queue("mlp", "1"))) and time.monotonic() < deadline:
+        while (r.exists(payload_key) or r.zcard(contract.queue(("mlp", "1")))) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not r.exists(payload_key) and r.zcard(contract.queue("mlp", "1")) == 0
+        assert not r.exists(payload_key) and r.zcard(contract.queue(("mlp", "1"))) == 0
     finally:
         client.close()
 
@@ -72,7 +72,7 @@ def test_request_without_trace_context_gets_a_new_trace(mesh_factory):
     done: queue.Queue = queue.Queue()
     client.async_infer("mlp", [inp], callback=lambda result, error: done.put(error), timeout=500_000)
     try:
-        entry = pb.QueueEntry.FromString(_queued(r, contract.queue("mlp", "1"))[0])
+        entry = pb.QueueEntry.FromString(_queued(r, contract.queue(("mlp", "1")))[0])
         assert tracecontext.parse(entry.traceparent) is not None
         assert entry.tracestate == ""
         done.get(timeout=10)
@@ -104,9 +104,9 @@ def test_group_commit_script_queues_refuses_when_full_and_clears_abandoned():
 
 def _group_commit_checks(r: redis.Redis) -> None:
     bounded, open_ = ("t-bounded", "1"), ("t-open", "1")
-    r.zadd(contract.queue(*bounded), {b"gone": 1})
+    r.zadd(contract.queue(bounded), {b"gone": 1})
     r.set(contract.payload(bounded, "gone"), b"x")
-    r.rpush(contract.notify(*open_), 1)  # a token the scheduler has not read yet
+    r.rpush(contract.notify(open_), 1)  # a token the scheduler has not read yet
     writes = [contract.QueueWrite(rid, model, b"payload-" + rid.encode(), 60_000, member, 5, cap)
               for rid, model, member, cap in [("a", bounded, b"ma", 2), ("b", bounded, b"mb", 2),
                                               ("c", open_, b"mc", 0), ("d", open_, b"md", 0)]]
@@ -114,21 +114,21 @@ def _group_commit_checks(r: redis.Redis) -> None:
     # (abandoned requests are cleared after the writes of the same commit).
     assert contract.enqueue(r, "t-gw", "127.0.0.1:1", 30_000, writes,
                             [contract.Abandoned("gone", bounded, b"gone")]) == [1, 0, 1, 1]
-    assert r.zrange(contract.queue(*bounded), 0, -1) == [b"ma"]
-    assert sorted(r.zrange(contract.queue(*open_), 0, -1)) == [b"mc", b"md"]
+    assert r.zrange(contract.queue(bounded), 0, -1) == [b"ma"]
+    assert sorted(r.zrange(contract.queue(open_), 0, -1)) == [b"mc", b"md"]
     assert r.get(contract.payload(bounded, "a")) == b"payload-a" and 0 < r.pttl(contract.payload(bounded, "a")) <= 60_000
     assert r.get(contract.payload(bounded, "b")) is None and r.get(contract.payload(bounded, "gone")) is None
     # One token per queue, however many writes: the scheduler takes a list's tokens all at once.
-    notify = [contract.notify(*bounded), contract.notify(*open_)]
+    notify = [contract.notify(bounded), contract.notify(open_)]
     assert [r.llen(n) for n in notify] == [1, 1]
     assert 0 < r.ttl(notify[0]) <= contract.QUEUE_TTL
-    assert all(0 < r.ttl(contract.queue(*m)) <= contract.QUEUE_TTL for m in (bounded, open_))
+    assert all(0 < r.ttl(contract.queue(m)) <= contract.QUEUE_TTL for m in (bounded, open_))
     heartbeat = contract.gateway("t-gw")
     assert r.get(heartbeat) == b"127.0.0.1:1" and 0 < r.pttl(heartbeat) <= 30_000
     # Only abandoned requests: nothing announced, no heartbeat written.
     r.delete(*notify, heartbeat)
     assert contract.enqueue(r, "t-gw", "127.0.0.1:1", 30_000, [], [contract.Abandoned("c", open_, b"mc")]) == []
-    assert r.zrange(contract.queue(*open_), 0, -1) == [b"md"] and r.get(contract.payload(open_, "c")) is None
+    assert r.zrange(contract.queue(open_), 0, -1) == [b"md"] and r.get(contract.payload(open_, "c")) is None
     assert not r.exists(*notify) and not r.exists(heartbeat)
 
 
@@ -147,13 +147,14 @@ def test_batch_done_script_writes_a_batch_of_thousands():
             r.sadd(contract.inflight(("m", "1"), "e1"), "b1")
             replies = [f"r{i}".encode() for i in range(n)]
             report = pb.ExecutionReport(executor_id="e1", batch_id="b1")
-            contract.batch_done(r, batch, report, {"g1": replies}, ["success_count", n, "execution_count", 1], 1234)
+            stats = ["success_count", n, "execution_count", 1]
+            contract.batch_done(r, contract.FinishedBatch(batch, report, {"g1": replies}, stats, 1234))
             assert r.lrange(contract.reply("g1"), 0, -1) == replies
             assert 0 < r.ttl(contract.reply("g1")) <= contract.REPLY_TTL
             assert r.exists(*payloads, contract.batch(("m", "1"), "b1")) == 0
             assert r.smembers(contract.inflight(("m", "1"), "e1")) == set()
             assert r.lrange(contract.REPORTS, 0, -1) == [report.SerializeToString()]
-            stats = contract.stats("m", "1")
+            stats = contract.stats(("m", "1"))
             assert r.hgetall(stats) == {b"success_count": str(n).encode(), b"execution_count": b"1",
                                         b"last_inference_ms": b"1234"}
             assert 0 < r.ttl(stats) <= contract.STATS_TTL
@@ -191,7 +192,7 @@ def test_count_with_ttl_adds_and_sets_the_expiry_in_one_command():
     with EmbeddedRedis() as server:
         r = redis.Redis.from_url(server.url)
         try:
-            stats = contract.stats("m", "1")
+            stats = contract.stats(("m", "1"))
             r.hset(stats, "fail_count", 2)  # a hash that lost its expiry, or never had one
             contract.count(r, ("m", "1"), "fail_count", 3)
             assert r.hget(stats, "fail_count") == b"5"

@@ -273,7 +273,7 @@ def test_timeout_parameter_of_one_microsecond(client, rdb):
     assert "deadline" in exc.message() or "budget" in exc.message(), exc.message()
     # The abandoned request does not linger in Redis.
     poll(lambda: not bl_keys(rdb, contract.payload(("*", "*"), "*")), 2.0, what="bl:req:* keys to disappear")
-    poll(lambda: rdb.zcard(contract.queue("mlp", "1")) == 0, 2.0, what="the mlp queue to be empty")
+    poll(lambda: rdb.zcard(contract.queue(("mlp", "1"))) == 0, 2.0, what="the mlp queue to be empty")
 
 
 def test_undispatchable_request_times_out_and_is_cleaned_up(stalled_mesh):
@@ -287,7 +287,7 @@ def test_undispatchable_request_times_out_and_is_cleaned_up(stalled_mesh):
         assert elapsed < 1.5, f"answered after {elapsed:.2f} s for a 200 ms budget"
         assert any(w in exc.message() for w in ("deadline", "budget")), exc.message()
         poll(lambda: not bl_keys(r, contract.payload(("*", "*"), "*")), 2.0, what="bl:req:* keys to disappear")
-        poll(lambda: r.zcard(contract.queue("mlp", "1")) == 0, 2.0, what="the mlp queue to be empty")
+        poll(lambda: r.zcard(contract.queue(("mlp", "1"))) == 0, 2.0, what="the mlp queue to be empty")
         # Nothing was ever dispatched.
         assert not bl_keys(r, contract.batch(("*", "*"), "*"))
     finally:

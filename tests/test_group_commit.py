@@ -62,7 +62,7 @@ def _commits_for_paced_requests(mesh_factory, linger_ms: float, n: int = 30) -> 
         r = _stand_by(m)
         before = _commits()
         calls = _paced(stub, n, 0.01)  # 10 ms apart
-        poll(lambda: r.zcard(contract.queue("mlp", "1")) == n, 15, "every request to be queued")
+        poll(lambda: r.zcard(contract.queue(("mlp", "1"))) == n, 15, "every request to be queued")
         commits = _commits() - before
         _lead(m, r)
         assert [c.result().id for c in calls] == [f"r{i}" for i in range(n)]

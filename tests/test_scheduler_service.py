@@ -24,8 +24,8 @@ def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferReques
                           deadline_us=deadline_us, enqueued_us=now_us(), priority=1)
     r.set(contract.gateway(gateway_id), "by-hand", px=60_000)  # the gateway is alive: executors skip orphans
     r.set(contract.payload((model, "1"), request_id), request.SerializeToString(), px=60_000)
-    r.zadd(contract.queue(model, "1"), {entry.SerializeToString(): contract.queue_score(1, deadline_us)})
-    r.rpush(contract.notify(model, "1"), 1)
+    r.zadd(contract.queue((model, "1")), {entry.SerializeToString(): contract.queue_score(1, deadline_us)})
+    r.rpush(contract.notify((model, "1")), 1)
     return request_id
 
 
@@ -64,7 +64,7 @@ def _fill_executor(r: redis.Redis, s, eid: str) -> list[str]:
     held = [f"held{i}" for i in range(s.settings.max_batches_per_executor)]
     r.sadd(contract.inflight(("mlp", "1"), eid), *held)
     r.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1").SerializeToString())
-    poll(lambda: contract.queue("mlp", "1") in s.wakeups.blocked, 15, "mlp's queue to wait for its executor")
+    poll(lambda: contract.queue(("mlp", "1")) in s.wakeups.blocked, 15, "mlp's queue to wait for its executor")
     return held
 
 
@@ -79,10 +79,10 @@ def test_expired_requests_are_answered_by_the_scheduler_and_never_executed(mesh_
     assert "deadline exceeded" in replies[expired].message and "'mlp'" in replies[expired].message
     assert not r.exists(contract.payload(("mlp", "1"), expired))
     assert replies[live].code == 0 and replies[live].response.id == "by-hand"
-    stats = r.hgetall(contract.stats("mlp", "1"))
+    stats = r.hgetall(contract.stats(("mlp", "1")))
     assert int(stats[b"inference_count"]) == 1  # only the live one ran
     assert int(stats[b"fail_count"]) == 1
-    assert 0 < r.ttl(contract.stats("mlp", "1")) <= contract.STATS_TTL
+    assert 0 < r.ttl(contract.stats(("mlp", "1"))) <= contract.STATS_TTL
     assert m.scheduler.scheduler.counts["shed"] == 1
 
 
@@ -102,7 +102,7 @@ def test_a_full_batch_goes_out_at_once_and_records_why(mesh_factory):
         assert out.shape == (16,) and np.all(out == out[0])  # its own 16 identical rows came back to it
         firsts.append(float(out[0]))
     assert len(set(firsts)) == 4  # and not a neighbour's
-    stats = r.hgetall(contract.stats("mlp", "1"))
+    stats = r.hgetall(contract.stats(("mlp", "1")))
     assert int(stats[b"inference_count"]) == 64 and int(stats[b"execution_count"]) == 1
     assert int(stats[b"batch:64:count"]) == 1
     assert m.scheduler.scheduler.counts["reason:full"] == 1
@@ -123,7 +123,7 @@ def test_requests_of_a_dead_gateway_are_not_executed(mesh_factory):
     while r.exists(contract.payload(("mlp", "1"), orphan)):  # cleaned up with its batch ...
         assert time.monotonic() < deadline, "the orphan's payload was never cleaned up"
         time.sleep(0.02)
-    stats = r.hgetall(contract.stats("mlp", "1"))
+    stats = r.hgetall(contract.stats(("mlp", "1")))
     assert int(stats[b"inference_count"]) == 1  # ... but never run
     assert not r.exists(contract.reply(dead))
 
@@ -173,13 +173,13 @@ def test_right_after_redis_was_away_an_executor_without_a_heartbeat_keeps_its_ba
     r.delete(contract.executor("ghost-x"))
     refresh_registry()
     assert s.registry.stale == ["ghost-x"]
-    assert r.scard(contract.inflight(other, "ghost-x")) == 1 and r.zcard(contract.queue(*other)) == 0
+    assert r.scard(contract.inflight(other, "ghost-x")) == 1 and r.zcard(contract.queue(other)) == 0
     assert r.sismember(contract.EXECUTORS, "ghost-x")
 
     # Once the grace is over, a missing heartbeat is a death: the batch goes back to its queue.
     m.loop.call_soon_threadsafe(setattr, s.fleet.heartbeats, "trouble_at", float("-inf"))
     refresh_registry()
-    assert r.zcard(contract.queue(*other)) == 1 and not r.sismember(contract.EXECUTORS, "ghost-x")
+    assert r.zcard(contract.queue(other)) == 1 and not r.sismember(contract.EXECUTORS, "ghost-x")
 
 
 def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_alone(mesh_factory):
@@ -187,7 +187,7 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
     m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
     r = redis.Redis.from_url(m.redis_url)
     s = m.scheduler.scheduler
-    mlp, other = contract.notify("mlp", "1"), contract.notify("other", "1")
+    mlp, other = contract.notify(("mlp", "1")), contract.notify(("other", "1"))
     # A second model on an idle executor of its own: its queue is not blocked, so the leader
     # keeps listening to arrivals while mlp's queue waits.
     idle = pb.ExecutorInfo(executor_id="idle-x", address="127.0.0.1:1",
@@ -207,7 +207,7 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
     report = pb.ExecutionReport(executor_id="idle-x", model_name="other", model_version="1", rows=1,
                                 compute_infer_ns=1_000_000).SerializeToString()
     r.rpush(contract.REPORTS, report)  # a step, which finds it so
-    poll(lambda: contract.queue("mlp", "1") in s.wakeups.blocked, 15, "mlp's queue to wait for its executor")
+    poll(lambda: contract.queue(("mlp", "1")) in s.wakeups.blocked, 15, "mlp's queue to wait for its executor")
     r.rpush(mlp, 1)  # the wait begun before that verdict may take this one, and then leave the list
     poll(lambda: mlp not in s.wakeups.listening and other in s.wakeups.listening, 15, "the wait to leave mlp's arrivals alone")
 
@@ -218,7 +218,7 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
     r.rpush(contract.scheduler_wake(s.scheduler_id), 1)
     poll(lambda: s.wakeups.listening is not waiting, 15, "the next wait to begin")
     assert r.llen(mlp) == 1, "the leader woke for an arrival that cannot be dispatched before a report"
-    assert r.zcard(contract.queue("mlp", "1")) == 1
+    assert r.zcard(contract.queue(("mlp", "1"))) == 1
 
     # The report that frees the executor brings the step that dispatches it and drops the token.
     r.srem(contract.inflight(("mlp", "1"), eid), *held)
@@ -239,7 +239,7 @@ def test_after_a_redis_outage_the_leader_looks_at_a_queue_that_waited_for_a_lost
     waiting = s.wakeups.listening
     r.rpush(contract.scheduler_wake(s.scheduler_id), 1)
     poll(lambda: s.wakeups.listening is not waiting, 15, "the next wait to begin")
-    assert r.zcard(contract.queue("mlp", "1")) == 1
+    assert r.zcard(contract.queue(("mlp", "1"))) == 1
 
     # Redis answers again: the leader looks at every queue at once.
     m.loop.call_soon_threadsafe(s.wakeups.after_outage)
@@ -248,8 +248,6 @@ def test_after_a_redis_outage_the_leader_looks_at_a_queue_that_waited_for_a_lost
 
 def test_batches_handed_back_by_the_executor_a_queue_waits_for_are_dispatched_at_once(mesh_factory):
     # Long timers: without the hand-back's event, the next step would come in 30 s.
-    from batchline.recovery import requeue_held_batches
-
     m, r, s, eid = _leader_of_mlp(mesh_factory)
     # The executor holds as many batches as it may (one of them with a live request); mlp's queue waits.
     gateway_id, request_id = "gw-handback", uuid.uuid4().hex
@@ -261,11 +259,11 @@ def test_batches_handed_back_by_the_executor_a_queue_waits_for_are_dispatched_at
     batch = pb.Batch(batch_id="held0", model_name="mlp", model_version="1", members=[entry], executor_id=eid,
                      dispatched_us=now_us(), attempt=1)
     r.set(contract.batch(("mlp", "1"), batch.batch_id), batch.SerializeToString(), px=60_000)
-    r.sadd(contract.served(eid), contract.model_tag(*("mlp", "1")))
+    r.sadd(contract.served(eid), contract.model_tag(("mlp", "1")))
     assert batch.batch_id in _fill_executor(r, s, eid)
 
     # A restarted executor hands back what it held: the request goes back to the queue.
-    requeued = m.call(requeue_held_batches(s.redis, eid, include_queued=False))
+    requeued = m.call(s.store.requeue_held_batches(eid, include_queued=False))
     assert requeued[("mlp", "1")] == 1
     assert _replies(r, gateway_id, 1)[request_id].code == 0
 
@@ -275,7 +273,7 @@ def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mes
     m = mesh_factory(models=["mlp"], registry_refresh_s=30.0, lease_ttl_s=90.0)
     r = redis.Redis.from_url(m.redis_url)
     s = m.scheduler.scheduler
-    gateway_id, queue = "gw-race", contract.queue("mlp", "1")
+    gateway_id, queue = "gw-race", contract.queue(("mlp", "1"))
     m.loop.call_soon_threadsafe(s.wakeups.wake)  # the first step, which takes the lease, without waiting 30 s
     deadline = time.monotonic() + 10
     while not s.leader:
@@ -294,13 +292,13 @@ def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mes
             # next wait must include the queue's notices first: the report that began this step
             # also ended its last one.
             for _ in range(500):
-                if s.wakeups.listening is not before and contract.notify("mlp", "1") in s.wakeups.listening:
+                if s.wakeups.listening is not before and contract.notify(("mlp", "1")) in s.wakeups.listening:
                     break
                 await asyncio.sleep(0.01)
             s.wakeups.blocked.add(queue)
             arrived.append(_enqueue(r, gateway_id, now_us() + 30_000_000, _mlp_request(np.ones((1, 32)))))
             for _ in range(500):
-                if not await s.redis.llen(contract.notify("mlp", "1")):
+                if not await s.store.client.llen(contract.notify(("mlp", "1"))):
                     break
                 await asyncio.sleep(0.01)
             else:

@@ -73,7 +73,7 @@ def _dispatch_by_hand(r: redis.Redis, executor_id: str, batch_id: str, gateway_i
                      attempt=1)
     r.set(contract.batch(("mlp", "1"), batch_id), batch.SerializeToString(), px=60_000)
     r.sadd(contract.inflight(("mlp", "1"), executor_id), batch_id)
-    r.sadd(contract.served(executor_id), contract.model_tag(*("mlp", "1")))
+    r.sadd(contract.served(executor_id), contract.model_tag(("mlp", "1")))
     r.rpush(contract.work(executor_id), batch.SerializeToString())
     return entries
 
@@ -82,12 +82,12 @@ def _dispatch_queued(r: redis.Redis, m, model: str, members: list[bytes], batch_
     """Send queued requests (their queue members) to the mesh's first executor as one batch, the
     way the scheduler's dispatch does."""
     eid = m.executors[0].executor.executor_id
-    r.zrem(contract.queue(model, "1"), *members)
+    r.zrem(contract.queue((model, "1")), *members)
     batch = pb.Batch(batch_id=batch_id, model_name=model, model_version="1", executor_id=eid, attempt=1,
                      members=[pb.QueueEntry.FromString(x) for x in members])
     r.set(contract.batch((model, "1"), batch_id), batch.SerializeToString(), px=60_000)
     r.sadd(contract.inflight((model, "1"), eid), batch_id)
-    r.sadd(contract.served(eid), contract.model_tag(model, "1"))
+    r.sadd(contract.served(eid), contract.model_tag((model, "1")))
     r.rpush(contract.work(eid), batch.SerializeToString())
 
 
@@ -145,16 +145,16 @@ def test_a_standby_leaves_the_shared_event_lists_to_the_leader(mesh_factory):
     report = pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1", rows=3,
                                 compute_infer_ns=3_000_000).SerializeToString()
     r.rpush(contract.REPORTS, report)
-    r.rpush(contract.notify("mlp", "1"), 1)
+    r.rpush(contract.notify(("mlp", "1")), 1)
     next_lease_attempt()
     next_lease_attempt()
     assert not scheduler.leader
     assert report in r.lrange(contract.REPORTS, 0, -1)  # a leader's profile sample, not the standby's
-    assert r.llen(contract.notify("mlp", "1")) == 1
+    assert r.llen(contract.notify(("mlp", "1"))) == 1
 
     r.delete(contract.LEADER)
     poll(lambda: scheduler.leader, WAIT_S, "the scheduler to take the lease")
-    poll(lambda: r.llen(contract.REPORTS) == 0 and r.llen(contract.notify("mlp", "1")) == 0, WAIT_S, "the leader to take the events")
+    poll(lambda: r.llen(contract.REPORTS) == 0 and r.llen(contract.notify(("mlp", "1"))) == 0, WAIT_S, "the leader to take the events")
     # An unregistered executor's report counts for its model's "unknown" kind.
     poll(lambda: (3, 0.003) in scheduler.profiles.of(("mlp", "1", "unknown")).samples(), WAIT_S, "the report in the profile")
 
@@ -195,7 +195,7 @@ def test_warm_up_seeds_the_profile_and_a_restarted_scheduler_loads_it(mesh_facto
     assert profile.predict(64) >= profile.predict(1) > 0  # mlp is so cheap that noise may flatten the slope
     m.call(m.scheduler.stop(0))  # saves the profile
     r = redis.Redis.from_url(m.redis_url)
-    assert r.ttl(contract.profile(*key)) > 0
+    assert r.ttl(contract.profile(key[:2], key[2])) > 0
     again = m.call(SchedulerApp(SchedulerSettings(redis_url=m.redis_url, port=0, metrics_port=-1)).start())
     m.scheduler = again
     channel, stub = _stub(m)
@@ -224,7 +224,7 @@ def _backed_up(m, cost_per_unit_s: float = 0.001) -> redis.Redis:
     backed_up = pb.QueueTail(free_s=[now + 60.0])  # the executor's queued work, nothing more to join
     view = pb.ModelLoad(cost_per_unit_s=cost_per_unit_s, cost_fixed_s=0.01, executors=1, queued_rows=[5000, 0],
                         policy="deadline", updated_us=now_us() + 60_000_000, tails=[backed_up, backed_up])
-    r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
+    r.set(contract.load(("mlp", "1")), view.SerializeToString(), px=60_000)
     # (the real scheduler published a view of its own before standing by: wait for ours)
     poll(lambda: getattr(m.gateway.gateway.loads.get(("mlp", "1")), "queued_rows", [0])[0] == 5000, WAIT_S, "the gateway to read the load view")
     return r
@@ -247,7 +247,7 @@ def test_overload_is_refused_at_once_with_a_retry_hint(mesh_factory):
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "raise the timeout" in info.value.details()
     # Refused requests left nothing behind.
-    assert r.zcard(contract.queue("mlp", "1")) == 0
+    assert r.zcard(contract.queue(("mlp", "1"))) == 0
 
 
 def _refusal_hints(m, n: int) -> list[int]:
@@ -317,7 +317,7 @@ def test_a_refusal_on_a_stream_carries_the_retry_hint_and_the_stream_goes_on(mes
     # Only a refusal for load says when to come back: a budget too short for the model does not.
     assert by_id["tight"].error_message.startswith("[DEADLINE_EXCEEDED]")
     assert "retry-after-ms" not in by_id["tight"].infer_response.parameters
-    assert r.zcard(contract.queue("mlp", "1")) == 0
+    assert r.zcard(contract.queue(("mlp", "1"))) == 0
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["unary", "streams"])
@@ -336,14 +336,14 @@ def test_the_bench_closed_loop_waits_out_a_refusals_retry_after_hint(mesh_factor
 def _count_load_reads(gw) -> list[float]:
     """Record when the gateway reads mlp's load view (time.monotonic() of each read)."""
     reads: list[float] = []
-    real_mget = gw.redis.mget
+    real_mget = gw.store.client.mget
 
     async def counted_mget(keys, *args, **kwargs):
-        if contract.load("mlp", "1") in keys:
+        if contract.load(("mlp", "1")) in keys:
             reads.append(time.monotonic())
         return await real_mget(keys, *args, **kwargs)
 
-    gw.redis.mget = counted_mget
+    gw.store.client.mget = counted_mget
     return reads
 
 
@@ -358,7 +358,7 @@ def test_an_idle_gateway_leaves_the_load_views_alone_until_a_request_arrives(mes
     now = time.time()
     view = pb.ModelLoad(cost_per_unit_s=0.001, executors=1, queued_rows=[0], policy="deadline",
                         updated_us=now_us(), tails=[pb.QueueTail(free_s=[now])])
-    r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
+    r.set(contract.load(("mlp", "1")), view.SerializeToString(), px=60_000)
     time.sleep(0.3)  # fifteen busy-rate periods
     assert reads == [] and gw.loads.get(("mlp", "1")) != view
     channel, stub = _stub(m)
@@ -385,7 +385,7 @@ def test_the_gateway_reads_the_load_views_as_often_as_the_budgets_in_play_need(m
         for _ in range(10):
             relaxed.append(stub.ModelInfer.future(_request(1.0), timeout=60))
             time.sleep(0.05)
-        poll(lambda: r.zcard(contract.queue("mlp", "1")) == 10, WAIT_S, "all ten admitted and queued")
+        poll(lambda: r.zcard(contract.queue(("mlp", "1"))) == 10, WAIT_S, "all ten admitted and queued")
         assert len(reads) == 1
         for f in relaxed:
             f.cancel()
@@ -411,12 +411,12 @@ def test_requests_admitted_since_the_view_count_until_a_later_view_shows_them(me
         tail = pb.QueueTail(free_s=[now + 0.08 * queued_rows])  # a full batch of them on its way
         view = pb.ModelLoad(cost_per_unit_s=0.08, executors=1, queued_rows=[queued_rows], policy="deadline",
                             updated_us=now_us(), tails=[tail] if queued_rows else [pb.QueueTail(free_s=[now])])
-        r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
+        r.set(contract.load(("mlp", "1")), view.SerializeToString(), px=60_000)
         poll(lambda: gateway.loads.get(("mlp", "1")) == view, WAIT_S, "the gateway to read the view")
         return view.updated_us
 
     publish(0)
-    queue = contract.queue("mlp", "1")
+    queue = contract.queue(("mlp", "1"))
     channel, stub = _stub(m)
     with channel:
         # Budget 300 ms, planned to 290, admitted up to 0.7 of that (203 ms): 2 rows of 80 ms fit, 3 do not.
@@ -452,7 +452,7 @@ def test_a_view_that_read_a_request_before_its_gateway_heard_it_was_queued_count
     m = mesh_factory(models=["mlp"], gateway_overrides={"admission_headroom": 0.7})
     r = _hold_lease(m)  # nothing is dispatched: admitted requests stay queued
     gw = m.gateway.gateway
-    queue = contract.queue("mlp", "1")
+    queue = contract.queue(("mlp", "1"))
 
     def publish(queued_rows: int, updated_us: int, seen_us: dict[str, int]) -> None:
         # The view as the gateway reads it, at once: the executor is busy with the queued rows for
@@ -462,7 +462,7 @@ def test_a_view_that_read_a_request_before_its_gateway_heard_it_was_queued_count
         view = pb.ModelLoad(cost_per_unit_s=0.08, executors=1, queued_rows=[queued_rows], policy="deadline",
                             updated_us=updated_us, tails=[tail] if queued_rows else [pb.QueueTail(free_s=[now])],
                             seen_us=seen_us)
-        r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
+        r.set(contract.load(("mlp", "1")), view.SerializeToString(), px=60_000)
         gw.views.loads = {**gw.views.loads, ("mlp", "1"): view}
 
     publish(0, now_us(), {})
@@ -496,9 +496,9 @@ def test_the_load_view_says_up_to_which_request_of_each_gateway_it_has_read(mesh
             stub.ModelInfer(_request(float(i)), timeout=10)
             # Dispatched, run and answered: its view has counted it (queued or sent on), even if the
             # scheduler never published while it was queued.
-            poll(lambda: (b := r.get(contract.load("mlp", "1"))) and
+            poll(lambda: (b := r.get(contract.load(("mlp", "1")))) and
                          pb.ModelLoad.FromString(b).seen_us.get(gateway_id, 0) >= before, WAIT_S, "a view that has read the request")
-            assert pb.ModelLoad.FromString(r.get(contract.load("mlp", "1"))).seen_us[gateway_id] <= now_us()
+            assert pb.ModelLoad.FromString(r.get(contract.load(("mlp", "1")))).seen_us[gateway_id] <= now_us()
 
 
 def test_an_answered_request_is_ahead_of_nobody_while_no_newer_view_comes(mesh_factory):
@@ -508,11 +508,11 @@ def test_an_answered_request_is_ahead_of_nobody_while_no_newer_view_comes(mesh_f
     now = time.time()
     view = pb.ModelLoad(cost_per_unit_s=0.08, executors=1, queued_rows=[0], policy="deadline",
                         updated_us=now_us(), tails=[pb.QueueTail(free_s=[now])])
-    r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
+    r.set(contract.load(("mlp", "1")), view.SerializeToString(), px=60_000)
     poll(lambda: gateway.loads.get(("mlp", "1")) == view, WAIT_S, "the gateway to read the view")
     channel, stub = _stub(m)
     with channel:
-        queue = contract.queue("mlp", "1")
+        queue = contract.queue(("mlp", "1"))
         first = stub.ModelInfer.future(_request(1.0), timeout=10)  # admitted after the view was taken
         members = poll(lambda: r.zrange(queue, 0, -1), WAIT_S, "the first request queued")
         _dispatch_queued(r, m, "mlp", members, "answered")
@@ -535,7 +535,7 @@ def test_a_gateway_whose_admitted_requests_come_late_admits_less(mesh_factory):
     # count on top of it (for 2 s, while it is fresh enough to be used).
     view = pb.ModelLoad(cost_per_unit_s=0.08, executors=1, queued_rows=[0], policy="deadline",
                         updated_us=now_us(), tails=[pb.QueueTail(free_s=[time.time()])])
-    r.set(contract.load("mlp", "1"), view.SerializeToString(), px=60_000)
+    r.set(contract.load(("mlp", "1")), view.SerializeToString(), px=60_000)
     poll(lambda: gateway.loads.get(("mlp", "1")) == view, WAIT_S, "the gateway to read the view")
     channel, stub = _stub(m)
     with channel:
@@ -543,7 +543,7 @@ def test_a_gateway_whose_admitted_requests_come_late_admits_less(mesh_factory):
         # share its batch (2 rows, 160 ms) rather than start alone on the idle executor, which
         # admission allows whatever the headroom.
         ahead = stub.ModelInfer.future(_request(0.0), timeout=30)
-        poll(lambda: r.zcard(contract.queue("mlp", "1")) == 1, WAIT_S, "the first request queued")
+        poll(lambda: r.zcard(contract.queue(("mlp", "1"))) == 1, WAIT_S, "the first request queued")
         # Budget 280 ms, planned to 270: 160 ms is within 0.7 of it, so the request is admitted, and comes late.
         with pytest.raises(grpc.RpcError) as info:
             stub.ModelInfer(_request(1.0), timeout=0.28)
@@ -574,12 +574,12 @@ def test_max_queue_size_refuses_with_resource_exhausted(mesh_factory, model_repo
         channel = grpc.insecure_channel(m.address)
         stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
         waiting = [stub.ModelInfer.future(_request(i), timeout=30) for i in range(2)]
-        poll(lambda: r.zcard(contract.queue("mlp", "1")) == 2, WAIT_S, "two queued requests")
+        poll(lambda: r.zcard(contract.queue(("mlp", "1"))) == 2, WAIT_S, "two queued requests")
         with pytest.raises(grpc.RpcError) as info:
             stub.ModelInfer(_request(9), timeout=10)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "queue of model 'mlp' is full" in info.value.details() and "max_queue_size" in info.value.details()
-        assert r.zcard(contract.queue("mlp", "1")) == 2  # the refused one was not queued
+        assert r.zcard(contract.queue(("mlp", "1"))) == 2  # the refused one was not queued
         r.delete(contract.LEADER)  # the scheduler takes over and serves the two queued ones
         assert all(f.result(timeout=15).id == "t" for f in waiting)
         channel.close()
@@ -636,7 +636,7 @@ def test_a_model_with_two_instances_runs_on_two_lanes_of_one_executor(model_repo
         held = _hold_lease(m)
         channel, stub = _stub(m)
         futures = [stub.ModelInfer.future(_request(i), timeout=30) for i in range(16)]
-        poll(lambda: held.zcard(contract.queue("mlp", "1")) == 16, WAIT_S, "16 queued requests")
+        poll(lambda: held.zcard(contract.queue(("mlp", "1"))) == 16, WAIT_S, "16 queued requests")
         held.delete(contract.LEADER)
         assert all(f.result().id == "t" for f in futures)
         channel.close()
@@ -717,7 +717,7 @@ def test_an_executor_that_cannot_finish_in_time_hands_its_work_back(mesh_factory
     m.call(victim.stop(0))
     m.executors.remove(victim)
     # Back in its queue, with its original score, for another executor.
-    queued = r.zrange(contract.queue("mlp", "1"), 0, -1, withscores=True)
+    queued = r.zrange(contract.queue(("mlp", "1")), 0, -1, withscores=True)
     assert [(pb.QueueEntry.FromString(member).request_id, score) for member, score in queued] == [
         (entry.request_id, contract.queue_score(1, entry.deadline_us))
     ]
@@ -738,13 +738,13 @@ def test_the_load_view_counts_queued_rows_per_priority_level(mesh_factory):
     scheduler.views.published_at.clear()
 
     async def publish():
-        async with scheduler.redis.pipeline(transaction=False) as pipe:
+        async with scheduler.store.step_writes() as pipe:
             cost = scheduler.profiles.of((*key, "test")).cost()
             scheduler.views.publish(pipe, key, info, [], cost, BatchingRule.of_model(info), queue, now, now)
             await pipe.execute()
 
     m.call(publish())
-    view = pb.ModelLoad.FromString(r.get(contract.load(*key)))
+    view = pb.ModelLoad.FromString(r.get(contract.load(key)))
     # A priority-1 request is behind 2 rows only, not behind the priority-5 ones.
     assert list(view.queued_rows) == [2, 0, 0, 0, 4]
     # The play for level 1 and each level with rows queued (no executor holds the model here,
@@ -768,7 +768,7 @@ def test_a_text_requests_length_travels_with_it_and_its_batch_reports_the_padded
     m = mesh_factory(models=["minilm"])
     r = _hold_lease(m)  # requests stay queued, and a standby leaves execution reports in their list
     r.delete(contract.REPORTS)
-    queue = contract.queue("minilm", "1")
+    queue = contract.queue(("minilm", "1"))
     channel, stub = _stub(m)
     with channel:
         calls = [stub.ModelInfer.future(_text_request(n), timeout=30) for n in (5, 12)]
@@ -789,7 +789,7 @@ def test_a_batch_retried_member_by_member_reports_every_run_it_made(mesh_factory
     m = mesh_factory(models=["minilm"])
     r = _hold_lease(m)
     r.delete(contract.REPORTS)
-    queue = contract.queue("minilm", "1")
+    queue = contract.queue(("minilm", "1"))
     channel, stub = _stub(m)
     with channel:
         good = stub.ModelInfer.future(_text_request(5), timeout=30)
@@ -814,7 +814,7 @@ def test_a_short_sequence_is_judged_by_its_own_cost_after_long_ones_taught_the_p
                                   rows=8, requests=8, units=8 * tokens, compute_infer_ns=8 * tokens * 2_000_000)
                for i, tokens in enumerate([64, 128] * 20)]
     r.rpush(contract.REPORTS, *(x.SerializeToString() for x in reports))
-    poll(lambda: (view := r.get(contract.load("minilm", "1"))) and
+    poll(lambda: (view := r.get(contract.load(("minilm", "1")))) and
           pb.ModelLoad.FromString(view).cost_per_unit_s == pytest.approx(0.002, rel=0.01), WAIT_S, "the profile's new cost")
     channel, stub = _stub(m)
     with channel:

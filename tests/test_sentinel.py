@@ -80,7 +80,7 @@ def _features(value: float) -> tc.InferInput:
 
 def _payload_of(r: redis.Redis, client_id: str) -> str:
     """The payload key of the queued request the client sent with `client_id`."""
-    for member in r.zrange(contract.queue("mlp", "1"), 0, -1):
+    for member in r.zrange(contract.queue(("mlp", "1")), 0, -1):
         key = contract.payload(("mlp", "1"), pb.QueueEntry.FromString(member).request_id)
         blob = r.get(key)
         if blob and ipb.ModelInferRequest.FromString(blob).id == client_id:

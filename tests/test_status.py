@@ -56,7 +56,7 @@ def _three_queued(m):
     stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
     calls = [stub.ModelInfer.future(_request(p), timeout=30) for p in (1, 3, 3)]
     try:
-        poll(lambda: r.zcard(contract.queue("mlp", "1")) == 3, 15, "three requests queued")
+        poll(lambda: r.zcard(contract.queue(("mlp", "1"))) == 3, 15, "three requests queued")
         yield r, calls
     finally:
         for call in calls:

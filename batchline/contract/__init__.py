@@ -5,10 +5,13 @@ service needs lives here, and every key expires so that nothing leaks when
 a service dies (the TTLs bound how long anything can outlive its use).
 `keys` holds the layout (its docstring is the table), `scripts` the Lua
 scripts, `calls` the functions that run them from typed arguments, `slots` what differs on a
-Redis Cluster.
+Redis Cluster. Each role's store (`gateway_store`, `scheduler_store`, `executor_store`,
+`recovery`, `admin_store`, on `store`) owns every command that role issues: the services hold a
+store, never a client. `memory` has in-memory stores for unit tests.
 """
 from batchline.contract.calls import (  # noqa: F401
     Abandoned,
+    FinishedBatch,
     QueueWrite,
     batch_done,
     count,

@@ -36,7 +36,7 @@ class Abandoned:
     member: bytes
 
 
-def enqueue(client, gateway_id: str, address: str, heartbeat_ttl_ms: int,
+def enqueue(client: Any, gateway_id: str, address: str, heartbeat_ttl_ms: int,
             writes: Sequence[QueueWrite], abandoned: Sequence[Abandoned] = ()) -> Any:
     """A gateway's group commit (scripts.ENQUEUE_LUA): its result holds, per write, 1 when queued
     and 0 when its queue was full. One command on one Redis; on a cluster, one per model, then
@@ -45,7 +45,7 @@ def enqueue(client, gateway_id: str, address: str, heartbeat_ttl_ms: int,
         return _enqueue_by_model(client, gateway_id, address, heartbeat_ttl_ms, writes, abandoned)
     keys, args = _enqueue_keys_args(writes, abandoned, announce=True)
     keys.append(k.gateway(gateway_id))
-    keys += (k.notify(*m) for m in dict.fromkeys(w.model for w in writes))
+    keys += (k.notify(m) for m in dict.fromkeys(w.model for w in writes))
     args[3:5] = (address, heartbeat_ttl_ms)
     return client.eval(scripts.ENQUEUE_LUA, len(keys), *keys, *args)
 
@@ -54,15 +54,15 @@ def _enqueue_keys_args(writes: Sequence[QueueWrite], abandoned: Sequence[Abandon
     keys: list = []
     args: list = [len(writes), len(abandoned), int(announce), "", 0, k.QUEUE_TTL]
     for w in writes:
-        keys += (k.payload(w.model, w.request_id), k.queue(*w.model))
+        keys += (k.payload(w.model, w.request_id), k.queue(w.model))
         args += (w.payload, w.payload_ttl_ms, w.score, w.member, w.max_queue_size)
     for a in abandoned:
-        keys += (k.queue(*a.model), k.payload(a.model, a.request_id))
+        keys += (k.queue(a.model), k.payload(a.model, a.request_id))
         args.append(a.member)
     return keys, args
 
 
-async def _enqueue_by_model(client, gateway_id: str, address: str, heartbeat_ttl_ms: int,
+async def _enqueue_by_model(client: Any, gateway_id: str, address: str, heartbeat_ttl_ms: int,
                             writes: Sequence[QueueWrite], abandoned: Sequence[Abandoned]) -> list[int]:
     """The group commit on a cluster: each model's writes in its slot; then, once they have
     landed, the announcement in the shared slot (a token before its entry would wake the
@@ -80,7 +80,7 @@ async def _enqueue_by_model(client, gateway_id: str, address: str, heartbeat_ttl
         keys, args = _enqueue_keys_args(ws, gone, announce=False)
         pipe.eval(scripts.ENQUEUE_LUA, len(keys), *keys, *args)
     if writes:
-        notify = [k.notify(*m) for m in dict.fromkeys(w.model for w in writes)]
+        notify = [k.notify(m) for m in dict.fromkeys(w.model for w in writes)]
         rounds.next().eval(scripts.ANNOUNCE_LUA, 1 + len(notify), k.gateway(gateway_id), *notify,
                            address, heartbeat_ttl_ms, k.QUEUE_TTL)
     results = await rounds.execute()
@@ -91,71 +91,86 @@ async def _enqueue_by_model(client, gateway_id: str, address: str, heartbeat_ttl
     return queued
 
 
-def dispatch(client, batch: pb.Batch, members: Sequence[bytes], batch_ttl_ms: int) -> Any:
+def dispatch(client: Any, batch: pb.Batch, members: Sequence[bytes], batch_ttl_ms: int) -> Any:
     """Move `members` from their queue into `batch`, for its executor (scripts.DISPATCH_LUA): its
     result is how many were still queued (0: nothing was dispatched). On a cluster, two commands
     (the model's half, then the executor's, scripts.HAND_OVER_LUA): the first one's result is the
     dispatch's."""
     model = (batch.model_name, batch.model_version)
     blob = batch.SerializeToString()
-    keys = [k.queue(*model), k.batch(model, batch.batch_id), k.inflight(model, batch.executor_id)]
-    args = [batch.batch_id, batch_ttl_ms, k.WORK_TTL, blob, k.model_tag(*model), *members]
+    keys = [k.queue(model), k.batch(model, batch.batch_id), k.inflight(model, batch.executor_id)]
+    args = [batch.batch_id, batch_ttl_ms, k.WORK_TTL, blob, k.model_tag(model), *members]
     hand_over = [k.work(batch.executor_id), k.served(batch.executor_id)]
     if slots.on_cluster(client):
         result = client.eval(scripts.DISPATCH_LUA, len(keys), *keys, *args)
-        client.eval(scripts.HAND_OVER_LUA, 2, *hand_over, blob, k.WORK_TTL, k.model_tag(*model))
+        client.eval(scripts.HAND_OVER_LUA, 2, *hand_over, blob, k.WORK_TTL, k.model_tag(model))
         return result
     return client.eval(scripts.DISPATCH_LUA, len(keys) + 2, *keys, *hand_over, *args)
 
 
-def push_with_ttl(client, key: str, ttl_s: int, values: Sequence[bytes]) -> Any:
+def push_with_ttl(client: Any, key: str, ttl_s: int, values: Sequence[bytes]) -> Any:
     """Append `values` to the list `key` and set its expiry in one command."""
     return client.eval(scripts.PUSH_WITH_TTL_LUA, 1, key, ttl_s, *values)
 
 
-def count(client, model: ModelKey, field: str, increment: int) -> Any:
+def count(client: Any, model: ModelKey, field: str, increment: int) -> Any:
     """Add to one of a model's statistics counters and set the hash's expiry in one command."""
-    return client.eval(scripts.COUNT_WITH_TTL_LUA, 1, k.stats(*model), k.STATS_TTL, field, increment)
+    return client.eval(scripts.COUNT_WITH_TTL_LUA, 1, k.stats(model), k.STATS_TTL, field, increment)
 
 
-def report(client, blob: bytes) -> Any:
+def report(client: Any, blob: bytes) -> Any:
     """Append an execution report for the scheduler (scripts.REPORT_LUA)."""
     return client.eval(scripts.REPORT_LUA, 1, k.REPORTS, blob, k.REPORTS_CAP, k.QUEUE_TTL)
 
 
-def shed(client, model: ModelKey, members: Sequence[bytes], request_ids: Sequence[str],
+def shed(client: Any, model: ModelKey, members: Sequence[bytes], request_ids: Sequence[str],
          replies: Mapping[str, Sequence[pb.Reply]]) -> None:
     """Queue on a pipeline the removal of requests the scheduler sheds, their answers (`replies`
     per gateway id) and the model's failure count (every command in one slot)."""
-    client.zrem(k.queue(*model), *members)
+    client.zrem(k.queue(model), *members)
     client.delete(*(k.payload(model, r) for r in request_ids))
     for gateway_id, answers in replies.items():
         push_with_ttl(client, k.reply(gateway_id), k.REPLY_TTL, [a.SerializeToString() for a in answers])
     count(client, model, "fail_count", len(members))
 
 
-def batch_done(client, batch: pb.Batch, report_: pb.ExecutionReport, replies: Mapping[str, Sequence[bytes]],
-               stats: Sequence[str | int], last_inference_ms: int) -> Any:
-    """An executor's whole write for a finished batch (scripts.BATCH_DONE_LUA): `replies` per
-    gateway id, `stats` as field, increment pairs, `last_inference_ms` 0 when nothing in it
-    succeeded. One command on one Redis; on a cluster, the replies, then the rest (an asyncio
-    client's)."""
-    model = (batch.model_name, batch.model_version)
-    keys = [k.inflight(model, report_.executor_id), k.stats(*model), k.batch(model, batch.batch_id),
+@dataclass(slots=True)
+class FinishedBatch:
+    """An executor's whole write for a finished batch (batch_done's arguments)."""
+    batch: pb.Batch
+    report: pb.ExecutionReport
+    replies: Mapping[str, Sequence[bytes]]  # the Reply messages, per gateway id
+    stats: Sequence[str | int]              # statistics counters: field, increment pairs
+    last_inference_ms: int                  # 0 when nothing in it succeeded
+
+    @property
+    def model(self) -> ModelKey:
+        return self.batch.model_name, self.batch.model_version
+
+    @property
+    def reply_bytes(self) -> int:
+        return sum(len(r) for items in self.replies.values() for r in items)
+
+
+def batch_done(client: Any, done: FinishedBatch) -> Any:
+    """An executor's whole write for a finished batch (scripts.BATCH_DONE_LUA). One command on one
+    Redis; on a cluster, the replies, then the rest (an asyncio client's)."""
+    batch, replies, stats, model = done.batch, done.replies, done.stats, done.model
+    keys = [k.inflight(model, done.report.executor_id), k.stats(model), k.batch(model, batch.batch_id),
             *(k.payload(model, m.request_id) for m in batch.members)]
     args: list = [0, len(batch.members), batch.batch_id, "", k.REPORTS_CAP,
-                  k.QUEUE_TTL, k.REPLY_TTL, k.STATS_TTL, last_inference_ms]
+                  k.QUEUE_TTL, k.REPLY_TTL, k.STATS_TTL, done.last_inference_ms]
     if slots.on_cluster(client):
-        return _batch_done_in_rounds(client, keys, [*args, *stats], report_.SerializeToString(), replies)
+        return _batch_done_in_rounds(client, keys, [*args, *stats], done.report.SerializeToString(), replies)
     keys += [k.REPORTS, *(k.reply(g) for g in replies)]
-    args[0], args[3] = len(replies), report_.SerializeToString()
+    args[0], args[3] = len(replies), done.report.SerializeToString()
     for items in replies.values():
         args += (len(items), *items)
     args += stats
     return client.eval(scripts.BATCH_DONE_LUA, len(keys), *keys, *args)
 
 
-async def _batch_done_in_rounds(client, keys: list, args: list, blob: bytes,
+async def _batch_done_in_rounds(client: Any, keys: list, args: list, blob: bytes,
                                 replies: Mapping[str, Sequence[bytes]]) -> int:
     """batch_done on a cluster: the replies (each gateway's slot) land before the payloads go, so
     that a crash in between re-runs the batch rather than lose its answers."""
@@ -171,17 +186,17 @@ async def _batch_done_in_rounds(client, keys: list, args: list, blob: bytes,
     return 1
 
 
-def take_lease(client, holder_id: str, ttl_ms: int) -> Any:
+def take_lease(client: Any, holder_id: str, ttl_ms: int) -> Any:
     """Take the scheduling lease, or renew it if `holder_id` holds it: its result is 1 when held."""
     return client.eval(scripts.LEASE_LUA, 1, k.LEADER, holder_id, ttl_ms)
 
 
-def release_lease(client, holder_id: str) -> Any:
+def release_lease(client: Any, holder_id: str) -> Any:
     """Give the lease up, if `holder_id` holds it."""
     return client.eval(scripts.RELEASE_LUA, 1, k.LEADER, holder_id)
 
 
-def take_token(client, tenant: str, rate_per_s: float, burst: float) -> Any:
+def take_token(client: Any, tenant: str, rate_per_s: float, burst: float) -> Any:
     """Take one request's token from the tenant's bucket (scripts.TAKE_TOKEN_LUA): its result is
     [1, 0] when taken, else [0, milliseconds until a token is there]."""
     return client.eval(scripts.TAKE_TOKEN_LUA, 1, k.rate(tenant), rate_per_s, burst)

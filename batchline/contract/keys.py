@@ -4,7 +4,8 @@ Keys (all under the ``bl:`` prefix; messages are protobufs from
 ``protos/batchline/protocol/internal.proto``). The part in braces is the key's hash tag: on a
 Redis Cluster, keys with the same tag live in one hash slot, which is what lets each script and
 each blocking wait name keys of one slot only (docs/design/redis-cluster.md). M is
-``m:<model>:<version>``, X ``x:<executor_id>``, G ``g:<gateway_id>``; S, the shared slot, holds
+``m:<model>:<version>``, X ``x:<executor_id>``, G ``g:<gateway_id>``; a tenant's bucket and a
+tokenizer have a tag of their own (``t:<tenant>``, ``k:<sha256>``); S, the shared slot, holds
 what is small and read by everyone (wake-ups, reports, registrations, the lease).
 
 =====================================  ===========  ==================================================
@@ -30,13 +31,16 @@ bl:gateway:{s}:<gateway_id>            string       the gateway's address; TTL =
 bl:gateways:{s}                        sorted set   gateway ids scored by their last heartbeat (ms): how many are live
 bl:control:{s}:models                  hash         model name -> "load:<seq>" | "unload:<seq>": the latest repository call
 bl:control:{s}:seq                     string       the sequence number of the latest repository call (INCR)
-bl:rate:<tenant>                       hash         a tenant's token bucket (max_rate): tokens, as of (ms); TTL = refill time
-bl:tokenizer:<sha256>                  string       a model's tokenizer.json, for the gateways to tokenize its text input
+bl:rate:{t:<tenant>}                   hash         a tenant's token bucket (max_rate): tokens, as of (ms); TTL = refill time
+bl:tokenizer:{k:<sha256>}              string       a model's tokenizer.json, for the gateways to tokenize its text input
 =====================================  ===========  ==================================================
 """
 from __future__ import annotations
 
 PREFIX = "bl:"
+
+# A model version, (name, version): what every per-model key and map is keyed by.
+ModelKey = tuple[str, str]
 
 # The shared slot's tag.
 SHARED = "{s}"
@@ -97,13 +101,11 @@ def parse_control(record: bytes | str) -> tuple[str, int]:
     return action, int(seq)
 
 
-ModelKey = tuple[str, str]
 
-
-def model_tag(model: str, version: str) -> str:
+def model_tag(model: ModelKey) -> str:
     """The hash tag of a model version's keys: its queue, payloads, batches and in-flight sets
     share one slot, so that dispatch (queue -> batch) is one script."""
-    return f"{{m:{model}:{version}}}"
+    return f"{{m:{model[0]}:{model[1]}}}"
 
 
 def parse_model_tag(tag: bytes | str) -> ModelKey:
@@ -118,29 +120,29 @@ def scheduler_wake(scheduler_id: str) -> str:
     return f"{PREFIX}scheduler:{SHARED}:{scheduler_id}:wake"
 
 
-def queue(model: str, version: str) -> str:
-    return f"{PREFIX}q:{model_tag(model, version)}"
+def queue(model: ModelKey) -> str:
+    return f"{PREFIX}q:{model_tag(model)}"
 
 
-def notify(model: str, version: str) -> str:
+def notify(model: ModelKey) -> str:
     """Wake-up tokens for arrivals in one queue: one list per queue, so that the scheduler can
     leave alone those of a queue that waits for a busy executor (it wakes for that executor's
     report). In the shared slot, with the reports: the scheduler waits on all of them at once."""
-    return f"{PREFIX}notify:{SHARED}:{model}:{version}"
+    return f"{PREFIX}notify:{SHARED}:{model[0]}:{model[1]}"
 
 
 def payload(model: ModelKey, request_id: str) -> str:
-    return f"{PREFIX}req:{model_tag(*model)}:{request_id}"
+    return f"{PREFIX}req:{model_tag(model)}:{request_id}"
 
 
 def batch(model: ModelKey, batch_id: str) -> str:
-    return f"{PREFIX}batch:{model_tag(*model)}:{batch_id}"
+    return f"{PREFIX}batch:{model_tag(model)}:{batch_id}"
 
 
 def inflight(model: ModelKey, executor_id: str) -> str:
     """The model's batches dispatched to `executor_id` and not yet answered: in the model's slot, so
     that dispatch and clean-up write them with the queue and the batch key."""
-    return f"{PREFIX}inflight:{model_tag(*model)}:{executor_id}"
+    return f"{PREFIX}inflight:{model_tag(model)}:{executor_id}"
 
 
 def work(executor_id: str) -> str:
@@ -165,26 +167,26 @@ def gateway(gateway_id: str) -> str:
     return f"{PREFIX}gateway:{SHARED}:{gateway_id}"
 
 
-def stats(model: str, version: str) -> str:
-    return f"{PREFIX}stats:{model_tag(model, version)}"
+def stats(model: ModelKey) -> str:
+    return f"{PREFIX}stats:{model_tag(model)}"
 
 
-def load(model: str, version: str) -> str:
-    return f"{PREFIX}load:{model_tag(model, version)}"
+def load(model: ModelKey) -> str:
+    return f"{PREFIX}load:{model_tag(model)}"
 
 
 def tokenizer(sha256: str) -> str:
-    return f"{PREFIX}tokenizer:{sha256}"
+    return f"{PREFIX}tokenizer:{{k:{sha256}}}"
 
 
 def rate(tenant: str) -> str:
     """A tenant's token bucket, shared by every gateway."""
-    return f"{PREFIX}rate:{tenant}"
+    return f"{PREFIX}rate:{{t:{tenant}}}"
 
 
-def profile(model: str, version: str, kind: str) -> str:
+def profile(model: ModelKey, kind: str) -> str:
     # Not "profile:": samples saved under that name counted rows, whatever the sequence length.
-    return f"{PREFIX}profile-units:{model_tag(model, version)}:{kind}"
+    return f"{PREFIX}profile-units:{model_tag(model)}:{kind}"
 
 
 def queue_score(priority: int, deadline_us: int) -> int:

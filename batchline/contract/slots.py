@@ -21,7 +21,7 @@ _CLUSTER_TYPES = (redis.cluster.RedisCluster, redis.cluster.ClusterPipeline,
 _BY_TYPE: dict[type, bool] = {}
 
 
-def on_cluster(client) -> bool:
+def on_cluster(client: Any) -> bool:
     """Whether `client` (a client or a pipeline) talks to a Redis Cluster."""
     # By type, remembered: isinstance against redis-py's classes takes microseconds, and this is
     # asked for every write.
@@ -32,7 +32,7 @@ def on_cluster(client) -> bool:
     return found
 
 
-def get_many(client, names: Sequence[str]) -> Any:
+def get_many(client: Any, names: Sequence[str]) -> Any:
     """MGET of keys of any slots: one command on one Redis, one per slot on a cluster."""
     return client.mget_nonatomic(names) if on_cluster(client) else client.mget(names)
 
@@ -43,12 +43,12 @@ class Rounds:
     order; on a cluster a pipeline per round, each run once the one before has answered.
     `next()` is the pipeline for the next round's commands."""
 
-    def __init__(self, client, atomic: bool = False) -> None:
+    def __init__(self, client: Any, atomic: bool = False) -> None:
         self.client = client
         self.atomic = atomic and not on_cluster(client)
         self._pipes: list = []
 
-    def next(self):
+    def next(self) -> Any:
         if not self._pipes or on_cluster(self.client):
             self._pipes.append(self.client.pipeline(transaction=self.atomic))
         return self._pipes[-1]

@@ -370,7 +370,7 @@ class ProcessMesh:
         return int(self._redis_or(0, lambda r: r.llen(contract.work(executor))))
 
     def queue_depth(self, model: str = "mlp", version: str = "1") -> int:
-        return int(self._redis_or(0, lambda r: r.zcard(contract.queue(model, version))))
+        return int(self._redis_or(0, lambda r: r.zcard(contract.queue((model, version)))))
 
     def gateway_address(self, name: str = "gateway", timeout: float = 60.0) -> str:
         """host:port of a gateway, from the key it keeps in Redis (cached: the port stays the same)."""

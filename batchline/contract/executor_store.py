@@ -1,0 +1,90 @@
+"""The executor role's store: its registration and heartbeat, its work list, a batch's payloads
+and its answers, what it publishes for the others (warm-up reports, tokenizers), and the reads
+that say whether it may release a model version. Recovery of its own batches is inherited."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from batchline.contract import calls
+from batchline.contract import keys as k
+from batchline.contract.calls import FinishedBatch
+from batchline.contract.keys import ModelKey
+from batchline.contract.recovery import RecoveryStore
+from batchline.contract.slots import Rounds, get_many
+
+
+class ExecutorStore(RecoveryStore):
+    async def register(self, executor_id: str, info: bytes, ttl_ms: int) -> None:
+        """Write the registration (ExecutorInfo) with its heartbeat TTL."""
+        # MULTI/EXEC: a connection lost part-way must not leave the set written without its expiry.
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(k.executor(executor_id), info, px=ttl_ms)
+            pipe.sadd(k.EXECUTORS, executor_id)
+            pipe.expire(k.EXECUTORS, k.REGISTRY_TTL)
+            await pipe.execute()
+
+    async def deregister(self, executor_id: str) -> None:
+        """Drop the registration, leaving the id in the executor set: a batch the scheduler sent
+        after the last hand-back is recovered like a dead executor's, at once."""
+        await self.client.delete(k.executor(executor_id))
+
+    async def publish_tokenizers(self, tokenizers: Mapping[str, bytes]) -> None:
+        """tokenizer.json blobs by their SHA-256, where the gateways read them."""
+        if tokenizers:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for sha, blob in tokenizers.items():
+                    pipe.set(k.tokenizer(sha), blob, ex=k.TOKENIZER_TTL)
+                await pipe.execute()
+
+    async def publish_reports(self, reports: Sequence[bytes]) -> None:
+        """ExecutionReports (warm-up runs) for the scheduler's latency profiles."""
+        if reports:
+            async with self.client.pipeline(transaction=True) as pipe:  # (never without its expiry)
+                pipe.rpush(k.REPORTS, *reports)
+                pipe.ltrim(k.REPORTS, -k.REPORTS_CAP, -1)
+                pipe.expire(k.REPORTS, k.QUEUE_TTL)
+                await pipe.execute()
+
+    async def waiting_work(self, executor_id: str) -> int:
+        """How many batches wait in the executor's work list."""
+        return int(await self.client.llen(k.work(executor_id)))
+
+    async def take_work(self, executor_id: str, timeout_s: int) -> bytes | None:
+        """The next Batch sent to the executor, waiting up to `timeout_s` (on the blocking client)."""
+        item = await self.blocking.blpop([k.work(executor_id)], timeout=timeout_s)
+        return None if item is None else item[1]
+
+    async def fetch(self, model: ModelKey, request_ids: Sequence[str],
+                    gateway_ids: Sequence[str]) -> tuple[list[bytes | None], list[bytes | None]]:
+        """A batch's payloads (None: answered or abandoned) and its gateways' heartbeats (None:
+        gone), in one read."""
+        names = [k.payload(model, r) for r in request_ids] + [k.gateway(g) for g in gateway_ids]
+        found = await get_many(self.client, names)
+        return found[: len(request_ids)], found[len(request_ids):]
+
+    async def batch_done(self, done: FinishedBatch) -> None:
+        """A finished batch's answers, report and statistics, in one write (contract.batch_done)."""
+        await calls.batch_done(self.client, done)
+
+    async def still_dispatched(self, batches: Sequence[FinishedBatch]) -> list[bool]:
+        """Whether Redis still holds each batch's key (its answers never reached this primary)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for done in batches:
+                pipe.exists(k.batch(done.model, done.batch.batch_id))
+            return [bool(n) for n in await pipe.execute()]
+
+    async def control_calls(self) -> dict[str, tuple[str, int]]:
+        """The latest repository call per model name: (action, sequence number)."""
+        raw = await self.client.hgetall(k.CONTROL)
+        return {name.decode(): k.parse_control(v) for name, v in raw.items()}
+
+    async def queued_for(self, model: ModelKey, executor_ids: Sequence[str]) -> tuple[int, list[list[bytes]]]:
+        """The model's queue depth and each executor's work list (Batch blobs), read in the order a
+        request moves (queue, then work list)."""
+        rounds = Rounds(self.client, atomic=True)  # (keys of several slots: atomic on one Redis only)
+        pipe = rounds.next()
+        pipe.zcard(k.queue(model))
+        for eid in executor_ids:
+            pipe.lrange(k.work(eid), 0, -1)
+        depth, *works = await rounds.execute()
+        return int(depth), works

@@ -1,0 +1,94 @@
+"""The gateway role's store: its heartbeat and the live gateways, the group commit, a tenant's
+token bucket, reading its replies, the scheduler's load views, the tokenizers, the statistics of
+the models served and the model repository's calls."""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from batchline.contract import calls
+from batchline.contract import keys as k
+from batchline.contract.calls import Abandoned, QueueWrite
+from batchline.contract.keys import ModelKey
+from batchline.contract.slots import get_many
+from batchline.contract.store import Store
+
+
+class GatewayStore(Store):
+    async def beat(self, gateway_id: str, address: str, ttl_ms: int) -> int:
+        """Renew the heartbeat; how many gateways are live, this one included.
+
+        Each gateway scores itself in the set by when its heartbeat expires, so that gateways
+        with different heartbeat intervals prune only those that are really gone.
+        """
+        now_ms = int(time.time() * 1000)
+        async with self.client.pipeline(transaction=True) as pipe:  # (never seen without its TTL)
+            pipe.set(k.gateway(gateway_id), address, px=ttl_ms)
+            pipe.zadd(k.GATEWAYS, {gateway_id: now_ms + ttl_ms})
+            pipe.zremrangebyscore(k.GATEWAYS, "-inf", now_ms)
+            pipe.zcard(k.GATEWAYS)
+            pipe.expire(k.GATEWAYS, k.GATEWAYS_TTL)
+            results = await pipe.execute()
+        return max(1, int(results[3]))
+
+    async def leave(self, gateway_id: str) -> None:
+        """Remove the heartbeat at a clean stop: the other gateways count one fewer at once."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.delete(k.gateway(gateway_id))
+            pipe.zrem(k.GATEWAYS, gateway_id)
+            await pipe.execute()
+
+    async def serves(self, address: str) -> bool:
+        """Whether a live gateway of this mesh (this Redis) serves `address`."""
+        ids = await self.client.zrangebyscore(k.GATEWAYS, int(time.time() * 1000), "+inf")
+        async with self.client.pipeline(transaction=False) as pipe:  # each heartbeat in its own slot on a cluster
+            for gateway_id in ids:
+                pipe.get(k.gateway(gateway_id.decode()))
+            addresses = await pipe.execute() if ids else []
+        return any(a is not None and a.decode() == address for a in addresses)
+
+    async def enqueue(self, gateway_id: str, address: str, heartbeat_ttl_ms: int, writes: Sequence[QueueWrite],
+                      abandoned: Sequence[Abandoned] = ()) -> list[int]:
+        """The group commit (contract.enqueue): per write, 1 when queued, 0 when its queue was full."""
+        return list(await calls.enqueue(self.client, gateway_id, address, heartbeat_ttl_ms, writes, abandoned))
+
+    async def take_token(self, tenant: str, rate_per_s: float, burst: float) -> tuple[bool, int]:
+        """(taken, milliseconds until a token is there) from the tenant's bucket."""
+        taken, wait_ms = await calls.take_token(self.client, tenant, rate_per_s, burst)
+        return bool(taken), int(wait_ms)
+
+    async def pop_replies(self, gateway_id: str, count: int) -> list[bytes]:
+        """Up to `count` replies waiting in the gateway's list, without waiting."""
+        return list(await self.client.lpop(k.reply(gateway_id), count) or [])
+
+    async def payloads_held(self, requests: Sequence[tuple[str, ModelKey]]) -> list[bool]:
+        """Whether Redis holds each (request id, model)'s payload."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for request_id, model in requests:
+                pipe.exists(k.payload(model, request_id))
+            return [bool(n) for n in await pipe.execute()]
+
+    async def loads(self, models: Sequence[ModelKey]) -> list[bytes | None]:
+        """The scheduler's load view (ModelLoad) of each model; None where it has none."""
+        return list(await get_many(self.client, [k.load(m) for m in models]))
+
+    async def tokenizer(self, sha256: str) -> bytes | None:
+        return await self.client.get(k.tokenizer(sha256))
+
+    async def statistics(self, models: Sequence[ModelKey]) -> list[dict[str, int]]:
+        """Each model's statistics counters."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for m in models:
+                pipe.hgetall(k.stats(m))
+            raw = await pipe.execute()
+        return [{name.decode(): int(v) for name, v in h.items()} for h in raw]
+
+    async def control_call(self, name: str, action: str) -> int:
+        """Record a repository call (load or unload `name`) for the executors; its sequence number."""
+        seq = int(await self.client.incr(k.CONTROL_SEQ))
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(k.CONTROL, name, k.control_record(action, seq))
+            pipe.expire(k.CONTROL, k.CONTROL_TTL)
+            pipe.expire(k.CONTROL_SEQ, k.CONTROL_TTL)
+            await pipe.execute()
+        return seq

@@ -1,0 +1,121 @@
+"""The scheduler role's store: the step's scan (arrival tokens, reports, queue heads and depths,
+in-flight sets) and its writes (dispatches, sheds, load views) in one round trip each, the lease,
+the wake-up of its own blocking wait, latency profiles, and forgetting a dead executor (whose
+batches recovery, inherited, hands back)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Mapping, Sequence
+
+from batchline.contract import calls
+from batchline.contract import keys as k
+from batchline.contract.keys import ModelKey
+from batchline.contract.recovery import RecoveryStore
+from batchline.contract.slots import Rounds, get_many
+from batchline.protocol import internal_pb2 as pb
+
+# A latency profile's key: model, version, execution provider.
+ProfileKey = tuple[str, str, str]
+
+
+@dataclass(slots=True)
+class Scan:
+    """What a step reads: the reports taken, each queue's head and depth, each in-flight set."""
+    reports: list[bytes]
+    heads: list[list[bytes]]
+    depths: list[int]
+    inflight: list[set[bytes]]
+
+
+class StepWrites:
+    """A step's writes, queued on one pipeline and sent in one round trip by execute(); its
+    results are in the order the writes were queued (`len()` before a write is its index)."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+
+    async def __aenter__(self) -> StepWrites:
+        await self._pipe.__aenter__()
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self._pipe.__aexit__(kind, exc, tb)
+
+    def __len__(self) -> int:
+        return len(self._pipe)
+
+    def dispatch(self, batch: pb.Batch, members: Sequence[bytes], batch_ttl_ms: int) -> None:
+        """Move `members` from their queue into `batch` for its executor (contract.dispatch): its
+        result is how many were still queued."""
+        calls.dispatch(self._pipe, batch, members, batch_ttl_ms)
+
+    def shed(self, model: ModelKey, members: Sequence[bytes], request_ids: Sequence[str],
+             replies: Mapping[str, Sequence[pb.Reply]]) -> None:
+        calls.shed(self._pipe, model, members, request_ids, replies)
+
+    def publish_load(self, model: ModelKey, load: bytes) -> None:
+        """The model's ModelLoad, for the gateways' admission (short TTL)."""
+        self._pipe.set(k.load(model), load, px=k.LOAD_TTL_MS)
+
+    async def execute(self) -> list[Any]:
+        return list(await self._pipe.execute()) if len(self._pipe) else []
+
+
+class SchedulerStore(RecoveryStore):
+    async def scan(self, notices: Sequence[str], models: Sequence[ModelKey],
+                   inflight: Sequence[tuple[str, ModelKey]], scan_limit: int, drain: int) -> Scan:
+        """One pipeline: drop the arrivals' tokens (`notices`), take the reports, read each queue's
+        head (up to `scan_limit`) and depth and each (executor, model) in-flight set; up to `drain`
+        reports."""
+        rounds = Rounds(self.client)
+        pipe = rounds.next()
+        # The arrivals' tokens go first (on a cluster, a round of their own): the scan below sees
+        # every request whose token it drops.
+        if notices:
+            pipe.delete(*notices)
+        pipe.lpop(k.REPORTS, drain)
+        pipe = rounds.next()
+        for model in models:
+            pipe.zrange(k.queue(model), 0, scan_limit - 1)
+            pipe.zcard(k.queue(model))
+        for eid, model in inflight:
+            pipe.smembers(k.inflight(model, eid))
+        results = await rounds.execute()
+        if notices:
+            del results[0]
+        n = len(models)
+        return Scan(results[0] or [], [results[1 + 2 * i] for i in range(n)],
+                    [results[2 + 2 * i] for i in range(n)], results[1 + 2 * n:])
+
+    def step_writes(self) -> StepWrites:
+        return StepWrites(self.client.pipeline(transaction=False))
+
+    async def wake(self, scheduler_id: str) -> None:
+        """Push to the scheduler's own wake list, ending its blocking wait."""
+        key = k.scheduler_wake(scheduler_id)
+        async with self.client.pipeline(transaction=True) as pipe:  # (never without its expiry)
+            pipe.rpush(key, 1)
+            pipe.pexpire(key, k.SCHEDULER_WAKE_TTL_MS)
+            await pipe.execute()
+
+    async def forget_executor(self, executor_id: str) -> None:
+        await self.client.srem(k.EXECUTORS, executor_id)
+
+    async def take_lease(self, holder_id: str, ttl_ms: int) -> bool:
+        """Take or renew the scheduling lease; True when `holder_id` holds it."""
+        return bool(await calls.take_lease(self.client, holder_id, ttl_ms))
+
+    async def release_lease(self, holder_id: str) -> None:
+        await calls.release_lease(self.client, holder_id)
+
+    async def saved_profiles(self, keys: Sequence[ProfileKey]) -> list[bytes | None]:
+        """The latency-profile samples saved under each key (None: none)."""
+        return list(await get_many(self.client, [k.profile(key[:2], key[2]) for key in keys]))
+
+    async def save_profiles(self, samples: Mapping[ProfileKey, bytes]) -> None:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for key, blob in samples.items():
+                pipe.set(k.profile(key[:2], key[2]), blob, ex=k.PROFILE_TTL)
+            await pipe.execute()

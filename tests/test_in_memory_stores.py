@@ -1,0 +1,129 @@
+"""A scheduling step and the executor's batch path against the in-memory stores
+(batchline/contract/memory.py): what they decide and write, without a Redis. The Redis-backed
+paths are tested end to end elsewhere (test_scheduler_service.py, test_e2e.py)."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from batchline.clock import now_us
+from batchline.contract.memory import MemoryExecutorStore, MemorySchedulerStore, MemoryState
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import internal_pb2 as pb
+from executor.repository import load_repository
+from executor.service import Executor
+from executor.settings import ExecutorSettings
+from scheduler.service import Scheduler
+from scheduler.settings import SchedulerSettings
+
+MLP = ("mlp", "1")
+
+
+def _entry(request_id: str, deadline_us: int, rows: int = 1) -> pb.QueueEntry:
+    return pb.QueueEntry(request_id=request_id, gateway_id="gw", model_version="1", rows=rows,
+                         deadline_us=deadline_us, enqueued_us=now_us(), priority=1)
+
+
+def _request(rows: int) -> ipb.ModelInferRequest:
+    req = ipb.ModelInferRequest(model_name="mlp", id="by-hand")
+    req.inputs.add(name="features", datatype="FP32", shape=[rows, 32])
+    req.raw_input_contents.append(np.ones((rows, 32), dtype=np.float32).tobytes())
+    return req
+
+
+def _registered(state: MemoryState, executor_id: str, info: pb.ModelInfo) -> None:
+    state.registrations[executor_id] = pb.ExecutorInfo(
+        executor_id=executor_id, models=[info], heartbeat_us=now_us()).SerializeToString()
+
+
+def test_a_step_dispatches_what_is_due_and_sheds_what_cannot_make_its_deadline():
+    state = MemoryState()
+    _registered(state, "x1", pb.ModelInfo(name="mlp", version="1", max_batch_size=8, max_queue_delay_ms=0,
+                                          providers=["CPUExecutionProvider"]))
+    due = now_us() + 2_000_000
+    for rid in ("a", "b"):
+        state.enqueue(MLP, _entry(rid, due), b"payload")
+    state.enqueue(MLP, _entry("late", now_us() - 1_000), b"payload")  # its deadline passed in the queue
+    scheduler = Scheduler(SchedulerSettings(redis_url="redis://unused", policy="fifo"),
+                          store=MemorySchedulerStore(state))
+
+    asyncio.run(scheduler.step())
+
+    assert not state.queues[MLP]
+    (blob,) = state.work["x1"]
+    batch = pb.Batch.FromString(blob)
+    assert sorted(m.request_id for m in batch.members) == ["a", "b"]
+    assert state.inflight[("x1", MLP)] == {batch.batch_id.encode()}
+    (shed,) = [pb.Reply.FromString(r) for r in state.replies["gw"]]
+    assert shed.request_id == "late" and shed.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert ("late" not in {r for _, r in state.payloads}) and state.stats[MLP]["fail_count"] == 1
+    assert scheduler.counts["batches"] == 1 and scheduler.counts["shed"] == 1
+
+
+def test_a_step_leaves_a_queue_whose_only_executor_is_busy():
+    state = MemoryState()
+    _registered(state, "x1", pb.ModelInfo(name="mlp", version="1", max_batch_size=8, max_queue_delay_ms=0))
+    settings = SchedulerSettings(redis_url="redis://unused", policy="fifo", max_batches_per_executor=1)
+    for i in range(settings.max_batches_per_executor):
+        state.inflight[("x1", MLP)].add(f"held{i}".encode())
+    state.enqueue(MLP, _entry("a", now_us() + 30_000_000), b"payload")
+    scheduler = Scheduler(settings, store=MemorySchedulerStore(state))
+
+    asyncio.run(scheduler.step())
+
+    assert len(state.queues[MLP]) == 1 and not state.work["x1"]
+    assert scheduler.depths[MLP] == 1
+
+
+@pytest.fixture(scope="module")
+def mlp(model_repository):
+    (model,) = load_repository(model_repository, only=["mlp"])
+    return model
+
+
+def _executor(mlp, state: MemoryState) -> Executor:
+    return Executor(ExecutorSettings(redis_url="redis://unused", model_repository="unused"), [mlp], "x1",
+                    store=MemoryExecutorStore(state))
+
+
+def test_the_batch_path_answers_each_member_and_counts_the_batch(mlp):
+    state = MemoryState()
+    state.gateways["gw"] = "127.0.0.1:1"
+    members = [_entry("a", now_us() + 30_000_000), _entry("b", now_us() + 30_000_000, rows=3),
+               _entry("gone", now_us() + 30_000_000)]  # answered already: its payload is gone
+    for entry, rows in zip(members[:2], (1, 3)):
+        state.payloads[(MLP, entry.request_id)] = _request(rows).SerializeToString()
+    batch = pb.Batch(batch_id="b1", model_name="mlp", model_version="1", members=members, executor_id="x1",
+                     dispatched_us=now_us(), attempt=1)
+    state.batches["b1"] = batch
+    executor = _executor(mlp, state)
+
+    asyncio.run(executor.process(batch))
+
+    replies = {r.request_id: r for r in map(pb.Reply.FromString, state.replies["gw"])}
+    assert sorted(replies) == ["a", "b"]
+    assert all(r.code == 0 for r in replies.values())
+    assert [len(r.response.outputs) for r in replies.values()] == [1, 1]
+    assert "b1" not in state.batches and not state.payloads
+    (report,) = [pb.ExecutionReport.FromString(r) for r in state.reports]
+    assert report.batch_id == "b1" and report.requests == 2 and report.rows == 4 and report.failed == 0
+    assert state.stats[MLP]["success_count"] == 2 and state.stats[MLP]["execution_count"] == 1
+    assert executor.written.batches() == [batch]
+
+
+def test_the_batch_path_answers_a_member_whose_deadline_passed_without_running_it(mlp):
+    state = MemoryState()
+    state.gateways["gw"] = "127.0.0.1:1"
+    late = _entry("late", now_us() - 1_000)
+    state.payloads[(MLP, "late")] = _request(1).SerializeToString()
+    batch = pb.Batch(batch_id="b2", model_name="mlp", model_version="1", members=[late], executor_id="x1",
+                     dispatched_us=now_us(), attempt=1)
+
+    asyncio.run(_executor(mlp, state).process(batch))
+
+    (reply,) = [pb.Reply.FromString(r) for r in state.replies["gw"]]
+    assert reply.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] and "was not run" in reply.message
+    assert state.stats[MLP]["fail_count"] == 1 and state.stats[MLP]["success_count"] == 0
