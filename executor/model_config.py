@@ -11,7 +11,7 @@ import pathlib
 import tomllib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -48,6 +48,70 @@ class OptimizeConfig(BaseModel):
         description="Output name = how the accuracy gate judges it: `embedding` (cosines and nearest neighbours), "
         "`classes` (argmax kept, values close) or `values` (values close). Outputs not named here are judged by "
         "their name and values (docs/guides/optimize.md#the-gate).")
+
+
+class GenerationConfig(BaseModel):
+    """`[generation]`: the model is a decoder that writes text a token at a time, with a key/value cache."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cache_inputs: list[str] = Field(
+        description="The graph's past key/value inputs, [batch, heads, past, head_dim] each.")
+    cache_outputs: list[str] = Field(
+        description="The outputs that return each of cache_inputs with the new positions appended, in the same "
+        "order: [batch, heads, past + sequence, head_dim].")
+    eos_token_ids: list[int] = Field(
+        default_factory=list, description="Token ids that end a sequence (unless a request sets ignore_eos).")
+    max_context: int = Field(description="Most tokens of one sequence, prompt and output together.")
+    tokenizer: str = Field(description="Directory holding tokenizer.json (Hugging Face `tokenizers`), relative to "
+                           "the model's.")
+    ids_input: str = Field("input_ids", description="The graph's input that takes the new token ids [batch, sequence].")
+    positions_input: str = Field("position_ids", description="The graph's input that takes their positions.")
+    mask_input: str = Field("attention_mask", description="The graph's input that takes the mask over cached and new "
+                            "positions [batch, past + sequence].")
+    logits_output: str = Field("logits", description="The output of next-token logits [batch, sequence, vocabulary].")
+    prefill_chunk: int = Field(
+        256, description="Most prompt tokens prefilled in one step: a longer prompt is prefilled over several, "
+        "between the decode steps of the running sequences.")
+
+    @field_validator("cache_inputs", "cache_outputs")
+    @classmethod
+    def _cache_names(cls, value: list[str], info: Any) -> list[str]:
+        if not value:
+            raise _problem(f"generation.{info.field_name} must name at least one tensor")
+        twice = sorted({name for name in value if value.count(name) > 1})
+        if twice:
+            raise _problem(f"generation.{info.field_name} names {twice} more than once")
+        return value
+
+    @field_validator("eos_token_ids")
+    @classmethod
+    def _eos(cls, value: list[int]) -> list[int]:
+        bad = [v for v in value if v < 0]
+        if bad:
+            raise _problem(f"generation.eos_token_ids must be token ids >= 0 (got {bad})")
+        return value
+
+    @field_validator("max_context")
+    @classmethod
+    def _context(cls, value: int) -> int:
+        if value < 2:
+            raise _problem(f"generation.max_context must be >= 2: a prompt token and one to write (got {value})")
+        return value
+
+    @field_validator("prefill_chunk")
+    @classmethod
+    def _chunk(cls, value: int) -> int:
+        if value < 1:
+            raise _problem(f"generation.prefill_chunk must be >= 1 (got {value})")
+        return value
+
+    @model_validator(mode="after")
+    def _pairs(self) -> "GenerationConfig":
+        if len(self.cache_inputs) != len(self.cache_outputs):
+            raise _problem(f"generation.cache_inputs has {len(self.cache_inputs)} names and generation.cache_outputs "
+                           f"{len(self.cache_outputs)}: they pair in order, one output per input")
+        return self
 
 
 class ModelConfig(BaseModel):
@@ -106,6 +170,13 @@ class ModelConfig(BaseModel):
         "Keys: `path` (required: the directory of tokenizer.json), `max_length` (512), `truncate` (true; false "
         "refuses longer texts), `input`, `ids_input`, `mask_input`, `type_ids_input`.",
     )
+    generation: GenerationConfig | None = Field(
+        None, description="A `[generation]` table: the model is a decoder with a key/value cache, run by the generation "
+        "engine (docs/design/generation.md) rather than in batches of whole requests. Keys: `cache_inputs` and "
+        "`cache_outputs` (required, paired in order), `eos_token_ids`, `max_context` (required), `tokenizer` "
+        "(required: the directory of tokenizer.json), `ids_input`, `positions_input`, `mask_input`, `logits_output`, "
+        "`prefill_chunk` (256).",
+    )
     optimize: OptimizeConfig | None = Field(
         None, description="An `[optimize]` table for `batchline optimize` (the executors ignore it): "
         "`outputs = { NAME = \"embedding\" | \"classes\" | \"values\" }` says how its accuracy gate judges each output "
@@ -135,6 +206,21 @@ class ModelConfig(BaseModel):
         if kind not in ("latest", "all", "specific"):
             raise _problem(f"{usage} (got {value!r})")
         return value
+
+    @model_validator(mode="after")
+    def _generation_alone(self) -> "ModelConfig":
+        # The generation engine tokenizes with [generation].tokenizer and never pads a request.
+        if self.generation is not None:
+            if self.tokenizer is not None:
+                raise _problem("[tokenizer] is for models that take text in one request; a generative model names its "
+                               "tokenizer in [generation] (tokenizer = \"DIR\")")
+            if self.padding:
+                raise _problem("[padding] does not apply to a generative model: the generation engine masks "
+                               "sequences of different lengths itself")
+            if self.max_batch_size < 1:
+                raise _problem("max_batch_size of a generative model must be >= 1: it is the most sequences in one "
+                               "decode step")
+        return self
 
     @field_validator("max_batch_size")
     @classmethod
@@ -179,6 +265,16 @@ def select_versions(policy: dict[str, Any], available: list[str]) -> list[str]:
     if kind == "specific":
         return [v for v in numbered if int(v) in set(arg)]
     return numbered
+
+
+def declares_generation(model_dir: pathlib.Path) -> bool:
+    """Whether the model's config.toml has a `[generation]` table (false when it cannot be read: reading it
+    for serving reports why)."""
+    try:
+        with (model_dir / "config.toml").open("rb") as f:
+            return "generation" in tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
 
 
 def _message(error: dict[str, Any]) -> str:

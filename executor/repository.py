@@ -21,7 +21,7 @@ from batchline.codec import DATATYPES, onnx_datatype
 from batchline.optimize import tensorrt
 from batchline.protocol import internal_pb2 as pb
 from executor import providers as gpu
-from executor.model_config import ConfigError, read_model_config, select_versions
+from executor.model_config import ConfigError, declares_generation, read_model_config, select_versions
 
 log = logging.getLogger(__name__)
 
@@ -276,10 +276,15 @@ def fingerprint(*paths: pathlib.Path) -> tuple[int, ...]:
 
 
 def model_names(root: pathlib.Path, only: list[str] | None = None) -> list[str]:
-    """The model directories of the repository (those in `only`, when given)."""
+    """The model directories of the repository (those in `only`, when given) that batches of whole requests serve.
+
+    Generative models (config.toml `[generation]`) are left out: they are run by the generation
+    engine (executor/generation_engine.py), which nothing serves over the mesh yet.
+    """
     if not root.is_dir():
         raise RepositoryError(f"model repository {root} does not exist")
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (not only or p.name in only))
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+                  and (not only or p.name in only) and not declares_generation(p))
 
 
 def scan_model(model_dir: pathlib.Path) -> ModelDir:
