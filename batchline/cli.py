@@ -3,7 +3,7 @@
     batchline up                 Redis + executor(s) + scheduler + gateway, demo models by default
     batchline status             the mesh on one screen: scheduler, executors, gateways, queues
     batchline optimize MODEL     write a faster version of a model that passes an accuracy gate
-    batchline build-models PATH  build the demo model repository (minilm, mlp) into PATH
+    batchline build-models PATH  build the demo model repository (minilm, mlp, gpt) into PATH
     batchline bench ...          load a KServe v2 gRPC endpoint, closed or open loop (see --help)
 """
 from __future__ import annotations
@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         "up",
         help="run Redis, executors, the scheduler and the gateway locally",
         description="Start a local mesh: a private Redis (unless --redis-url), N executors, the scheduler "
-        "and the gateway. Builds the demo model repository (minilm, mlp) first if the repository "
-        "path does not exist. A service that exits is restarted (with a growing backoff; --max-restarts "
+        "and the gateway. Builds the demo model repository (minilm, mlp, and gpt, a generative model that "
+        "executors leave out) first if the repository path does not exist. A service that exits is restarted (with a growing backoff; --max-restarts "
         "bounds a crash loop), the embedded Redis too (one that cannot start again stops the mesh). Ctrl-C "
         "stops every process it started: the gateways first (they answer the requests they hold), then the "
         "scheduler, then the executors, Redis last; a second Ctrl-C kills what is left.",
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     opt.set_defaults(func=cmd_optimize)
 
     build = sub.add_parser("build-models", help="build the demo model repository",
-                           description="Export the demo models (minilm, mlp) to ONNX into PATH (needs the [demo] extra).")
+                           description="Export the demo models (minilm, mlp, gpt) to ONNX into PATH (needs the [demo] extra).")
     build.add_argument("path", nargs="?", default=DEFAULT_REPOSITORY, help=f"repository path (default: {DEFAULT_REPOSITORY})")
     build.add_argument("--int8", action="store_true",
                        help=f"also write minilm version 2, INT8, with `batchline optimize` judged on {DEMO_SENTENCES} sentences of "

@@ -1,15 +1,16 @@
 """The generation engine alone on the demo decoder: continuous batching against its alternatives.
 
-    python benchmarks/generation_engine.py [--sequences 64] [--rounds 1]
+    python benchmarks/generation_engine.py [--sequences 128] [--rounds 3] [--threads 1]
 
 The same sequences (prompts of 1 to 150 tokens, most short; answers of a long-tailed length,
 geometric with mean 32, 4 to 128 tokens, greedy, end-of-text ignored) are generated three ways,
-closed loop with C in flight for C in 1, 8 and 32:
+closed loop with C in flight for C in 8 and 32:
 - continuous: one engine, a new sequence joins as soon as one ends (at the next step);
 - request-level: groups of C run as one batch to the longest answer of the group (each row keeps
   computing until then, as a batch of whole requests does); the next group starts after;
 - one at a time: a single sequence in flight (C = 1 of either).
-Prints output tokens/s (only the tokens each sequence asked for) and steps per mode. Builds the
+Prints output tokens/s (only the tokens each sequence asked for) and steps per mode and round, then
+the medians over rounds and their ratios. Builds the
 demo decoder into a temporary directory (a few seconds); nothing else runs.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import statistics
 import tempfile
 import time
 
@@ -64,27 +66,38 @@ def request_level(decoder, prompts, lengths, in_flight: int) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sequences", type=int, default=64, help="sequences generated per mode and concurrency")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds, the modes alternating within each")
+    parser.add_argument("--sequences", type=int, default=128, help="sequences generated per mode and concurrency")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, the order of the modes alternating")
+    # One thread by default: on a host whose cores other processes share, a run spread over two
+    # threads stalls at every operator's barrier when one is preempted (several times slower here).
+    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (0: its default)")
     args = parser.parse_args()
-    print(f"host: {os.cpu_count()} cores")
+    print(f"host: {os.cpu_count()} cores, {args.threads or 'default'} intra-op thread(s)")
+    modes = [("one at a time", 1, continuous)]
+    for in_flight in (8, 32):
+        modes += [(f"continuous C={in_flight}", in_flight, continuous),
+                  (f"request-level C={in_flight}", in_flight, request_level)]
+    rates: dict[str, list[float]] = {name: [] for name, _, _ in modes}
     with tempfile.TemporaryDirectory() as tmp:
-        decoder = load_decoder(build_gpt(pathlib.Path(tmp)))
+        decoder = load_decoder(build_gpt(pathlib.Path(tmp)), intra_op_threads=args.threads)
         prompts = mixed_prompts(args.sequences, seed=7)
         lengths = answer_lengths(args.sequences)
         print(f"{args.sequences} sequences: prompts {sum(map(len, prompts))} tokens, answers {sum(lengths)} tokens")
         for round_ in range(args.rounds):
-            for in_flight in (1, 8, 32):
-                modes = [("continuous", continuous), ("request-level", request_level)]
-                for name, run in modes if round_ % 2 == 0 else modes[::-1]:
-                    if in_flight == 1 and name == "request-level":
-                        continue  # the same as continuous at one in flight: one sequence at a time
-                    start = time.perf_counter()
-                    tokens, steps = run(decoder, prompts, lengths, in_flight)
-                    elapsed = time.perf_counter() - start
-                    label = "one at a time" if in_flight == 1 else name
-                    print(f"round {round_ + 1}  C={in_flight:<2}  {label:<14} {tokens / elapsed:8.0f} tokens/s  "
-                          f"{steps:5d} steps  {elapsed:6.2f} s")
+            for name, in_flight, run in modes if round_ % 2 == 0 else modes[::-1]:
+                start = time.perf_counter()
+                tokens, steps = run(decoder, prompts, lengths, in_flight)
+                elapsed = time.perf_counter() - start
+                rates[name].append(tokens / elapsed)
+                print(f"round {round_ + 1}  {name:<20} {tokens / elapsed:8.0f} tokens/s  {steps:5d} steps  "
+                      f"{elapsed:6.2f} s")
+    median = {name: statistics.median(r) for name, r in rates.items()}
+    print("\nmedian tokens/s, and continuous against one at a time and against request-level:")
+    print(f"  one at a time        {median['one at a time']:8.0f}")
+    for in_flight in (8, 32):
+        cont, req = median[f"continuous C={in_flight}"], median[f"request-level C={in_flight}"]
+        print(f"  C={in_flight:<2} continuous {cont:8.0f}  request-level {req:8.0f}  "
+              f"x{cont / median['one at a time']:.1f} one at a time  x{cont / req:.1f} request-level")
 
 
 if __name__ == "__main__":
