@@ -16,12 +16,12 @@ demo decoder into a temporary directory (a few seconds); nothing else runs.
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import statistics
 import tempfile
 import time
 
+import _common
 import numpy as np
 
 from batchline.testing.decoder import build_gpt, mixed_prompts
@@ -72,7 +72,7 @@ def main() -> None:
     # threads stalls at every operator's barrier when one is preempted (several times slower here).
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (0: its default)")
     args = parser.parse_args()
-    print(f"host: {os.cpu_count()} cores, {args.threads or 'default'} intra-op thread(s)")
+    print(f"host: {_common.machine()}; ONNX Runtime on {args.threads or 'its default'} intra-op thread(s)")
     modes = [("one at a time", 1, continuous)]
     for in_flight in (8, 32):
         modes += [(f"continuous C={in_flight}", in_flight, continuous),

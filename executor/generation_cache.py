@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from executor.generation_model import CacheTensor
+from executor.generation_model import CacheTensor, slot_bytes
 
 
 class CacheBudgetError(ValueError):
@@ -22,8 +22,8 @@ class CacheBudgetError(ValueError):
 class SlotCache:
     """`slots` sequences' caches at `max_context` positions each, as many as `budget_bytes` holds."""
 
-    def __init__(self, tensors: Sequence[CacheTensor], max_context: int, budget_bytes: int) -> None:
-        self.slot_bytes = sum(t.heads * t.head_dim * t.dtype.itemsize for t in tensors) * max_context
+    def __init__(self, tensors: list[CacheTensor], max_context: int, budget_bytes: int) -> None:
+        self.slot_bytes = slot_bytes(tensors, max_context)
         self.slots = budget_bytes // self.slot_bytes
         if self.slots < 1:
             raise CacheBudgetError(

@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from batchline.codec import onnx_datatype, DATATYPES
+from batchline.codec import DATATYPES, onnx_datatype
 from executor.model_config import ConfigError, GenerationConfig, read_model_config
 from executor.repository import RepositoryError, choose_providers, create_session
 
@@ -27,6 +27,11 @@ class CacheTensor:
     heads: int
     head_dim: int
     dtype: np.dtype
+
+
+def slot_bytes(tensors: list[CacheTensor], max_context: int) -> int:
+    """Bytes of the key/value cache of one sequence at `max_context` positions."""
+    return sum(t.heads * t.head_dim * t.dtype.itemsize for t in tensors) * max_context
 
 
 @dataclass
@@ -43,7 +48,7 @@ class Decoder:
     @property
     def slot_bytes(self) -> int:
         """Bytes of the key/value cache of one sequence at max_context."""
-        return sum(c.heads * c.head_dim * c.dtype.itemsize for c in self.cache) * self.config.max_context
+        return slot_bytes(self.cache, self.config.max_context)
 
 
 def _cache_tensors(where: str, gen: GenerationConfig, session: ort.InferenceSession) -> list[CacheTensor]:
