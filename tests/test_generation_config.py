@@ -124,3 +124,28 @@ async def test_the_asyncio_loop_streams_concurrent_sequences_and_cancels_a_dropp
         assert not engine.has_work and engine.cache.used == 0
     assert results[:-1] == [reference.greedy(p, 12) for p in prompts]
     assert loop.steps < 12 * 12  # steps were shared, not one sequence after another
+
+
+def test_top_k_and_top_p_narrow_the_draw_to_the_likeliest_tokens():
+    import numpy as np
+
+    from executor.generation_sampling import choose
+
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    draws = lambda params: {choose(logits, params, seed=1, index=i) for i in range(300)}  # noqa: E731
+    assert draws(SamplingParams(temperature=1.0)) == {0, 1, 2, 3}
+    assert draws(SamplingParams(temperature=1.0, top_k=1)) == {0}
+    assert draws(SamplingParams(temperature=1.0, top_k=2)) == {0, 1}
+    assert draws(SamplingParams(temperature=1.0, top_p=0.5)) == {0}
+    assert draws(SamplingParams(temperature=1.0, top_p=0.75)) == {0, 1}
+    assert draws(SamplingParams(temperature=0)) == {0}
+    # The same seed and index draw the same token, whatever was drawn before.
+    assert choose(logits, SamplingParams(), 7, 3) == choose(logits, SamplingParams(), 7, 3)
+
+
+def test_build_models_writes_the_generative_model(model_repository):
+    decoder = load_decoder(model_repository / "gpt")
+    assert decoder.config.max_context == demo_decoder.MAX_CONTEXT
+    assert decoder.tokenizer.get_vocab_size() == demo_decoder.VOCAB_SIZE
+    assert len(decoder.cache) == 2 * demo_decoder.LAYERS
+    assert (model_repository / "gpt" / "1" / "model.onnx").stat().st_size < 10_000_000
