@@ -54,7 +54,7 @@ class StepReport:
     preempted: list[str] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)  # one sequence is itself only: lists of them are searched by identity
 class Sequence:
     request_id: str
     prompt: list[int]

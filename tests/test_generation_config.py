@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 
 from batchline import demo_decoder  # noqa: E402
 from batchline.testing.decoder import Reference, build_gpt, mixed_prompts  # noqa: E402
-from executor.generation_engine import GenerationEngine  # noqa: E402
+from executor.generation_engine import GenerationEngine, PromptError  # noqa: E402
 from executor.generation_loop import GenerationLoop  # noqa: E402
 from executor.generation_model import load_decoder  # noqa: E402
 from executor.generation_sampling import SamplingError, SamplingParams  # noqa: E402
@@ -117,6 +117,8 @@ async def test_the_asyncio_loop_streams_concurrent_sequences_and_cancels_a_dropp
                     break
 
         results = await asyncio.gather(*(collect(i, p) for i, p in enumerate(prompts)), drop_after_two())
+        with pytest.raises(PromptError, match="the prompt is empty"):
+            await collect("empty", [])
         for _ in range(200):
             if not engine.has_work:
                 break
