@@ -64,6 +64,14 @@ class PermissionDenied(BatchlineError):
     """The token may not do this: a model outside its scope, or an admin call without admin rights."""
 
 
+class AlreadyExists(BatchlineError):
+    """What the call would create exists already (a shared-memory region's name)."""
+
+
+class Unimplemented(BatchlineError):
+    """A part of Triton's protocol batchline does not serve (CUDA shared memory)."""
+
+
 _CODES: dict[type[BatchlineError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
@@ -73,6 +81,8 @@ _CODES: dict[type[BatchlineError], grpc.StatusCode] = {
     Internal: grpc.StatusCode.INTERNAL,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
 }
 _ERRORS_BY_CODE: dict[int, type[BatchlineError]] = {c.value[0]: e for e, c in _CODES.items()}
 

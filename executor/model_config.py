@@ -100,6 +100,18 @@ class ModelConfig(BaseModel):
         "with `trt_fp16_enable = true`.",
     )
 
+    input_format: dict[str, Literal["FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW"]] = Field(
+        default_factory=dict,
+        description="Input name = its layout as Triton names it (`FORMAT_NCHW`, `FORMAT_NHWC`, `FORMAT_NONE`), "
+        "reported in ModelConfig: image clients (Triton's image_client) read it to lay out pixels.",
+    )
+    label_filename: dict[str, str] = Field(
+        default_factory=dict,
+        description="Output name = a file of class labels, one a line, relative to the model's directory: a "
+        "request may ask that output for its top N classes (the `classification` parameter), answered as "
+        "BYTES `score:index:label`.",
+    )
+
     tokenizer: TokenizerConfig | None = Field(
         None, description="A `[tokenizer]` table: the model also takes text (a BYTES input, `text` by default), which "
         "the gateway tokenizes into its token-id inputs; those stay available to clients that tokenize themselves. "

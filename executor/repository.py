@@ -164,6 +164,28 @@ def _tensor_specs(args, batched: bool) -> list[pb.TensorSpec]:
     return specs
 
 
+def _triton_fields(model_dir: pathlib.Path, config: dict[str, Any], inputs: list[pb.TensorSpec],
+                   outputs: list[pb.TensorSpec]) -> None:
+    """Set config.toml's input_format and label_filename (its labels read) on the tensors they name."""
+    where = f"{model_dir}/config.toml"
+    for key, specs in (("input_format", inputs), ("label_filename", outputs)):
+        by_name = {s.name: s for s in specs}
+        unknown = sorted(set(config[key]) - set(by_name))
+        if unknown:
+            raise RepositoryError(f"{where}: [{key}] names unknown tensors {unknown}; the model's are {sorted(by_name)}")
+    for name, fmt in config["input_format"].items():
+        {s.name: s for s in inputs}[name].format = "" if fmt == "FORMAT_NONE" else fmt
+    for name, filename in config["label_filename"].items():
+        spec = {s.name: s for s in outputs}[name]
+        try:
+            lines = (model_dir / filename).read_text().splitlines()
+        except OSError as exc:
+            raise RepositoryError(f"{where}: [label_filename] {name}: cannot read {model_dir / filename} "
+                                  f"({exc.strerror})") from None
+        spec.label_filename = filename
+        spec.labels.extend(lines)
+
+
 def load_model(
     model_dir: pathlib.Path,
     version_dir: pathlib.Path,
@@ -193,6 +215,7 @@ def load_model(
         for spec in [*inputs, *outputs]:
             if not spec.shape:
                 raise RepositoryError(f"{path}: max_batch_size > 0 but '{spec.name}' has no batch dimension")
+    _triton_fields(model_dir, config, inputs, outputs)
     padding = dict(config["padding"])
     unknown_pad = set(padding) - {s.name for s in inputs}
     if unknown_pad:

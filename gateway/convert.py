@@ -66,8 +66,10 @@ def model_config(info) -> ipb.ModelConfig:
         platform=info.platform,
         backend="onnxruntime",
         max_batch_size=info.max_batch_size,
-        input=[ipb.ModelInput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape)) for s in inputs_of(info)],
-        output=[ipb.ModelOutput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape)) for s in info.outputs],
+        input=[ipb.ModelInput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape),
+                              format=ipb.ModelInput.Format.Value(s.format or "FORMAT_NONE")) for s in inputs_of(info)],
+        output=[ipb.ModelOutput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape),
+                                label_filename=s.label_filename) for s in info.outputs],
         parameters={
             "providers": ipb.ModelParameter(string_value=",".join(info.providers)),
             "padded_inputs": ipb.ModelParameter(string_value=",".join(info.padded_inputs)),

@@ -26,6 +26,7 @@ from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.cluster import is_cluster_url
 from batchline.sentinel import is_sentinel
 from gateway.admission import Calibration
+from gateway import classification
 from gateway.catalog import Catalog
 from gateway.commit import GroupCommit
 from gateway.fairness import FairShares
@@ -35,6 +36,7 @@ from gateway.replies import Replies
 from gateway.repository import RepositoryControl
 from gateway.request import Call, parse, queue_entry
 from gateway.settings import GatewaySettings
+from gateway.shared_memory import SharedMemory
 from gateway.text import Tokenizers
 from gateway.views import LoadViews
 
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 
 SERVER_NAME = "batchline"
 SERVER_VERSION = "0.1.0"
-EXTENSIONS = ["statistics", "model_configuration", "model_repository"]
+EXTENSIONS = ["classification", "statistics", "model_configuration", "model_repository", "system_shared_memory"]
 # How often drain() looks whether every admitted request has been answered.
 DRAIN_POLL_S = 0.05
 
@@ -67,6 +69,7 @@ class Gateway:
         self.repository = RepositoryControl(self.store, settings.model_control_mode)
         self.fair = FairShares()  # tenants' shares of each model (tokens' weights)
         self.tokenizers = Tokenizers(self.store)  # of the models that take text
+        self.shared_memory = SharedMemory()  # the regions clients registered with this gateway
         # Behind Sentinel or on a cluster, a Redis (a shard's primary) lost is most likely replaced by a replica.
         self.replicated = is_sentinel(settings.redis_url) or is_cluster_url(settings.redis_url)
         self._reconciling: set[asyncio.Task] = set()
@@ -191,6 +194,10 @@ class Gateway:
         model = await self.catalog.model(request.model_name, request.model_version)
         if model.text.name:
             request = await self.tokenizers.convert(request, model)
+        # Triton's extensions that change a request's tensors on their way in and out.
+        targets = self.shared_memory.output_targets(request)
+        self.shared_memory.read_inputs(request)
+        classes = classification.requested(request, model)
         call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000)
         if self.draining:
             raise Unavailable("this gateway is shutting down: retry on another instance")
@@ -227,6 +234,10 @@ class Gateway:
             ticket.over(error is None and now_us() - arrived_us <= call.run_budget_s * 1e6 if judged else None)
         if error is not None:
             raise error
+        if classes:
+            classification.classify(reply.response, model, classes)
+        if targets:
+            self.shared_memory.write_outputs(reply.response, targets)
         return reply.response
 
     async def _queue_and_wait(self, call: Call, ticket: Ticket | None, traceparent: str, tracestate: str,

@@ -16,6 +16,7 @@ from batchline.auth import Grant, Tokens
 from batchline.undecodable import Undecodable, tolerated
 from gateway.convert import inputs_of, model_config, model_statistics
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
+from gateway.shared_memory_calls import SharedMemoryCalls
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("batchline.gateway")
@@ -53,7 +54,7 @@ def stream_error(request: ipb.ModelInferRequest, exc: BatchlineError) -> ipb.Mod
     return ipb.ModelStreamInferResponse(error_message=f"[{grpc_status(exc).name}] {exc}", infer_response=answer)
 
 
-class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
+class InferenceServicer(SharedMemoryCalls, inference_pb2_grpc.GRPCInferenceServiceServicer):
     """ServerLive and ServerReady are open, as probes; with `tokens`, every other call needs a token,
     and a model call one whose scope holds the model (statistics: an admin token)."""
 
@@ -64,6 +65,9 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def _grant(self, context) -> Grant | None:
         """The caller's grant (None: the gateway is unauthenticated); raises Unauthenticated."""
         return self.tokens.grant(context.invocation_metadata()) if self.tokens is not None else None
+
+    async def _abort_with(self, context, exc: BatchlineError):
+        await _abort(context, exc)
 
     async def _allow(self, context, model: str = "", admin: str = "") -> Grant | None:
         """Abort the call unless its token may call `model` (and is an admin's, for `admin`); its grant."""

@@ -16,7 +16,6 @@ from batchline.protocol import internal_pb2 as pb
 _UNSUPPORTED_REQUEST_PARAMS = {
     "sequence_id": "sequence batching is not supported; send each request on its own",
 }
-_SHM_PARAM = "shared_memory_region"
 
 def _param_int(param: ipb.InferParameter, name: str) -> int:
     kind = param.WhichOneof("parameter_choice")
@@ -70,12 +69,17 @@ def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
     if unknown:
         raise InvalidArgument(f"model '{model.name}' has no input(s) {unknown}; its inputs are {list(specs)}")
 
+    if request.raw_input_contents:
+        typed = [t.name for t in request.inputs if t.HasField("contents")]
+        if typed:
+            raise InvalidArgument(
+                f"contents field must not be specified when using raw_input_contents for '{typed[0]}' for model "
+                f"'{model.name}': send every input raw (raw_input_contents) or every input typed (contents), not both")
+
     batched = model.max_batch_size > 0
     rows = None
     for tensor in request.inputs:
         spec = specs[tensor.name]
-        if _SHM_PARAM in tensor.parameters:
-            raise InvalidArgument(f"input '{tensor.name}': shared memory is not supported; send the data in the request")
         if tensor.datatype != spec.datatype:
             raise InvalidArgument(
                 f"input '{tensor.name}' of model '{model.name}' must be {spec.datatype}, got {tensor.datatype or 'no datatype'}"
@@ -99,8 +103,6 @@ def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
             raise InvalidArgument(
                 f"model '{model.name}' has no output '{out.name}'; its outputs are {[s.name for s in model.outputs]}"
             )
-        if _SHM_PARAM in out.parameters:
-            raise InvalidArgument(f"output '{out.name}': shared memory is not supported")
 
     # Sizes: decoding checks byte counts against shapes without copying the data.
     decode_inputs(request)

@@ -98,14 +98,20 @@ class ExecutionReport(_message.Message):
     def __init__(self, executor_id: _Optional[str] = ..., batch_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., rows: _Optional[int] = ..., requests: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., failed: _Optional[int] = ..., warmup: _Optional[bool] = ..., ran_until_us: _Optional[int] = ..., units: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "datatype", "shape")
+    __slots__ = ("name", "datatype", "shape", "format", "label_filename", "labels")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATATYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FILENAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     datatype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    format: str
+    label_filename: str
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., format: _Optional[str] = ..., label_filename: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "version", "platform", "max_batch_size", "max_queue_delay_ms", "default_timeout_ms", "default_priority", "priority_levels", "preferred_batch_sizes", "inputs", "outputs", "providers", "padded_inputs", "max_queue_size", "unloading", "text")
