@@ -209,10 +209,19 @@ def read_model_config(path: pathlib.Path) -> ModelConfig:
                 loaded = tomllib.load(f)
             except tomllib.TOMLDecodeError as exc:
                 raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    return _checked(loaded, str(path))
+
+
+def _checked(loaded: dict[str, Any], where: str) -> ModelConfig:
     unknown = set(loaded) - set(KEYS)
     if unknown:
-        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; known: {KEYS}")
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; known: {KEYS}")
     try:
         return ModelConfig(**loaded)
     except ValidationError as exc:
-        raise ConfigError(f"{path}: " + "; ".join(_message(e) for e in exc.errors())) from None
+        raise ConfigError(f"{where}: " + "; ".join(_message(e) for e in exc.errors())) from None
+
+
+def check_model_config(loaded: dict[str, Any], where: str) -> dict[str, Any]:
+    """config.toml's keys given as a dict (a load call's override), checked; every key, defaults filled in."""
+    return _checked(loaded, where).model_dump()

@@ -305,18 +305,22 @@ def model_names(root: pathlib.Path, only: list[str] | None = None) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (not only or p.name in only))
 
 
-def scan_model(model_dir: pathlib.Path) -> ModelDir:
-    """The model's config and selected versions; RepositoryError when its config cannot be served."""
+def scan_model(model_dir: pathlib.Path, config: dict[str, Any] | None = None, config_file: str = "config.toml") -> ModelDir:
+    """The model's config and selected versions; RepositoryError when its config cannot be served.
+
+    `config`: the model's config.toml keys given (a load call's override), with the file in the
+    directory whose change tells a new config (`config_file`)."""
     if ":" in model_dir.name:
         # Redis keys are built as prefix:model:version (batchline.contract).
         raise RepositoryError(f"{model_dir}: a model name may not contain ':'")
     if not model_dir.is_dir():
         raise RepositoryError(f"model '{model_dir.name}' is not in the repository {model_dir.parent}")
-    config = read_config(model_dir)
+    if config is None:
+        config = read_config(model_dir)
     present = [p.name for p in model_dir.iterdir() if p.is_dir() and (p / "model.onnx").exists()]
     selected = select_versions(config["version_policy"], present)
-    config_file = model_dir / "config.toml"
-    return ModelDir(model_dir, config, {v: fingerprint(config_file, model_dir / v / "model.onnx") for v in selected})
+    config_path = model_dir / config_file
+    return ModelDir(model_dir, config, {v: fingerprint(config_path, model_dir / v / "model.onnx") for v in selected})
 
 
 def load_repository(

@@ -66,7 +66,7 @@ class Gateway:
         self.views = LoadViews(self.store, lambda: sorted(self.catalog.registry.models), settings.load_refresh_s)
         self.ledger = AdmissionLedger(self.gateway_id, settings.admission_headroom, settings.admission_target)
         self.gateways = 1  # live gateways (from the heartbeats): each spaces only the refusals it gives itself
-        self.repository = RepositoryControl(self.store, settings.model_control_mode)
+        self.repository = RepositoryControl(self.store, settings.model_control_mode, settings.load_files_max_bytes)
         self.fair = FairShares()  # tenants' shares of each model (tokens' weights)
         self.tokenizers = Tokenizers(self.store)  # of the models that take text
         self.shared_memory = SharedMemory()  # the regions clients registered with this gateway

@@ -78,6 +78,10 @@ class ExecutorStore(RecoveryStore):
         raw = await self.client.hgetall(k.CONTROL)
         return {name.decode(): k.parse_control(v) for name, v in raw.items()}
 
+    async def control_override(self, name: str) -> bytes | None:
+        """The ModelOverride of the latest load call of `name`, if it had one."""
+        return await self.client.get(k.override(name))
+
     async def queued_for(self, model: ModelKey, executor_ids: Sequence[str]) -> tuple[int, list[list[bytes]]]:
         """The model's queue depth and each executor's work list (Batch blobs), read in the order a
         request moves (queue, then work list)."""

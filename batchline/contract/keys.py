@@ -5,7 +5,7 @@ Keys (all under the ``bl:`` prefix; messages are protobufs from
 Redis Cluster, keys with the same tag live in one hash slot, which is what lets each script and
 each blocking wait name keys of one slot only (docs/design/redis-cluster.md). M is
 ``m:<model>:<version>``, X ``x:<executor_id>``, G ``g:<gateway_id>``; a tenant's bucket and a
-tokenizer have a tag of their own (``t:<tenant>``, ``k:<sha256>``); S, the shared slot, holds
+tokenizer and a load call's override have a tag of their own (``t:<tenant>``, ``k:<sha256>``, ``o:<model>``); S, the shared slot, holds
 what is small and read by everyone (wake-ups, reports, registrations, the lease).
 
 =====================================  ===========  ==================================================
@@ -31,6 +31,7 @@ bl:gateway:{s}:<gateway_id>            string       the gateway's address; TTL =
 bl:gateways:{s}                        sorted set   gateway ids scored by their last heartbeat (ms): how many are live
 bl:control:{s}:models                  hash         model name -> "load:<seq>" | "unload:<seq>": the latest repository call
 bl:control:{s}:seq                     string       the sequence number of the latest repository call (INCR)
+bl:override:{o:<model>}               string       ModelOverride: a load call's config and files; TTL = CONTROL_TTL
 bl:rate:{t:<tenant>}                   hash         a tenant's token bucket (max_rate): tokens, as of (ms); TTL = refill time
 bl:tokenizer:{k:<sha256>}              string       a model's tokenizer.json, for the gateways to tokenize its text input
 =====================================  ===========  ==================================================
@@ -92,6 +93,11 @@ UNLOAD_GRACE_S = 2.0
 
 def control_record(action: str, seq: int) -> str:
     return f"{action}:{seq}"
+
+
+def override(name: str) -> str:
+    """A load call's config and files: a tag of their own, as they may be large."""
+    return f"{PREFIX}override:{{o:{name}}}"
 
 
 def parse_control(record: bytes | str) -> tuple[str, int]:

@@ -167,6 +167,23 @@ class TextInput(_message.Message):
     tokenizer_sha256: str
     def __init__(self, name: _Optional[str] = ..., max_length: _Optional[int] = ..., truncate: _Optional[bool] = ..., ids_input: _Optional[str] = ..., mask_input: _Optional[str] = ..., type_ids_input: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ...) -> None: ...
 
+class ModelOverride(_message.Message):
+    __slots__ = ("seq", "config_json", "files")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    config_json: str
+    files: _containers.ScalarMap[str, bytes]
+    def __init__(self, seq: _Optional[int] = ..., config_json: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
 class RepositoryEntry(_message.Message):
     __slots__ = ("name", "version", "state", "reason")
     NAME_FIELD_NUMBER: _ClassVar[int]
