@@ -196,9 +196,9 @@ class Gateway:
             request = await self.tokenizers.convert(request, model)
         # Triton's extensions that change a request's tensors on their way in and out.
         targets = self.shared_memory.output_targets(request)
-        self.shared_memory.read_inputs(request)
         classes = classification.requested(request, model)
-        call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000)
+        request, payload = self.shared_memory.read_inputs(request)
+        call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000, payload)
         if self.draining:
             raise Unavailable("this gateway is shutting down: retry on another instance")
         arrived_us = now_us()
@@ -258,7 +258,7 @@ class Gateway:
         fut = self.replies.expect(entry.request_id)
         if ticket is not None:
             ticket.queued(enqueued)
-        write = contract.QueueWrite(entry.request_id, call.key, call.request.SerializeToString(),
+        write = contract.QueueWrite(entry.request_id, call.key, call.payload or call.request.SerializeToString(),
                                     contract.payload_ttl_ms(deadline, enqueued), member,
                                     contract.queue_score(call.priority, deadline), call.model.max_queue_size)
         try:
