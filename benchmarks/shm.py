@@ -20,6 +20,7 @@ import psutil
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+import _common  # noqa: E402
 from batchline.testing import triton_models  # noqa: E402
 from batchline.testing.processes import ProcessMesh  # noqa: E402
 
@@ -39,6 +40,7 @@ def main() -> None:
     import tritonclient.grpc as grpcclient
     import tritonclient.utils.shared_memory as shm
 
+    print(f"machine: {_common.machine()}")
     elements = int(args.megabytes * 1024 * 1024) // 4
     data = np.random.default_rng(0).random((1, elements), dtype=np.float32)
     size = data.nbytes
