@@ -115,6 +115,7 @@ class Gateway:
     async def stop(self) -> None:
         await stop_tasks(self._tasks)
         self.give_up()
+        self.shared_memory.unregister("")
         try:
             await self.store.leave(self.gateway_id)
         except REDIS_ERRORS:

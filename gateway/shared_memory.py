@@ -29,6 +29,7 @@ class Region:
     offset: int
     byte_size: int
     memory: mmap.mmap
+    fd: int  # kept open to see the file's size: touching a page past its end would kill the process
 
     def span(self, what: str, offset: int, size: int) -> slice:
         """The bytes [offset, offset + size) of the region (offsets within it, as clients give them)."""
@@ -37,7 +38,20 @@ class Region:
                 f"{what}: invalid offset + byte size for shared memory region: '{self.name}' (offset {offset} + "
                 f"{size} bytes is beyond its {self.byte_size} bytes)")
         start = self.offset + offset
+        self.check(what, start + size)
         return slice(start, start + size)
+
+    def check(self, what: str, end: int) -> None:
+        """The region is still registered, and its file still holds `end` bytes (the client may have shrunk it)."""
+        if self.memory.closed:
+            raise InvalidArgument(f"{what}: shared memory region '{self.name}' was unregistered while the request ran")
+        if os.fstat(self.fd).st_size < end:
+            raise InvalidArgument(f"{what}: shared memory region '{self.name}' shrank below {end} bytes (key "
+                                  f"{self.key!r}): register it again")
+
+    def close(self) -> None:
+        self.memory.close()
+        os.close(self.fd)
 
 
 def _int_param(params, name: str, what: str, default: int | None = None) -> int:
@@ -97,16 +111,17 @@ class SharedMemory:
                 raise InvalidArgument(f"shared memory region '{name}': offset {offset} + byte size {byte_size} does not "
                                       f"fit key {key!r}, which holds {size} bytes")
             memory = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
-        self.regions[name] = Region(name, key, offset, byte_size, memory)
+            raise
+        self.regions[name] = Region(name, key, offset, byte_size, memory, fd)
 
     def unregister(self, name: str) -> None:
         """Unregister `name` ('' = every region); a name not registered is no error (as in Triton)."""
         for region_name in ([name] if name else list(self.regions)):
             region = self.regions.pop(region_name, None)
             if region is not None:
-                region.memory.close()
+                region.close()
 
     def status(self, name: str) -> list[Region]:
         if not name:
@@ -185,6 +200,7 @@ class SharedMemory:
                 raise InvalidArgument(
                     f"shared memory size specified with the request for output '{out.name}' ({room} bytes) should be "
                     f"at least {len(data)} bytes to hold the results")
+            region.check(f"output '{out.name}'", span.start + len(data))
             region.memory[span.start:span.start + len(data)] = data
             out.parameters[REGION].string_param = region.name
             out.parameters[BYTE_SIZE].int64_param = len(data)

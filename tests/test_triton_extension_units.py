@@ -150,3 +150,27 @@ def test_shared_memory_registration_refuses_keys_it_cannot_map():
         assert regions.regions == {}
     finally:
         os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_region_unregistered_or_shrunk_under_a_request_is_refused_not_read():
+    regions = SharedMemory()
+    name = f"bl_unit_{uuid.uuid4().hex[:8]}"
+    with open(f"/dev/shm/{name}", "wb") as f:
+        f.write(b"\0" * 64)
+    try:
+        regions.register("out", f"/{name}", 0, 64)
+        request = ipb.ModelInferRequest()
+        out = request.outputs.add(name="scores")
+        out.parameters["shared_memory_region"].string_param = "out"
+        out.parameters["shared_memory_byte_size"].int64_param = 64
+        targets = regions.output_targets(request)
+        response = _response(np.ones((1, 4)))
+        os.truncate(f"/dev/shm/{name}", 8)
+        with pytest.raises(InvalidArgument, match="'out' shrank below 16 bytes"):
+            SharedMemory.write_outputs(response, targets)
+        regions.unregister("out")
+        with pytest.raises(InvalidArgument, match="'out' was unregistered while the request ran"):
+            SharedMemory.write_outputs(response, targets)
+    finally:
+        regions.unregister("")
+        os.unlink(f"/dev/shm/{name}")
