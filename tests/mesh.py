@@ -56,6 +56,11 @@ class Mesh:
     def address(self) -> str:
         return f"127.0.0.1:{self.gateway.port}"
 
+    @property
+    def http_address(self) -> str:
+        """The gateway's REST port, as tritonclient.http takes it."""
+        return f"127.0.0.1:{self.gateway.http_port}"
+
     def start(self) -> "Mesh":
         connect_sync(self.redis_url, 2).flushdb()
         self.thread.start()
@@ -68,7 +73,7 @@ class Mesh:
         self.scheduler = await SchedulerApp(
             SchedulerSettings(redis_url=self.redis_url, port=0, metrics_port=-1, **self.scheduler_overrides)
         ).start()
-        gateway = {"drain_timeout_s": 5.0, **self.gateway_overrides}
+        gateway = {"drain_timeout_s": 5.0, "http_port": 0, **self.gateway_overrides}
         self.gateway = await GatewayApp(GatewaySettings(redis_url=self.redis_url, port=0, metrics_port=-1, **gateway)).start()
 
     async def _start_executor(self, i: int) -> ExecutorApp:

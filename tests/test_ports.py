@@ -30,7 +30,7 @@ def foreign_server(mesh):
 
 
 def _gateway(redis_url: str, port: int, **overrides) -> GatewayApp:
-    return GatewayApp(GatewaySettings(redis_url=redis_url, port=port, metrics_port=-1, **overrides))
+    return GatewayApp(GatewaySettings(redis_url=redis_url, port=port, metrics_port=-1, http_port=-1, **overrides))
 
 
 @pytest.mark.parametrize("share_port", [False, True])
@@ -57,9 +57,9 @@ def test_the_gateways_of_one_mesh_share_their_port_and_no_other_meshs_gateway_jo
 def test_a_gateway_process_and_batchline_up_on_a_served_port_exit_in_one_line(mesh, foreign_server, model_repository):
     runs = {
         "gateway": [sys.executable, "-m", "gateway", "--redis-url", mesh.redis_url, "--port", str(foreign_server),
-                    "--metrics-port", "-1"],
+                    "--metrics-port", "-1", "--http-port", "-1"],
         "up": [sys.executable, "-m", "batchline.cli", "up", "--redis-url", mesh.redis_url, "--model-repository",
-               str(model_repository), "--gateway-port", str(foreign_server), "--metrics-port", "-1"],
+               str(model_repository), "--gateway-port", str(foreign_server), "--metrics-port", "-1", "--http-port", "-1"],
     }
     for what, cmd in runs.items():
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
