@@ -22,11 +22,12 @@ from scheduler.settings import SchedulerSettings
 
 class Mesh:
     def __init__(self, redis_url: str | None, model_repository: str, executors: int = 1, models: list[str] | None = None,
-                 gateway_overrides: dict | None = None, **scheduler_overrides):
+                 gateway_overrides: dict | None = None, executor_overrides: dict | None = None, **scheduler_overrides):
         # Without a URL the mesh gets a Redis of its own, so meshes never see each other's queues.
         self.own_redis = None if redis_url else EmbeddedRedis().start()
         self.redis_url = redis_url or self.own_redis.url
         self.gateway_overrides = gateway_overrides or {}
+        self.executor_overrides = executor_overrides or {}
         self.repo = model_repository
         self.n_executors = executors
         self.models = models or []
@@ -85,6 +86,7 @@ class Mesh:
             metrics_port=-1,
             executor_id=f"test-exec-{i}-{uuid.uuid4().hex[:6]}",
             intra_op_threads=1,
+            **self.executor_overrides,
         )
         return await ExecutorApp(settings).start()
 

@@ -7,6 +7,9 @@ import contextlib
 import gc
 import http.client
 import json
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -269,3 +272,36 @@ def test_a_budget_too_short_is_504_as_deadline_exceeded_is(rest_mesh):
                               {"Inference-Header-Content-Length": str(length), "Batchline-Timeout-Ms": "0.001"})
     assert status == 504, answer
     assert "budget" in json.loads(answer)["error"]
+
+
+@pytest.mark.parametrize("example,says", [
+    ("simple_http_infer_client", "15 + -1 = 14"), ("simple_http_async_infer_client", "15 + 1 = 16"),
+    ("simple_http_string_infer_client", "PASS: string"), ("simple_http_health_metadata", "'name': 'simple'")])
+def test_tritons_http_example_clients_pass_unmodified(rest_mesh, example, says):
+    script = pathlib.Path(__file__).parent / "triton_examples" / f"{example}.py"
+    out = subprocess.run([sys.executable, str(script), "-u", rest_mesh.http_address], capture_output=True,
+                         text=True, timeout=120)
+    # Each exits 1 on a wrong answer or error message.
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert says in out.stdout
+
+
+def test_the_repository_extension_loads_and_unloads_in_explicit_mode(rest_repository):
+    from mesh import Mesh
+
+    with Mesh(None, str(rest_repository), gateway_overrides={"model_control_mode": "explicit"},
+              executor_overrides={"model_control_mode": "explicit", "load_model": ["simple"]}) as m, \
+            http_client(m) as client:
+        assert client.is_model_ready("simple") and not client.is_model_ready("simple_string")
+        index = {e["name"]: e["state"] for e in client.get_model_repository_index()}
+        assert index["simple"] == "READY" and index["simple_string"] == ""
+        client.load_model("simple_string")
+        assert client.is_model_ready("simple_string")
+        client.unload_model("simple_string")
+        assert not client.is_model_ready("simple_string")
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model("nope")
+        assert info.value.status() == "404" and "'nope' is not in the model repository" in info.value.message()
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model("simple", config='{"max_batch_size": 16}')
+        assert info.value.status() == "400" and "['config'] are not supported" in info.value.message()
