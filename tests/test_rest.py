@@ -28,7 +28,8 @@ def rest_repository(tmp_path_factory, model_repository):
     repo = tmp_path_factory.mktemp("rest-repo")
     save_identity_model(repo)
     save_triton_example_models(repo)
-    (repo / "mlp").symlink_to(model_repository / "mlp")
+    for name in ("mlp", "minilm"):
+        (repo / name).symlink_to(model_repository / name)
     return repo
 
 
@@ -152,10 +153,10 @@ def test_health_metadata_config_statistics_and_repository(rest_mesh):
         stats = client.get_inference_statistics("simple")
         assert stats["model_stats"][0]["inference_count"] == int(grpc_stats["model_stats"][0].get("inference_count", 0))
         assert isinstance(stats["model_stats"][0]["inference_count"], int)
-        assert len(client.get_inference_statistics()["model_stats"]) == 5
+        assert len(client.get_inference_statistics()["model_stats"]) == 6
         index = client.get_model_repository_index()
         assert {(e["name"], e["state"]) for e in index} == {
-            (m, "READY") for m in ("identity", "mlp", "simple", "simple_identity", "simple_string")}
+            (m, "READY") for m in ("identity", "minilm", "mlp", "simple", "simple_identity", "simple_string")}
         with pytest.raises(InferenceServerException) as info:
             client.get_model_metadata("wrong_model_name")
         assert info.value.status() == "404" and info.value.message().startswith("Request for unknown model")
@@ -305,3 +306,20 @@ def test_the_repository_extension_loads_and_unloads_in_explicit_mode(rest_reposi
         with pytest.raises(InferenceServerException) as info:
             client.load_model("simple", config='{"max_batch_size": 16}')
         assert info.value.status() == "400" and "['config'] are not supported" in info.value.message()
+
+
+def test_text_inputs_in_json_answer_as_grpc_does(rest_mesh):
+    sentences = ["A cat sits on the mat.", "Batching makes small models cheap to serve, at scale."]
+    grpc_client = tg.InferenceServerClient(rest_mesh.address)
+    text = tg.InferInput("text", [2, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[s.encode()] for s in sentences], dtype=object))
+    expected = grpc_client.infer("minilm", [text], client_timeout=120).as_numpy("sentence_embedding")
+    grpc_client.close()
+    body = json.dumps({"parameters": {"priority": 1}, "inputs": [
+        {"name": "text", "shape": [2, 1], "datatype": "BYTES", "data": [[s] for s in sentences]}],
+        "outputs": [{"name": "sentence_embedding", "parameters": {"binary_data": True}}]}).encode()
+    status, headers, answer = _post(rest_mesh.http_address, "/v2/models/minilm/infer", body,
+                                    {"Batchline-Timeout-Ms": "60000"})
+    assert status == 200, answer
+    length = int(headers["inference-header-content-length"])
+    assert answer[length:] == expected.tobytes()
