@@ -119,6 +119,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per server, alternating")
     args = parser.parse_args()
+    import _common
+
+    print(f"machine: {_common.machine()}")
     kinds = ["uvicorn-httptools", "uvicorn-h11", "aiohttp"]
     results: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(args.rounds):
