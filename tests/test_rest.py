@@ -323,3 +323,27 @@ def test_text_inputs_in_json_answer_as_grpc_does(rest_mesh):
     assert status == 200, answer
     length = int(headers["inference-header-content-length"])
     assert answer[length:] == expected.tobytes()
+
+
+def _curl_blocks() -> list[str]:
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "reference" / "protocol.md").read_text()
+    section = page[page.index("## REST (HTTP)"):]
+    return [block.split("```", 1)[0] for block in section.split("```sh\n")[1:]]
+
+
+def test_the_curl_examples_of_the_protocol_reference_run(rest_mesh):
+    blocks = _curl_blocks()
+    assert len(blocks) == 4
+    outputs = []
+    for block in blocks:
+        script = block.replace("localhost:8000", rest_mesh.http_address)
+        out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, (block, out.stderr)
+        outputs.append(out.stdout)
+    ready, metadata = outputs[0].split("\n", 1)
+    assert ready == "200" and json.loads(metadata)["name"] == "mlp"
+    answer = json.loads(outputs[1])
+    assert answer["id"] == "r1" and answer["outputs"][0]["name"] == "probability"
+    assert len(json.loads(outputs[2])["outputs"][0]["data"]) == 1
+    body, status = outputs[3].rsplit(" ", 1)
+    assert status.strip() == "404" and json.loads(body)["error"].startswith("Request for unknown model: 'nope'")
