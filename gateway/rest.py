@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 
 from batchline.auth import Grant, Tokens
 from batchline.errors import RETRY_AFTER_KEY, BatchlineError, InvalidArgument, NotFound, http_status
@@ -87,7 +88,25 @@ class RestApp:
                 raise InvalidArgument(f"the request body is over the gateway's limit of {cap} bytes (max_message_bytes)")
             chunks.append(chunk)
             if not message.get("more_body"):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                encoding = headers.get(b"content-encoding")
+                return self._decompress(body, encoding.decode("latin-1").strip().lower()) if encoding else body
+
+    def _decompress(self, body: bytes, encoding: str) -> bytes:
+        """A compressed body (tritonclient's request_compression_algorithm), within the same cap."""
+        if encoding == "identity":
+            return body
+        if encoding not in ("gzip", "deflate"):
+            raise InvalidArgument(f"Content-Encoding {encoding!r} is not supported: send gzip, deflate or none")
+        inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+        try:
+            out = inflater.decompress(body, self.max_body_bytes + 1)
+        except zlib.error as exc:
+            raise InvalidArgument(f"the request body is not valid {encoding} data: {exc}") from None
+        if len(out) > self.max_body_bytes:
+            raise InvalidArgument(f"the request body is over the gateway's limit of {self.max_body_bytes} bytes "
+                                  "(max_message_bytes) once decompressed")
+        return out
 
     async def _json_body(self, headers, receive) -> dict:
         body = await self._body(headers, receive)

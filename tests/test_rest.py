@@ -275,12 +275,16 @@ def test_a_budget_too_short_is_504_as_deadline_exceeded_is(rest_mesh):
     assert "budget" in json.loads(answer)["error"]
 
 
-@pytest.mark.parametrize("example,says", [
-    ("simple_http_infer_client", "15 + -1 = 14"), ("simple_http_async_infer_client", "15 + 1 = 16"),
-    ("simple_http_string_infer_client", "PASS: string"), ("simple_http_health_metadata", "'name': 'simple'")])
-def test_tritons_http_example_clients_pass_unmodified(rest_mesh, example, says):
+@pytest.mark.parametrize("example,flags,says", [
+    ("simple_http_infer_client", [], "15 + -1 = 14"),
+    ("simple_http_infer_client", ["--request-compression-algorithm", "gzip"], "15 + -1 = 14"),
+    ("simple_http_infer_client", ["--request-compression-algorithm", "deflate"], "15 + -1 = 14"),
+    ("simple_http_async_infer_client", [], "15 + 1 = 16"),
+    ("simple_http_string_infer_client", [], "PASS: string"),
+    ("simple_http_health_metadata", [], "'name': 'simple'")])
+def test_tritons_http_example_clients_pass_unmodified(rest_mesh, example, flags, says):
     script = pathlib.Path(__file__).parent / "triton_examples" / f"{example}.py"
-    out = subprocess.run([sys.executable, str(script), "-u", rest_mesh.http_address], capture_output=True,
+    out = subprocess.run([sys.executable, str(script), "-u", rest_mesh.http_address, *flags], capture_output=True,
                          text=True, timeout=120)
     # Each exits 1 on a wrong answer or error message.
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -347,3 +351,20 @@ def test_the_curl_examples_of_the_protocol_reference_run(rest_mesh):
     assert len(json.loads(outputs[2])["outputs"][0]["data"]) == 1
     body, status = outputs[3].rsplit(" ", 1)
     assert status.strip() == "404" and json.loads(body)["error"].startswith("Request for unknown model: 'nope'")
+
+
+def test_compressed_bodies_are_read_within_the_cap(rest_mesh):
+    import gzip
+
+    body, length = _simple_body()
+    status, _, answer = _post(rest_mesh.http_address, "/v2/models/simple/infer", gzip.compress(body),
+                              {"Inference-Header-Content-Length": str(length), "Content-Encoding": "gzip"})
+    assert status == 200, answer
+    status, _, answer = _post(rest_mesh.http_address, "/v2/models/simple/infer", b"not gzip",
+                              {"Content-Encoding": "gzip"})
+    assert status == 400 and "not valid gzip data" in json.loads(answer)["error"]
+    status, _, answer = _post(rest_mesh.http_address, "/v2/models/simple/infer", gzip.compress(bytes(BODY_CAP + 1)),
+                              {"Content-Encoding": "gzip"})
+    assert status == 400 and "once decompressed" in json.loads(answer)["error"]
+    status, _, answer = _post(rest_mesh.http_address, "/v2/models/simple/infer", body, {"Content-Encoding": "br"})
+    assert status == 400 and "'br' is not supported" in json.loads(answer)["error"]
