@@ -8,17 +8,21 @@ HTTP status of batchline.errors.http_status.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import zlib
 
 from batchline.auth import Grant, Tokens
-from batchline.errors import RETRY_AFTER_KEY, BatchlineError, InvalidArgument, NotFound, http_status
+from batchline.errors import (RETRY_AFTER_KEY, BatchlineError, Internal, InvalidArgument, NotFound, Unauthenticated,
+                              http_status)
 from batchline.protocol import inference_pb2 as ipb
 from gateway import inference
 from gateway.convert import inputs_of, model_config, model_statistics
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
 from gateway.rest_tensors import infer_request, infer_response
 from gateway.rest_json import message_dict
+
+log = logging.getLogger(__name__)
 
 # The client's deadline, in milliseconds from when the request arrives: what a gRPC deadline is
 # to ModelInfer (the tighter of it and the `timeout` parameter is the budget).
@@ -29,6 +33,8 @@ _JSON = [(b"content-type", b"application/json")]
 
 def _error_body(exc: BatchlineError) -> tuple[int, list, bytes]:
     headers = list(_JSON)
+    if isinstance(exc, Unauthenticated):
+        headers.append((b"www-authenticate", b"Bearer"))
     if exc.retry_after_s is not None:
         headers.append((b"retry-after", str(max(1, math.ceil(exc.retry_after_s))).encode()))
         headers.append((RETRY_AFTER_KEY.encode(), str(max(1, round(exc.retry_after_s * 1000))).encode()))
@@ -67,6 +73,11 @@ class RestApp:
             status, answer_headers, body = await self._route(scope, headers, receive)
         except BatchlineError as exc:
             status, answer_headers, body = _error_body(exc)
+        except Exception as exc:
+            # A bug or a failure nobody foresaw: a JSON error as every other, not uvicorn's text page.
+            log.exception("%s %s failed unexpectedly", scope["method"], scope["path"])
+            status, answer_headers, body = _error_body(
+                Internal(f"the gateway failed on this request unexpectedly ({type(exc).__name__}: {exc})"))
         await send({"type": "http.response.start", "status": status,
                     "headers": [*answer_headers, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})

@@ -62,8 +62,9 @@ def test_tokens_and_scopes_are_the_grpc_ports(guarded):
     # Probes are open.
     assert _request(port, "GET", "/v2/health/live")[0] == 200
     assert _request(port, "GET", "/v2/health/ready")[0] == 200
-    status, _, body = _request(port, "POST", "/v2/models/mlp/infer", BODY)
+    status, headers, body = _request(port, "POST", "/v2/models/mlp/infer", BODY)
     assert status == 401 and "this gateway needs a token" in json.loads(body)["error"]
+    assert headers["www-authenticate"] == "Bearer"
     status, _, body = _request(port, "POST", "/v2/models/mlp/infer", BODY, {"Authorization": "Basic abc"})
     assert status == 401 and "must read `Bearer <token>`" in json.loads(body)["error"]
     status, _, body = _request(port, "POST", "/v2/models/mlp/infer", BODY, _bearer("not-a-token"))
