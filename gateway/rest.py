@@ -125,7 +125,7 @@ class RestApp:
             return {}
         try:
             value = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise InvalidArgument(f"the request body is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
             raise InvalidArgument("the request body must be a JSON object")

@@ -55,6 +55,12 @@ def parameter_value(param: ipb.InferParameter):
     return getattr(param, kind) if kind else None
 
 
+def _flag(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be true or false, got {json.dumps(value)}")
+    return value
+
+
 def _json_header(body: bytes, header_length: int | None) -> tuple[dict, memoryview]:
     if header_length is None:
         header_length = len(body)
@@ -63,7 +69,7 @@ def _json_header(body: bytes, header_length: int | None) -> tuple[dict, memoryvi
                               f"bytes, but the whole body is {len(body)} bytes")
     try:
         header = json.loads(body[:header_length])
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError; RecursionError: too deep
         hint = " (is Inference-Header-Content-Length right?)" if header_length < len(body) else ""
         raise InvalidArgument(f"the request's JSON header is not valid JSON{hint}: {exc}") from None
     if not isinstance(header, dict):
@@ -142,7 +148,7 @@ def infer_request(body: bytes, header_length: int | None, model: str, version: s
         raise InvalidArgument("`parameters` must be an object")
     for key, value in parameters.items():
         if key == _BINARY_OUTPUT:
-            choice.default = value is True
+            choice.default = _flag(value, f"parameter '{_BINARY_OUTPUT}'")
         else:
             set_parameter(request.parameters, key, value)
     inputs = header.get("inputs")
@@ -186,9 +192,12 @@ def infer_request(body: bytes, header_length: int | None, model: str, version: s
         raise InvalidArgument("`outputs` must be an array of objects, each with a `name`")
     for tensor in outputs:
         entry = request.outputs.add(name=tensor["name"])
-        for key, value in (tensor.get("parameters") or {}).items():
+        tensor_parameters = tensor.get("parameters") or {}
+        if not isinstance(tensor_parameters, dict):
+            raise InvalidArgument(f"output '{entry.name}': `parameters` must be an object")
+        for key, value in tensor_parameters.items():
             if key == _BINARY:
-                choice.by_name[entry.name] = value is True
+                choice.by_name[entry.name] = _flag(value, f"output '{entry.name}': parameter '{_BINARY}'")
             elif key == "classification":
                 raise InvalidArgument(f"output '{entry.name}': the classification extension is not supported")
             else:
