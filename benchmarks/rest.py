@@ -8,8 +8,10 @@ flight over gRPC unary ModelInfer, over REST with Triton's binary tensor data ex
 pool of requests, `batchline bench --protocol http`), and, when the peer's virtualenv is there
 (benchmarks/vs_triton.py says how to make it), over Triton's own HTTP endpoint (pytriton, ONNX
 Runtime in its Python backend, batchline's config.toml settings), the order rotating from round to
-round. It prints each round and the medians of REST / gRPC (target >= 0.8) and REST / Triton HTTP
-(target >= 1.0). --quick is one short round, to see that the script runs.
+round. It prints each round, with the CPU per request of the client, the server (the gateway, or
+Triton) and the rest of the mesh (psutil, the warm-up included at the step's rate), and the medians
+of REST / gRPC (target >= 0.8) and REST / Triton HTTP (target >= 1.0). --quick is one short round,
+to see that the script runs.
 """
 from __future__ import annotations
 
@@ -51,29 +53,39 @@ def main() -> int:
         else:
             print(f"Triton left out: no {args.peer_python} (benchmarks/vs_triton.py says how to make it)")
         runs: dict[str, list[float]] = {name: [] for name in targets}
+        cpu: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
         names = list(targets)
         for k in range(args.rounds):
             order = names[k % len(names):] + names[:k % len(names)]
             for name in order:
                 url, protocol = targets[name]
+                before = _common.cpu_seconds(rest="triton")
                 step = run_closed(url, "mlp", args.concurrency, args.duration, warmup=args.warmup,
                                   budget_ms=_common.CAPACITY_BUDGET_MS, progress=args.progress, protocol=protocol)
+                spent = _common.cpu_seconds(rest="triton") - before
                 runs[name].append(step.throughput_rps)
+                answered = step.throughput_rps * (args.duration + args.warmup) or 1
+                server = "triton" if name == "triton-http" else "gateway"
+                ms = {"client": spent["client"] / answered * 1e3, "server": spent[server] / answered * 1e3,
+                      "rest": sum(v for k, v in spent.items() if k not in ("client", server)) / answered * 1e3}
+                cpu[name].append(ms)
                 lat = step.latency_ms or {}
                 print(f"round {k + 1} {name:12s} {step.throughput_rps:8.0f} req/s  p50 {_common.f(lat.get('p50'))} ms"
-                      f"  p99 {_common.f(lat.get('p99'))} ms  {step.status_counts}")
+                      f"  p99 {_common.f(lat.get('p99'))} ms  CPU ms/request: client {ms['client']:.3f}, "
+                      f"server {ms['server']:.3f}, rest {ms['rest']:.3f}  {step.status_counts}")
     finally:
         if peer is not None:
             peer.stop()
         mesh.stop()
     print()
     rest = statistics.median(runs["rest"])
-    rows = [["target", "median req/s", "REST / it", "goal"]]
+    rows = [["target", "median req/s", "REST / it", "goal", "CPU ms/request: client", "server", "rest of the mesh"]]
     for name, values in runs.items():
         median = statistics.median(values)
         ratio = rest / median if median else float("nan")
         rows.append([name, f"{median:.0f}", "" if name == "rest" else f"{ratio:.2f}",
-                     f">= {TARGETS[name]:g}" if name in TARGETS else ""])
+                     f">= {TARGETS[name]:g}" if name in TARGETS else "",
+                     *(f"{statistics.median(m[key] for m in cpu[name]):.3f}" for key in ("client", "server", "rest"))])
     print(_common.table(rows))
     return 0
 
