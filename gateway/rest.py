@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # to ModelInfer (the tighter of it and the `timeout` parameter is the budget).
 TIMEOUT_HEADER = b"batchline-timeout-ms"
 HEADER_LENGTH = b"inference-header-content-length"
+_TRACE_HEADERS = (b"traceparent", b"tracestate")
 _JSON = [(b"content-type", b"application/json")]
 
 
@@ -209,7 +210,8 @@ class RestApp:
             raise InvalidArgument(f"the Inference-Header-Content-Length header must be a byte count, "
                                   f"got {length.decode('latin-1')!r}")
         request, choice = infer_request(body, int(length) if length is not None else None, name, version)
-        metadata = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers.items()]
+        # What the trace context needs, not every header: this runs for every request.
+        metadata = [(k.decode(), v.decode("latin-1")) for k in _TRACE_HEADERS if (v := headers.get(k)) is not None]
         response = await inference.infer(self.gateway, request, remaining, metadata, "HTTP ModelInfer", grant)
         body, header_length = infer_response(response, choice)
         if header_length is None:
