@@ -50,7 +50,7 @@ def main() -> None:
             mesh.start_redis()
             mesh.add_executor()
             mesh.add_scheduler()
-            mesh.add_gateway()
+            mesh.add_gateway(flags=["--http-port", "-1"])  # REST is not measured here
             mesh.wait_for_executors(1)
             address = mesh.wait_ready()
             gateway = psutil.Process(mesh.pids()["gateway"])

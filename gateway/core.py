@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 SERVER_NAME = "batchline"
 SERVER_VERSION = "0.1.0"
-EXTENSIONS = ["classification", "statistics", "model_configuration", "model_repository", "system_shared_memory"]
+# Triton's extensions both protocols serve (each adds its own: gRPC shared memory, REST binary data).
+EXTENSIONS = ["classification", "statistics", "model_configuration", "model_repository"]
 # How often drain() looks whether every admitted request has been answered.
 DRAIN_POLL_S = 0.05
 

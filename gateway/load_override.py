@@ -5,8 +5,10 @@ their form and size; the executors that apply the load read them from Redis, tra
 config (executor/load_override.py) and say why a load failed."""
 from __future__ import annotations
 
+import base64
+import binascii
 import json
-from typing import Callable
+from typing import Any, Callable
 
 from batchline.errors import Internal, InvalidArgument, ResourceExhausted
 from batchline.protocol import internal_pb2 as pb
@@ -24,10 +26,28 @@ def _path_problem(path: str) -> str:
     return ""
 
 
+def _value(param: Any) -> Any:
+    """A parameter's value: gRPC's ModelRepositoryParameter holds one of its kinds; REST's JSON is the value."""
+    kind = param.WhichOneof("parameter_choice") if hasattr(param, "WhichOneof") else None
+    return getattr(param, kind) if kind else param
+
+
+def _file(name: str, key: str, value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):  # REST sends a file's contents base64-encoded, as Triton's HTTP protocol does
+        try:
+            return base64.b64decode(value, validate=True)
+        except binascii.Error:
+            pass
+    raise InvalidArgument(f"failed to load '{name}': parameter '{key[:80]}' must hold the file's bytes "
+                          f"(base64-encoded over REST)")
+
+
 def override_maker(name: str, parameters: dict, max_bytes: int) -> Callable[[int], bytes] | None:
     """What makes the call's ModelOverride for its sequence number (None: a plain load, which
-    returns the model to its repository's files and config.toml)."""
-    config = parameters.get("config")
+    returns the model to its repository's files and config.toml). `parameters` as gRPC (protobuf
+    parameters) or REST (JSON values) gives them."""
     files: dict[str, bytes] = {}
     for key, param in parameters.items():
         if not key.startswith(FILE_PREFIX):
@@ -37,17 +57,15 @@ def override_maker(name: str, parameters: dict, max_bytes: int) -> Callable[[int
         if problem:
             # Triton's words and status (its example checks both), then which parameter is wrong.
             raise Internal(f"failed to poll from model repository: parameter '{key[:80]}' {problem}")
-        if param.WhichOneof("parameter_choice") != "bytes_param":
-            raise InvalidArgument(f"failed to load '{name}': parameter '{key[:80]}' must hold the file's bytes")
-        files[path] = param.bytes_param
-    if config is None:
+        files[path] = _file(name, key, _value(param))
+    if "config" not in parameters:
         if files:
             raise InvalidArgument(f"failed to load '{name}': file parameters need a 'config' parameter with them "
                                   f"(the model's configuration, as JSON)")
         return None
-    if config.WhichOneof("parameter_choice") != "string_param":
+    text = _value(parameters["config"])
+    if not isinstance(text, str):
         raise InvalidArgument(f"failed to load '{name}': parameter 'config' must be a string holding JSON")
-    text = config.string_param
     try:
         parsed = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as exc:

@@ -24,7 +24,8 @@ def explicit_mesh(tmp_path):
     mesh.add_executor(flags=["--model-control-mode", "explicit", "--load-model", "simple"])
     mesh.add_scheduler()
     # A small cap on a load's files, to see it refused past it.
-    mesh.add_gateway(flags=["--model-control-mode", "explicit", "--load-files-max-bytes", "100000"])
+    mesh.add_gateway(flags=["--model-control-mode", "explicit", "--load-files-max-bytes", "100000",
+                            "--http-port", "-1"])
     mesh.wait_for_executors(1)
     mesh.wait_ready()
     with mesh:

@@ -13,6 +13,8 @@ against a mesh (tests/test_triton_*.py) and benchmarks/shm.py has a model to sen
 from __future__ import annotations
 
 import pathlib
+from functools import partial
+from typing import Callable, Iterable
 
 import numpy as np
 import onnx
@@ -35,7 +37,7 @@ def _save(repo: pathlib.Path, name: str, nodes, inputs, outputs, config: str = "
     onnx.checker.check_model(model)
     (repo / name / "1").mkdir(parents=True, exist_ok=True)
     onnx.save(model, repo / name / "1" / "model.onnx")
-    (repo / name / "config.toml").write_text(f"max_batch_size = {MAX_BATCH_SIZE}\n{config}")
+    (repo / name / "config.toml").write_text(f"max_batch_size = {MAX_BATCH_SIZE}\nmax_queue_delay_ms = 1.0\n{config}")
 
 
 def _tensor(name: str, elem: int, dims=("batch", 16)):
@@ -72,14 +74,18 @@ def _image_classifier(repo: pathlib.Path) -> None:
     (repo / IMAGE_MODEL / "labels.txt").write_text("\n".join(IMAGE_LABELS) + "\n")
 
 
-def build_repository(repo: pathlib.Path) -> pathlib.Path:
-    """Write every model of NAMES under `repo` (version 1 each); returns `repo`."""
-    for name, elem in ADD_SUB.items():
-        _add_sub(repo, name, elem)
-    _string_add_sub(repo)
-    _save(repo, "simple_identity", [oh.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
-          [_tensor("INPUT0", TensorProto.STRING)], [_tensor("OUTPUT0", TensorProto.STRING)])
-    _image_classifier(repo)
-    _save(repo, "passthrough", [oh.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
-          [_tensor("INPUT0", TensorProto.FLOAT, ("batch", "n"))], [_tensor("OUTPUT0", TensorProto.FLOAT, ("batch", "n"))])
+def build_repository(repo: pathlib.Path, names: Iterable[str] = NAMES) -> pathlib.Path:
+    """Write the models `names` (all of NAMES by default) under `repo`, version 1 each; returns `repo`."""
+    builders: dict[str, Callable[[], None]] = {
+        **{name: partial(_add_sub, repo, name, elem) for name, elem in ADD_SUB.items()},
+        "simple_string": partial(_string_add_sub, repo),
+        "simple_identity": partial(_save, repo, "simple_identity", [oh.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
+                                   [_tensor("INPUT0", TensorProto.STRING)], [_tensor("OUTPUT0", TensorProto.STRING)]),
+        IMAGE_MODEL: partial(_image_classifier, repo),
+        "passthrough": partial(_save, repo, "passthrough", [oh.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
+                               [_tensor("INPUT0", TensorProto.FLOAT, ("batch", "n"))],
+                               [_tensor("OUTPUT0", TensorProto.FLOAT, ("batch", "n"))]),
+    }
+    for name in names:
+        builders[name]()
     return repo
