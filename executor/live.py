@@ -97,21 +97,21 @@ class LiveRepository:
             return models
         if self.mode == "explicit":
             wanted = [n for n in s.load_model if not s.models or n in s.models]
-            # Before the lanes (and their Redis clients) exist: a client of its own for this one read.
+            # Before the lanes (and their Redis clients) exist: a client of its own for these reads.
             store = ExecutorStore(connect(s.redis_url, s.redis_timeout_s))
             try:
                 calls = await store.control_calls()
+                for name, (action, seq) in calls.items():
+                    self.applied[name] = seq
+                    if action == "load" and not await self._override(name, seq, store):
+                        continue
+                    if action == "load" and name not in wanted:
+                        wanted.append(name)
+                    elif action == "unload" and name in wanted:
+                        wanted.remove(name)
+                        self.notes[name] = UNLOADED
             finally:
                 await store.aclose()
-            for name, (action, seq) in calls.items():
-                self.applied[name] = seq
-                if action == "load" and not await self._override(name, seq):
-                    continue
-                if action == "load" and name not in wanted:
-                    wanted.append(name)
-                elif action == "unload" and name in wanted:
-                    wanted.remove(name)
-                    self.notes[name] = UNLOADED
             names = wanted
         models = []
         for name in names:
@@ -156,7 +156,7 @@ class LiveRepository:
             if self.settings.models and name not in self.settings.models:
                 pass  # not this executor's to serve: applied, so that the caller need not wait for it
             elif action == "load":
-                if await self._override(name, seq):
+                if await self._override(name, seq, self.app.executor.store):
                     names = await asyncio.to_thread(model_names, self.root, self.settings.models or None)
                     self.listed = set(names) | set(self.overrides.dirs)
                     await self.sync(name)
@@ -240,17 +240,10 @@ class LiveRepository:
             return scan_model(self.overrides.dirs[name], self.overrides.configs[name], OVERRIDE_JSON)
         return scan_model(self.root / name)
 
-    async def _override(self, name: str, seq: int) -> bool:
+    async def _override(self, name: str, seq: int, store: ExecutorStore) -> bool:
         """Take load call `seq`'s config and files, if it had any; False when its config cannot be
         served (the call fails with the reason; what serves goes on as it was)."""
-        store = self.app.executor.store if self.app.lanes else None
-        if store is None:  # at start, before the lanes: a client of its own for this one read
-            store = ExecutorStore(connect(self.settings.redis_url, self.settings.redis_timeout_s))
-        try:
-            blob = await store.control_override(name)
-        finally:
-            if not self.app.lanes:
-                await store.aclose()
+        blob = await store.control_override(name)
         try:
             await asyncio.to_thread(self.overrides.apply, name, blob, seq, self.root)
         except ConfigError as exc:

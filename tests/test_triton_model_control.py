@@ -12,7 +12,7 @@ from tritonclient.utils import InferenceServerException
 
 from batchline import contract
 from batchline.testing import triton_models
-from batchline.testing.processes import ProcessMesh
+from batchline.testing.processes import ProcessMesh, poll
 from test_triton_examples import EXAMPLES
 
 
@@ -48,6 +48,16 @@ def test_a_model_loaded_from_files_serves_and_its_override_expires_in_redis(expl
     assert client.get_model_config("from_files").config.max_batch_size == 4
     ttl = explicit_mesh.redis.ttl(contract.keys.override("from_files"))
     assert 0 < ttl <= contract.keys.CONTROL_TTL
+
+    # An executor that starts again loads what the calls asked for, the override's files included.
+    [executor] = explicit_mesh.executors
+    explicit_mesh.kill(executor)
+    explicit_mesh.wait_executor_gone(executor)
+    poll(lambda: not client.is_model_ready("from_files"), 10, "the gateway to see the executor gone")
+    explicit_mesh.restart(executor)
+    poll(lambda: client.is_model_ready("from_files") and client.is_model_ready("simple"), 60,
+         "the restarted executor to serve from_files again", check=explicit_mesh.check_alive)
+    assert client.get_model_config("from_files").config.max_batch_size == 4
 
     # A config batchline cannot serve fails with the field named; what serves goes on.
     with pytest.raises(InferenceServerException) as refused:
