@@ -16,9 +16,15 @@ from batchline.auth import Grant, Tokens
 from batchline.undecodable import Undecodable, tolerated
 from gateway.convert import inputs_of, model_config, model_statistics
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
+from gateway.replies import PartialSink
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("batchline.gateway")
+# Triton's response parameter that tells a stream's client a request is over, and the request
+# parameter by which a client asks for an empty last response when a decoupled model ends a
+# request without one (docs/reference/protocol.md).
+FINAL_KEY = "triton_final_response"
+EMPTY_FINAL_KEY = "triton_enable_empty_final_response"
 
 
 def _trace_headers(context: grpc.aio.ServicerContext) -> tuple[str, str]:
@@ -51,6 +57,16 @@ def stream_error(request: ipb.ModelInferRequest, exc: BatchlineError) -> ipb.Mod
     if exc.retry_after_s is not None:
         answer.parameters[RETRY_AFTER_KEY].int64_param = _retry_after_ms(exc.retry_after_s)
     return ipb.ModelStreamInferResponse(error_message=f"[{grpc_status(exc).name}] {exc}", infer_response=answer)
+
+
+def streamed(response: ipb.ModelInferResponse, final: bool) -> ipb.ModelStreamInferResponse:
+    """A response on ModelStreamInfer, flagged whether it is its request's last, as Triton flags them."""
+    response.parameters[FINAL_KEY].bool_param = final
+    return ipb.ModelStreamInferResponse(infer_response=response)
+
+
+def _param_true(request: ipb.ModelInferRequest, key: str) -> bool:
+    return key in request.parameters and request.parameters[key].bool_param
 
 
 class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
@@ -115,8 +131,11 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             await _abort(context, exc)
         return ipb.ModelConfigResponse(config=model_config(info))
 
-    async def _infer(self, request, context, name: str = "ModelInfer", grant: Grant | None = None) -> ipb.ModelInferResponse:
-        """One inference, traced (continuing the client's trace) and counted; raises BatchlineError."""
+    async def _infer(self, request, context, name: str = "ModelInfer", grant: Grant | None = None,
+                     on_partial: PartialSink | None = None) -> ipb.ModelInferResponse | None:
+        """One inference, traced (continuing the client's trace) and counted; raises BatchlineError.
+        A decoupled model's responses go to `on_partial`; its answer is then None but for a last
+        response that came with the end."""
         started = time.perf_counter()
         traced = telemetry.enabled()
         with (telemetry.server_span(_tracer, name, context.invocation_metadata(), {"batchline.model": request.model_name})
@@ -135,6 +154,7 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
                     await self.gateway.take_rate(grant.tenant, grant.max_rate, request.model_name)
                 response = await self.gateway.infer(
                     request, context.time_remaining(), *_trace_headers(context),
+                    on_partial=on_partial,
                     **({"tenant": grant.tenant, "weight": grant.weight} if grant is not None else {}))
             except BatchlineError as exc:
                 failed(exc)
@@ -146,10 +166,12 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 error = Internal(f"the gateway failed on this request unexpectedly ({type(exc).__name__}: {exc})")
                 failed(error)
                 raise error from exc
-        metrics.REQUEST_SUCCESS.labels(response.model_name, response.model_version).inc()
+        model_name, model_version = ((response.model_name, response.model_version) if response is not None else
+                                     self.gateway.catalog.labels(request.model_name, request.model_version))
+        metrics.REQUEST_SUCCESS.labels(model_name, model_version).inc()
         if grant is not None:
-            metrics.TENANT_REQUESTS.labels(response.model_name, grant.tenant, "ok").inc()
-        metrics.REQUEST_DURATION.labels(response.model_name, response.model_version).observe(time.perf_counter() - started)
+            metrics.TENANT_REQUESTS.labels(model_name, grant.tenant, "ok").inc()
+        metrics.REQUEST_DURATION.labels(model_name, model_version).observe(time.perf_counter() - started)
         return response
 
     async def ModelInfer(self, request, context):
@@ -178,8 +200,16 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 if digest is not None:
                     grant = self.tokens.lookup(digest)
                     grant.check_model(request.model_name)
-                response = await self._infer(request, context, "ModelStreamInfer", grant)
-                await answers.put(ipb.ModelStreamInferResponse(infer_response=response))
+                response = await self._infer(request, context, "ModelStreamInfer", grant,
+                                             lambda partial: answers.put_nowait(streamed(partial, final=False)))
+                if response is None:
+                    # A decoupled model's end without a response: sent only to a client that asked.
+                    if _param_true(request, EMPTY_FINAL_KEY):
+                        await answers.put(streamed(ipb.ModelInferResponse(
+                            id=request.id, model_name=request.model_name, model_version=request.model_version),
+                            final=True))
+                else:
+                    await answers.put(streamed(response, final=True))
             except BatchlineError as exc:
                 await answers.put(stream_error(request, exc))
 
