@@ -21,6 +21,11 @@ from batchline.sequences import SequenceFlags, sequence_flags
 from executor.repository import LoadedModel
 from executor.running import Member
 
+# How many steps before the last a sequence's state remembers, to refuse a stale run of one: a
+# batch is handed to another executor only once its first one stopped answering for seconds, by
+# which time a sequence has moved on a few steps at most unless its steps come faster than that.
+EARLIER_KEPT = 16
+
 
 @dataclass(slots=True)
 class Step:
@@ -29,6 +34,7 @@ class Step:
     found: int           # the sequence's step count as read
     before: list[bytes]  # the state this step runs from, one raw tensor per state
     again: bool = False  # the saved state's last step is this one: it runs again
+    saved: pb.SequenceState | None = None  # as read
 
 
 def is_sequence_model(model: LoadedModel | None) -> bool:
@@ -81,7 +87,11 @@ async def begin(store: ExecutorStore, model: LoadedModel, members: list[Member])
     for step, blob in zip(steps, blobs):
         m, flags = step.member, step.flags
         saved = pb.SequenceState.FromString(blob) if blob is not None else None
-        step.found = saved.steps if saved is not None else 0
+        step.found, step.saved = (saved.steps, saved) if saved is not None else (0, None)
+        if saved is not None and m.entry.request_id in saved.earlier:
+            # A run of a batch that another executor finished (this one was only slow): already answered.
+            m.error = Unavailable(f"this request of sequence {flags.id} ran already, and its sequence moved on")
+            continue
         if saved is not None and saved.request_id == m.entry.request_id:
             step.before, step.again = list(saved.before), True  # from the state it ran from
         elif flags.start:
@@ -111,8 +121,8 @@ async def finish(store: ExecutorStore, model: LoadedModel, steps: list[Step]) ->
     for s in done:
         m = s.member
         after = [np.ascontiguousarray(m.outputs[st.output], DATATYPES[st.datatype]).tobytes() for st in seq.states]
-        state = pb.SequenceState(request_id=m.entry.request_id, before=s.before, after=after,
-                                 ended=s.flags.end, steps=s.found if s.again else s.found + 1)
+        state = pb.SequenceState(request_id=m.entry.request_id, before=s.before, after=after, ended=s.flags.end,
+                                 steps=s.found if s.again else s.found + 1, earlier=_earlier(s))
         writes.append((s.flags.key, s.found, state.steps, state.SerializeToString()))
     ttl_ms = max(1, seq.max_idle_us // 1000)
     saved = await store.save_sequence_states((model.name, model.version), writes, ttl_ms)
@@ -122,3 +132,13 @@ async def finish(store: ExecutorStore, model: LoadedModel, steps: list[Step]) ->
             s.member.error = Unavailable(f"sequence {s.flags.id} moved on while this request ran (it ran twice); "
                                          "its first run's answer stands")
 
+
+
+def _earlier(step: Step) -> list[str]:
+    """The steps applied before this one, as its state will remember them."""
+    if step.saved is None:
+        return []
+    kept = list(step.saved.earlier)
+    if not step.again:
+        kept.append(step.saved.request_id)
+    return kept[-EARLIER_KEPT:]

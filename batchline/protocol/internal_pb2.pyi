@@ -184,18 +184,20 @@ class SequenceBatching(_message.Message):
     def __init__(self, controls: _Optional[_Iterable[_Union[SequenceBatching.Control, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[SequenceBatching.State, _Mapping]]] = ..., max_idle_us: _Optional[int] = ..., strategy: _Optional[str] = ...) -> None: ...
 
 class SequenceState(_message.Message):
-    __slots__ = ("request_id", "before", "after", "ended", "steps")
+    __slots__ = ("request_id", "before", "after", "ended", "steps", "earlier")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BEFORE_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    EARLIER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     before: _containers.RepeatedScalarFieldContainer[bytes]
     after: _containers.RepeatedScalarFieldContainer[bytes]
     ended: bool
     steps: int
-    def __init__(self, request_id: _Optional[str] = ..., before: _Optional[_Iterable[bytes]] = ..., after: _Optional[_Iterable[bytes]] = ..., ended: _Optional[bool] = ..., steps: _Optional[int] = ...) -> None: ...
+    earlier: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., before: _Optional[_Iterable[bytes]] = ..., after: _Optional[_Iterable[bytes]] = ..., ended: _Optional[bool] = ..., steps: _Optional[int] = ..., earlier: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TextInput(_message.Message):
     __slots__ = ("name", "max_length", "truncate", "ids_input", "mask_input", "type_ids_input", "tokenizer_sha256")
