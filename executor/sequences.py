@@ -69,7 +69,11 @@ async def begin(store: ExecutorStore, model: LoadedModel, members: list[Member])
     for m in members:
         if m.error is not None or m.request is None:
             continue
-        flags = sequence_flags(m.request)
+        try:
+            flags = sequence_flags(m.request)
+        except InvalidArgument as exc:  # (the gateway checked them: a payload not from a gateway)
+            m.error = exc
+            continue
         if flags.key in seen:
             # The gateway runs a sequence's requests one after another; two gateways may not.
             m.error = Unavailable(f"another request of sequence {flags.id} is in the same batch; send a sequence's "

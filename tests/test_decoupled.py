@@ -40,18 +40,17 @@ def repeat_inputs(values: list[int]) -> list[grpcclient.InferInput]:
     return inputs
 
 
-def stream(address: str, requests: list[tuple[str, list[int]]], empty_final: bool, until) -> list:
-    """Send `requests` (id, IN) on one stream; the results (or errors) in arrival order, until `until(results)`."""
+def stream(address: str, requests: list[tuple[str, list[int]]], empty_final: bool) -> list:
+    """Send `requests` (id, IN) on one stream and close it: every result (or error) it carried,
+    in arrival order (closing waits for the stream's end, which comes after every answer)."""
     got: queue.Queue = queue.Queue()
-    results = []
     with grpcclient.InferenceServerClient(address) as client:
         client.start_stream(callback=partial(lambda q, result, error: q.put(error or result), got))
         for request_id, values in requests:
             client.async_stream_infer("repeat_int32", repeat_inputs(values), request_id=request_id,
                                       enable_empty_final_response=empty_final)
-        while not until(results):
-            results.append(got.get(timeout=30))
-    return results
+        client.stop_stream()
+    return [got.get_nowait() for _ in range(got.qsize())]
 
 
 def final(result) -> bool:
@@ -59,7 +58,7 @@ def final(result) -> bool:
 
 
 def test_each_row_is_a_response_in_order_and_the_end_comes_empty_when_asked(served):
-    results = stream(served.address, [("a", [5, 6, 7])], True, lambda r: len(r) == 4)
+    results = stream(served.address, [("a", [5, 6, 7])], True)
     assert [r.as_numpy("OUT").tolist() for r in results[:3]] == [[5], [6], [7]]
     assert [r.as_numpy("IDX").tolist() for r in results[:3]] == [[0], [1], [2]]
     assert [final(r) for r in results] == [False, False, False, True]
@@ -67,8 +66,7 @@ def test_each_row_is_a_response_in_order_and_the_end_comes_empty_when_asked(serv
 
 
 def test_zero_responses_end_with_the_empty_final_response_only(served):
-    results = stream(served.address, [("none", []), ("one", [9])], True,
-                     lambda r: sum(final(x) for x in r) == 2)
+    results = stream(served.address, [("none", []), ("one", [9])], True)
     by_id: dict[str, list] = {}
     for r in results:
         by_id.setdefault(r.get_response().id, []).append(r)
@@ -77,10 +75,9 @@ def test_zero_responses_end_with_the_empty_final_response_only(served):
 
 
 def test_without_asking_no_empty_final_response_is_sent(served):
-    # Two requests: the second's responses arriving shows the first's end was not sent.
-    results = stream(served.address, [("x", [1, 2]), ("y", [3])], False,
-                     lambda r: [x.get_response().id for x in r].count("y") == 1)
+    results = stream(served.address, [("x", [1, 2]), ("y", [3]), ("z", [])], False)
     assert all(not final(r) and r.get_response().outputs for r in results)
+    assert sorted(r.get_response().id for r in results) == ["x", "x", "y"]
     assert [r.as_numpy("OUT").tolist() for r in results if r.get_response().id == "x"] == [[1], [2]]
 
 
@@ -97,6 +94,11 @@ def test_metadata_shows_one_responses_outputs(served):
     with grpcclient.InferenceServerClient(served.address) as client:
         meta = client.get_model_metadata("repeat_int32")
     assert {o.name: list(o.shape) for o in meta.outputs} == {"OUT": [1], "IDX": [1]}
+
+
+def test_model_config_says_decoupled(served):
+    with grpcclient.InferenceServerClient(served.address) as client:
+        assert client.get_model_config("repeat_int32").config.model_transaction_policy.decoupled
 
 
 def test_a_response_sent_twice_is_forwarded_once_in_order():

@@ -145,6 +145,17 @@ def test_clients_see_neither_control_nor_state_tensors(served):
     assert sorted(o.name for o in meta.outputs) == ["CORRID_OUT", "ENDED", "OUTPUT"]
 
 
+def test_model_config_shows_tritons_sequence_batching(served):
+    with grpcclient.InferenceServerClient(served.address) as client:
+        config = client.get_model_config("accumulator").config
+    seq = config.sequence_batching
+    assert not config.HasField("dynamic_batching") and seq.HasField("oldest")
+    assert seq.max_sequence_idle_microseconds == 60_000_000
+    kinds = {c.name: (c.control[0].kind, list(c.control[0].int32_false_true)) for c in seq.control_input}
+    assert kinds == {"END": (2, [0, 1]), "READY": (1, [0, 1]), "CORRID": (3, [])}
+    assert [(s.input_name, s.output_name, list(s.dims)) for s in seq.state] == [("ACC_IN", "ACC_OUT", [1])]
+
+
 # -- a step run again, on the executor's own parts and a real Redis -----------------------------------
 
 
