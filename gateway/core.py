@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 SERVER_NAME = "batchline"
 SERVER_VERSION = "0.1.0"
-EXTENSIONS = ["statistics", "model_configuration", "model_repository"]
+EXTENSIONS = ["statistics", "model_configuration", "model_repository", "sequence"]
 # How often drain() looks whether every admitted request has been answered.
 DRAIN_POLL_S = 0.05
 
