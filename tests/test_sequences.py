@@ -17,9 +17,12 @@ from batchline.contract.executor_store import ExecutorStore
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import connect, connect_blocking, connect_sync
+from batchline.sequences import SequenceFlags
 from batchline.testing.processes import poll
 from executor import running, sequences
 from executor.repository import load_model, read_config
+from executor.sequence_config import SequenceBatchingConfig, split_graph
+from gateway.sequences import SequenceOrder
 from stateful_models import save_accumulator, save_simple_sequence
 
 SHORT_IDLE_US = 300_000
@@ -195,3 +198,50 @@ def test_a_step_run_again_gives_the_same_answer_and_a_stale_run_is_refused(repo,
     answer, error = asyncio.run(run(second))    # a slow executor's run, after the sequence moved on
     assert answer is None and "ran already" in error
     assert asyncio.run(run(_step("d", seq_id, 10))) == (19, "")
+
+
+# -- the gateway's order and the config's checks, as pure units ------------------------------------
+
+
+def test_a_request_that_gives_up_while_waiting_still_keeps_the_next_behind_the_one_before():
+    async def scenario() -> list[str]:
+        order, log = SequenceOrder(), []
+        flags = SequenceFlags(7)
+        first_may_end = asyncio.Event()
+
+        async def request(name: str, hold: asyncio.Event | None = None) -> None:
+            async with order.turn("m", "1", flags):
+                log.append(f"{name} runs")
+                if hold is not None:
+                    await hold.wait()
+            log.append(f"{name} over")
+
+        first = asyncio.create_task(request("first", first_may_end))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(request("second"))
+        third = asyncio.create_task(request("third"))
+        await asyncio.sleep(0)
+        second.cancel()  # its client went away while it waited for the first
+        await asyncio.gather(second, return_exceptions=True)
+        await asyncio.sleep(0)
+        log.append("first ends")
+        first_may_end.set()
+        await asyncio.gather(first, third)
+        assert len(order) == 0  # nothing kept once the sequence's requests are over
+        return log
+
+    assert asyncio.run(scenario()) == ["first runs", "first ends", "first over", "third runs", "third over"]
+
+
+@pytest.mark.parametrize("config, problem", [
+    (SequenceBatchingConfig(control={"GO": "start"}), "control input 'GO' is not an input of the graph"),
+    (SequenceBatchingConfig(state={"ACC_IN": "NOPE"}), "state output 'NOPE' is not an output of the graph"),
+    (SequenceBatchingConfig(state={"INPUT": "OUTPUT"}), "must have one fixed shape"),
+])
+def test_a_sequence_config_that_does_not_fit_the_graph_names_what_is_wrong(config, problem):
+    info = pb.ModelInfo(name="m", max_batch_size=8, inputs=[
+        pb.TensorSpec(name="INPUT", datatype="INT32", shape=[-1, -1]),
+        pb.TensorSpec(name="ACC_IN", datatype="INT32", shape=[-1, 1])],
+        outputs=[pb.TensorSpec(name="OUTPUT", datatype="INT32", shape=[-1, -1])])
+    with pytest.raises(ValueError, match=problem):
+        split_graph("m/config.toml", info, config, decoupled=False)
