@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import uuid
 from functools import partial
 
 import numpy as np
@@ -11,8 +12,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from batchline.contract.executor_store import ExecutorStore
+from batchline.contract.gateway_store import GatewayStore
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
+from batchline.redis_client import connect, connect_blocking
 from executor.sequence_config import split_graph
 from gateway.replies import Replies
 from stateful_models import save_repeat_int32
@@ -126,3 +130,32 @@ def test_a_decoupled_model_must_run_each_request_alone():
     info = pb.ModelInfo(name="m", max_batch_size=4, outputs=[pb.TensorSpec(name="OUT", shape=[-1, 1])])
     with pytest.raises(ValueError, match="decoupled = true needs max_batch_size = 0"):
         split_graph("m/config.toml", info, None, decoupled=True)
+
+
+def test_responses_reach_the_client_before_the_request_is_done(redis_server):
+    # What a generation loop does: push each response as it has it, the end only later.
+    async def scenario() -> None:
+        url = redis_server.url
+        gateway_id = f"gw-{uuid.uuid4().hex[:8]}"
+        executor = ExecutorStore(connect(url, 2), connect_blocking(url, 2))
+        replies = Replies(GatewayStore(connect(url, 2), connect_blocking(url, 2)), gateway_id)
+        reader = asyncio.create_task(replies.read())
+        got: asyncio.Queue = asyncio.Queue()
+        try:
+            fut = replies.expect("r", got.put_nowait)
+            for i in range(3):
+                response = ipb.ModelInferResponse(id=f"token-{i}")
+                await executor.send_replies({gateway_id: [
+                    pb.Reply(request_id="r", partial=True, index=i, response=response).SerializeToString()]})
+                assert (await asyncio.wait_for(got.get(), 10)).id == f"token-{i}"
+                assert not fut.done()  # the request goes on
+            await executor.send_replies({gateway_id: [pb.Reply(request_id="r", index=3).SerializeToString()]})
+            last = await asyncio.wait_for(fut, 10)
+            assert not last.HasField("response") and "r" not in replies.partial
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            await executor.aclose()
+            await replies.store.aclose()
+
+    asyncio.run(scenario())
