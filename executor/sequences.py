@@ -4,8 +4,9 @@ from Redis before the run and saved after it.
 A step that runs twice (its batch handed to another executor after the first one died before
 answering) finds its own request id as the last step applied and runs again from the state that
 step ran from, so it gives the same answer and leaves the same state. A run of a batch that
-another executor already finished (it was only slow) finds the step count moved on, and its
-write is refused (batchline/contract/scripts.py SAVE_SEQUENCES_LUA).
+another executor already finished (this one was only slow) finds its request among the steps
+before the last and does not run; racing the next step's save, it finds the step count moved on
+and its write is refused (batchline/contract/scripts.py SAVE_SEQUENCES_LUA).
 """
 from __future__ import annotations
 
