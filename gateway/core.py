@@ -209,6 +209,10 @@ class Gateway:
         # Triton's extensions that change a request's tensors on their way in and out.
         targets = self.shared_memory.output_targets(request)
         classes = classification.requested(request, model)
+        if model.decoupled and (targets or classes):
+            # Its responses go to the stream as they come, past the answer these would rewrite.
+            raise InvalidArgument(f"model '{model.name}' is decoupled: its outputs cannot be asked for in shared "
+                                  f"memory or as classifications; ask for them in the responses")
         request, payload = self.shared_memory.read_inputs(request)
         call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000, payload)
         if self.draining:

@@ -22,8 +22,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:pkg_resources is deprecated")
 def triton_mesh(tmp_path_factory):
     from mesh import Mesh
 
+    from stateful_models import save_repeat_int32
+
     repo = triton_models.build_repository(tmp_path_factory.mktemp("triton_repository"))
-    with Mesh(None, str(repo), models=["simple", "simple_int8", "simple_string", triton_models.IMAGE_MODEL]) as m:
+    save_repeat_int32(repo)
+    with Mesh(None, str(repo), models=["simple", "simple_int8", "simple_string", triton_models.IMAGE_MODEL,
+                                       "repeat_int32"]) as m:
         yield m
 
 
@@ -170,3 +174,21 @@ def test_shm_output_region_too_small_is_refused_with_tritons_words(triton_mesh):
     finally:
         client.unregister_system_shared_memory()
         shm.destroy_shared_memory_region(handle)
+
+
+def test_a_decoupled_models_outputs_are_not_classified_or_put_in_shared_memory(triton_mesh):
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    got: queue.Queue = queue.Queue()
+    inputs = [grpcclient.InferInput("IN", [2], "INT32"), grpcclient.InferInput("DELAY", [2], "UINT32"),
+              grpcclient.InferInput("WAIT", [1], "UINT32")]
+    for tensor, dtype in zip(inputs, (np.int32, np.uint32, np.uint32)):
+        tensor.set_data_from_numpy(np.zeros(tensor.shape(), dtype))
+    with grpcclient.InferenceServerClient(triton_mesh.address) as client:
+        client.start_stream(callback=lambda result, error: got.put(error or result))
+        client.async_stream_infer("repeat_int32", inputs, outputs=[grpcclient.InferRequestedOutput("OUT", class_count=1)])
+        client.stop_stream()
+    error = got.get_nowait()
+    assert "INVALID_ARGUMENT" in str(error) and "'repeat_int32' is decoupled" in str(error)
