@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pathlib
 import time
 from dataclasses import dataclass
@@ -66,7 +67,8 @@ class LiveRepository:
         self.listed: set[str] = set()        # model directories of the repository at the last scan
         self.applied: dict[str, int] = {}    # model -> sequence number of the last repository call applied
         self._locks: dict[str, asyncio.Lock] = {}
-        self.overrides = Overrides()         # the models loaded with a load call's config and files
+        # The models loaded with a load call's config and files.
+        self.overrides = Overrides(self.settings.executor_id or f"pid{os.getpid()}")
 
     # -- what the registration shows ------------------------------------
 

@@ -83,9 +83,12 @@ def config_keys(triton: dict[str, Any]) -> dict[str, Any]:
 
 
 class Overrides:
-    """The override directories of this executor's models, under one temporary directory."""
+    """The override directories of this executor's models, under one temporary directory named
+    after the executor (`owner`, its id when it has a stable one): an executor that was killed
+    and starts again with the same id removes what the killed one left."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
         self._root: pathlib.Path | None = None  # made at the first override
         self.dirs: dict[str, pathlib.Path] = {}    # model -> its override directory (named as the model)
         self.configs: dict[str, dict[str, Any]] = {}  # model -> its config.toml keys, checked
@@ -106,7 +109,9 @@ class Overrides:
             raise ConfigError(str(exc) if isinstance(exc, ConfigError) else f"the load's config: {exc}") from None
         self.drop(name)
         if self._root is None:
-            self._root = pathlib.Path(tempfile.mkdtemp(prefix="batchline-overrides-"))
+            self._root = pathlib.Path(tempfile.gettempdir()) / f"batchline-overrides-{self.owner}"
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root.mkdir(mode=0o700)
         model_dir = self._root / str(seq) / name
         model_dir.mkdir(parents=True)
         self.dirs[name], self.configs[name] = model_dir, config
