@@ -120,7 +120,7 @@ class Gateway:
     async def stop(self) -> None:
         await stop_tasks(self._tasks)
         self.give_up()
-        self.shared_memory.unregister("")
+        self.shared_memory.close()
         try:
             await self.store.leave(self.gateway_id)
         except REDIS_ERRORS:
@@ -207,13 +207,13 @@ class Gateway:
         if model.text.name:
             request = await self.tokenizers.convert(request, model)
         # Triton's extensions that change a request's tensors on their way in and out.
-        targets = self.shared_memory.output_targets(request)
+        targets = self.shared_memory.output_targets(request, tenant)
         classes = classification.requested(request, model)
         if model.decoupled and (targets or classes):
             # Its responses go to the stream as they come, past the answer these would rewrite.
             raise InvalidArgument(f"model '{model.name}' is decoupled: its outputs cannot be asked for in shared "
                                   f"memory or as classifications; ask for them in the responses")
-        request, payload = self.shared_memory.read_inputs(request)
+        request, payload = self.shared_memory.read_inputs(request, tenant)
         call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000, payload)
         if self.draining:
             raise Unavailable("this gateway is shutting down: retry on another instance")

@@ -86,15 +86,16 @@ def _strip(params) -> None:
 
 
 class SharedMemory:
-    """The regions registered with this gateway, by name."""
+    """The regions registered with this gateway, by tenant and name: with tokens, a tenant sees, uses
+    and unregisters only the regions it registered ('' is the tenant of an unauthenticated gateway)."""
 
     def __init__(self) -> None:
-        self.regions: dict[str, Region] = {}
+        self.regions: dict[tuple[str, str], Region] = {}
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    def register(self, name: str, key: str, offset: int, byte_size: int, tenant: str = "") -> None:
         if not name:
             raise InvalidArgument("a shared memory region needs a name")
-        if name in self.regions:
+        if (tenant, name) in self.regions:
             raise AlreadyExists(f"shared memory region '{name}' already in manager: unregister it first")
         # One path component under /dev/shm, as shm_open takes it: nothing else on the host is reachable.
         path_name = key[1:] if key.startswith("/") else key
@@ -114,33 +115,43 @@ class SharedMemory:
         except BaseException:
             os.close(fd)
             raise
-        self.regions[name] = Region(name, key, offset, byte_size, memory, fd)
+        self.regions[(tenant, name)] = Region(name, key, offset, byte_size, memory, fd)
 
-    def unregister(self, name: str) -> None:
-        """Unregister `name` ('' = every region); a name not registered is no error (as in Triton)."""
-        for region_name in ([name] if name else list(self.regions)):
-            region = self.regions.pop(region_name, None)
+    def _names(self, tenant: str) -> list[str]:
+        return sorted(n for t, n in self.regions if t == tenant)
+
+    def unregister(self, name: str, tenant: str = "") -> None:
+        """Unregister the tenant's `name` ('' = every region of the tenant); a name not registered is
+        no error (as in Triton)."""
+        for region_name in ([name] if name else self._names(tenant)):
+            region = self.regions.pop((tenant, region_name), None)
             if region is not None:
                 region.close()
 
-    def status(self, name: str) -> list[Region]:
-        if not name:
-            return list(self.regions.values())
-        if name not in self.regions:
-            raise InvalidArgument(f"shared memory region '{name}' is not registered with this gateway")
-        return [self.regions[name]]
+    def close(self) -> None:
+        """Every tenant's regions unmapped: the gateway stops."""
+        for region in self.regions.values():
+            region.close()
+        self.regions.clear()
 
-    def _region(self, what: str, params) -> tuple[Region, slice]:
+    def status(self, name: str, tenant: str = "") -> list[Region]:
+        if not name:
+            return [self.regions[(tenant, n)] for n in self._names(tenant)]
+        if (tenant, name) not in self.regions:
+            raise InvalidArgument(f"shared memory region '{name}' is not registered with this gateway")
+        return [self.regions[(tenant, name)]]
+
+    def _region(self, what: str, params, tenant: str) -> tuple[Region, slice]:
         region_name = params[REGION].string_param
-        region = self.regions.get(region_name)
+        region = self.regions.get((tenant, region_name))
         if region is None:
             raise InvalidArgument(
                 f"{what}: unable to find shared memory region: '{region_name}' (regions are per gateway: register it "
                 f"with SystemSharedMemoryRegister on the gateway you send to; this one has "
-                f"{sorted(self.regions) or 'none'})")
+                f"{self._names(tenant) or 'none'})")
         return region, region.span(what, _int_param(params, OFFSET, what, 0), _int_param(params, BYTE_SIZE, what))
 
-    def read_inputs(self, request: ipb.ModelInferRequest) -> tuple[ipb.ModelInferRequest, bytes]:
+    def read_inputs(self, request: ipb.ModelInferRequest, tenant: str = "") -> tuple[ipb.ModelInferRequest, bytes]:
         """The request with the inputs it has in regions read into its raw_input_contents (every input
         raw then), and it serialized; the request itself and b"" when it names no region."""
         if not any(REGION in t.parameters for t in request.inputs):
@@ -153,7 +164,7 @@ class SharedMemory:
         raw: list = []
         for tensor in request.inputs:
             if REGION in tensor.parameters:
-                region, span = self._region(f"input '{tensor.name}'", tensor.parameters)
+                region, span = self._region(f"input '{tensor.name}'", tensor.parameters, tenant)
                 raw.append(memoryview(region.memory)[span])
                 _strip(tensor.parameters)
             elif sent:
@@ -177,12 +188,12 @@ class SharedMemory:
                 if isinstance(data, memoryview):
                     data.release()  # a region may be unregistered (its map closed) once this returns
 
-    def output_targets(self, request: ipb.ModelInferRequest) -> dict[str, tuple[Region, slice]]:
+    def output_targets(self, request: ipb.ModelInferRequest, tenant: str = "") -> dict[str, tuple[Region, slice]]:
         """The outputs a request wants written into regions, checked (and their parameters taken off)."""
         targets = {}
         for out in request.outputs:
             if REGION in out.parameters:
-                targets[out.name] = self._region(f"output '{out.name}'", out.parameters)
+                targets[out.name] = self._region(f"output '{out.name}'", out.parameters, tenant)
                 _strip(out.parameters)
         return targets
 

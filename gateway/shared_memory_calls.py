@@ -10,13 +10,18 @@ CUDA_REFUSAL = ("CUDA shared memory is not supported: batchline's gateway hands 
                 "on other hosts; use system shared memory (SystemSharedMemoryRegister) or send the data in the request")
 
 
+def _tenant(grant) -> str:
+    """Whose regions a call sees: its token's tenant ('' on a gateway without tokens)."""
+    return grant.tenant if grant is not None else ""
+
+
 class SharedMemoryCalls:
     """Mixed into InferenceServicer, whose _allow and _abort_with these use."""
 
     async def SystemSharedMemoryStatus(self, request, context):
-        await self._allow(context)
+        grant = await self._allow(context)
         try:
-            regions = self.gateway.shared_memory.status(request.name)
+            regions = self.gateway.shared_memory.status(request.name, _tenant(grant))
         except BatchlineError as exc:
             await self._abort_with(context, exc)
         status = ipb.SystemSharedMemoryStatusResponse.RegionStatus
@@ -24,16 +29,17 @@ class SharedMemoryCalls:
             r.name: status(name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size) for r in regions})
 
     async def SystemSharedMemoryRegister(self, request, context):
-        await self._allow(context)
+        grant = await self._allow(context)
         try:
-            self.gateway.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+            self.gateway.shared_memory.register(request.name, request.key, request.offset, request.byte_size,
+                                                _tenant(grant))
         except BatchlineError as exc:
             await self._abort_with(context, exc)
         return ipb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request, context):
-        await self._allow(context)
-        self.gateway.shared_memory.unregister(request.name)
+        grant = await self._allow(context)
+        self.gateway.shared_memory.unregister(request.name, _tenant(grant))
         return ipb.SystemSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryStatus(self, request, context):

@@ -174,3 +174,28 @@ def test_a_region_unregistered_or_shrunk_under_a_request_is_refused_not_read():
     finally:
         regions.unregister("")
         os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_tenant_sees_uses_and_unregisters_only_its_own_regions():
+    regions = SharedMemory()
+    name = f"bl_unit_{uuid.uuid4().hex[:8]}"
+    with open(f"/dev/shm/{name}", "wb") as f:
+        f.write(b"\0" * 64)
+    try:
+        regions.register("in", f"/{name}", 0, 64, tenant="alice")
+        regions.register("in", f"/{name}", 0, 32, tenant="bob")  # the same name, a region of its own
+        assert [r.byte_size for r in regions.status("", "alice")] == [64]
+        assert [r.byte_size for r in regions.status("in", "bob")] == [32]
+        assert regions.status("", "carol") == []
+        request = ipb.ModelInferRequest()
+        request.outputs.add(name="scores").parameters["shared_memory_region"].string_param = "in"
+        request.outputs[0].parameters["shared_memory_byte_size"].int64_param = 16
+        with pytest.raises(InvalidArgument, match="unable to find shared memory region: 'in'.*has none"):
+            regions.output_targets(request, "carol")
+        regions.unregister("", "bob")  # all of bob's: alice's stays
+        assert [r.byte_size for r in regions.status("", "alice")] == [64] and regions.status("", "bob") == []
+        regions.close()
+        assert regions.regions == {}
+    finally:
+        regions.close()
+        os.unlink(f"/dev/shm/{name}")
