@@ -11,6 +11,7 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 from batchline import contract
+from batchline.embedded_redis import free_port
 from batchline.testing import triton_models
 from batchline.testing.processes import ProcessMesh, poll
 from test_triton_examples import EXAMPLES
@@ -82,3 +83,22 @@ def test_a_model_loaded_from_files_serves_and_its_override_expires_in_redis(expl
     # Unloading drops the override from Redis.
     client.unload_model("from_files")
     assert not explicit_mesh.redis.exists(contract.keys.override("from_files"))
+
+
+def test_simple_http_model_control(tmp_path):
+    # Triton's HTTP example counts seven models in the repository (its gRPC twin eight).
+    names = [n for n in triton_models.NAMES if n != triton_models.IMAGE_MODEL]
+    assert len(names) == 7 and "simple" in names
+    repo = triton_models.build_repository(tmp_path / "repository", names)
+    http_port = free_port()
+    mesh = ProcessMesh(repo, tmp_path / "logs", models=())
+    mesh.start_redis()
+    mesh.add_executor(flags=["--model-control-mode", "explicit", "--load-model", "simple"])
+    mesh.add_scheduler()
+    mesh.add_gateway(flags=["--model-control-mode", "explicit", "--http-port", str(http_port)])
+    with mesh:
+        mesh.wait_for_executors(1)
+        mesh.wait_ready()
+        done = subprocess.run([sys.executable, str(EXAMPLES / "simple_http_model_control.py"), "-u",
+                               f"127.0.0.1:{http_port}"], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and "PASS: model control" in done.stdout, done.stdout + done.stderr
