@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from batchline.contract.keys import ModelKey
 from batchline.contract.store import Store
-from batchline.errors import NotFound
+from batchline.errors import InvalidArgument, NotFound
 from batchline.protocol import internal_pb2 as pb
 
 
@@ -86,9 +86,13 @@ class Registry:
         if not versions:
             # (Why a model serves no version, when the repository says, is gateway/repository.py's absent.)
             served = ", ".join(self.model_names()) or "none"
-            raise NotFound(f"model '{name}' is not served by any live executor (served models: {served})")
+            # Triton's wording up to the colon: its example clients look for it.
+            raise NotFound(f"Request for unknown model: '{name}' is not served by any live executor (served models: {served})")
         if not version:
             version = versions[-1]
+        if not version.isdigit():
+            raise InvalidArgument(f"failed to get model version from specified version string '{version}': a version "
+                                  f"is a number (model '{name}' has {', '.join(versions)}), or empty for the latest")
         if (name, version) not in self.holders:
             raise NotFound(f"model '{name}' has no version '{version}' (available: {', '.join(versions)})")
         return self.models[(name, version)]

@@ -170,6 +170,7 @@ class ExecutorApp:
         if self.server:
             await self.server.stop(grace)
         metrics.stop_metrics_server(self.metrics_port)
+        self.repository.overrides.close()
 
 
 # The provider each placed version's gauge names, to clear it on release or replacement.

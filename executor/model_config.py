@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from executor.sequence_config import SequenceBatchingConfig
+
 
 class ConfigError(ValueError):
     """A config.toml that cannot be served; the message names the file and the key."""
@@ -164,6 +166,18 @@ class ModelConfig(BaseModel):
         "with `trt_fp16_enable = true`.",
     )
 
+    input_format: dict[str, Literal["FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW"]] = Field(
+        default_factory=dict,
+        description="Input name = its layout as Triton names it (`FORMAT_NCHW`, `FORMAT_NHWC`, `FORMAT_NONE`), "
+        "reported in ModelConfig: image clients (Triton's image_client) read it to lay out pixels.",
+    )
+    label_filename: dict[str, str] = Field(
+        default_factory=dict,
+        description="Output name = a file of class labels, one a line, relative to the model's directory: a "
+        "request may ask that output for its top N classes (the `classification` parameter), answered as "
+        "BYTES `score:index:label`.",
+    )
+
     tokenizer: TokenizerConfig | None = Field(
         None, description="A `[tokenizer]` table: the model also takes text (a BYTES input, `text` by default), which "
         "the gateway tokenizes into its token-id inputs; those stay available to clients that tokenize themselves. "
@@ -181,6 +195,17 @@ class ModelConfig(BaseModel):
         None, description="An `[optimize]` table for `batchline optimize` (the executors ignore it): "
         "`outputs = { NAME = \"embedding\" | \"classes\" | \"values\" }` says how its accuracy gate judges each output "
         "(default: by the output's name and values).",
+    )
+    sequence_batching: SequenceBatchingConfig | None = Field(
+        None, description="A `[sequence_batching]` table: the model is stateful (Triton's sequence batcher). Keys: "
+        "`max_sequence_idle_microseconds` (1000000), `strategy` (`oldest` | `direct`), `control = { INPUT = "
+        "\"start\" | \"end\" | \"ready\" | \"corrid\" }`, `state = { STATE_INPUT = \"STATE_OUTPUT\" }` "
+        "(docs/guides/model-repository.md#sequence-models).",
+    )
+    decoupled: bool = Field(
+        False, description="Answer each request with one response per row of its outputs' first dim (zero rows: "
+        "no response), on ModelStreamInfer only; needs max_batch_size = 0 "
+        "(docs/guides/model-repository.md#decoupled-models).",
     )
     version_policy: dict[str, Any] = Field(
         default_factory=lambda: {"latest": 1},
@@ -220,6 +245,9 @@ class ModelConfig(BaseModel):
             if self.max_batch_size < 1:
                 raise _problem("max_batch_size of a generative model must be >= 1: it is the most sequences in one "
                                "decode step")
+            if self.sequence_batching is not None:
+                raise _problem("[sequence_batching] does not apply to a generative model: the generation engine keeps "
+                               "each sequence's state (its key/value cache) itself")
         return self
 
     @field_validator("max_batch_size")
@@ -293,10 +321,19 @@ def read_model_config(path: pathlib.Path) -> ModelConfig:
                 loaded = tomllib.load(f)
             except tomllib.TOMLDecodeError as exc:
                 raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    return _checked(loaded, str(path))
+
+
+def _checked(loaded: dict[str, Any], where: str) -> ModelConfig:
     unknown = set(loaded) - set(KEYS)
     if unknown:
-        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; known: {KEYS}")
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; known: {KEYS}")
     try:
         return ModelConfig(**loaded)
     except ValidationError as exc:
-        raise ConfigError(f"{path}: " + "; ".join(_message(e) for e in exc.errors())) from None
+        raise ConfigError(f"{where}: " + "; ".join(_message(e) for e in exc.errors())) from None
+
+
+def check_model_config(loaded: dict[str, Any], where: str) -> dict[str, Any]:
+    """config.toml's keys given as a dict (a load call's override), checked; every key, defaults filled in."""
+    return _checked(loaded, where).model_dump()

@@ -2,28 +2,27 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 
 import grpc
 
-from batchline import metrics, telemetry
-from batchline.errors import RETRY_AFTER_KEY, BatchlineError, Internal, grpc_status
+from batchline.errors import RETRY_AFTER_KEY, BatchlineError, grpc_status
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
 from batchline.auth import Grant, Tokens
 from batchline.undecodable import Undecodable, tolerated
 from gateway.convert import inputs_of, model_config, model_statistics
+from gateway import inference
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
+from gateway.replies import PartialSink
+from gateway.shared_memory_calls import SharedMemoryCalls
 
 log = logging.getLogger(__name__)
-_tracer = telemetry.tracer("batchline.gateway")
-
-
-def _trace_headers(context: grpc.aio.ServicerContext) -> tuple[str, str]:
-    md = dict(context.invocation_metadata() or ())
-    return md.get("traceparent", ""), md.get("tracestate", "")
+# Triton's response parameter that tells a stream's client a request is over, and the request
+# parameter by which a client asks for an empty last response when a decoupled model ends a
+# request without one (docs/reference/protocol.md).
+FINAL_KEY = "triton_final_response"
+EMPTY_FINAL_KEY = "triton_enable_empty_final_response"
 
 
 def _retry_after_ms(seconds: float) -> int:
@@ -53,7 +52,17 @@ def stream_error(request: ipb.ModelInferRequest, exc: BatchlineError) -> ipb.Mod
     return ipb.ModelStreamInferResponse(error_message=f"[{grpc_status(exc).name}] {exc}", infer_response=answer)
 
 
-class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
+def streamed(response: ipb.ModelInferResponse, final: bool) -> ipb.ModelStreamInferResponse:
+    """A response on ModelStreamInfer, flagged whether it is its request's last, as Triton flags them."""
+    response.parameters[FINAL_KEY].bool_param = final
+    return ipb.ModelStreamInferResponse(infer_response=response)
+
+
+def _param_true(request: ipb.ModelInferRequest, key: str) -> bool:
+    return key in request.parameters and request.parameters[key].bool_param
+
+
+class InferenceServicer(SharedMemoryCalls, inference_pb2_grpc.GRPCInferenceServiceServicer):
     """ServerLive and ServerReady are open, as probes; with `tokens`, every other call needs a token,
     and a model call one whose scope holds the model (statistics: an admin token)."""
 
@@ -64,6 +73,9 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def _grant(self, context) -> Grant | None:
         """The caller's grant (None: the gateway is unauthenticated); raises Unauthenticated."""
         return self.tokens.grant(context.invocation_metadata()) if self.tokens is not None else None
+
+    async def _abort_with(self, context, exc: BatchlineError):
+        await _abort(context, exc)
 
     async def _allow(self, context, model: str = "", admin: str = "") -> Grant | None:
         """Abort the call unless its token may call `model` (and is an admin's, for `admin`); its grant."""
@@ -90,7 +102,8 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ServerMetadata(self, request, context):
         await self._allow(context)
-        return ipb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS)
+        return ipb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION,
+                                          extensions=[*EXTENSIONS, "system_shared_memory"])
 
     async def ModelMetadata(self, request, context):
         await self._allow(context, request.name)
@@ -115,42 +128,10 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             await _abort(context, exc)
         return ipb.ModelConfigResponse(config=model_config(info))
 
-    async def _infer(self, request, context, name: str = "ModelInfer", grant: Grant | None = None) -> ipb.ModelInferResponse:
-        """One inference, traced (continuing the client's trace) and counted; raises BatchlineError."""
-        started = time.perf_counter()
-        traced = telemetry.enabled()
-        with (telemetry.server_span(_tracer, name, context.invocation_metadata(), {"batchline.model": request.model_name})
-              if traced else contextlib.nullcontext()) as span:
-            def failed(error: BatchlineError) -> None:
-                labels = self.gateway.catalog.labels(request.model_name, request.model_version)
-                reason = metrics.status_reason(grpc_status(error))
-                metrics.REQUEST_FAILURE.labels(*labels, reason).inc()
-                if grant is not None:
-                    metrics.TENANT_REQUESTS.labels(labels[0], grant.tenant, reason).inc()
-                if traced:
-                    telemetry.set_error(span, f"{grpc_status(error).name}: {error}")
-
-            try:
-                if grant is not None and grant.max_rate > 0:
-                    await self.gateway.take_rate(grant.tenant, grant.max_rate, request.model_name)
-                response = await self.gateway.infer(
-                    request, context.time_remaining(), *_trace_headers(context),
-                    **({"tenant": grant.tenant, "weight": grant.weight} if grant is not None else {}))
-            except BatchlineError as exc:
-                failed(exc)
-                raise
-            except Exception as exc:
-                # A bug or a failure nobody foresaw: INTERNAL with what happened, not gRPC's UNKNOWN,
-                # and on a stream an answer rather than a request left hanging.
-                log.exception("request %r to model %r failed unexpectedly", request.id, request.model_name)
-                error = Internal(f"the gateway failed on this request unexpectedly ({type(exc).__name__}: {exc})")
-                failed(error)
-                raise error from exc
-        metrics.REQUEST_SUCCESS.labels(response.model_name, response.model_version).inc()
-        if grant is not None:
-            metrics.TENANT_REQUESTS.labels(response.model_name, grant.tenant, "ok").inc()
-        metrics.REQUEST_DURATION.labels(response.model_name, response.model_version).observe(time.perf_counter() - started)
-        return response
+    async def _infer(self, request, context, name: str = "ModelInfer", grant: Grant | None = None,
+                     on_partial: PartialSink | None = None) -> ipb.ModelInferResponse | None:
+        return await inference.infer(self.gateway, request, context.time_remaining(), context.invocation_metadata(),
+                                     name, grant, on_partial)
 
     async def ModelInfer(self, request, context):
         grant = await self._allow(context, request.model_name)
@@ -178,8 +159,16 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 if digest is not None:
                     grant = self.tokens.lookup(digest)
                     grant.check_model(request.model_name)
-                response = await self._infer(request, context, "ModelStreamInfer", grant)
-                await answers.put(ipb.ModelStreamInferResponse(infer_response=response))
+                response = await self._infer(request, context, "ModelStreamInfer", grant,
+                                             lambda partial: answers.put_nowait(streamed(partial, final=False)))
+                if response is None:
+                    # A decoupled model's end without a response: sent only to a client that asked.
+                    if _param_true(request, EMPTY_FINAL_KEY):
+                        await answers.put(streamed(ipb.ModelInferResponse(
+                            id=request.id, model_name=request.model_name, model_version=request.model_version),
+                            final=True))
+                else:
+                    await answers.put(streamed(response, final=True))
             except BatchlineError as exc:
                 await answers.put(stream_error(request, exc))
 

@@ -50,6 +50,7 @@ def with_config(model_dir, old: str, new: str):
     ('tokenizer = "tokenizer"\n', "", "generation.tokenizer: Field required"),
     ("[generation]", "[tokenizer]\npath = \"tokenizer\"\n[generation]", "a generative model names its tokenizer in [generation]"),
     ("max_batch_size = 32", "max_batch_size = 0", "max_batch_size of a generative model must be >= 1"),
+    ("[generation]", "[sequence_batching]\n[generation]", "[sequence_batching] does not apply to a generative model"),
 ])
 def test_config_errors_name_the_key_and_the_value(model_dir, old, new, message):
     with_config(model_dir, old, new)

@@ -4,7 +4,7 @@ the models served and the model repository's calls."""
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from batchline.contract import calls
 from batchline.contract import keys as k
@@ -83,9 +83,17 @@ class GatewayStore(Store):
             raw = await pipe.execute()
         return [{name.decode(): int(v) for name, v in h.items()} for h in raw]
 
-    async def control_call(self, name: str, action: str) -> int:
-        """Record a repository call (load or unload `name`) for the executors; its sequence number."""
+    async def control_call(self, name: str, action: str, override: Callable[[int], bytes] | None = None) -> int:
+        """Record a repository call (load or unload `name`) for the executors; its sequence number.
+
+        `override` makes a load's ModelOverride for its sequence number; written before the call,
+        so that an executor that sees the call finds it. Any other call drops the model's override.
+        """
         seq = int(await self.client.incr(k.CONTROL_SEQ))
+        if override is not None:
+            await self.client.set(k.override(name), override(seq), ex=k.CONTROL_TTL)
+        else:
+            await self.client.delete(k.override(name))
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hset(k.CONTROL, name, k.control_record(action, seq))
             pipe.expire(k.CONTROL, k.CONTROL_TTL)

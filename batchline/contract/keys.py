@@ -5,7 +5,7 @@ Keys (all under the ``bl:`` prefix; messages are protobufs from
 Redis Cluster, keys with the same tag live in one hash slot, which is what lets each script and
 each blocking wait name keys of one slot only (docs/design/redis-cluster.md). M is
 ``m:<model>:<version>``, X ``x:<executor_id>``, G ``g:<gateway_id>``; a tenant's bucket and a
-tokenizer have a tag of their own (``t:<tenant>``, ``k:<sha256>``); S, the shared slot, holds
+tokenizer and a load call's override have a tag of their own (``t:<tenant>``, ``k:<sha256>``, ``o:<model>``); S, the shared slot, holds
 what is small and read by everyone (wake-ups, reports, registrations, the lease).
 
 =====================================  ===========  ==================================================
@@ -15,6 +15,7 @@ bl:q:{M}                               sorted set   QueueEntry, scored priority-
 bl:req:{M}:<request_id>                string       the ModelInferRequest (tensors); TTL = budget + grace
 bl:batch:{M}:<batch_id>                string       Batch while dispatched; TTL = latest deadline + grace
 bl:inflight:{M}:<executor_id>          set          ids of that model's batches dispatched to the executor, not yet answered
+bl:seq:{M}:<sequence id>               hash         a sequence's state: steps (count), state (SequenceState); TTL = its idle timeout
 bl:stats:{M}                           hash         Triton-style statistics counters
 bl:load:{M}                            string       ModelLoad, the scheduler's view for admission; short TTL
 bl:profile-units:{M}:<kind>            string       latency-profile samples (units, seconds) as float32 pairs
@@ -31,6 +32,7 @@ bl:gateway:{s}:<gateway_id>            string       the gateway's address; TTL =
 bl:gateways:{s}                        sorted set   gateway ids scored by their last heartbeat (ms): how many are live
 bl:control:{s}:models                  hash         model name -> "load:<seq>" | "unload:<seq>": the latest repository call
 bl:control:{s}:seq                     string       the sequence number of the latest repository call (INCR)
+bl:override:{o:<model>}               string       ModelOverride: a load call's config and files; TTL = CONTROL_TTL
 bl:rate:{t:<tenant>}                   hash         a tenant's token bucket (max_rate): tokens, as of (ms); TTL = refill time
 bl:tokenizer:{k:<sha256>}              string       a model's tokenizer.json, for the gateways to tokenize its text input
 =====================================  ===========  ==================================================
@@ -92,6 +94,11 @@ UNLOAD_GRACE_S = 2.0
 
 def control_record(action: str, seq: int) -> str:
     return f"{action}:{seq}"
+
+
+def override(name: str) -> str:
+    """A load call's config and files: a tag of their own, as they may be large."""
+    return f"{PREFIX}override:{{o:{name}}}"
 
 
 def parse_control(record: bytes | str) -> tuple[str, int]:
@@ -165,6 +172,12 @@ def executor(executor_id: str) -> str:
 
 def gateway(gateway_id: str) -> str:
     return f"{PREFIX}gateway:{SHARED}:{gateway_id}"
+
+
+def sequence(model: ModelKey, sequence_key: str) -> str:
+    """A sequence's state (`sequence_key`: batchline.sequences.SequenceFlags.key): in the model's
+    slot, so that a batch's sequences are read and written in one command."""
+    return f"{PREFIX}seq:{model_tag(model)}:{sequence_key}"
 
 
 def stats(model: ModelKey) -> str:
