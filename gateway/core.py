@@ -26,6 +26,7 @@ from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.cluster import is_cluster_url
 from batchline.sentinel import is_sentinel
 from gateway.admission import Calibration
+from gateway.arrivals import Arrivals
 from gateway.catalog import Catalog
 from gateway.commit import GroupCommit
 from gateway.fairness import FairShares
@@ -70,6 +71,7 @@ class Gateway:
         # Behind Sentinel or on a cluster, a Redis (a shard's primary) lost is most likely replaced by a replica.
         self.replicated = is_sentinel(settings.redis_url) or is_cluster_url(settings.redis_url)
         self._reconciling: set[asyncio.Task] = set()
+        self.arrivals = Arrivals(self.store)  # what the scheduler's demand forecast reads
 
     @property
     def loads(self) -> dict[ModelKey, pb.ModelLoad]:
@@ -89,6 +91,7 @@ class Gateway:
             asyncio.create_task(self.replies.read(), name="replies"),
             asyncio.create_task(self._refresh_loop(), name="registry"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            asyncio.create_task(self.arrivals.run(), name="arrivals"),
         ]
         if self.settings.admission_control:
             self._tasks.append(asyncio.create_task(self.views.keep_fresh(), name="load"))
@@ -113,6 +116,7 @@ class Gateway:
         await stop_tasks(self._tasks)
         self.give_up()
         try:
+            await self.arrivals.flush()
             await self.store.leave(self.gateway_id)
         except REDIS_ERRORS:
             pass
@@ -192,6 +196,7 @@ class Gateway:
         if model.text.name:
             request = await self.tokenizers.convert(request, model)
         call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000)
+        self.arrivals.count(call.key)
         if self.draining:
             raise Unavailable("this gateway is shutting down: retry on another instance")
         arrived_us = now_us()
