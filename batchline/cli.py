@@ -16,6 +16,7 @@ import sys
 import time
 
 from batchline import logs
+from batchline.autoscale import COOL_DOWN_S
 from batchline.embedded_redis import RedisStartError
 from batchline.redis_client import mask
 from batchline.optimize import DEFAULT_VARIANTS, MIN_GAIN, VARIANTS
@@ -166,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the password of the private Redis (default: a random one; '' for none): printed as ***, "
                     "give it to `batchline status --redis-url redis://:PASSWORD@...`")
     up.add_argument("--executors", type=int, default=1, help="number of executor processes (default: 1)")
+    up.add_argument("--autoscale", default="", metavar="MIN:MAX",
+                    help="start and stop executors between MIN and MAX as the leader scheduler's forecast of "
+                    "demand asks (batchline status shows it; docs/guides/scaling.md): more at once, fewer after "
+                    "--scale-down-cool-down-s; a stopping executor drains. Starts with --executors, within the "
+                    "bounds (default: off, --executors run)")
+    up.add_argument("--scale-down-cool-down-s", type=float, default=COOL_DOWN_S,
+                    help=f"--autoscale: how long fewer executors must be wanted before some stop (default: {COOL_DOWN_S:g})")
     up.add_argument("--gateways", type=int, default=1,
                     help="number of gateway processes, all on the gateway port (SO_REUSEPORT: the kernel spreads "
                     "connections over them); one gateway process uses about one core (default: 1)")
@@ -176,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--host", default="127.0.0.1", help="interface the services bind to (default: 127.0.0.1)")
     up.add_argument("--metrics-port", type=int, default=8002,
                     help="Prometheus endpoints on consecutive ports from this one: gateway-0, gateway-1, ..., the "
-                    "scheduler, executor-0, executor-1, ..., then `batchline up` itself (batchline_restarts_total); "
+                    "scheduler, executor-0, executor-1, ... (as many as --executors, or MAX with --autoscale), then `batchline up` "
+                    "itself (batchline_restarts_total, batchline_scale_events_total); "
                     "0 = any free ports, -1 = none (default: 8002)")
     up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"), help="log level of the services (default: $BATCHLINE_LOG_LEVEL, else INFO)")
     up.add_argument("--auth-file", default="",

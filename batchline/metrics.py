@@ -119,7 +119,7 @@ REDISPATCHED = Counter("batchline_redispatched", "Requests requeued because thei
 EXECUTORS_WANTED = Gauge(
     "batchline_executors_wanted", "Executors the mesh wants, by the leader's forecast of each model's arrivals over the "
     "horizon at the target utilisation, never below what finishes the queues within their budgets "
-    "(scheduler/demand.py): what autoscalers scale executors on.",
+    "(scheduler/demand.py): what `batchline up --autoscale` and KEDA scale executors on.",
 )
 ARRIVAL_RATE_FORECAST = Gauge(
     "batchline_arrival_rate_forecast", "Requests per second the gateways are expected to receive for the model over "
@@ -172,6 +172,11 @@ COMPUTE_OUTPUT_DURATION = Histogram(
 )
 RESTARTS = Counter(
     "batchline_restarts", "Services `batchline up` restarted after they exited (redis: the embedded Redis).", ("service",)
+)
+SCALE_EVENTS = Counter(
+    "batchline_scale_events", "Decisions of `batchline up --autoscale` to start executors (direction up) or stop them "
+    "(down), by reason: forecast or backlog (what the leader's demand asked for), cool_down (fewer wanted for a whole "
+    "cool-down), bounds (outside MIN:MAX).", ("direction", "reason"),
 )
 EXECUTOR_BUSY = Counter(
     "batchline_executor_busy_seconds", "Seconds spent executing batches (its rate is the busy fraction).", ("executor",)

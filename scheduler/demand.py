@@ -137,6 +137,16 @@ class Demand:
         self.rates.clear()
         self.last = None
 
+    def forget_gauges(self) -> None:
+        """The lease is lost: a standby wants nothing, so that max() over the schedulers is the leader's."""
+        metrics.EXECUTORS_WANTED.set(0)
+        for key in self._capacity:
+            for gauge in (metrics.ARRIVAL_RATE_FORECAST, metrics.EXECUTOR_CAPACITY):
+                try:
+                    gauge.remove(*key)
+                except KeyError:
+                    pass
+
 
 def explain(demand: pb.MeshDemand) -> str:
     """The numbers behind a decision, one model after another."""

@@ -102,6 +102,7 @@ class Scheduler:
             pass
         self.lease.held = False
         self.queues.forget_gauges()
+        self.demand.forget_gauges()
         await self.store.aclose()
 
     async def _loop(self) -> None:
@@ -140,6 +141,7 @@ class Scheduler:
                 self.demand.forget()
             else:
                 self.queues.forget_gauges()
+                self.demand.forget_gauges()
         metrics.SCHEDULER_LEADER.set(1 if held else 0)
         if held != was or not held:
             # Taken: the blocking wait listens as a standby; make it take the shared lists now.

@@ -651,8 +651,13 @@ def test_k8s_gateway_service_scheduler_replicas_gpu_and_autoscaling():
     assert ("Deployment", scaled["spec"]["scaleTargetRef"]["name"]) in docs
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["type"] == "prometheus"
-    assert "sum(batchline_pending_requests)" in trigger["metadata"]["query"]
-    assert metric_names(trigger["metadata"]["query"]) == {"batchline_pending_requests"}
+    assert "max(batchline_executors_wanted)" in trigger["metadata"]["query"]
+    assert metric_names(trigger["metadata"]["query"]) == {"batchline_executors_wanted"}
+    # One replica per executor wanted; up at once, down stabilised.
+    assert trigger["metricType"] == "AverageValue" and trigger["metadata"]["threshold"] == "1"
+    behavior = scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 60
 
 
 def test_k8s_services_reach_redis_with_the_password_of_its_secret():
