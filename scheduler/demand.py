@@ -77,8 +77,10 @@ class Demand:
         return r
 
     def capacity(self, key: ModelKey, rule: BatchingRule, cost: BatchCost, budget_s: float, lanes: int) -> float:
-        basis = (rule, cost.per_unit_s, cost.fixed_s, cost.margin_s, cost.margin_by_size_s, cost.overhead_s,
-                 budget_s, lanes)
+        # To two significant digits: the profile moves a little with every report, and a play of the
+        # stream costs milliseconds of the scheduler's loop; a capacity 5% off moves nothing.
+        basis = (rule, *map(_rounded, (cost.per_unit_s, cost.fixed_s, cost.margin_s, *cost.margin_by_size_s,
+                                       cost.overhead_s)), budget_s, lanes)
         known = self._capacity.get(key)
         if known is None or known[0] != basis:
             known = self._capacity[key] = (basis, executor_capacity(rule, cost, budget_s, lanes))
@@ -146,6 +148,10 @@ class Demand:
                     gauge.remove(*key)
                 except KeyError:
                     pass
+
+
+def _rounded(x: float) -> float:
+    return float(f"{x:.2g}")
 
 
 def explain(demand: pb.MeshDemand) -> str:
