@@ -2,6 +2,7 @@
 within budget, refuses, times out, and at what cost in executor-seconds.
 
     python benchmarks/autoscale.py [--seeds 1,2,3] [--start-s 5] [--plot DIR]
+    python benchmarks/autoscale.py --mode real [--bounds 1:3] [--base-rate 40] [--real-seconds 120]
 
 The traces (per-second Poisson rates from documented parameters, fixed seeds; BASE = 800/s):
 - diurnal: a day compressed into 300 s, BASE to 8x BASE and back as a raised cosine;
@@ -26,8 +27,11 @@ out. A started executor serves after --start-s. Ticks of DT: a request is answer
 halfway through the tick it is served in. Not simulated: batching dynamics within a second,
 the gateways' and the scheduler's CPU, and retries of refused requests (a refusal counts once).
 
-Only the simulated mode is here: the real mode (`batchline up --autoscale 1:3` on one host, a
-trace played by an open-loop client) is not written yet.
+--mode real plays each trace, compressed into --real-seconds at --base-rate for BASE, with an
+open-loop client against a local mesh serving mlp from a copy of the repository whose executors
+each run on one thread (instance_count 1, intra_op_threads 1), so that on a host with a few spare
+cores 1 to 3 executors matter (benchmarks/_autoscale_real.py); static-peak runs MAX there, and the
+start time is the one the mesh measured.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ import argparse
 import math
 import pathlib
 import random
+import shutil
+import tempfile
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -222,7 +228,16 @@ def main() -> None:
     p.add_argument("--cool-down-s", type=float, default=30.0, help="scale-down cool-down (default: 30)")
     p.add_argument("--traces", default=",".join(TRACES), help=f"comma-separated, of {', '.join(TRACES)}")
     p.add_argument("--plot", default="", help="write a PNG per trace into this directory")
+    p.add_argument("--mode", choices=("sim", "real"), default="sim", help="simulated, or against a local mesh")
+    p.add_argument("--model-repository", default="", help="real: the repository holding mlp (default: the demo's)")
+    p.add_argument("--model", default="mlp", help="real: the model to load (default: mlp)")
+    p.add_argument("--base-rate", type=float, default=40.0, help="real: requests/s for BASE (default: 40)")
+    p.add_argument("--real-seconds", type=float, default=120.0, help="real: each trace compressed into this (default: 120)")
+    p.add_argument("--budget-ms", type=float, default=BUDGET_S * 1000, help="real: each request's budget (default: 200)")
+    p.add_argument("--keda-threshold", type=int, default=KEDA_THRESHOLD, help="real: reactive's queued requests per executor")
     a = p.parse_args()
+    if a.mode == "real":
+        return real(a)
     low, high = (int(x) for x in a.bounds.split(":"))
     seeds = [int(s) for s in a.seeds.split(",")]
     capacity = executor_capacity(RULE, COST, BUDGET_S)
@@ -243,6 +258,39 @@ def main() -> None:
                   f"{med(lambda r: r.executor_s):11.0f} {med(lambda r: r.scale_events):13.0f}")
         if a.plot:
             _plot(pathlib.Path(a.plot) / f"autoscale-{name}.png", name, {k: v[0] for k, v in runs.items()})
+
+
+def real(a: argparse.Namespace) -> None:
+    from _autoscale_real import run_real
+    from _common import ensure_repository
+
+    from batchline.tune.layouts import set_config
+
+    a.trace_seconds, a.sim_base = SECONDS, BASE
+    high = int(a.bounds.split(":")[1])
+    source = ensure_repository(a.model_repository or pathlib.Path(__file__).resolve().parent.parent / "model_repository")
+    with tempfile.TemporaryDirectory(prefix="batchline-autoscale-") as tmp:
+        repo = pathlib.Path(tmp)
+        shutil.copytree(source / a.model, repo / a.model, ignore=shutil.ignore_patterns("trt_cache"))
+        config = repo / a.model / "config.toml"
+        text = config.read_text()
+        for key, value in (("instance_count", "1"), ("intra_op_threads", "1")):
+            text = set_config(text, key, value)
+        config.write_text(text)
+        print(f"real: {a.model}, one thread per executor, executors {a.bounds}, BASE = {a.base_rate:g}/s, each trace "
+              f"in {a.real_seconds:g} s, budget {a.budget_ms:g} ms; median of seeds {a.seeds}")
+        for name in a.traces.split(","):
+            print(f"\n{name} (static-peak runs {high})")
+            print(f"  {'policy':12} {'in budget':>10} {'refused':>8} {'timed out':>10} {'p99 ms':>7} "
+                  f"{'executor-s':>11} {'scale events':>13} {'start s':>8}")
+            for policy in POLICIES:
+                runs = [run_real(TRACES[name](), policy, int(s), a, str(repo), high, Result) for s in a.seeds.split(",")]
+                results = [r for r, _ in runs]
+                med = lambda f: statistics.median(f(r) for r in results)  # noqa: E731
+                print(f"  {policy:12} {med(lambda r: r.in_budget / max(1, r.total)):10.2%} "
+                      f"{med(lambda r: r.refused / max(1, r.total)):8.2%} {med(lambda r: r.timed_out / max(1, r.total)):10.2%} "
+                      f"{med(Result.p99_ms):7.0f} {med(lambda r: r.executor_s):11.0f} {med(lambda r: r.scale_events):13.0f} "
+                      f"{statistics.median(st for _, st in runs):8.1f}", flush=True)
 
 
 def _plot(path: pathlib.Path, name: str, runs: dict[str, Result]) -> None:
