@@ -45,7 +45,8 @@ COUNTERS = {
     "batchline_batches_dispatched_total", "batchline_shed_total", "batchline_redispatched_total",
     "batchline_inference_count_total", "batchline_execution_count_total", "batchline_executor_busy_seconds_total",
 }
-GAUGES = {"batchline_pending_requests", "batchline_scheduler_leader"}
+GAUGES = {"batchline_pending_requests", "batchline_scheduler_leader", "batchline_executors_wanted",
+          "batchline_arrival_rate_forecast", "batchline_executor_capacity", "batchline_executor_start_seconds"}
 HISTOGRAMS = {
     "batchline_request_duration_seconds", "batchline_redis_roundtrip_seconds", "batchline_batch_size",
     "batchline_dispatch_slack_seconds", "batchline_queue_duration_seconds",
