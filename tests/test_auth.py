@@ -225,7 +225,7 @@ def test_a_tenants_max_rate_is_one_bucket_across_gateways(mesh_factory, tmp_path
     path = tmp_path / "auth.toml"
     _write(path, _entry(SEARCH, "search", ["mlp"]).replace("max_rate = 0", "max_rate = 2"))
     m = mesh_factory(models=["mlp"], gateway_overrides={"auth_file": str(path)})
-    second = m.call(GatewayApp(GatewaySettings(redis_url=m.redis_url, port=0, metrics_port=-1,
+    second = m.call(GatewayApp(GatewaySettings(redis_url=m.redis_url, port=0, metrics_port=-1, http_port=-1,
                                                auth_file=str(path))).start())
     outcomes, messages = [], []
     tenant_before = _counted("tenant_requests", model="mlp", tenant="search", status="resource_exhausted")
