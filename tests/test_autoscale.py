@@ -28,7 +28,7 @@ class Up:
     def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "batchline.cli", "up", "--log-level", "WARNING", "--gateway-port", "0",
-             "--metrics-port", "0", *flags],
+             "--metrics-port", "0", "--http-port", "-1", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env={**os.environ, **(env or {})})
         self.lines: list[str] = []
