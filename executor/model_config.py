@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from executor.sequence_config import SequenceBatchingConfig
+
 
 class ConfigError(ValueError):
     """A config.toml that cannot be served; the message names the file and the key."""
@@ -114,6 +116,17 @@ class ModelConfig(BaseModel):
         None, description="An `[optimize]` table for `batchline optimize` (the executors ignore it): "
         "`outputs = { NAME = \"embedding\" | \"classes\" | \"values\" }` says how its accuracy gate judges each output "
         "(default: by the output's name and values).",
+    )
+    sequence_batching: SequenceBatchingConfig | None = Field(
+        None, description="A `[sequence_batching]` table: the model is stateful (Triton's sequence batcher). Keys: "
+        "`max_sequence_idle_microseconds` (1000000), `strategy` (`oldest` | `direct`), `control = { INPUT = "
+        "\"start\" | \"end\" | \"ready\" | \"corrid\" }`, `state = { STATE_INPUT = \"STATE_OUTPUT\" }` "
+        "(docs/guides/model-repository.md#sequence-models).",
+    )
+    decoupled: bool = Field(
+        False, description="Answer each request with one response per row of its outputs' first dim (zero rows: "
+        "no response), on ModelStreamInfer only; needs max_batch_size = 0 "
+        "(docs/guides/model-repository.md#decoupled-models).",
     )
     version_policy: dict[str, Any] = Field(
         default_factory=lambda: {"latest": 1},

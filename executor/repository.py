@@ -22,6 +22,7 @@ from batchline.optimize import tensorrt
 from batchline.protocol import internal_pb2 as pb
 from executor import providers as gpu
 from executor.model_config import ConfigError, read_model_config, select_versions
+from executor.sequence_config import SequenceBatchingConfig, split_graph
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,12 @@ def load_model(
         padded_inputs=sorted(padding),
         max_queue_size=int(config["max_queue_size"]),
     )
+    sequence = config.get("sequence_batching")
+    try:
+        split_graph(f"{model_dir}/config.toml", info, SequenceBatchingConfig(**sequence) if sequence else None,
+                    bool(config.get("decoupled")))
+    except ValueError as exc:
+        raise RepositoryError(str(exc)) from None
     tokenizer_json = _text_input(model_dir, config.get("tokenizer"), info) if config.get("tokenizer") else b""
     log.info("loaded %s version %s on %s (max_batch_size %d, %d instance(s))",
              name, version, list(info.providers), info.max_batch_size, instances)
@@ -330,7 +337,8 @@ def load_repository(
 def warmup_inputs(model: LoadedModel, rows: int = 1) -> dict[str, np.ndarray]:
     """Zero-filled inputs with every free dimension set small, for a warm-up run."""
     feeds = {}
-    for spec in model.info.inputs:
+    # The graph's inputs, sequence control and state inputs too (they are not among the model's).
+    for spec in _tensor_specs(model.session.get_inputs(), model.info.max_batch_size > 0):
         shape = [d if d >= 0 else 8 for d in spec.shape]
         if model.info.max_batch_size > 0:
             shape[0] = rows

@@ -18,7 +18,9 @@ from batchline import contract, logs, metrics, telemetry, tracecontext
 from batchline.contract.keys import ModelKey
 from batchline.contract.gateway_store import GatewayStore
 from batchline.clock import now_us
-from batchline.errors import DeadlineExceeded, ResourceExhausted, Unavailable, duration_text, from_status_value
+from batchline.errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable, duration_text,
+                              from_status_value)
+from batchline.sequences import sequence_flags
 from batchline.lifecycle import stop_tasks
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
@@ -32,7 +34,8 @@ from gateway.commit import GroupCommit
 from gateway.fairness import FairShares
 from gateway.ledger import AdmissionLedger, Ticket, usable
 from gateway import presence
-from gateway.replies import Replies
+from gateway.replies import PartialSink, Replies
+from gateway.sequences import SequenceOrder
 from gateway.repository import RepositoryControl
 from gateway.request import Call, parse, queue_entry
 from gateway.settings import GatewaySettings
@@ -43,7 +46,7 @@ log = logging.getLogger(__name__)
 
 SERVER_NAME = "batchline"
 SERVER_VERSION = "0.1.0"
-EXTENSIONS = ["statistics", "model_configuration", "model_repository"]
+EXTENSIONS = ["statistics", "model_configuration", "model_repository", "sequence"]
 # How often drain() looks whether every admitted request has been answered.
 DRAIN_POLL_S = 0.05
 
@@ -72,6 +75,7 @@ class Gateway:
         self.replicated = is_sentinel(settings.redis_url) or is_cluster_url(settings.redis_url)
         self._reconciling: set[asyncio.Task] = set()
         self.arrivals = Arrivals(self.store)  # what the scheduler's demand forecast reads
+        self.sequences = SequenceOrder()  # each sequence's requests, one after another
 
     @property
     def loads(self) -> dict[ModelKey, pb.ModelLoad]:
@@ -190,9 +194,15 @@ class Gateway:
         tracestate: str = "",
         tenant: str = "",
         weight: float = 1.0,
-    ) -> ipb.ModelInferResponse:
+        on_partial: PartialSink | None = None,
+    ) -> ipb.ModelInferResponse | None:
+        """The request's answer. A decoupled model's responses go to `on_partial` as they arrive
+        and the answer is None, unless its last response came with the end."""
         started = time.perf_counter()
         model = await self.catalog.model(request.model_name, request.model_version)
+        if model.decoupled and on_partial is None:
+            raise InvalidArgument(f"ModelInfer RPC doesn't support models with decoupled transaction policy: model "
+                                  f"'{model.name}' answers with any number of responses; call ModelStreamInfer")
         if model.text.name:
             request = await self.tokenizers.convert(request, model)
         call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000)
@@ -219,8 +229,13 @@ class Gateway:
                                         retry_after_s=exc.retry_after_s) from None
         if tenant:
             self.fair.admitted(call.key, tenant, call.rows, arrived_us / 1e6)
+        flags = sequence_flags(call.request) if model.HasField("sequence") else None
         try:
-            reply = await self._queue_and_wait(call, ticket, traceparent, tracestate, started)
+            if flags is None:
+                reply = await self._queue_and_wait(call, ticket, traceparent, tracestate, started, on_partial)
+            else:
+                async with self.sequences.turn(model.name, model.version, flags):
+                    reply = await self._queue_and_wait(call, ticket, traceparent, tracestate, started, on_partial)
         except BaseException:
             if ticket is not None:
                 ticket.over()
@@ -232,24 +247,24 @@ class Gateway:
             ticket.over(error is None and now_us() - arrived_us <= call.run_budget_s * 1e6 if judged else None)
         if error is not None:
             raise error
-        return reply.response
+        return reply.response if reply.HasField("response") else None
 
     async def _queue_and_wait(self, call: Call, ticket: Ticket | None, traceparent: str, tracestate: str,
-                              started: float) -> pb.Reply:
+                              started: float, on_partial: PartialSink | None = None) -> pb.Reply:
         """Write the request to Redis with the next group commit and wait for its reply."""
         enqueued = now_us()
         deadline = enqueued + int(call.run_budget_s * 1e6)
         entry = queue_entry(call, self.gateway_id, enqueued, deadline, traceparent, tracestate)
         if not logs.structured():
-            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started)
+            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started, on_partial)
         with logs.context(request_id=entry.request_id, trace_id=tracecontext.trace_id(entry.traceparent) or ""):
-            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started)
+            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started, on_partial)
 
     async def _write_and_wait(self, call: Call, entry: pb.QueueEntry, enqueued: int, deadline: int,
-                              ticket: Ticket | None, started: float) -> pb.Reply:
+                              ticket: Ticket | None, started: float, on_partial: PartialSink | None) -> pb.Reply:
         """`started`: the request's arrival (perf_counter), where its enqueue stage begins."""
         member = entry.SerializeToString()
-        fut = self.replies.expect(entry.request_id)
+        fut = self.replies.expect(entry.request_id, on_partial if call.model.decoupled else None)
         if ticket is not None:
             ticket.queued(enqueued)
         write = contract.QueueWrite(entry.request_id, call.key, call.request.SerializeToString(),

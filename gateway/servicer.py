@@ -14,8 +14,14 @@ from batchline.undecodable import Undecodable, tolerated
 from gateway.convert import inputs_of, model_config, model_statistics
 from gateway import inference
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
+from gateway.replies import PartialSink
 
 log = logging.getLogger(__name__)
+# Triton's response parameter that tells a stream's client a request is over, and the request
+# parameter by which a client asks for an empty last response when a decoupled model ends a
+# request without one (docs/reference/protocol.md).
+FINAL_KEY = "triton_final_response"
+EMPTY_FINAL_KEY = "triton_enable_empty_final_response"
 
 
 def _retry_after_ms(seconds: float) -> int:
@@ -43,6 +49,16 @@ def stream_error(request: ipb.ModelInferRequest, exc: BatchlineError) -> ipb.Mod
     if exc.retry_after_s is not None:
         answer.parameters[RETRY_AFTER_KEY].int64_param = _retry_after_ms(exc.retry_after_s)
     return ipb.ModelStreamInferResponse(error_message=f"[{grpc_status(exc).name}] {exc}", infer_response=answer)
+
+
+def streamed(response: ipb.ModelInferResponse, final: bool) -> ipb.ModelStreamInferResponse:
+    """A response on ModelStreamInfer, flagged whether it is its request's last, as Triton flags them."""
+    response.parameters[FINAL_KEY].bool_param = final
+    return ipb.ModelStreamInferResponse(infer_response=response)
+
+
+def _param_true(request: ipb.ModelInferRequest, key: str) -> bool:
+    return key in request.parameters and request.parameters[key].bool_param
 
 
 class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
@@ -107,9 +123,10 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             await _abort(context, exc)
         return ipb.ModelConfigResponse(config=model_config(info))
 
-    async def _infer(self, request, context, name: str = "ModelInfer", grant: Grant | None = None) -> ipb.ModelInferResponse:
+    async def _infer(self, request, context, name: str = "ModelInfer", grant: Grant | None = None,
+                     on_partial: PartialSink | None = None) -> ipb.ModelInferResponse | None:
         return await inference.infer(self.gateway, request, context.time_remaining(), context.invocation_metadata(),
-                                     name, grant)
+                                     name, grant, on_partial)
 
     async def ModelInfer(self, request, context):
         grant = await self._allow(context, request.model_name)
@@ -137,8 +154,16 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 if digest is not None:
                     grant = self.tokens.lookup(digest)
                     grant.check_model(request.model_name)
-                response = await self._infer(request, context, "ModelStreamInfer", grant)
-                await answers.put(ipb.ModelStreamInferResponse(infer_response=response))
+                response = await self._infer(request, context, "ModelStreamInfer", grant,
+                                             lambda partial: answers.put_nowait(streamed(partial, final=False)))
+                if response is None:
+                    # A decoupled model's end without a response: sent only to a client that asked.
+                    if _param_true(request, EMPTY_FINAL_KEY):
+                        await answers.put(streamed(ipb.ModelInferResponse(
+                            id=request.id, model_name=request.model_name, model_version=request.model_version),
+                            final=True))
+                else:
+                    await answers.put(streamed(response, final=True))
             except BatchlineError as exc:
                 await answers.put(stream_error(request, exc))
 

@@ -11,11 +11,8 @@ from batchline import contract
 from batchline.errors import InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
+from gateway.sequences import check_sequence
 
-# Request-level parameters batchline understands; others are passed along untouched.
-_UNSUPPORTED_REQUEST_PARAMS = {
-    "sequence_id": "sequence batching is not supported; send each request on its own",
-}
 _SHM_PARAM = "shared_memory_region"
 
 def _param_int(param: ipb.InferParameter, name: str) -> int:
@@ -52,13 +49,6 @@ def request_priority(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int
 
 def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
     """Check the request against `model`; return its batch size (rows)."""
-    for name, reason in _UNSUPPORTED_REQUEST_PARAMS.items():
-        if name in request.parameters:
-            param = request.parameters[name]
-            kind = param.WhichOneof("parameter_choice")
-            if kind and getattr(param, kind):
-                raise InvalidArgument(f"parameter '{name}': {reason}")
-
     specs = {s.name: s for s in model.inputs}
     given = [t.name for t in request.inputs]
     missing = [n for n in specs if n not in given]
@@ -104,5 +94,7 @@ def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
 
     # Sizes: decoding checks byte counts against shapes without copying the data.
     decode_inputs(request)
-    return rows if rows is not None else 1
+    rows = rows if rows is not None else 1
+    check_sequence(request, model, rows)
+    return rows
 

@@ -15,6 +15,7 @@ bl:q:{M}                               sorted set   QueueEntry, scored priority-
 bl:req:{M}:<request_id>                string       the ModelInferRequest (tensors); TTL = budget + grace
 bl:batch:{M}:<batch_id>                string       Batch while dispatched; TTL = latest deadline + grace
 bl:inflight:{M}:<executor_id>          set          ids of that model's batches dispatched to the executor, not yet answered
+bl:seq:{M}:<sequence id>               hash         a sequence's state: steps (count), state (SequenceState); TTL = its idle timeout
 bl:stats:{M}                           hash         Triton-style statistics counters
 bl:load:{M}                            string       ModelLoad, the scheduler's view for admission; short TTL
 bl:arrivals:{M}                        string       requests the gateways received for it, refused included (INCRBY)
@@ -170,6 +171,12 @@ def executor(executor_id: str) -> str:
 
 def gateway(gateway_id: str) -> str:
     return f"{PREFIX}gateway:{SHARED}:{gateway_id}"
+
+
+def sequence(model: ModelKey, sequence_key: str) -> str:
+    """A sequence's state (`sequence_key`: batchline.sequences.SequenceFlags.key): in the model's
+    slot, so that a batch's sequences are read and written in one command."""
+    return f"{PREFIX}seq:{model_tag(model)}:{sequence_key}"
 
 
 def stats(model: ModelKey) -> str:

@@ -54,18 +54,22 @@ class Batch(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., members: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., executor_id: _Optional[str] = ..., dispatched_us: _Optional[int] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Reply(_message.Message):
-    __slots__ = ("request_id", "code", "message", "response", "ran_until_us")
+    __slots__ = ("request_id", "code", "message", "response", "ran_until_us", "partial", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     RAN_UNTIL_US_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     code: int
     message: str
     response: _inference_pb2.ModelInferResponse
     ran_until_us: int
-    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[_inference_pb2.ModelInferResponse, _Mapping]] = ..., ran_until_us: _Optional[int] = ...) -> None: ...
+    partial: bool
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[_inference_pb2.ModelInferResponse, _Mapping]] = ..., ran_until_us: _Optional[int] = ..., partial: _Optional[bool] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ExecutionReport(_message.Message):
     __slots__ = ("executor_id", "batch_id", "model_name", "model_version", "rows", "requests", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "failed", "warmup", "ran_until_us", "units")
@@ -108,7 +112,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "platform", "max_batch_size", "max_queue_delay_ms", "default_timeout_ms", "default_priority", "priority_levels", "preferred_batch_sizes", "inputs", "outputs", "providers", "padded_inputs", "max_queue_size", "unloading", "text")
+    __slots__ = ("name", "version", "platform", "max_batch_size", "max_queue_delay_ms", "default_timeout_ms", "default_priority", "priority_levels", "preferred_batch_sizes", "inputs", "outputs", "providers", "padded_inputs", "max_queue_size", "unloading", "text", "sequence", "decoupled")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +129,8 @@ class ModelInfo(_message.Message):
     MAX_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
     UNLOADING_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    DECOUPLED_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     platform: str
@@ -141,7 +147,57 @@ class ModelInfo(_message.Message):
     max_queue_size: int
     unloading: bool
     text: TextInput
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., default_timeout_ms: _Optional[float] = ..., default_priority: _Optional[int] = ..., priority_levels: _Optional[int] = ..., preferred_batch_sizes: _Optional[_Iterable[int]] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., padded_inputs: _Optional[_Iterable[str]] = ..., max_queue_size: _Optional[int] = ..., unloading: _Optional[bool] = ..., text: _Optional[_Union[TextInput, _Mapping]] = ...) -> None: ...
+    sequence: SequenceBatching
+    decoupled: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., default_timeout_ms: _Optional[float] = ..., default_priority: _Optional[int] = ..., priority_levels: _Optional[int] = ..., preferred_batch_sizes: _Optional[_Iterable[int]] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., padded_inputs: _Optional[_Iterable[str]] = ..., max_queue_size: _Optional[int] = ..., unloading: _Optional[bool] = ..., text: _Optional[_Union[TextInput, _Mapping]] = ..., sequence: _Optional[_Union[SequenceBatching, _Mapping]] = ..., decoupled: _Optional[bool] = ...) -> None: ...
+
+class SequenceBatching(_message.Message):
+    __slots__ = ("controls", "states", "max_idle_us", "strategy")
+    class Control(_message.Message):
+        __slots__ = ("name", "kind", "datatype")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        KIND_FIELD_NUMBER: _ClassVar[int]
+        DATATYPE_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        kind: str
+        datatype: str
+        def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., datatype: _Optional[str] = ...) -> None: ...
+    class State(_message.Message):
+        __slots__ = ("input", "output", "datatype", "shape")
+        INPUT_FIELD_NUMBER: _ClassVar[int]
+        OUTPUT_FIELD_NUMBER: _ClassVar[int]
+        DATATYPE_FIELD_NUMBER: _ClassVar[int]
+        SHAPE_FIELD_NUMBER: _ClassVar[int]
+        input: str
+        output: str
+        datatype: str
+        shape: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, input: _Optional[str] = ..., output: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    CONTROLS_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IDLE_US_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    controls: _containers.RepeatedCompositeFieldContainer[SequenceBatching.Control]
+    states: _containers.RepeatedCompositeFieldContainer[SequenceBatching.State]
+    max_idle_us: int
+    strategy: str
+    def __init__(self, controls: _Optional[_Iterable[_Union[SequenceBatching.Control, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[SequenceBatching.State, _Mapping]]] = ..., max_idle_us: _Optional[int] = ..., strategy: _Optional[str] = ...) -> None: ...
+
+class SequenceState(_message.Message):
+    __slots__ = ("request_id", "before", "after", "ended", "steps", "earlier")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    EARLIER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    before: _containers.RepeatedScalarFieldContainer[bytes]
+    after: _containers.RepeatedScalarFieldContainer[bytes]
+    ended: bool
+    steps: int
+    earlier: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., before: _Optional[_Iterable[bytes]] = ..., after: _Optional[_Iterable[bytes]] = ..., ended: _Optional[bool] = ..., steps: _Optional[int] = ..., earlier: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TextInput(_message.Message):
     __slots__ = ("name", "max_length", "truncate", "ids_input", "mask_input", "type_ids_input", "tokenizer_sha256")
