@@ -148,7 +148,11 @@ class ModelConfig(BaseModel):
     )
     instance_count: int = Field(
         1, description="Batches of this model an executor runs at once (Triton's instance_group count), each a lane "
-        "of its own on cpu_cores / instance_count intra-op threads unless the executor sets intra_op_threads.",
+        "of its own on cpu_cores / instance_count intra-op threads unless intra_op_threads says otherwise.",
+    )
+    intra_op_threads: int = Field(
+        0, ge=0, description="ONNX Runtime intra-op threads of each of this model's runs, over the executor's "
+        "intra_op_threads (0 = the executor's; `batchline tune` writes it).",
     )
     padding: dict[str, Any] = Field(
         default_factory=dict,

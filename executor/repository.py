@@ -207,7 +207,8 @@ def load_model(
         if provider == tensorrt.PROVIDER:
             place_calibration_table(opts, version_dir)
     instances = int(config["instance_count"])
-    session = create_session(path, chosen, intra_op_threads_for(instances, intra_op_threads, cpu_cores), allow_spinning,
+    threads = intra_op_threads_for(instances, int(config["intra_op_threads"]) or intra_op_threads, cpu_cores)
+    session = create_session(path, chosen, threads, allow_spinning,
                              f"{name} version {version}")
     batched = config["max_batch_size"] > 0
     inputs = _tensor_specs(session.get_inputs(), batched)

@@ -58,6 +58,7 @@ class Executor:
                                             connect_blocking(settings.redis_url, settings.redis_timeout_s))
         self.address = ""
         self.started_us = now_us()
+        self.start_s = 0.0  # process start to its first registration (ExecutorApp sets it)
         self.executed_batches = 0
         self.busy_batches = 0
         self.busy_s = 0.0  # time spent on batches, fetch to write
@@ -103,6 +104,7 @@ class Executor:
             executed_batches=self.executed_batches,
             draining=self.draining,
             busy_share=self.busy_share,
+            start_s=self.start_s,
         )
 
     async def register(self) -> None:

@@ -29,6 +29,7 @@ from batchline.cluster import is_cluster_url
 from batchline.sentinel import is_sentinel
 from gateway.admission import Calibration
 from gateway import classification
+from gateway.arrivals import Arrivals
 from gateway.catalog import Catalog
 from gateway.commit import GroupCommit
 from gateway.fairness import FairShares
@@ -77,6 +78,7 @@ class Gateway:
         # Behind Sentinel or on a cluster, a Redis (a shard's primary) lost is most likely replaced by a replica.
         self.replicated = is_sentinel(settings.redis_url) or is_cluster_url(settings.redis_url)
         self._reconciling: set[asyncio.Task] = set()
+        self.arrivals = Arrivals(self.store)  # what the scheduler's demand forecast reads
         self.sequences = SequenceOrder()  # each sequence's requests, one after another
 
     @property
@@ -97,6 +99,7 @@ class Gateway:
             asyncio.create_task(self.replies.read(), name="replies"),
             asyncio.create_task(self._refresh_loop(), name="registry"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            asyncio.create_task(self.arrivals.run(), name="arrivals"),
         ]
         if self.settings.admission_control:
             self._tasks.append(asyncio.create_task(self.views.keep_fresh(), name="load"))
@@ -122,6 +125,7 @@ class Gateway:
         self.give_up()
         self.shared_memory.close()
         try:
+            await self.arrivals.flush()
             await self.store.leave(self.gateway_id)
         except REDIS_ERRORS:
             pass
@@ -215,6 +219,7 @@ class Gateway:
                                   f"memory or as classifications; ask for them in the responses")
         request, payload = self.shared_memory.read_inputs(request, tenant)
         call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000, payload)
+        self.arrivals.count(call.key)
         if self.draining:
             raise Unavailable("this gateway is shutting down: retry on another instance")
         arrived_us = now_us()

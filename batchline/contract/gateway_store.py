@@ -52,6 +52,14 @@ class GatewayStore(Store):
         """The group commit (contract.enqueue): per write, 1 when queued, 0 when its queue was full."""
         return list(await calls.enqueue(self.client, gateway_id, address, heartbeat_ttl_ms, writes, abandoned))
 
+    async def add_arrivals(self, counts: dict[ModelKey, int]) -> None:
+        """Add to each model's count of requests received (the scheduler's demand forecast reads them)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for model, n in counts.items():
+                pipe.incrby(k.arrivals(model), n)
+                pipe.expire(k.arrivals(model), k.ARRIVALS_TTL)
+            await pipe.execute()
+
     async def take_token(self, tenant: str, rate_per_s: float, burst: float) -> tuple[bool, int]:
         """(taken, milliseconds until a token is there) from the tenant's bucket."""
         taken, wait_ms = await calls.take_token(self.client, tenant, rate_per_s, burst)

@@ -18,6 +18,7 @@ bl:inflight:{M}:<executor_id>          set          ids of that model's batches 
 bl:seq:{M}:<sequence id>               hash         a sequence's state: steps (count), state (SequenceState); TTL = its idle timeout
 bl:stats:{M}                           hash         Triton-style statistics counters
 bl:load:{M}                            string       ModelLoad, the scheduler's view for admission; short TTL
+bl:arrivals:{M}                        string       requests the gateways received for it, refused included (INCRBY)
 bl:profile-units:{M}:<kind>            string       latency-profile samples (units, seconds) as float32 pairs
 bl:work:{X}                            list         Batch messages waiting for that executor
 bl:served:{X}                          set          the models (M) batches were ever sent to it for: where its in-flight sets are
@@ -29,6 +30,7 @@ bl:leader:{s}                          string       id of the scheduler holding 
 bl:exec:{s}:<executor_id>              string       ExecutorInfo; TTL = heartbeat TTL (presence)
 bl:executors:{s}                       set          executor ids ever seen (members pruned when stale)
 bl:gateway:{s}:<gateway_id>            string       the gateway's address; TTL = heartbeat TTL
+bl:demand:{s}                          string       MeshDemand: the executors the mesh wants (leader scheduler); TTL
 bl:gateways:{s}                        sorted set   gateway ids scored by their last heartbeat (ms): how many are live
 bl:control:{s}:models                  hash         model name -> "load:<seq>" | "unload:<seq>": the latest repository call
 bl:control:{s}:seq                     string       the sequence number of the latest repository call (INCR)
@@ -53,6 +55,7 @@ LEADER = f"{PREFIX}leader:{SHARED}"
 GATEWAYS = f"{PREFIX}gateways:{SHARED}"
 CONTROL = f"{PREFIX}control:{SHARED}:models"
 CONTROL_SEQ = f"{PREFIX}control:{SHARED}:seq"
+DEMAND = f"{PREFIX}demand:{SHARED}"
 
 # Ordering within a queue: priority level first (1 is highest), then the
 # earliest deadline. deadline_ms is ~1.8e12, so a 1e13 stride keeps both exact
@@ -85,6 +88,8 @@ SCHEDULER_WAKE_TTL_MS = 10_000  # a scheduler's own wake list, should it die bef
 REPORTS_CAP = 100_000
 CONTROL_TTL = 30 * 24 * 3_600    # the repository calls are remembered this long after the last one
 TOKENIZER_TTL = 7 * 24 * 3_600   # refreshed whenever an executor loads the model
+ARRIVALS_TTL = 3_600             # an arrival count nobody added to for this long starts again from 0
+DEMAND_TTL_MS = 10_000           # an autoscaler ignores the demand of a scheduler gone this long
 
 # A model version being released still takes the batches of what was queued for it this long
 # (and until its queue is empty or another executor serves it): longer than the gateways and
@@ -182,6 +187,10 @@ def sequence(model: ModelKey, sequence_key: str) -> str:
 
 def stats(model: ModelKey) -> str:
     return f"{PREFIX}stats:{model_tag(model)}"
+
+
+def arrivals(model: ModelKey) -> str:
+    return f"{PREFIX}arrivals:{model_tag(model)}"
 
 
 def load(model: ModelKey) -> str:

@@ -253,7 +253,7 @@ class RepositoryEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("executor_id", "address", "models", "started_us", "heartbeat_us", "busy_batches", "executed_batches", "draining", "busy_share", "repository", "model_control_mode", "control_applied")
+    __slots__ = ("executor_id", "address", "models", "started_us", "heartbeat_us", "busy_batches", "executed_batches", "draining", "busy_share", "repository", "model_control_mode", "control_applied", "start_s")
     class ControlAppliedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +273,7 @@ class ExecutorInfo(_message.Message):
     REPOSITORY_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONTROL_MODE_FIELD_NUMBER: _ClassVar[int]
     CONTROL_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    START_S_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     address: str
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
@@ -285,7 +286,8 @@ class ExecutorInfo(_message.Message):
     repository: _containers.RepeatedCompositeFieldContainer[RepositoryEntry]
     model_control_mode: str
     control_applied: _containers.ScalarMap[str, int]
-    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ..., busy_share: _Optional[float] = ..., repository: _Optional[_Iterable[_Union[RepositoryEntry, _Mapping]]] = ..., model_control_mode: _Optional[str] = ..., control_applied: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    start_s: float
+    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ..., busy_share: _Optional[float] = ..., repository: _Optional[_Iterable[_Union[RepositoryEntry, _Mapping]]] = ..., model_control_mode: _Optional[str] = ..., control_applied: _Optional[_Mapping[str, int]] = ..., start_s: _Optional[float] = ...) -> None: ...
 
 class QueueTail(_message.Message):
     __slots__ = ("free_s", "level", "items")
@@ -377,3 +379,40 @@ class SchedulerStatus(_message.Message):
     leader: bool
     redispatched_requests: int
     def __init__(self, scheduler_id: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[SchedulerStatus.ModelQueue, _Mapping]]] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., dispatched_batches: _Optional[int] = ..., dispatched_requests: _Optional[int] = ..., shed_requests: _Optional[int] = ..., leader: _Optional[bool] = ..., redispatched_requests: _Optional[int] = ...) -> None: ...
+
+class MeshDemand(_message.Message):
+    __slots__ = ("executors_wanted", "horizon_s", "executor_start_s", "models", "updated_us", "scheduler_id")
+    class Model(_message.Message):
+        __slots__ = ("name", "version", "arrival_rate", "forecast_rate", "capacity", "budget_s", "backlog", "by_forecast", "by_backlog")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        VERSION_FIELD_NUMBER: _ClassVar[int]
+        ARRIVAL_RATE_FIELD_NUMBER: _ClassVar[int]
+        FORECAST_RATE_FIELD_NUMBER: _ClassVar[int]
+        CAPACITY_FIELD_NUMBER: _ClassVar[int]
+        BUDGET_S_FIELD_NUMBER: _ClassVar[int]
+        BACKLOG_FIELD_NUMBER: _ClassVar[int]
+        BY_FORECAST_FIELD_NUMBER: _ClassVar[int]
+        BY_BACKLOG_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        version: str
+        arrival_rate: float
+        forecast_rate: float
+        capacity: float
+        budget_s: float
+        backlog: int
+        by_forecast: float
+        by_backlog: float
+        def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., arrival_rate: _Optional[float] = ..., forecast_rate: _Optional[float] = ..., capacity: _Optional[float] = ..., budget_s: _Optional[float] = ..., backlog: _Optional[int] = ..., by_forecast: _Optional[float] = ..., by_backlog: _Optional[float] = ...) -> None: ...
+    EXECUTORS_WANTED_FIELD_NUMBER: _ClassVar[int]
+    HORIZON_S_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_START_S_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_US_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    executors_wanted: int
+    horizon_s: float
+    executor_start_s: float
+    models: _containers.RepeatedCompositeFieldContainer[MeshDemand.Model]
+    updated_us: int
+    scheduler_id: str
+    def __init__(self, executors_wanted: _Optional[int] = ..., horizon_s: _Optional[float] = ..., executor_start_s: _Optional[float] = ..., models: _Optional[_Iterable[_Union[MeshDemand.Model, _Mapping]]] = ..., updated_us: _Optional[int] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
