@@ -137,8 +137,11 @@ class EmbeddedRedis:
             raise RedisStartError(f"cannot run {self.binary}: {exc}") from None
         quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
         # masterauth too: a server that becomes a replica (behind Sentinel) authenticates to its primary with it.
-        self.proc.stdin.write(f'requirepass "{quoted}"\nmasterauth "{quoted}"\n'.encode() if self.password else b"")
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.write(f'requirepass "{quoted}"\nmasterauth "{quoted}"\n'.encode() if self.password else b"")
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it exited before reading its configuration: the wait below says why
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
