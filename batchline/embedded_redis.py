@@ -6,6 +6,8 @@ work, and a restart that loses it is what the recovery paths are built for.
 """
 from __future__ import annotations
 
+import contextlib
+
 import ctypes
 import os
 import shutil
@@ -140,8 +142,9 @@ class EmbeddedRedis:
         try:
             self.proc.stdin.write(f'requirepass "{quoted}"\nmasterauth "{quoted}"\n'.encode() if self.password else b"")
             self.proc.stdin.close()
-        except BrokenPipeError:
-            pass  # it exited before reading its configuration: the wait below says why
+        except BrokenPipeError:  # it exited before reading its configuration: the wait below says why
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
