@@ -13,6 +13,7 @@ from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import internal_pb2, internal_pb2_grpc
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS
+from executor.generation_serving import GenerationModel, load_generation_models
 from executor.live import LiveRepository
 from executor.repository import LoadedModel
 from executor.control import ExecutorControl
@@ -57,6 +58,7 @@ class ExecutorApp:
         self.repository = LiveRepository(self)
         self._address = ""
         self._rewriting: set[asyncio.Task] = set()
+        self.generators: list[GenerationModel] = []
 
     @property
     def executor(self) -> Executor | None:
@@ -70,7 +72,12 @@ class ExecutorApp:
     async def start(self) -> "ExecutorApp":
         s = self.settings
         models = await self.repository.initial()
+        # Loaded at start in every model control mode: the live repository does not load or release them.
+        self.generators = await asyncio.to_thread(load_generation_models, s)
+        for generator in self.generators:
+            await generator.loop.__aenter__()
         self.lanes = executor_lanes(s, models)
+        self.executor.generators = {(g.name, g.version): g for g in self.generators}
         for model in models:
             _report_provider(model)
         self.executor.catalog = self._catalog
@@ -173,6 +180,8 @@ class ExecutorApp:
             await asyncio.gather(*(lane.stop() for lane in self.lanes))
         if self.server:
             await self.server.stop(grace)
+        for generator in self.generators:
+            await generator.loop.__aexit__(None, None, None)
         metrics.stop_metrics_server(self.metrics_port)
         self.repository.overrides.close()
 

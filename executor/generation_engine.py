@@ -96,8 +96,11 @@ class GenerationEngine:
         return bool(self.waiting or self.running)
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 1,
-            arrival: float = 0.0) -> None:
-        """Queue a sequence; PromptError when the prompt is empty or leaves no room to generate."""
+            arrival: float = 0.0, output: list[int] | None = None) -> None:
+        """Queue a sequence; PromptError when the prompt is empty or leaves no room to generate.
+
+        `output`: tokens this sequence already made elsewhere (an executor that failed): they are
+        recomputed with the prompt and not sent again; the next token drawn is the one after them."""
         if not prompt:
             raise PromptError("the prompt is empty: generation needs at least one token to continue")
         limit = self.config.max_context
@@ -111,9 +114,16 @@ class GenerationEngine:
         if request_id in {s.request_id for s in self.waiting + self.running}:
             raise PromptError(f"request id {request_id!r} is already generating")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
+        made = list(output or [])
+        if len(prompt) + len(made) >= limit or len(made) >= params.max_tokens:
+            raise PromptError(f"the sequence already has {len(made)} output tokens: nothing is left to generate")
+        text = OutputText(self.decoder.tokenizer, prompt, params.stop)
+        for token in made:  # the text state (held-back characters, stop strings) the output left
+            text.add(token)
+        text.take()
         self._added += 1
         self.waiting.append(Sequence(request_id, list(prompt), params, seed, priority, arrival, self._added,
-                                     OutputText(self.decoder.tokenizer, prompt, params.stop)))
+                                     text, made))
 
     def cancel(self, request_id: str) -> None:
         """End the sequence at the next step (its slot is freed then)."""

@@ -19,7 +19,7 @@ class GenerationLoop:
         self.engine = engine
         self._clock = clock
         self._streams: dict[str, asyncio.Queue[Output]] = {}
-        self._pending: list[tuple[str, list[int], SamplingParams, int, float]] = []
+        self._pending: list[tuple[str, list[int], SamplingParams, int, float, list[int]]] = []
         self._cancels: list[str] = []
         self._wake = asyncio.Event()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation")
@@ -40,15 +40,16 @@ class GenerationLoop:
         self._thread.shutdown(wait=True)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       priority: int = 1) -> AsyncIterator[Output]:
+                       priority: int = 1, output: list[int] | None = None) -> AsyncIterator[Output]:
         """The sequence's outputs as its steps make them, the last one finished. Leaving the iteration early
-        cancels the sequence, which frees its cache at the next step."""
+        cancels the sequence, which frees its cache at the next step. `output`: tokens it already made
+        elsewhere, which it continues from (GenerationEngine.add)."""
         if self._task is None or self._task.done():
             raise RuntimeError("the generation loop is not running (use it as `async with`)")
         queue: asyncio.Queue[Output] = asyncio.Queue()
         self._streams[request_id] = queue
         now = self._clock() if self._clock else asyncio.get_running_loop().time()
-        self._pending.append((request_id, prompt, params, priority, now))
+        self._pending.append((request_id, prompt, params, priority, now, list(output or [])))
         self._wake.set()
         finished = False
         try:
@@ -66,9 +67,9 @@ class GenerationLoop:
 
     def _take_changes(self) -> None:
         pending, self._pending = self._pending, []
-        for request_id, prompt, params, priority, arrival in pending:
+        for request_id, prompt, params, priority, arrival, output in pending:
             try:
-                self.engine.add(request_id, prompt, params, priority, arrival)
+                self.engine.add(request_id, prompt, params, priority, arrival, output)
             except ValueError as exc:
                 if request_id in self._streams:
                     self._streams[request_id].put_nowait(exc)  # type: ignore[arg-type]

@@ -309,8 +309,8 @@ def fingerprint(*paths: pathlib.Path) -> tuple[int, ...]:
 def model_names(root: pathlib.Path, only: list[str] | None = None) -> list[str]:
     """The model directories of the repository (those in `only`, when given) that batches of whole requests serve.
 
-    Generative models (config.toml `[generation]`) are left out: they are run by the generation
-    engine (executor/generation_engine.py), which nothing serves over the mesh yet.
+    Generative models (config.toml `[generation]`) are left out: the executor serves them with the
+    generation engine (executor/generation_serving.py).
     """
     if not root.is_dir():
         raise RepositoryError(f"model repository {root} does not exist")
@@ -357,11 +357,13 @@ def load_repository(
             )
             model.fingerprint = scanned.versions[version]
             models.append(model)
+    # Generative models are the generation engine's (executor/generation_serving.py).
+    generative = {p.name for p in root.iterdir() if p.is_dir() and declares_generation(p)}
     if only:
-        missing = set(only) - {m.name for m in models}
+        missing = set(only) - {m.name for m in models} - generative
         if missing:
             raise RepositoryError(f"models {sorted(missing)} not found in {root}")
-    if not models:
+    if not models and not generative & set(only or generative):
         raise RepositoryError(f"no models found in {root} (expected <model>/<version>/model.onnx)")
     return models
 

@@ -23,7 +23,8 @@ from batchline.lifecycle import stop_tasks
 from batchline.heartbeats import HeartbeatTrust
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, connect, connect_blocking
-from executor import decoupled, outcome, running, sequences
+from executor import decoupled, generation_batches, outcome, running, sequences
+from executor.generation_serving import GenerationModel
 from executor.outcome import Timing
 from executor.running import Member
 from executor.repository import LoadedModel
@@ -50,10 +51,13 @@ def _phase(name: str, traced: bool):
 
 class Executor:
     def __init__(self, settings: ExecutorSettings, models: list[LoadedModel], executor_id: str,
-                 store: ExecutorStore | None = None):
+                 store: ExecutorStore | None = None, generators: list[GenerationModel] | None = None):
         self.settings = settings
         self.executor_id = executor_id  # one lane's id (executor/app.py: executor_lanes)
         self.models = {(m.name, m.version): m for m in models}
+        # Generative models (executor/generation_batches.py): their batches run as tasks of their own.
+        self.generators = {(g.name, g.version): g for g in generators or []}
+        self._generating: set[asyncio.Task] = set()
         self.store = store or ExecutorStore(connect(settings.redis_url, settings.redis_timeout_s),
                                             connect_blocking(settings.redis_url, settings.redis_timeout_s))
         self.address = ""
@@ -97,7 +101,7 @@ class Executor:
             control_applied=applied,
             executor_id=self.executor_id,
             address=self.address,
-            models=[m.info for m in self.models.values()],
+            models=[m.info for m in self.models.values()] + [g.info for g in self.generators.values()],
             started_us=self.started_us,
             heartbeat_us=now_us(),
             busy_batches=self.busy_batches,
@@ -148,7 +152,7 @@ class Executor:
             await self.register()  # the scheduler stops sending us batches
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                if self.busy_batches == 0 and not await self.store.waiting_work(self.executor_id):
+                if self.busy_batches == 0 and not self._generating and not await self.store.waiting_work(self.executor_id):
                     break
                 await asyncio.sleep(_DRAIN_POLL_S)
         except REDIS_ERRORS as exc:
@@ -162,7 +166,7 @@ class Executor:
             pass  # recovery by the scheduler hands them back once our heartbeat expires
 
     async def stop(self) -> None:
-        await stop_tasks(self._workers + self._tasks)
+        await stop_tasks(self._workers + self._tasks + list(self._generating))
         try:
             await self.store.deregister(self.executor_id)
         except REDIS_ERRORS:
@@ -207,6 +211,10 @@ class Executor:
             except Exception:  # noqa: BLE001 - one unreadable batch must not stop the worker
                 log.exception("an unreadable batch (%d bytes) was dropped", len(item))
                 continue
+            generator = self.generators.get((batch.model_name, batch.model_version))
+            if generator is not None:
+                self._generate(batch, generator)
+                continue
             self._in_progress.add(batch.batch_id)
             try:
                 give_up, attempt = time.monotonic() + _REDIS_PATIENCE_S, 0
@@ -231,6 +239,22 @@ class Executor:
                 log.exception("batch %s failed", batch.batch_id)
             finally:
                 self._in_progress.discard(batch.batch_id)
+
+    def _generate(self, batch: pb.Batch, model: GenerationModel) -> None:
+        """Run a generative model's batch beside the workers, held (not swept as an orphan) until its write."""
+        self._in_progress.add(batch.batch_id)
+
+        async def run() -> None:
+            try:
+                await generation_batches.run_batch(self.store, self.executor_id, batch, model, self.written)
+            except Exception:  # noqa: BLE001 - left to recovery (the orphan sweep hands it back)
+                log.exception("generation batch %s failed", batch.batch_id)
+            finally:
+                self._in_progress.discard(batch.batch_id)
+
+        task = asyncio.create_task(run(), name=f"generate-{batch.batch_id}")
+        self._generating.add(task)
+        task.add_done_callback(self._generating.discard)
 
     # -- one batch ---------------------------------------------------------
 

@@ -68,6 +68,11 @@ class ExecutorSettings(CommonSettings):
         description="Raise this process's nice value by this much at start. On a host shared with the gateway "
         "(batchline up sets 5), model runs then yield the CPU to request ingress and admission control.",
     )
+    generation_cache_mb: float = Field(
+        64.0, description="Key/value cache of each generative model (config.toml [generation]) on this executor, in "
+        "MiB: it holds as many sequences at once as it has room for at the model's max_context (the scheduler "
+        "places no more on it).", gt=0,
+    )
     heartbeat_interval_s: float = Field(1.0, description="Seconds between registrations in Redis.")
     heartbeat_ttl_s: float = Field(
         3.0, description="Seconds without a heartbeat after which the executor is considered dead."

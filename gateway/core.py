@@ -28,7 +28,7 @@ from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.cluster import is_cluster_url
 from batchline.sentinel import is_sentinel
 from gateway.admission import Calibration
-from gateway import classification
+from gateway import classification, generation
 from gateway.arrivals import Arrivals
 from gateway.catalog import Catalog
 from gateway.commit import GroupCommit
@@ -205,6 +205,10 @@ class Gateway:
         and the answer is None, unless its last response came with the end."""
         started = time.perf_counter()
         model = await self.catalog.model(request.model_name, request.model_version)
+        collected: list[ipb.ModelInferResponse] | None = None
+        if model.generation and on_partial is None:
+            collected = []  # a generative model's tokens, answered joined
+            on_partial = collected.append
         if model.decoupled and on_partial is None:
             raise InvalidArgument(f"ModelInfer RPC doesn't support models with decoupled transaction policy: model "
                                   f"'{model.name}' answers with any number of responses; call ModelStreamInfer")
@@ -261,6 +265,8 @@ class Gateway:
         if error is not None:
             raise error
         response = reply.response if reply.HasField("response") else None
+        if collected is not None:
+            response = generation.joined(collected + ([response] if response is not None else []), model, request.id)
         if response is not None and classes:
             classification.classify(response, model, classes)
         if response is not None and targets:

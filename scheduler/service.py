@@ -34,12 +34,12 @@ from batchline.protocol import internal_pb2_grpc
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, connect, connect_blocking
 from batchline.registry import Registry
 from batchline.planning import BatchCost, BatchingRule
-from scheduler import dispatch
+from scheduler import dispatch, generation
 from scheduler.demand import Demand
 from scheduler.fleet import Fleet
 from scheduler.leadership import Lease
 from scheduler.load_views import LoadViews
-from scheduler.policy import FIFO, ModelPolicy, busy_until, plan
+from scheduler.policy import FIFO, ModelPolicy, PlannedBatch, busy_until, plan
 from scheduler.profiles import Profiles, kind
 from scheduler.queues import Queues
 from scheduler.settings import SchedulerSettings
@@ -70,6 +70,8 @@ class Scheduler:
         self._plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str]]] = {}
         self._scanned_at = 0.0  # when the last step began reading the queues
         self._held: dict[str, int] = {}  # batches each executor holds, as the last step read them
+        # Sequences of each generative model each executor holds (its in-flight batches of it).
+        self._sequences: dict[tuple[str, ModelKey], int] = {}
         self._tasks: list[asyncio.Task] = []
         self.counts: Counter[str] = Counter()
 
@@ -204,8 +206,13 @@ class Scheduler:
         for key, depth in zip(models, scan.depths):
             self.queues.depths[key] = depth
         held: dict[str, set[bytes]] = {eid: set() for eid in executors}
-        for (eid, _), ids in zip(sets, scan.inflight):
-            held[eid] |= ids
+        self._sequences = {}
+        for (eid, key), ids in zip(sets, scan.inflight):
+            if self.registry.models.get(key, pb.ModelInfo()).generation:
+                # Sequences in the engine: they take cache slots, not the executor's batch turns.
+                self._sequences[(eid, key)] = len(ids)
+            else:
+                held[eid] |= ids
         return scan.heads, [held[eid] for eid in executors]
 
     def _observe(self, reports: list[bytes]) -> None:
@@ -227,6 +234,8 @@ class Scheduler:
     async def _schedule(self, key: ModelKey, members: list[bytes], free_at: dict[str, float], now: float) -> float | None:
         """Plan one model's queue and write what the plan says; when to look at it again."""
         info = self.registry.models[key]
+        if info.generation:
+            return await self._place_sequences(key, info, members, free_at, now)
         holders = self._holders(key, free_at)
         await self.profiles.adopt([(*key, kind(self.registry, e, key)) for e in holders])
         cost = self.profiles.for_model(self.registry, key, holders).cost(self.settings.overhead_ms / 1000)
@@ -274,6 +283,33 @@ class Scheduler:
             if dispatch.book(key, sent, results[i], self.counts):
                 self.timeline.dispatched(sent.executor_id, sent.batch_id, sent.planned.start, sent.planned.finish)
         return decision.wake_at
+
+    async def _place_sequences(self, key: ModelKey, info: pb.ModelInfo, members: list[bytes],
+                               free_at: dict[str, float], now: float) -> None:
+        """A generative model's queue: each request alone to an executor with a free cache slot
+        (scheduler/generation.py); those whose deadline passed in the queue are shed."""
+        holders = self._holders(key, free_at)
+        free = {e: generation.slots(list(self.registry.executors[e].models), key) - self._sequences.get((e, key), 0)
+                for e in holders}
+        queue, _ = self.queues.read(key, members)
+        self.queues.report(key, info.priority_levels, queue)
+        expired = [p for p in queue if p.deadline <= now]
+        placed = generation.place([p for p in queue if p.deadline > now], free)
+        self.wakeups.blocked.discard(contract.queue(key))
+        async with self.store.step_writes() as pipe:
+            if expired:
+                dispatch.shed(pipe, key, expired, self.queues.entries)
+            sends = [(len(pipe), dispatch.send(pipe, key, eid, PlannedBatch((p,), p.rows, "generation",
+                                                                              p.deadline - now, 0, now, now),
+                                               [self.queues.entries[p.member]]))
+                     for eid, p in placed]
+            results = await pipe.execute()
+        self.queues.left(key, now, len(queue) - len(expired) - len(placed))
+        if expired:
+            self.counts["shed"] += len(expired)
+            metrics.SHED.labels(*key).inc(len(expired))
+        for i, sent in sends:
+            dispatch.book(key, sent, results[i], self.counts)
 
     def status(self) -> pb.SchedulerStatus:
         return pb.SchedulerStatus(

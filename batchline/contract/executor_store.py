@@ -74,6 +74,27 @@ class ExecutorStore(RecoveryStore):
                 calls.push_with_ttl(pipe, k.reply(gateway_id), k.REPLY_TTL, blobs)
             await pipe.execute()
 
+    async def generated_tokens(self, model: ModelKey, request_ids: Sequence[str]) -> list[bytes | None]:
+        """Each generation request's output token ids sent so far (int64 bytes; None: none yet)."""
+        return await get_many(self.client, [k.generated(model, r) for r in request_ids])
+
+    async def stream_tokens(self, model: ModelKey, replies: Mapping[str, Sequence[bytes]],
+                            sent: Mapping[str, bytes]) -> dict[str, bool]:
+        """Push generation responses to their gateways (per gateway id), then record each request's
+        tokens sent so far (`sent`, per request id); whether each request is still awaited (its
+        payload is there: not answered, abandoned or cancelled). The record follows the push, so
+        it never holds a token its client was not sent."""
+        ids = list(sent)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for gateway_id, blobs in replies.items():
+                calls.push_with_ttl(pipe, k.reply(gateway_id), k.REPLY_TTL, blobs)
+            for request_id in ids:
+                pipe.set(k.generated(model, request_id), sent[request_id], ex=k.REPLY_TTL)
+            for request_id in ids:
+                pipe.exists(k.payload(model, request_id))
+            found = await pipe.execute()
+        return {r: bool(n) for r, n in zip(ids, found[len(found) - len(ids):])}
+
     async def sequence_states(self, model: ModelKey, sequence_keys: Sequence[str]) -> list[bytes | None]:
         """Each sequence's saved state (a SequenceState; None: none, or it expired)."""
         async with self.client.pipeline(transaction=False) as pipe:

@@ -147,6 +147,12 @@ def payload(model: ModelKey, request_id: str) -> str:
     return f"{PREFIX}req:{model_tag(model)}:{request_id}"
 
 
+def generated(model: ModelKey, request_id: str) -> str:
+    """The output token ids a generation request has been sent so far (int64, in order): where an
+    executor that takes the request over after a failure continues from. In the payload's slot."""
+    return f"{PREFIX}gen:{model_tag(model)}:{request_id}"
+
+
 def batch(model: ModelKey, batch_id: str) -> str:
     return f"{PREFIX}batch:{model_tag(model)}:{batch_id}"
 

@@ -1,0 +1,193 @@
+"""One generation request on an executor: its prompt and parameters, its tokens streamed to its gateway.
+
+Each output token is one response (a partial Reply numbered by the token's index in the output),
+pushed to the gateway's reply list a few at a time: when `FLUSH_TOKENS` are waiting or `FLUSH_S`
+has passed since the last write, whichever comes first. Each write also records the tokens sent
+so far, where an executor that takes the request over after this one died continues from
+(prompt plus those tokens, recomputed); the gateway drops a token index it has forwarded already,
+so the client's stream has neither a duplicate nor a gap. The last token's response travels in the
+final Reply, with the batch's own write, so that the client sees it flagged final.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from batchline.codec import encode_array
+from batchline.contract.executor_store import ExecutorStore
+from batchline.contract.keys import ModelKey
+from batchline.errors import BatchlineError, Internal, InvalidArgument, status_value
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import internal_pb2 as pb
+from executor.generation_sampling import SamplingError, SamplingParams
+from executor.generation_serving import TEXT_INPUT, TEXT_OUTPUT, TOKENS_OUTPUT, GenerationModel
+
+FLUSH_TOKENS = 8
+FLUSH_S = 0.05
+
+# Request parameter -> (SamplingParams field, the InferParameter kinds it may come as).
+_INTS = ("int64_param", "uint64_param")
+PARAMETERS = {
+    "max_tokens": _INTS,
+    # tritonclient sends no floats (its parameters are bool, int and str): a number as text is taken too.
+    "temperature": ("double_param", *_INTS, "string_param"),
+    "top_p": ("double_param", *_INTS, "string_param"),
+    "top_k": _INTS,
+    "seed": _INTS,
+    "stop": ("string_param",),
+    "ignore_eos": ("bool_param",),
+}
+
+
+def sampling_params(request: ipb.ModelInferRequest, request_id: str) -> SamplingParams:
+    """The request's sampling parameters; InvalidArgument naming a bad one. A request without a seed
+    gets one from its request id, so that an executor that continues it draws as the first would."""
+    given: dict = {}
+    for name, kinds in PARAMETERS.items():
+        if name not in request.parameters:
+            continue
+        param = request.parameters[name]
+        kind = param.WhichOneof("parameter_choice")
+        if kind not in kinds:
+            raise InvalidArgument(f"parameter '{name}' must be a {kinds[0].removesuffix('_param')}, "
+                                  f"got {(kind or 'nothing').removesuffix('_param')}")
+        value = getattr(param, kind)
+        if name == "stop":
+            value = _stop_strings(value)
+        elif kind == "string_param":
+            try:
+                value = float(value)
+            except ValueError:
+                raise InvalidArgument(f"parameter '{name}' must be a number, got {value!r}") from None
+        given[name] = value
+    given.setdefault("seed", int(request_id[:15], 16) if request_id else 0)
+    try:
+        return SamplingParams(**given)
+    except SamplingError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+def _stop_strings(value: str) -> tuple[str, ...]:
+    """`stop`: one string, or a JSON array of strings."""
+    if not value.startswith("["):
+        return (value,)
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, list):
+        raise InvalidArgument(f"parameter 'stop' starts with '[' but is not a JSON array of strings: {value!r}")
+    return tuple(parsed)
+
+
+def prompt_ids(request: ipb.ModelInferRequest, model: GenerationModel) -> list[int]:
+    """The prompt's token ids, from `text_input`."""
+    from batchline.codec import decode_inputs
+
+    inputs = decode_inputs(request)
+    text = inputs[TEXT_INPUT].reshape(-1)[0] if TEXT_INPUT in inputs and inputs[TEXT_INPUT].size else None
+    if text is None:
+        raise InvalidArgument(f"model '{model.info.name}' needs the prompt in input '{TEXT_INPUT}' (BYTES [1])")
+    try:
+        prompt = text.decode() if isinstance(text, bytes) else str(text)
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"input '{TEXT_INPUT}' is not UTF-8 text") from None
+    return model.tokenizer.encode(prompt, add_special_tokens=False).ids
+
+
+def token_response(model: GenerationModel, request: ipb.ModelInferRequest, text: str,
+                   tokens: list[int]) -> ipb.ModelInferResponse:
+    """A response of `tokens` and the `text` they add."""
+    response = ipb.ModelInferResponse(model_name=model.info.name, model_version=model.info.version, id=request.id)
+    for name, array in ((TEXT_OUTPUT, np.array([text.encode()], dtype=object)),
+                        (TOKENS_OUTPUT, np.array(tokens, dtype=np.int64))):
+        datatype, shape, raw = encode_array(array)
+        response.outputs.add(name=name, datatype=datatype, shape=shape)
+        response.raw_output_contents.append(raw)
+    return response
+
+
+@dataclass
+class Stream:
+    """One request's tokens on their way to its gateway."""
+
+    store: ExecutorStore
+    model_key: ModelKey
+    entry: pb.QueueEntry
+    tokens: list[int]  # every output token, those another executor sent included
+    held: list[pb.Reply] = field(default_factory=list)  # made, not pushed yet
+    flushed_at: float = field(default_factory=time.monotonic)
+    awaited: bool = True
+
+    def add(self, reply: pb.Reply, token: int) -> None:
+        self.tokens.append(token)
+        self.held.append(reply)
+
+    def due(self) -> bool:
+        return len(self.held) >= FLUSH_TOKENS or (bool(self.held) and time.monotonic() - self.flushed_at >= FLUSH_S)
+
+    async def flush(self, keep_last: bool = False) -> None:
+        """Push the held responses (all but the last, with `keep_last`); whether the request is still
+        awaited is read in the same round trip."""
+        push = self.held[:-1] if keep_last else self.held
+        self.held = self.held[-1:] if keep_last else []
+        sent = self.tokens[:len(self.tokens) - len(self.held)]
+        found = await self.store.stream_tokens(
+            self.model_key, {self.entry.gateway_id: [r.SerializeToString() for r in push]} if push else {},
+            {self.entry.request_id: np.asarray(sent, np.int64).tobytes()})
+        self.awaited = found[self.entry.request_id]
+        self.flushed_at = time.monotonic()
+
+
+async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEntry, blob: bytes,
+                sent: bytes | None) -> pb.Reply | None:
+    """Generate the request's tokens, streaming them; its final Reply (None: nobody awaits it any more).
+    `sent`: the tokens already sent for it by an executor that died (int64 bytes), continued from."""
+    key = (model.info.name, model.info.version)
+    request_id = entry.request_id
+    try:
+        request = ipb.ModelInferRequest.FromString(blob)
+        params = sampling_params(request, request_id)
+        prompt = prompt_ids(request, model)
+    except BatchlineError as exc:
+        return pb.Reply(request_id=request_id, code=status_value(exc), message=str(exc))
+    made = np.frombuffer(sent, np.int64).tolist() if sent else []
+    stream = Stream(store, key, entry, list(made))
+    engine = model.engine
+    if made and (len(made) >= params.max_tokens or len(prompt) + len(made) >= engine.config.max_context
+                 or (made[-1] in engine.eos and not params.ignore_eos)):
+        # Every token was sent before the executor died, all but the final write.
+        return pb.Reply(request_id=request_id, code=0, index=len(made))
+    generated = model.loop.generate(request_id, prompt, params, entry.priority or 1, made)
+    try:
+        async for out in generated:
+            for token in out.token_ids:
+                index = len(stream.tokens)
+                stream.add(pb.Reply(request_id=request_id, partial=True, index=index,
+                                    response=token_response(model, request, out.text, [token])), token)
+            if out.finished:
+                break
+            if stream.due():
+                await stream.flush()
+                if not stream.awaited:
+                    return None  # cancelled or timed out: leaving the iteration frees its cache
+    except ValueError as exc:
+        if made and "stop string" in str(exc):
+            return pb.Reply(request_id=request_id, code=0, index=len(made))  # it ended before the executor died
+        error = InvalidArgument(str(exc))
+        return pb.Reply(request_id=request_id, code=status_value(error), message=str(error))
+    except Exception as exc:  # noqa: BLE001 - a failed run ends the request, not the executor
+        error = Internal(f"generation failed on the executor: {exc}")
+        return pb.Reply(request_id=request_id, code=status_value(error), message=str(error))
+    finally:
+        await generated.aclose()
+    await stream.flush(keep_last=True)
+    if not stream.awaited:
+        return None
+    if not stream.held:
+        return pb.Reply(request_id=request_id, code=0, index=len(stream.tokens))
+    last = stream.held[0]
+    return pb.Reply(request_id=request_id, code=0, index=last.index, response=last.response)

@@ -1,0 +1,92 @@
+"""Generative models on an executor: loaded into a generation engine each, and described to the mesh.
+
+A generative model is served as a decoupled model of one input and two outputs
+(docs/design/generation.md#through-the-mesh): the prompt as text in `text_input` (BYTES [1]);
+each response one output token, as `text_output` (BYTES [1], the text it adds) and `token_ids`
+(INT64 [1]). Its ModelInfo has no batch dimension, so that the scheduler sends each request
+alone: a request joins the engine's running batch at its next step, not with the requests it
+queued beside.
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from batchline.protocol import internal_pb2 as pb
+from executor.generation_engine import GenerationEngine
+from executor.generation_loop import GenerationLoop
+from executor.generation_model import load_decoder
+from executor.model_config import declares_generation, read_model_config
+from executor.repository import RepositoryError, scan_model
+from executor.settings import ExecutorSettings
+
+log = logging.getLogger(__name__)
+
+TEXT_INPUT = "text_input"
+TEXT_OUTPUT = "text_output"
+TOKENS_OUTPUT = "token_ids"
+
+
+@dataclass
+class GenerationModel:
+    """A generative model version as an executor serves it: its engine's loop and its description."""
+
+    info: pb.ModelInfo
+    loop: GenerationLoop
+    tokenizer: Tokenizer
+
+    @property
+    def engine(self) -> GenerationEngine:
+        return self.loop.engine
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def version(self) -> str:
+        return self.info.version
+
+
+def generation_names(root: pathlib.Path, only: list[str] | None = None) -> list[str]:
+    """The repository's generative models (those in `only`, when given)."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+                  and (not only or p.name in only) and declares_generation(p))
+
+
+def load_generation_models(settings: ExecutorSettings) -> list[GenerationModel]:
+    """Every generative model's selected versions, each with an engine of `generation_cache_mb` of cache
+    (not started: its loop runs inside the executor's event loop, `async with model.loop`)."""
+    root = pathlib.Path(settings.model_repository)
+    budget = int(settings.generation_cache_mb * (1 << 20))
+    models = []
+    for name in generation_names(root, settings.models or None):
+        model_dir = root / name
+        scanned = scan_model(model_dir)
+        config = read_model_config(model_dir / "config.toml")
+        for version in scanned.versions:
+            decoder = load_decoder(model_dir, version, settings.providers, settings.intra_op_threads)
+            try:
+                engine = GenerationEngine(decoder, budget)
+            except ValueError as exc:  # the budget holds no sequence's cache
+                raise RepositoryError(f"{model_dir}: {exc} (the executor's generation_cache_mb is "
+                                      f"{settings.generation_cache_mb:g})") from None
+            info = pb.ModelInfo(
+                name=name, version=version, platform="onnxruntime_onnx", max_batch_size=0,
+                default_timeout_ms=float(config.default_timeout_ms), default_priority=int(config.default_priority),
+                priority_levels=int(config.priority_levels), max_queue_size=int(config.max_queue_size),
+                inputs=[pb.TensorSpec(name=TEXT_INPUT, datatype="BYTES", shape=[1])],
+                outputs=[pb.TensorSpec(name=TEXT_OUTPUT, datatype="BYTES", shape=[1]),
+                         pb.TensorSpec(name=TOKENS_OUTPUT, datatype="INT64", shape=[1])],
+                providers=decoder.session.get_providers(), decoupled=True, generation=True,
+                generation_slots=engine.max_running,
+            )
+            log.info("loaded generative model %s version %s: %d sequences at once in %d MiB of cache",
+                     name, version, engine.max_running, budget >> 20)
+            models.append(GenerationModel(info, GenerationLoop(engine), decoder.tokenizer))
+    return models

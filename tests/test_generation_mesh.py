@@ -1,0 +1,137 @@
+"""Generation through the mesh: a stock tritonclient sends a prompt to the gateway, an executor's
+generation engine makes the tokens, and they come back streamed (ModelStreamInfer, one response a
+token, the last flagged final) or whole (ModelInfer); greedy outputs equal transformers' generate."""
+from __future__ import annotations
+
+import asyncio
+import queue
+from functools import partial
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+from tritonclient.utils import InferenceServerException
+
+from batchline import demo_decoder
+from batchline.testing.decoder import Reference, build_gpt
+
+FINAL = "triton_final_response"
+PROMPTS = ["def main(", "The tuple", "import", "x = [1, 2, 3]\nfor i in x:", "é"]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("repo")
+    build_gpt(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def served(repo):
+    from mesh import Mesh
+
+    with Mesh(None, str(repo)) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Reference()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(repo):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(repo / "gpt" / "tokenizer" / "tokenizer.json"))
+
+
+def text_input(prompt: str, input_class=grpcclient.InferInput):
+    tensor = input_class("text_input", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
+    return [tensor]
+
+
+def greedy(max_tokens: int, **more) -> dict:
+    return {"max_tokens": max_tokens, "temperature": 0, **more}
+
+
+def expected(reference, tokenizer, prompt: str, max_tokens: int) -> list[int]:
+    return reference.greedy(tokenizer.encode(prompt, add_special_tokens=False).ids, max_tokens)
+
+
+def stream(address: str, prompts: list[str], parameters: dict) -> dict[str, list]:
+    """Each prompt on one stream (request id = its index): its results in arrival order."""
+    got: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(address) as client:
+        client.start_stream(callback=partial(lambda q, result, error: q.put(error or result), got))
+        for i, prompt in enumerate(prompts):
+            client.async_stream_infer("gpt", text_input(prompt), request_id=str(i), parameters=parameters)
+        client.stop_stream()
+    by_id: dict[str, list] = {str(i): [] for i in range(len(prompts))}
+    while not got.empty():
+        result = got.get_nowait()
+        if isinstance(result, InferenceServerException):
+            raise result
+        by_id[result.get_response().id].append(result)
+    return by_id
+
+
+def test_a_unary_infer_returns_the_whole_greedy_text(served, reference, tokenizer):
+    with grpcclient.InferenceServerClient(served.address) as client:
+        for prompt in PROMPTS[:3]:
+            result = client.infer("gpt", text_input(prompt), parameters=greedy(12))
+            want = expected(reference, tokenizer, prompt, 12)
+            assert result.as_numpy("token_ids").tolist() == want
+            assert result.as_numpy("text_output")[0].decode() == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_a_stream_sends_a_response_per_token_the_last_flagged_final(served, reference, tokenizer):
+    results = stream(served.address, PROMPTS, greedy(10))
+    for i, prompt in enumerate(PROMPTS):
+        want = expected(reference, tokenizer, prompt, 10)
+        got = results[str(i)]
+        assert [r.as_numpy("token_ids").tolist() for r in got] == [[t] for t in want]
+        assert [r.get_response().parameters[FINAL].bool_param for r in got] == [False] * (len(want) - 1) + [True]
+        text = "".join(r.as_numpy("text_output")[0].decode() for r in got)
+        assert text == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_concurrent_asyncio_clients_each_get_their_greedy_tokens(served, reference, tokenizer):
+    prompts = [tokenizer.decode(p) for p in _mixed(16)]
+
+    async def run() -> list[list[int]]:
+        async with aioclient.InferenceServerClient(served.address) as client:
+            inputs = [text_input(p, aioclient.InferInput) for p in prompts]
+            results = await asyncio.gather(*(client.infer("gpt", x, parameters=greedy(16)) for x in inputs))
+        return [r.as_numpy("token_ids").tolist() for r in results]
+
+    got = asyncio.run(run())
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == expected(reference, tokenizer, prompt, 16)
+
+
+def _mixed(count: int) -> list[list[int]]:
+    """Prompts of mixed lengths whose text encodes back to the same tokens (so the reference sees what the server does)."""
+    from batchline.testing.decoder import mixed_prompts
+
+    return [p[:40] for p in mixed_prompts(count, seed=3)]
+
+
+def test_bad_parameters_are_refused_with_what_to_fix(served):
+    with grpcclient.InferenceServerClient(served.address) as client:
+        with pytest.raises(InferenceServerException, match="top_p must be in") as err:
+            client.infer("gpt", text_input("x"), parameters={"top_p": "2.0"})
+        assert "INVALID_ARGUMENT" in str(err.value.status())
+        with pytest.raises(InferenceServerException, match="parameter 'max_tokens' must be a int64"):
+            client.infer("gpt", text_input("x"), parameters={"max_tokens": "many"})
+
+
+def test_seeded_sampling_is_repeatable(served):
+    params = {"max_tokens": 12, "temperature": "0.9", "top_k": 50, "seed": 7}
+    with grpcclient.InferenceServerClient(served.address) as client:
+        first = client.infer("gpt", text_input("The"), parameters=params).as_numpy("token_ids").tolist()
+        second = client.infer("gpt", text_input("The"), parameters=params).as_numpy("token_ids").tolist()
+    assert first == second
+    assert len(first) == 12 and all(0 <= t < demo_decoder.VOCAB_SIZE for t in first)
