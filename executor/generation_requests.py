@@ -11,12 +11,13 @@ final Reply, with the batch's own write, so that the client sees it flagged fina
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from batchline.codec import encode_array
+from batchline.codec import decode_inputs, encode_array
 from batchline.contract.executor_store import ExecutorStore
 from batchline.contract.keys import ModelKey
 from batchline.errors import BatchlineError, Internal, InvalidArgument, status_value
@@ -24,6 +25,8 @@ from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from executor.generation_sampling import SamplingError, SamplingParams
 from executor.generation_serving import TEXT_INPUT, TEXT_OUTPUT, TOKENS_OUTPUT, GenerationModel
+
+log = logging.getLogger(__name__)
 
 FLUSH_TOKENS = 8
 FLUSH_S = 0.05
@@ -85,8 +88,6 @@ def _stop_strings(value: str) -> tuple[str, ...]:
 
 def prompt_ids(request: ipb.ModelInferRequest, model: GenerationModel) -> list[int]:
     """The prompt's token ids, from `text_input`."""
-    from batchline.codec import decode_inputs
-
     inputs = decode_inputs(request)
     text = inputs[TEXT_INPUT].reshape(-1)[0] if TEXT_INPUT in inputs and inputs[TEXT_INPUT].size else None
     if text is None:
@@ -161,6 +162,8 @@ async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEnt
                  or (made[-1] in engine.eos and not params.ignore_eos)):
         # Every token was sent before the executor died, all but the final write.
         return pb.Reply(request_id=request_id, code=0, index=len(made))
+    if made:
+        log.info("request %s continues from the %d tokens sent before its executor failed", request_id, len(made))
     generated = model.loop.generate(request_id, prompt, params, entry.priority or 1, made)
     try:
         async for out in generated:

@@ -15,6 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 from batchline import demo_decoder
 from batchline.testing.decoder import Reference, build_gpt
+from batchline.testing.processes import poll
 
 FINAL = "triton_final_response"
 PROMPTS = ["def main(", "The tuple", "import", "x = [1, 2, 3]\nfor i in x:", "é"]
@@ -135,3 +136,22 @@ def test_seeded_sampling_is_repeatable(served):
         second = client.infer("gpt", text_input("The"), parameters=params).as_numpy("token_ids").tolist()
     assert first == second
     assert len(first) == 12 and all(0 <= t < demo_decoder.VOCAB_SIZE for t in first)
+
+
+def test_a_cancelled_stream_frees_its_cache(served):
+    engine = served.executors[0].generators[0].engine
+    got: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(served.address)
+    try:
+        client.start_stream(callback=partial(lambda q, result, error: q.put(error or result), got))
+        client.async_stream_infer("gpt", text_input("The"), request_id="long",
+                                  parameters={"max_tokens": 200, "ignore_eos": True, "temperature": 0})
+        first = got.get(timeout=30)
+        assert not isinstance(first, InferenceServerException), first
+        assert engine.running, "the sequence runs while the stream is open"
+        client.stop_stream(cancel_requests=True)
+    finally:
+        client.close()
+    poll(lambda: not engine.running and not engine.waiting and engine.cache.free == engine.cache.slots, 10,
+         "the cancelled sequence to leave the engine")
+    assert got.qsize() < 199, "the sequence ended before its 200 tokens"

@@ -42,3 +42,14 @@ class Reference:
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                                       do_sample=False, pad_token_id=0)
         return out[0, len(prompt):].tolist()
+
+    def clear(self, prompt: list[int], tokens: list[int], margin: float = 1e-3) -> bool:
+        """Whether every token of the greedy `tokens` after `prompt` won its step by more than `margin`
+        in logit: a near tie is decided by rounding, which differs between a batched run, a run
+        padded to another length and a recomputed one, so only a clear run can be compared exactly."""
+        import torch
+
+        with torch.no_grad():
+            logits = self.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+        top = torch.topk(logits, 2).values
+        return bool(((top[:, 0] - top[:, 1]) > margin).all())
