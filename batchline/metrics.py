@@ -181,6 +181,30 @@ SCALE_EVENTS = Counter(
 EXECUTOR_BUSY = Counter(
     "batchline_executor_busy_seconds", "Seconds spent executing batches (its rate is the busy fraction).", ("executor",)
 )
+GENERATION_TTFT = Histogram(
+    "batchline_generation_time_to_first_token_seconds", "A generation request's time from its enqueue at the gateway "
+    "to its first token's sampling on the executor (a request continued after a failure is not counted again).", _MV, buckets=LATENCY_BUCKETS,
+)
+GENERATION_TPOT = Histogram(
+    "batchline_generation_time_per_output_token_seconds", "A generation request's time per output token after the "
+    "first: from its first token to its last, over the tokens between.", _MV, buckets=LATENCY_BUCKETS,
+)
+GENERATION_TOKENS = Counter(
+    "batchline_generation_tokens", "Output tokens generated (its rate is tokens per second).", _MV,
+)
+GENERATION_RUNNING = Gauge(
+    "batchline_generation_running_sequences", "Sequences in the generation engine's running batch.", _MV,
+)
+GENERATION_WAITING = Gauge(
+    "batchline_generation_waiting_sequences", "Sequences waiting in the generation engine for a cache slot.", _MV,
+)
+GENERATION_CACHE_USE = Gauge(
+    "batchline_generation_cache_use", "Share of the generation engine's key/value cache slots held by sequences.", _MV,
+)
+GENERATION_PREEMPTIONS = Counter(
+    "batchline_generation_preemptions", "Running sequences preempted by one of better priority (recomputed when "
+    "readmitted).", _MV,
+)
 
 # -- every service ------------------------------------------------------------------------------
 REDIS_FAILOVERS = Counter(

@@ -15,9 +15,12 @@ from executor.generation_sampling import SamplingParams
 
 
 class GenerationLoop:
-    def __init__(self, engine: GenerationEngine, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, engine: GenerationEngine, clock: Callable[[], float] | None = None,
+                 on_step: Callable[[StepReport], None] | None = None) -> None:
+        """`on_step`: told each step's report, on the event loop (the executor's metrics)."""
         self.engine = engine
         self._clock = clock
+        self._on_step = on_step
         self._streams: dict[str, asyncio.Queue[Output]] = {}
         self._pending: list[tuple[str, list[int], SamplingParams, int, float, list[int]]] = []
         self._cancels: list[str] = []
@@ -93,6 +96,8 @@ class GenerationLoop:
                 self.engine.drop_all()
                 continue
             self.steps += 1
+            if self._on_step is not None:
+                self._on_step(report)
             for out in report.outputs:
                 queue = self._streams.get(out.request_id)
                 if queue is not None:

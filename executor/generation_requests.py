@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from batchline import metrics
 from batchline.codec import decode_inputs, encode_array
 from batchline.contract.executor_store import ExecutorStore
 from batchline.contract.keys import ModelKey
@@ -164,9 +165,17 @@ async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEnt
         return pb.Reply(request_id=request_id, code=0, index=len(made))
     if made:
         log.info("request %s continues from the %d tokens sent before its executor failed", request_id, len(made))
+    labels = (model.info.name, model.info.version)
+    first_s = last_s = 0.0
     generated = model.loop.generate(request_id, prompt, params, entry.priority or 1, made)
     try:
         async for out in generated:
+            if out.token_ids:
+                last_s = time.time()
+                if not first_s:
+                    first_s = last_s
+                    if not made:
+                        metrics.GENERATION_TTFT.labels(*labels).observe(max(0.0, first_s - entry.enqueued_us / 1e6))
             for token in out.token_ids:
                 index = len(stream.tokens)
                 stream.add(pb.Reply(request_id=request_id, partial=True, index=index,
@@ -187,6 +196,9 @@ async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEnt
         return pb.Reply(request_id=request_id, code=status_value(error), message=str(error))
     finally:
         await generated.aclose()
+    made_here = len(stream.tokens) - len(made)
+    if made_here > 1:
+        metrics.GENERATION_TPOT.labels(*labels).observe((last_s - first_s) / (made_here - 1))
     await stream.flush(keep_last=True)
     if not stream.awaited:
         return None

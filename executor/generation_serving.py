@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
+from batchline import metrics
 from batchline.protocol import internal_pb2 as pb
-from executor.generation_engine import GenerationEngine
+from executor.generation_engine import GenerationEngine, StepReport
 from executor.generation_loop import GenerationLoop
 from executor.generation_model import load_decoder
 from executor.model_config import declares_generation, read_model_config
@@ -88,5 +89,22 @@ def load_generation_models(settings: ExecutorSettings) -> list[GenerationModel]:
             )
             log.info("loaded generative model %s version %s: %d sequences at once in %d MiB of cache",
                      name, version, engine.max_running, budget >> 20)
-            models.append(GenerationModel(info, GenerationLoop(engine), decoder.tokenizer))
+            models.append(GenerationModel(info, GenerationLoop(engine, on_step=_step_metrics(engine, info)),
+                                          decoder.tokenizer))
     return models
+
+
+def _step_metrics(engine: GenerationEngine, info: pb.ModelInfo):
+    labels = (info.name, info.version)
+    tokens, running, waiting = (metrics.GENERATION_TOKENS.labels(*labels), metrics.GENERATION_RUNNING.labels(*labels),
+                                metrics.GENERATION_WAITING.labels(*labels))
+    cache, preempted = metrics.GENERATION_CACHE_USE.labels(*labels), metrics.GENERATION_PREEMPTIONS.labels(*labels)
+
+    def observe(report: StepReport) -> None:
+        tokens.inc(sum(len(o.token_ids) for o in report.outputs))
+        running.set(len(engine.running))
+        waiting.set(len(engine.waiting))
+        cache.set(1 - engine.cache.free / engine.cache.slots)
+        preempted.inc(len(report.preempted))
+
+    return observe

@@ -155,3 +155,24 @@ def test_a_cancelled_stream_frees_its_cache(served):
     poll(lambda: not engine.running and not engine.waiting and engine.cache.free == engine.cache.slots, 10,
          "the cancelled sequence to leave the engine")
     assert got.qsize() < 199, "the sequence ended before its 200 tokens"
+
+
+def test_generation_metrics_count_tokens_and_time_them(served):
+    from prometheus_client import REGISTRY
+
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name, {"model": "gpt", "version": "1"}) or 0.0
+
+    before = {n: sample(n) for n in ("batchline_generation_tokens_total",
+                                     "batchline_generation_time_to_first_token_seconds_count",
+                                     "batchline_generation_time_per_output_token_seconds_count")}
+    with grpcclient.InferenceServerClient(served.address) as client:
+        result = client.infer("gpt", text_input("import"), parameters={"max_tokens": 9, "ignore_eos": True})
+    assert len(result.as_numpy("token_ids")) == 9
+    assert sample("batchline_generation_tokens_total") - before["batchline_generation_tokens_total"] == 9
+    assert sample("batchline_generation_time_to_first_token_seconds_count") == \
+        before["batchline_generation_time_to_first_token_seconds_count"] + 1
+    assert sample("batchline_generation_time_per_output_token_seconds_count") == \
+        before["batchline_generation_time_per_output_token_seconds_count"] + 1
+    assert sample("batchline_generation_running_sequences") == 0
+    assert sample("batchline_generation_cache_use") == 0
