@@ -7,6 +7,7 @@ outputs reach its caller through an asyncio queue as its steps finish.
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
@@ -16,8 +17,9 @@ from executor.generation_sampling import SamplingParams
 
 class GenerationLoop:
     def __init__(self, engine: GenerationEngine, clock: Callable[[], float] | None = None,
-                 on_step: Callable[[StepReport], None] | None = None) -> None:
-        """`on_step`: told each step's report, on the event loop (the executor's metrics)."""
+                 on_step: Callable[[StepReport, float], None] | None = None) -> None:
+        """`on_step`: told each step's report and its seconds, on the event loop (the executor's metrics
+        and learned costs)."""
         self.engine = engine
         self._clock = clock
         self._on_step = on_step
@@ -88,6 +90,7 @@ class GenerationLoop:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            started = time.perf_counter()
             try:
                 report: StepReport = await loop.run_in_executor(self._thread, self.engine.step)
             except Exception as exc:  # noqa: BLE001 - a failed run ends every sequence in it, not the loop
@@ -97,7 +100,7 @@ class GenerationLoop:
                 continue
             self.steps += 1
             if self._on_step is not None:
-                self._on_step(report)
+                self._on_step(report, time.perf_counter() - started)
             for out in report.outputs:
                 queue = self._streams.get(out.request_id)
                 if queue is not None:

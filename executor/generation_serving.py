@@ -85,7 +85,7 @@ def load_generation_models(settings: ExecutorSettings) -> list[GenerationModel]:
                 outputs=[pb.TensorSpec(name=TEXT_OUTPUT, datatype="BYTES", shape=[1]),
                          pb.TensorSpec(name=TOKENS_OUTPUT, datatype="INT64", shape=[1])],
                 providers=decoder.session.get_providers(), decoupled=True, generation=True,
-                generation_slots=engine.max_running,
+                generation_slots=engine.max_running, ttft_ms=decoder.config.ttft_ms, tpot_ms=decoder.config.tpot_ms,
             )
             log.info("loaded generative model %s version %s: %d sequences at once in %d MiB of cache",
                      name, version, engine.max_running, budget >> 20)
@@ -100,11 +100,30 @@ def _step_metrics(engine: GenerationEngine, info: pb.ModelInfo):
                                 metrics.GENERATION_WAITING.labels(*labels))
     cache, preempted = metrics.GENERATION_CACHE_USE.labels(*labels), metrics.GENERATION_PREEMPTIONS.labels(*labels)
 
-    def observe(report: StepReport) -> None:
+    def observe(report: StepReport, seconds: float) -> None:
         tokens.inc(sum(len(o.token_ids) for o in report.outputs))
         running.set(len(engine.running))
         waiting.set(len(engine.waiting))
+        info.generation_running, info.generation_waiting = len(engine.running), len(engine.waiting)
+        learn(info, report, seconds)
         cache.set(1 - engine.cache.free / engine.cache.slots)
         preempted.inc(len(report.preempted))
 
     return observe
+
+
+# Weight of a step's measurement in the moving averages of the learned costs.
+LEARNING_RATE = 0.2
+
+
+def learn(info: pb.ModelInfo, report: StepReport, seconds: float) -> None:
+    """Move the learned costs toward this step's: a step of decoding only times a decode step; the rest
+    of a step that also prefilled is its prefill, per token."""
+    def moved(old: float, new: float) -> float:
+        return new if old == 0 else old + LEARNING_RATE * (new - old)
+
+    if report.decoded and not report.prefill_tokens:
+        info.decode_step_s = moved(info.decode_step_s, seconds)
+    elif report.prefill_tokens:
+        prefill_s = max(0.0, seconds - (info.decode_step_s if report.decoded else 0.0))
+        info.prefill_token_s = moved(info.prefill_token_s, prefill_s / report.prefill_tokens)

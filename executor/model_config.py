@@ -75,6 +75,11 @@ class GenerationConfig(BaseModel):
     prefill_chunk: int = Field(
         256, description="Most prompt tokens prefilled in one step: a longer prompt is prefilled over several, "
         "between the decode steps of the running sequences.")
+    ttft_ms: float = Field(
+        0.0, ge=0, description="Time to first token a request must meet unless it sets `ttft_ms` itself (0 = none): "
+        "admission refuses at once what no executor is predicted to meet (docs/design/generation.md#admission).")
+    tpot_ms: float = Field(
+        0.0, ge=0, description="Time per output token a request must meet unless it sets `tpot_ms` itself (0 = none).")
 
     @field_validator("cache_inputs", "cache_outputs")
     @classmethod

@@ -223,6 +223,8 @@ class Gateway:
                                   f"memory or as classifications; ask for them in the responses")
         request, payload = self.shared_memory.read_inputs(request, tenant)
         call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000, payload)
+        if model.generation:
+            generation.admit(call.request, model, self._placed(model))
         self.arrivals.count(call.key)
         if self.draining:
             raise Unavailable("this gateway is shutting down: retry on another instance")
@@ -272,6 +274,12 @@ class Gateway:
         if response is not None and targets:
             self.shared_memory.write_outputs(response, targets)
         return response
+
+    def _placed(self, model: pb.ModelInfo) -> list[pb.ModelInfo]:
+        """The model as each executor serving it registered it (its load and learned costs there)."""
+        registry = self.catalog.registry
+        return [m for e in registry.holders.get((model.name, model.version), [])
+                for m in registry.executors[e].models if (m.name, m.version) == (model.name, model.version)]
 
     async def _queue_and_wait(self, call: Call, ticket: Ticket | None, traceparent: str, tracestate: str,
                               started: float, on_partial: PartialSink | None = None) -> pb.Reply:

@@ -176,3 +176,25 @@ def test_generation_metrics_count_tokens_and_time_them(served):
         before["batchline_generation_time_per_output_token_seconds_count"] + 1
     assert sample("batchline_generation_running_sequences") == 0
     assert sample("batchline_generation_cache_use") == 0
+
+
+def test_admission_refuses_at_once_what_no_executor_can_meet(served):
+    tiny = {"max_tokens": 2, "temperature": 0, "ttft_ms": "0.001"}
+
+    def refused() -> InferenceServerException | None:
+        # Admitted until an executor has measured its costs and registered them.
+        try:
+            client.infer("gpt", text_input("a prompt of a few tokens"), parameters=tiny)
+        except InferenceServerException as exc:
+            return exc
+        return None
+
+    with grpcclient.InferenceServerClient(served.address) as client:
+        exc = poll(refused, 20, "the learned costs to refuse a budget of 1 µs to the first token")
+        assert "RESOURCE_EXHAUSTED" in str(exc.status())
+        assert "ttft_ms 0.001 ms" in exc.message() and "retry in" in exc.message()
+        ok = client.infer("gpt", text_input("a prompt"), parameters={**tiny, "ttft_ms": 60_000, "tpot_ms": 10_000})
+        assert len(ok.as_numpy("token_ids")) == 2
+        with pytest.raises(InferenceServerException, match="'tpot_ms' must be milliseconds >= 0") as err:
+            client.infer("gpt", text_input("x"), parameters={"tpot_ms": -5})
+        assert "INVALID_ARGUMENT" in str(err.value.status())

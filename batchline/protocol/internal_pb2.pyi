@@ -118,7 +118,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., format: _Optional[str] = ..., label_filename: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "platform", "max_batch_size", "max_queue_delay_ms", "default_timeout_ms", "default_priority", "priority_levels", "preferred_batch_sizes", "inputs", "outputs", "providers", "padded_inputs", "max_queue_size", "unloading", "text", "sequence", "decoupled", "generation", "generation_slots")
+    __slots__ = ("name", "version", "platform", "max_batch_size", "max_queue_delay_ms", "default_timeout_ms", "default_priority", "priority_levels", "preferred_batch_sizes", "inputs", "outputs", "providers", "padded_inputs", "max_queue_size", "unloading", "text", "sequence", "decoupled", "generation", "generation_slots", "generation_running", "generation_waiting", "prefill_token_s", "decode_step_s", "ttft_ms", "tpot_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,12 @@ class ModelInfo(_message.Message):
     DECOUPLED_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_WAITING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     platform: str
@@ -159,7 +165,13 @@ class ModelInfo(_message.Message):
     decoupled: bool
     generation: bool
     generation_slots: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., default_timeout_ms: _Optional[float] = ..., default_priority: _Optional[int] = ..., priority_levels: _Optional[int] = ..., preferred_batch_sizes: _Optional[_Iterable[int]] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., padded_inputs: _Optional[_Iterable[str]] = ..., max_queue_size: _Optional[int] = ..., unloading: _Optional[bool] = ..., text: _Optional[_Union[TextInput, _Mapping]] = ..., sequence: _Optional[_Union[SequenceBatching, _Mapping]] = ..., decoupled: _Optional[bool] = ..., generation: _Optional[bool] = ..., generation_slots: _Optional[int] = ...) -> None: ...
+    generation_running: int
+    generation_waiting: int
+    prefill_token_s: float
+    decode_step_s: float
+    ttft_ms: float
+    tpot_ms: float
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., default_timeout_ms: _Optional[float] = ..., default_priority: _Optional[int] = ..., priority_levels: _Optional[int] = ..., preferred_batch_sizes: _Optional[_Iterable[int]] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., padded_inputs: _Optional[_Iterable[str]] = ..., max_queue_size: _Optional[int] = ..., unloading: _Optional[bool] = ..., text: _Optional[_Union[TextInput, _Mapping]] = ..., sequence: _Optional[_Union[SequenceBatching, _Mapping]] = ..., decoupled: _Optional[bool] = ..., generation: _Optional[bool] = ..., generation_slots: _Optional[int] = ..., generation_running: _Optional[int] = ..., generation_waiting: _Optional[int] = ..., prefill_token_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ...) -> None: ...
 
 class SequenceBatching(_message.Message):
     __slots__ = ("controls", "states", "max_idle_us", "strategy")
