@@ -14,6 +14,7 @@ executors which batches are theirs. Its parts:
 - timeline.py: when each executor is free.
 - profiles.py: the latency profiles, learned from reports and kept in Redis.
 - dispatch.py: what a step writes for batches and sheds.
+- generation.py: where a generative model's requests go (each alone, to free cache).
 - load_views.py: the views the gateways' admission control reads.
 - demand.py: the arrival forecast and the executors wanted, for the autoscalers.
 """
