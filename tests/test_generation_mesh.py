@@ -99,8 +99,18 @@ def test_a_stream_sends_a_response_per_token_the_last_flagged_final(served, refe
         assert text == tokenizer.decode(want, skip_special_tokens=True)
 
 
-def test_concurrent_asyncio_clients_each_get_their_greedy_tokens(served, reference, tokenizer):
-    prompts = [tokenizer.decode(p) for p in _mixed(16)]
+def test_64_concurrent_asyncio_requests_each_get_their_greedy_tokens(served, reference, tokenizer):
+    from batchline.testing.decoder import mixed_prompts
+
+    prompts, want = [], []
+    for candidate in mixed_prompts(96, seed=3):
+        text = tokenizer.decode(candidate[:60])
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        tokens = reference.greedy(ids, 16)
+        if reference.clear(ids, tokens) and len(prompts) < 64:  # near ties are decided by rounding
+            prompts.append(text)
+            want.append(tokens)
+    assert len(prompts) == 64
 
     async def run() -> list[list[int]]:
         async with aioclient.InferenceServerClient(served.address) as client:
@@ -108,16 +118,7 @@ def test_concurrent_asyncio_clients_each_get_their_greedy_tokens(served, referen
             results = await asyncio.gather(*(client.infer("gpt", x, parameters=greedy(16)) for x in inputs))
         return [r.as_numpy("token_ids").tolist() for r in results]
 
-    got = asyncio.run(run())
-    for prompt, tokens in zip(prompts, got):
-        assert tokens == expected(reference, tokenizer, prompt, 16)
-
-
-def _mixed(count: int) -> list[list[int]]:
-    """Prompts of mixed lengths whose text encodes back to the same tokens (so the reference sees what the server does)."""
-    from batchline.testing.decoder import mixed_prompts
-
-    return [p[:40] for p in mixed_prompts(count, seed=3)]
+    assert asyncio.run(run()) == want
 
 
 def test_bad_parameters_are_refused_with_what_to_fix(served):
