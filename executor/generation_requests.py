@@ -25,7 +25,7 @@ from batchline.errors import BatchlineError, Internal, InvalidArgument, status_v
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from executor.generation_sampling import SamplingError, SamplingParams
-from executor.generation_serving import TEXT_INPUT, TEXT_OUTPUT, TOKENS_OUTPUT, GenerationModel
+from executor.generation_serving import IDS_INPUT, TEXT_INPUT, TEXT_OUTPUT, TOKENS_OUTPUT, GenerationModel
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +88,14 @@ def _stop_strings(value: str) -> tuple[str, ...]:
 
 
 def prompt_ids(request: ipb.ModelInferRequest, model: GenerationModel) -> list[int]:
-    """The prompt's token ids, from `text_input`."""
+    """The prompt's token ids, from `input_ids` or from the text in `text_input`."""
     inputs = decode_inputs(request)
+    if IDS_INPUT in inputs:
+        return inputs[IDS_INPUT].reshape(-1).tolist()  # the engine checks them against the vocabulary
     text = inputs[TEXT_INPUT].reshape(-1)[0] if TEXT_INPUT in inputs and inputs[TEXT_INPUT].size else None
     if text is None:
-        raise InvalidArgument(f"model '{model.info.name}' needs the prompt in input '{TEXT_INPUT}' (BYTES [1])")
+        raise InvalidArgument(f"model '{model.info.name}' needs the prompt in input '{TEXT_INPUT}' (BYTES [1]) or "
+                              f"'{IDS_INPUT}' (INT64 [n])")
     try:
         prompt = text.decode() if isinstance(text, bytes) else str(text)
     except UnicodeDecodeError:

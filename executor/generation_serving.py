@@ -1,8 +1,8 @@
 """Generative models on an executor: loaded into a generation engine each, and described to the mesh.
 
-A generative model is served as a decoupled model of one input and two outputs
-(docs/design/generation.md#through-the-mesh): the prompt as text in `text_input` (BYTES [1]);
-each response one output token, as `text_output` (BYTES [1], the text it adds) and `token_ids`
+A generative model is served as a decoupled model of two inputs, of which a request sends one,
+and two outputs (docs/design/generation.md#through-the-mesh): the prompt as text in `text_input`
+(BYTES [1]) or as token ids in `input_ids` (INT64 [n]); each response one output token, as `text_output` (BYTES [1], the text it adds) and `token_ids`
 (INT64 [1]). Its ModelInfo has no batch dimension, so that the scheduler sends each request
 alone: a request joins the engine's running batch at its next step, not with the requests it
 queued beside.
@@ -27,6 +27,7 @@ from executor.settings import ExecutorSettings
 log = logging.getLogger(__name__)
 
 TEXT_INPUT = "text_input"
+IDS_INPUT = "input_ids"
 TEXT_OUTPUT = "text_output"
 TOKENS_OUTPUT = "token_ids"
 
@@ -81,7 +82,8 @@ def load_generation_models(settings: ExecutorSettings) -> list[GenerationModel]:
                 name=name, version=version, platform="onnxruntime_onnx", max_batch_size=0,
                 default_timeout_ms=float(config.default_timeout_ms), default_priority=int(config.default_priority),
                 priority_levels=int(config.priority_levels), max_queue_size=int(config.max_queue_size),
-                inputs=[pb.TensorSpec(name=TEXT_INPUT, datatype="BYTES", shape=[1])],
+                inputs=[pb.TensorSpec(name=TEXT_INPUT, datatype="BYTES", shape=[1]),
+                        pb.TensorSpec(name=IDS_INPUT, datatype="INT64", shape=[-1])],
                 outputs=[pb.TensorSpec(name=TEXT_OUTPUT, datatype="BYTES", shape=[1]),
                          pb.TensorSpec(name=TOKENS_OUTPUT, datatype="INT64", shape=[1])],
                 providers=decoder.session.get_providers(), decoupled=True, generation=True,

@@ -6,8 +6,8 @@ time per output token (request parameters `ttft_ms` and `tpot_ms`, else the mode
 defaults; 0 or absent: none). Each executor registers, for the model, its free slots and its
 learned costs: a prefilled token's time and a decode step's at its running batch. The request is
 admitted if some executor with a free slot is predicted to meet both: its first token after its
-prompt's prefill (the prompt's UTF-8 bytes, an upper bound of a byte-level BPE's tokens) and one
-decode step, each later token a decode step. Otherwise it is refused at once, RESOURCE_EXHAUSTED
+prompt's prefill (its token ids, or its text's UTF-8 bytes: an upper bound of a byte-level BPE's
+tokens) and one decode step, each later token a decode step. Otherwise it is refused at once, RESOURCE_EXHAUSTED
 with a retry hint. Until an executor has measured its costs, requests are admitted.
 
 On ModelStreamInfer each output token is a response of its own; a ModelInfer waits for them all
@@ -25,6 +25,7 @@ from batchline.protocol import internal_pb2 as pb
 TEXT_OUTPUT = "text_output"
 TOKENS_OUTPUT = "token_ids"
 TEXT_INPUT = "text_input"
+IDS_INPUT = "input_ids"
 # A refused request is told to retry after this many decode steps (sequences leave the running
 # batch as they end; a few steps free a slot or shorten the batch at the load it was refused at).
 RETRY_STEPS = 8
@@ -53,8 +54,9 @@ def admit(request: ipb.ModelInferRequest, model: pb.ModelInfo, placed: list[pb.M
     ttft, tpot = budget_s(request, "ttft_ms", model.ttft_ms), budget_s(request, "tpot_ms", model.tpot_ms)
     if not (ttft or tpot) or not placed or any(not p.decode_step_s for p in placed):
         return
-    text = decode_inputs(request).get(TEXT_INPUT)
-    prompt = len(text.reshape(-1)[0]) if text is not None and text.size else 1
+    inputs = decode_inputs(request)
+    text, ids = inputs.get(TEXT_INPUT), inputs.get(IDS_INPUT)
+    prompt = ids.size if ids is not None else len(text.reshape(-1)[0]) if text is not None and text.size else 1
     best: tuple[float, float] | None = None
     for p in placed:
         if p.generation_running + p.generation_waiting >= p.generation_slots:

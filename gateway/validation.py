@@ -51,6 +51,10 @@ def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
     specs = {s.name: s for s in model.inputs}
     given = [t.name for t in request.inputs]
     missing = [n for n in specs if n not in given]
+    if model.generation and len(missing) < len(specs):
+        missing = []  # a generative model's prompt comes as text or as token ids: either input
+    if model.generation and len(given) > 1:
+        raise InvalidArgument(f"model '{model.name}' takes its prompt as one of {list(specs)}, not both")
     if missing:
         raise InvalidArgument(
             f"model '{model.name}' expects inputs {list(specs)}; missing {missing}"

@@ -199,3 +199,22 @@ def test_admission_refuses_at_once_what_no_executor_can_meet(served):
         with pytest.raises(InferenceServerException, match="'tpot_ms' must be milliseconds >= 0") as err:
             client.infer("gpt", text_input("x"), parameters={"tpot_ms": -5})
         assert "INVALID_ARGUMENT" in str(err.value.status())
+
+
+def test_a_prompt_of_token_ids_is_continued_as_its_text_would_be(served, reference):
+    prompt = [464, 1000, 17, 3000, 42]
+    ids = grpcclient.InferInput("input_ids", [len(prompt)], "INT64")
+    ids.set_data_from_numpy(np.array(prompt, np.int64))
+    with grpcclient.InferenceServerClient(served.address) as client:
+        result = client.infer("gpt", [ids], parameters=greedy(10))
+        want = reference.greedy(prompt, 10)
+        assert reference.clear(prompt, want)
+        assert result.as_numpy("token_ids").tolist() == want
+        both = text_input("x") + [ids]
+        with pytest.raises(InferenceServerException, match="one of \\['text_input', 'input_ids'\\], not both"):
+            client.infer("gpt", both)
+        bad = grpcclient.InferInput("input_ids", [1], "INT64")
+        bad.set_data_from_numpy(np.array([demo_decoder.VOCAB_SIZE], np.int64))
+        with pytest.raises(InferenceServerException, match="not in the tokenizer's 4096 ids") as err:
+            client.infer("gpt", [bad])
+        assert "INVALID_ARGUMENT" in str(err.value.status())
