@@ -128,7 +128,8 @@ class ExecutorApp:
     # -- the live repository's hands (executor/live.py) ---------------------
 
     def _catalog(self) -> tuple[list[pb.RepositoryEntry], str, dict[str, int]]:
-        return self.repository.entries(), self.settings.model_control_mode, dict(self.repository.applied)
+        generative = [pb.RepositoryEntry(name=g.name, version=g.version, state="READY") for g in self.generators]
+        return self.repository.entries() + generative, self.settings.model_control_mode, dict(self.repository.applied)
 
     async def place(self, model: LoadedModel) -> None:
         """Serve `model` on its lanes (one per instance), replacing a loaded copy of the same version."""

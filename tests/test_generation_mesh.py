@@ -81,6 +81,10 @@ def stream(address: str, prompts: list[str], parameters: dict) -> dict[str, list
 
 def test_a_unary_infer_returns_the_whole_greedy_text(served, reference, tokenizer):
     with grpcclient.InferenceServerClient(served.address) as client:
+        assert client.is_model_ready("gpt")
+        assert [(m.name, m.state) for m in client.get_model_repository_index().models] == [("gpt", "READY")]
+        config = client.get_model_config("gpt").config
+        assert config.model_transaction_policy.decoupled and [i.name for i in config.input] == ["text_input", "input_ids"]
         for prompt in PROMPTS[:3]:
             result = client.infer("gpt", text_input(prompt), parameters=greedy(12))
             want = expected(reference, tokenizer, prompt, 12)
