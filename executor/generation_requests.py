@@ -1,8 +1,8 @@
 """One generation request on an executor: its prompt and parameters, its tokens streamed to its gateway.
 
 Each output token is one response (a partial Reply numbered by the token's index in the output),
-pushed to the gateway's reply list a few at a time: when `FLUSH_TOKENS` are waiting or `FLUSH_S`
-has passed since the last write, whichever comes first. Each write also records the tokens sent
+pushed to the gateway's reply list a few at a time: as a token comes, when `FLUSH_TOKENS` are
+waiting or `FLUSH_S` has passed since the last write, whichever comes first. Each write also records the tokens sent
 so far, where an executor that takes the request over after this one died continues from
 (prompt plus those tokens, recomputed); the gateway drops a token index it has forwarded already,
 so the client's stream has neither a duplicate nor a gap. The last token's response travels in the
@@ -179,10 +179,10 @@ async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEnt
                     first_s = last_s
                     if not made:
                         metrics.GENERATION_TTFT.labels(*labels).observe(max(0.0, first_s - entry.enqueued_us / 1e6))
-            for token in out.token_ids:
+            for i, token in enumerate(out.token_ids):  # (the text the step added goes with its first token)
                 index = len(stream.tokens)
                 stream.add(pb.Reply(request_id=request_id, partial=True, index=index,
-                                    response=token_response(model, request, out.text, [token])), token)
+                                    response=token_response(model, request, "" if i else out.text, [token])), token)
             if out.finished:
                 break
             if stream.due():
