@@ -49,7 +49,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         address = mesh.start()
         if phase == "starting":
             phase = "up"
-        restarts = f"restarts counted at http://{args.host}:{mesh.metrics_port}/metrics; " if mesh.metrics_port > 0 else ""
+        restarts = (f"restarts counted at http://{args.host}:{mesh.metrics_port}/metrics; "
+                    if mesh.metrics_port > 0 else "")
         say(args, f"batchline: up. Gateway (KServe v2 gRPC) listening on {address}; "
             f"Redis at {mask(mesh.redis.url if mesh.redis else mesh.redis_url)}; {restarts}Press Ctrl-C to stop.")
         while phase == "up":
@@ -80,7 +81,8 @@ def _output_kinds(given: list[str], known: tuple[str, ...]) -> dict[str, str]:
     for item in given:
         name, _, kind = item.partition("=")
         if not name or kind not in known:
-            raise SystemExit(f"batchline optimize: --output {item!r} must read NAME=KIND, KIND one of {', '.join(known)}")
+            raise SystemExit(f"batchline optimize: --output {item!r} must read NAME=KIND, "
+                             f"KIND one of {', '.join(known)}")
         kinds[name] = kind
     return kinds
 
@@ -96,8 +98,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         calibration=pathlib.Path(args.calibration) if args.calibration else None,
         texts=pathlib.Path(args.texts) if args.texts else None,
         thresholds=gate.Thresholds(args.min_mean_cosine, args.min_p1_cosine, args.min_neighbour_overlap,
-                                       max_abs_error=args.max_abs_error, min_argmax_agreement=args.min_argmax_agreement),
-        int8=variants.Int8Options(tuple(t for t in args.int8_ops.split(",") if t), not args.per_tensor, args.weight_type),
+                                       max_abs_error=args.max_abs_error,
+                                       min_argmax_agreement=args.min_argmax_agreement),
+        int8=variants.Int8Options(tuple(t for t in args.int8_ops.split(",") if t), not args.per_tensor,
+                                  args.weight_type),
         scratch=pathlib.Path(args.scratch) if args.scratch else None,
         min_gain=args.min_gain,
         outputs=_output_kinds(args.output, gate.KINDS),
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         "scheduler, then the executors, Redis last; a second Ctrl-C kills what is left.",
     )
     up.add_argument("--model-repository", default=DEFAULT_REPOSITORY,
-                    help=f"model repository to serve; the demo models are built there if it does not exist (default: {DEFAULT_REPOSITORY})")
+                    help="model repository to serve; the demo models are built there if it does not exist (default: "
+                         f"{DEFAULT_REPOSITORY})")
     up.add_argument("--model-control-mode", choices=("none", "poll", "explicit"), default="none",
                     help="none: serve what the repository holds at start; poll: re-scan it every --repository-poll-s "
                     "and load new versions / release removed ones while serving; explicit: serve the --load-model "
@@ -172,13 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--max-restarts", type=int, default=5,
                     help="a service that crashes more often than this within 60 s is in a crash loop: the mesh "
                     "stops and names it; below that, crashed services are restarted (default: 5)")
-    up.add_argument("--gateway-port", type=int, default=8001, help="gateway gRPC port; 0 = any free port (default: 8001)")
+    up.add_argument("--gateway-port", type=int, default=8001,
+                    help="gateway gRPC port; 0 = any free port (default: 8001)")
     up.add_argument("--host", default="127.0.0.1", help="interface the services bind to (default: 127.0.0.1)")
     up.add_argument("--metrics-port", type=int, default=8002,
                     help="Prometheus endpoints on consecutive ports from this one: gateway-0, gateway-1, ..., the "
                     "scheduler, executor-0, executor-1, ..., then `batchline up` itself (batchline_restarts_total); "
                     "0 = any free ports, -1 = none (default: 8002)")
-    up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"), help="log level of the services (default: $BATCHLINE_LOG_LEVEL, else INFO)")
+    up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"),
+                    help="log level of the services (default: $BATCHLINE_LOG_LEVEL, else INFO)")
     up.add_argument("--auth-file", default="",
                     help="TOML file of the tokens that may call the gateways, with their tenants and model scopes "
                     "(docs/guides/security.md) (default: none, unauthenticated)")
@@ -191,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="text, or json: one JSON object a line, from every service and from `batchline up` itself, "
                     "with the service and, when there is one, the request id, the batch id and the trace id "
                     "(default: text)")
-    up.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the mesh to come up (default: 120)")
+    up.add_argument("--startup-timeout", type=float, default=120.0,
+                    help="seconds to wait for the mesh to come up (default: 120)")
     up.set_defaults(func=cmd_up)
 
     st = sub.add_parser(
@@ -214,9 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         "report (optimize.json). A variant that fails the gate is never written: it stays in the scratch "
         "directory for inspection. Needs the [optimize] extra.")
     opt.add_argument("model", help="the model's name (its directory in the repository)")
-    opt.add_argument("--repository", default=DEFAULT_REPOSITORY, help=f"model repository (default: {DEFAULT_REPOSITORY})")
+    opt.add_argument("--repository", default=DEFAULT_REPOSITORY,
+                     help=f"model repository (default: {DEFAULT_REPOSITORY})")
     opt.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                     help=f"comma-separated, from {', '.join(VARIANTS)} (default: all; int8-static and tensorrt-int8 only with inputs)")
+                     help=f"comma-separated, from {', '.join(VARIANTS)} (default: all; "
+                          "int8-static and tensorrt-int8 only with inputs)")
     opt.add_argument("--calibration", default="", help=".npz with one array per model input (rows first): judges "
                      "the variants and calibrates int8-static and tensorrt-int8")
     opt.add_argument("--texts", default="", help="text file, one sentence a line, tokenized as the model's "
@@ -225,14 +235,19 @@ def main(argv: list[str] | None = None) -> int:
                      help="judge output NAME as KIND: embedding (cosines, nearest neighbours), classes (argmax "
                      "agreement) or values (absolute error); repeatable; over config.toml's [optimize] outputs "
                      "(default: by the output's name and values, docs/guides/optimize.md)")
-    opt.add_argument("--min-mean-cosine", type=float, default=0.99, help="embeddings: mean cosine to FP32 (default: 0.99)")
-    opt.add_argument("--min-p1-cosine", type=float, default=0.98, help="embeddings: 1st percentile cosine (default: 0.98)")
+    opt.add_argument("--min-mean-cosine", type=float, default=0.99,
+                     help="embeddings: mean cosine to FP32 (default: 0.99)")
+    opt.add_argument("--min-p1-cosine", type=float, default=0.98,
+                     help="embeddings: 1st percentile cosine (default: 0.98)")
     opt.add_argument("--min-neighbour-overlap", type=float, default=0.9,
                      help="embeddings: share of each one's top-10 neighbours kept (default: 0.9)")
-    opt.add_argument("--max-abs-error", type=float, default=0.05, help="other outputs: largest absolute error (default: 0.05)")
+    opt.add_argument("--max-abs-error", type=float, default=0.05,
+                     help="other outputs: largest absolute error (default: 0.05)")
     opt.add_argument("--min-argmax-agreement", type=float, default=0.99,
-                     help="classes outputs with more than one column: share of rows whose argmax is kept (default: 0.99)")
-    opt.add_argument("--int8-ops", default="MatMul", help="op types INT8 quantizes, comma-separated; empty = all (default: MatMul)")
+                     help="classes outputs with more than one column: share of rows whose argmax is kept "
+                          "(default: 0.99)")
+    opt.add_argument("--int8-ops", default="MatMul",
+                     help="op types INT8 quantizes, comma-separated; empty = all (default: MatMul)")
     opt.add_argument("--per-tensor", action="store_true", help="quantize weights per tensor, not per channel")
     opt.add_argument("--weight-type", choices=("auto", "QInt8", "QUInt8"), default="auto",
                      help="INT8 weight type (default: auto: QInt8 on a CPU with VNNI or AMX, whose 8-bit products are "
@@ -240,15 +255,19 @@ def main(argv: list[str] | None = None) -> int:
     opt.add_argument("--min-gain", type=float, default=MIN_GAIN,
                      help="write the fastest variant that passed the gate only if it serves at least this many times "
                      f"FP32's throughput here (default: {MIN_GAIN}; 0 writes it whatever its speed)")
-    opt.add_argument("--scratch", default="", help="where the variants are written (default: a new temporary directory, kept)")
+    opt.add_argument("--scratch", default="",
+                     help="where the variants are written (default: a new temporary directory, kept)")
     opt.set_defaults(func=cmd_optimize)
 
     build = sub.add_parser("build-models", help="build the demo model repository",
-                           description="Export the demo models (minilm, mlp) to ONNX into PATH (needs the [demo] extra).")
-    build.add_argument("path", nargs="?", default=DEFAULT_REPOSITORY, help=f"repository path (default: {DEFAULT_REPOSITORY})")
+                           description="Export the demo models (minilm, mlp) to ONNX into PATH "
+                                       "(needs the [demo] extra).")
+    build.add_argument("path", nargs="?", default=DEFAULT_REPOSITORY,
+                       help=f"repository path (default: {DEFAULT_REPOSITORY})")
     build.add_argument("--int8", action="store_true",
-                       help=f"also write minilm version 2, INT8, with `batchline optimize` judged on {DEMO_SENTENCES} sentences of "
-                       "Python's reference manual (needs the [optimize] extra; nothing is downloaded); exits 1 if "
+                       help=f"also write minilm version 2, INT8, with `batchline optimize` judged on {DEMO_SENTENCES} "
+                       "sentences of Python's reference manual (needs the [optimize] extra; nothing is downloaded); "
+                       "exits 1 if "
                        "no variant passes the gate and is faster here")
     build.set_defaults(func=cmd_build_models)
 

@@ -73,7 +73,8 @@ class Mesh:
     def start(self) -> str:
         a = self.args
         if a.gateway_port and ports.in_use(a.host, a.gateway_port):
-            raise SystemExit(f"batchline: {ports.PortInUse(a.gateway_port, 'stop it, or choose another --gateway-port')}")
+            raise SystemExit("batchline: "
+                             f"{ports.PortInUse(a.gateway_port, 'stop it, or choose another --gateway-port')}")
         repo = pathlib.Path(a.model_repository).resolve()
         if not repo.exists():
             build_demo(repo)
@@ -109,7 +110,8 @@ class Mesh:
         self.supervisor.spawn("scheduler", "scheduler", "--metrics-port", metrics_port(gateways))
         port = a.gateway_port
         tls: list[str] = []  # and the auth file: what secures the gateways' port
-        for flag, path in (("--tls-cert-file", getattr(a, "tls_cert", "")), ("--tls-key-file", getattr(a, "tls_key", "")),
+        for flag, path in (("--tls-cert-file", getattr(a, "tls_cert", "")),
+                           ("--tls-key-file", getattr(a, "tls_key", "")),
                            ("--tls-client-ca-file", getattr(a, "tls_client_ca", "")),
                            ("--auth-file", getattr(a, "auth_file", ""))):
             if path:
@@ -144,7 +146,8 @@ class Mesh:
             # written once its port serves, stands for its answer.
             tls = bool(getattr(self.args, "tls_cert", ""))
             # Explicit mode with nothing to load at start: ready to be asked for a load, serving no model yet.
-            empty = getattr(self.args, "model_control_mode", "none") == "explicit" and not getattr(self.args, "load_model", [])
+            empty = (getattr(self.args, "model_control_mode", "none") == "explicit"
+                     and not getattr(self.args, "load_model", []))
             if address and executors_up(live, self.args.executors) and (tls or empty or _server_ready(address)):
                 return address
             time.sleep(READY_POLL_S)

@@ -54,7 +54,8 @@ REQUEST_DURATION = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 REJECTED = Counter(
-    "batchline_rejected", "Requests refused before they were queued (reason: queue_full, overload, deadline; rate: the tenant's max_rate).",
+    "batchline_rejected",
+    "Requests refused before they were queued (reason: queue_full, overload, deadline; rate: the tenant's max_rate).",
     _MV + ("reason",),
 )
 REFUSALS_REUSED = Counter(
@@ -64,15 +65,18 @@ REFUSALS_REUSED = Counter(
 )
 TENANT_REQUESTS = Counter(
     "batchline_tenant_requests", "Inference requests of each tenant (the tenant of the caller's token; counted when "
-    "the gateway has an auth file), by lower-case gRPC status name (ok, resource_exhausted, ...).", ("model", "tenant", "status"),
+    "the gateway has an auth file), by lower-case gRPC status name (ok, resource_exhausted, ...).",
+    ("model", "tenant", "status"),
 )
 TENANT_OVER_SHARE = Counter(
-    "batchline_tenant_over_share", "Requests queued below the priority they asked for because their tenant was over its "
+    "batchline_tenant_over_share",
+    "Requests queued below the priority they asked for because their tenant was over its "
     "weighted share of the model (gateway/fairness.py).", ("model", "tenant"),
 )
 ADMISSION_HEADROOM = Gauge(
     "batchline_admission_headroom",
-    "Share of a request's budget its predicted finish may fill to be admitted (learned from answers: admission_target).",
+    "Share of a request's budget its predicted finish may fill to be admitted "
+    "(learned from answers: admission_target).",
     _MV,
 )
 STAGE_ENQUEUE = Histogram(
@@ -97,7 +101,8 @@ PENDING_REQUESTS = Gauge(
     _MV + ("priority",),
 )
 BATCHES_DISPATCHED = Counter(
-    "batchline_batches_dispatched", "Batches dispatched, by why they left (full, preferred, deadline, delay, no_company).",
+    "batchline_batches_dispatched",
+    "Batches dispatched, by why they left (full, preferred, deadline, delay, no_company).",
     _MV + ("reason",),
 )
 BATCH_SIZE = Histogram("batchline_batch_size", "Rows per dispatched batch, as planned (members that left the queue "
@@ -154,7 +159,8 @@ COMPUTE_OUTPUT_DURATION = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 RESTARTS = Counter(
-    "batchline_restarts", "Services `batchline up` restarted after they exited (redis: the embedded Redis).", ("service",)
+    "batchline_restarts", "Services `batchline up` restarted after they exited (redis: the embedded Redis).",
+    ("service",)
 )
 EXECUTOR_BUSY = Counter(
     "batchline_executor_busy_seconds", "Seconds spent executing batches (its rate is the busy fraction).", ("executor",)
@@ -237,7 +243,8 @@ class redis_rtt:
         self._start = time.perf_counter()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self._child.observe(time.perf_counter() - self._start)
 
     async def __aenter__(self) -> "redis_rtt":

@@ -78,7 +78,8 @@ class Registry:
                     best[(e.name, e.version)] = e
         versioned = {n for n, v in best if v}
         # A model that some executor has a version of is shown by its versions only.
-        return [best[k] for k in sorted(best, key=lambda k: (k[0], _version_key(k[1]))) if k[1] or k[0] not in versioned]
+        return [best[k] for k in sorted(best, key=lambda k: (k[0], _version_key(k[1]))) if k[1]
+                or k[0] not in versioned]
 
     def resolve(self, name: str, version: str = "") -> pb.ModelInfo:
         """The served ModelInfo for name/version ('' = the latest version)."""

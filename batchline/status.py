@@ -60,7 +60,8 @@ def render(status: dict) -> str:
     if not status["executors"]:
         lines.append("  (none registered)")
     for e in status["executors"]:
-        models = ", ".join(f"{m['name']}:{m['version']} on {m['provider'] or '?'}" + (" (unloading)" if m["unloading"] else "")
+        models = ", ".join(f"{m['name']}:{m['version']} on {m['provider'] or '?'}"
+                           + (" (unloading)" if m["unloading"] else "")
                            for m in e["models"])
         state = " draining" if e["draining"] else ""
         lines.append(f"  {e['id']}{state}: busy {e['busy_share']:.0%}, {e['busy_batches']} batches now, "

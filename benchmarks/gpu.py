@@ -249,7 +249,8 @@ def tests(run: Run) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(30.0, min(150.0, run.left() - 5)))
     text = proc.stdout + proc.stderr
     (run.out / "gpu-tests.txt").write_text(text)
-    run.results["tests"] = {"returncode": proc.returncode, "summary": text.strip().splitlines()[-1] if text.strip() else ""}
+    run.results["tests"] = {"returncode": proc.returncode,
+                            "summary": text.strip().splitlines()[-1] if text.strip() else ""}
     print(f"[gpu] gpu tests: {run.results['tests']['summary']}", flush=True)
 
 

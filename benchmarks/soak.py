@@ -44,12 +44,15 @@ MB = 1024 * 1024
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--minutes", type=float, default=10.0, help="length of the soak, after the capacity run (default: 10)")
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="length of the soak, after the capacity run (default: 10)")
     p.add_argument("--rate", type=float, default=0.0,
                    help="requests per second, open loop (default: --load-fraction of the measured capacity)")
     p.add_argument("--load-fraction", type=float, default=0.7, help="share of the capacity to send (default: 0.7)")
-    p.add_argument("--capacity-s", type=float, default=15.0, help="length of the closed-loop capacity run (default: 15)")
-    p.add_argument("--capacity-concurrency", type=int, default=16, help="requests in flight while measuring (default: 16)")
+    p.add_argument("--capacity-s", type=float, default=15.0,
+                   help="length of the closed-loop capacity run (default: 15)")
+    p.add_argument("--capacity-concurrency", type=int, default=16,
+                   help="requests in flight while measuring (default: 16)")
     p.add_argument("--executors", type=int, default=3, help="executor processes (default: 3)")
     p.add_argument("--budget-s", type=float, default=10.0, help="latency budget of each request (default: 10)")
     p.add_argument("--fault-interval-s", type=float, default=0.0,
@@ -57,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sample-s", type=float, default=10.0, help="seconds between samples (default: 10)")
     p.add_argument("--warmup-s", type=float, default=0.0,
                    help="samples before this are not baselines (default: a quarter of the run, at most 60 s)")
-    p.add_argument("--flat-factor", type=float, default=1.2, help="flat means end <= this x warm-up value (default: 1.2)")
+    p.add_argument("--flat-factor", type=float, default=1.2,
+                   help="flat means end <= this x warm-up value (default: 1.2)")
     p.add_argument("--model-repository", default="",
                    help="demo model repository (default: model_repository/ or .cache/model_repository/ at the "
                         "project root, built if neither exists)")
@@ -140,7 +144,8 @@ def fault_schedule(duration: float, interval: float) -> list[tuple[float, str]]:
     """An executor kill every `interval`, the scheduler kill after the first and the Redis
     restart after the second, all at least half an interval before the end."""
     last = duration - interval / 2
-    schedule = [(k * interval, "kill_executor") for k in range(1, int(duration // interval) + 1) if k * interval <= last]
+    schedule = [(k * interval, "kill_executor") for k in range(1, int(duration // interval) + 1)
+                if k * interval <= last]
     for at, kind in ((1.5 * interval, "kill_scheduler"), (2.5 * interval, "restart_redis")):
         if at <= last:
             schedule.append((at, kind))
@@ -178,7 +183,8 @@ def sample(mesh: ProcessMesh, load: LoadClient, t0: float, since: float) -> dict
 
 def print_header(services: list[str]) -> None:
     cols = "".join(f"{n[:10]:>11}" for n in services)
-    print(f"{'t(s)':>7}{'req/s':>8}{'ok':>7}{'failed':>7}{'p99ms':>8}{'inflt':>6}{cols}{'keys':>8}{'redisMB':>9}", flush=True)
+    print(f"{'t(s)':>7}{'req/s':>8}{'ok':>7}{'failed':>7}{'p99ms':>8}{'inflt':>6}{cols}{'keys':>8}{'redisMB':>9}",
+          flush=True)
 
 
 def print_row(row: dict, services: list[str]) -> None:
@@ -209,7 +215,8 @@ def flatness(samples: list[dict], warmup_s: float, factor: float, services: list
         if base is None or base[0] == t_end:
             return {"end": end, "verdict": "n/a (restarted too late to judge)"}
         flat = end <= factor * base[1]
-        return {"baseline_t": base[0], "baseline": base[1], "end": end, "ratio": round(end / base[1], 3) if base[1] else None,
+        return {"baseline_t": base[0], "baseline": base[1], "end": end,
+                "ratio": round(end / base[1], 3) if base[1] else None,
                 "flat": flat, "verdict": "flat" if flat else "GREW"}
 
     out = {}
@@ -273,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             measure_capacity(address, model, 0.5, args.capacity_concurrency, args.budget_s)
 
         schedule = fault_schedule(duration, interval)
-        print(f"soak: {args.minutes:g} min at {rate:.1f} req/s open loop, budget {args.budget_s:g} s; warm-up {warmup_s:g} s; "
+        print(f"soak: {args.minutes:g} min at {rate:.1f} req/s open loop, budget {args.budget_s:g} s; "
+              f"warm-up {warmup_s:g} s; "
               f"faults at {', '.join(f'{at:g}s {kind}' for at, kind in schedule) or 'none'}", flush=True)
         load = LoadClient(address, model, rate=rate, budget_s=args.budget_s, seed=2)
         samples: list[dict] = []
@@ -299,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             records: list[Record] = load.stop()
             faults.join(60)
         final = sample(mesh, load, t0, t0 + duration)  # after the last calls ended: RSS and keys at rest
-        samples.append({**final, "rate": None, "ok": 0, "failed": 0, "by_status": {}, "ok_p99_ms": None, "after_load": True})
+        samples.append({**final, "rate": None, "ok": 0, "failed": 0, "by_status": {}, "ok_p99_ms": None,
+                        "after_load": True})
 
         totals = summarize(records)
         hung = [r for r in records if r.latency > args.budget_s + 2.0]

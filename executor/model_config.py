@@ -29,7 +29,8 @@ class TokenizerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(description="Directory holding tokenizer.json (Hugging Face `tokenizers`), relative to the model's.")
+    path: str = Field(description="Directory holding tokenizer.json (Hugging Face `tokenizers`), "
+                                  "relative to the model's.")
     max_length: int = Field(512, ge=1, description="Most tokens of one text, special tokens included.")
     truncate: bool = Field(True, description="Cut longer texts to max_length (false: refuse them, INVALID_ARGUMENT).")
     input: str = Field("text", description="Name of the BYTES input the model exposes for text.")
@@ -64,7 +65,8 @@ class ModelConfig(BaseModel):
         "(the deadline policy waits only while another arrival is expected within it).",
     )
     default_timeout_ms: float = Field(
-        10_000.0, description="Latency budget of a request that sets neither a gRPC deadline nor a `timeout` parameter.",
+        10_000.0,
+        description="Latency budget of a request that sets neither a gRPC deadline nor a `timeout` parameter.",
     )
     preferred_batch_sizes: list[int] = Field(
         default_factory=list,
@@ -115,7 +117,8 @@ class ModelConfig(BaseModel):
         default_factory=lambda: {"latest": 1},
         description="Which of the model's version directories are served (Triton's version_policy): "
         "`{ latest = N }` the N highest numbers, `{ all = true }` every one, `{ specific = [1, 3] }` those. "
-        "When the policy stops selecting a served version (a newer one arrived), it finishes what is queued for it and is released.",
+        "When the policy stops selecting a served version (a newer one arrived), "
+        "it finishes what is queued for it and is released.",
     )
 
     @field_validator("version_policy")

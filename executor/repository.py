@@ -140,7 +140,7 @@ def create_session(
             # ORT's own fallback would retry without any provider's options, and print why to stdout.
             session = ort.InferenceSession(str(path), sess_options=options(), providers=remaining, enable_fallback=0)
             break
-        except Exception as exc:  # noqa: BLE001 - GPU provider libraries missing or broken
+        except Exception as exc:  # GPU provider libraries missing or broken
             if [p for p, _ in remaining] == [gpu.CPU]:
                 raise
             errors[remaining[0][0]] = " ".join(str(exc).split())
@@ -237,7 +237,8 @@ def _text_input(model_dir: pathlib.Path, tok: dict[str, Any], info: pb.ModelInfo
     names = {s.name: s for s in info.inputs}
     for key in ("ids_input", "mask_input", "type_ids_input"):
         if tok[key] and tok[key] not in names:
-            raise RepositoryError(f"{where}: {key} {tok[key]!r} is not an input of the graph; its inputs are {sorted(names)}")
+            raise RepositoryError(f"{where}: {key} {tok[key]!r} is not an input of the graph; "
+                                  f"its inputs are {sorted(names)}")
     if tok["input"] in names:
         raise RepositoryError(f"{where}: input {tok['input']!r} is already the name of one of the graph's inputs")
     expected = set(filter(None, (tok["ids_input"], tok["mask_input"], tok["type_ids_input"])))
@@ -279,7 +280,8 @@ def model_names(root: pathlib.Path, only: list[str] | None = None) -> list[str]:
     """The model directories of the repository (those in `only`, when given)."""
     if not root.is_dir():
         raise RepositoryError(f"model repository {root} does not exist")
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (not only or p.name in only))
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+                  and (not only or p.name in only))
 
 
 def scan_model(model_dir: pathlib.Path) -> ModelDir:

@@ -177,7 +177,7 @@ class Executor:
                     await self._sweep_orphans()
             except REDIS_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)
-            except Exception:  # noqa: BLE001 - e.g. Redis out of memory: an executor that stopped
+            except Exception:  # e.g. Redis out of memory: an executor that stopped
                 log.exception("heartbeat failed")  # beating would drop out of the registry for good
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
@@ -202,7 +202,7 @@ class Executor:
                 continue
             try:
                 batch = pb.Batch.FromString(item)
-            except Exception:  # noqa: BLE001 - one unreadable batch must not stop the worker
+            except Exception:  # one unreadable batch must not stop the worker
                 log.exception("an unreadable batch (%d bytes) was dropped", len(item))
                 continue
             self._in_progress.add(batch.batch_id)
@@ -225,7 +225,7 @@ class Executor:
                             log.warning("batch %s: Redis failed while processing (attempt %d): %s",
                                         batch.batch_id, attempt, exc)
                         await asyncio.sleep(WAIT_RETRY_S)
-            except Exception:  # noqa: BLE001 - one bad batch must not kill the worker
+            except Exception:  # one bad batch must not kill the worker
                 log.exception("batch %s failed", batch.batch_id)
             finally:
                 self._in_progress.discard(batch.batch_id)
@@ -248,7 +248,8 @@ class Executor:
 
     async def _process(self, batch: pb.Batch) -> None:
         model = self.models.get((batch.model_name, batch.model_version))
-        if model is None and time.monotonic() - self.released.get((batch.model_name, batch.model_version), -1e9) < _HAND_BACK_S:
+        released_at = self.released.get((batch.model_name, batch.model_version), -1e9)
+        if model is None and time.monotonic() - released_at < _HAND_BACK_S:
             n = await self.store.hand_back(self.executor_id, batch)
             log.info("batch %s: %s version %s was released here; %d requests went back to its queue",
                      batch.batch_id, batch.model_name, batch.model_version, n)
@@ -333,7 +334,8 @@ class Executor:
                 telemetry.record_span(_tracer, "execute", taken.start_us, now_us(),
                                       context=telemetry.extract(e.traceparent, e.tracestate),
                                       attributes={"batchline.batch_id": batch.batch_id, "batchline.batch_size": rows,
-                                                  "batchline.executor_id": self.executor_id, "batchline.provider": provider})
+                                                  "batchline.executor_id": self.executor_id,
+                                                  "batchline.provider": provider})
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""Protobuf answers built from the registry's ModelInfo and Redis's statistics: Triton's ModelStatistics and ModelConfig."""
+"""Protobuf answers built from the registry's ModelInfo and Redis's statistics: Triton's ModelStatistics and
+ModelConfig."""
 from __future__ import annotations
 
 from batchline import contract
@@ -66,8 +67,10 @@ def model_config(info) -> ipb.ModelConfig:
         platform=info.platform,
         backend="onnxruntime",
         max_batch_size=info.max_batch_size,
-        input=[ipb.ModelInput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape)) for s in inputs_of(info)],
-        output=[ipb.ModelOutput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape)) for s in info.outputs],
+        input=[ipb.ModelInput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape))
+               for s in inputs_of(info)],
+        output=[ipb.ModelOutput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape))
+                for s in info.outputs],
         parameters={
             "providers": ipb.ModelParameter(string_value=",".join(info.providers)),
             "padded_inputs": ipb.ModelParameter(string_value=",".join(info.padded_inputs)),

@@ -127,7 +127,7 @@ class Gateway:
                 await self.catalog.refresh()
             except REDIS_ERRORS as exc:
                 log.warning("registry refresh failed: %s", exc)
-            except Exception:  # noqa: BLE001 - a background loop must outlive what Redis answers
+            except Exception:  # a background loop must outlive what Redis answers
                 log.exception("registry refresh failed")
 
     async def _heartbeat(self) -> None:
@@ -136,7 +136,7 @@ class Gateway:
                 self.gateways = await self.store.beat(self.gateway_id, self.address, self._heartbeat_ttl_ms)
             except REDIS_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)
-            except Exception:  # noqa: BLE001 - e.g. Redis out of memory: beat again later
+            except Exception:  # e.g. Redis out of memory: beat again later
                 log.exception("heartbeat failed")
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
@@ -210,7 +210,8 @@ class Gateway:
             except ResourceExhausted as exc:
                 if call.priority == asked:
                     raise
-                raise ResourceExhausted(f"tenant '{tenant}' is over its weighted share of model '{model.name}', and {exc}",
+                raise ResourceExhausted(f"tenant '{tenant}' is over its weighted share of model '{model.name}', "
+                                        f"and {exc}",
                                         retry_after_s=exc.retry_after_s) from None
         if tenant:
             self.fair.admitted(call.key, tenant, call.rows, arrived_us / 1e6)

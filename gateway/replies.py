@@ -101,7 +101,7 @@ class Replies:
     def _answer(self, blob: bytes) -> None:
         try:
             reply = pb.Reply.FromString(blob)
-        except Exception:  # noqa: BLE001 - one unreadable reply must not stop the reader
+        except Exception:  # one unreadable reply must not stop the reader
             log.exception("an unreadable reply (%d bytes) was dropped", len(blob))
             return
         fut = self.waiting.pop(reply.request_id, None)

@@ -115,11 +115,13 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             await _abort(context, exc)
         return ipb.ModelConfigResponse(config=model_config(info))
 
-    async def _infer(self, request, context, name: str = "ModelInfer", grant: Grant | None = None) -> ipb.ModelInferResponse:
+    async def _infer(self, request, context, name: str = "ModelInfer",
+                     grant: Grant | None = None) -> ipb.ModelInferResponse:
         """One inference, traced (continuing the client's trace) and counted; raises BatchlineError."""
         started = time.perf_counter()
         traced = telemetry.enabled()
-        with (telemetry.server_span(_tracer, name, context.invocation_metadata(), {"batchline.model": request.model_name})
+        with (telemetry.server_span(_tracer, name, context.invocation_metadata(),
+                                    {"batchline.model": request.model_name})
               if traced else contextlib.nullcontext()) as span:
             def failed(error: BatchlineError) -> None:
                 labels = self.gateway.catalog.labels(request.model_name, request.model_version)
@@ -149,7 +151,8 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         metrics.REQUEST_SUCCESS.labels(response.model_name, response.model_version).inc()
         if grant is not None:
             metrics.TENANT_REQUESTS.labels(response.model_name, grant.tenant, "ok").inc()
-        metrics.REQUEST_DURATION.labels(response.model_name, response.model_version).observe(time.perf_counter() - started)
+        duration = time.perf_counter() - started
+        metrics.REQUEST_DURATION.labels(response.model_name, response.model_version).observe(duration)
         return response
 
     async def ModelInfer(self, request, context):

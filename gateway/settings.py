@@ -15,22 +15,26 @@ class GatewaySettings(CommonSettings):
     metrics_port: int = Field(
         8002, description="Port of the Prometheus endpoint (http://HOST:PORT/metrics); 0 = any free port, -1 = none."
     )
-    port: int = Field(8001, description="Port of the KServe v2 gRPC endpoint (8001 is where Triton clients look; 0 = any free port).")
+    port: int = Field(8001, description="Port of the KServe v2 gRPC endpoint (8001 is where Triton clients look; "
+                                        "0 = any free port).")
     share_port: bool = Field(
         False, description="Let the other gateways of this mesh (the same Redis) serve the same port, the kernel "
         "spreading connections over them (SO_REUSEPORT; `batchline up --gateways N` sets it). A port already "
         "served by anything else fails the start, with or without it.")
-    gateway_id: str = Field("", description="Id of this gateway, the address of its reply list (default: a random one per process).")
+    gateway_id: str = Field("", description="Id of this gateway, the address of its reply list (default: "
+                                            "a random one per process).")
     max_message_bytes: int = Field(
         64 * 1024 * 1024,
         description="Largest gRPC message accepted or sent; a larger request is refused with RESOURCE_EXHAUSTED.",
     )
     model_control_mode: ModelControlMode = Field(
-        "none", description="The executors' model control mode. explicit: RepositoryModelLoad and RepositoryModelUnload "
+        "none",
+        description="The executors' model control mode. explicit: RepositoryModelLoad and RepositoryModelUnload "
         "are served (an admin's token, when auth_file is set); otherwise they are refused UNAVAILABLE, as Triton does. "
         "RepositoryIndex is served in every mode."
     )
-    registry_refresh_s: float = Field(0.5, description="Seconds between re-reads of the executor registry (served models).")
+    registry_refresh_s: float = Field(0.5,
+                                      description="Seconds between re-reads of the executor registry (served models).")
     heartbeat_interval_s: float = Field(1.0, description="Seconds between registrations of this gateway in Redis.")
     admission_control: bool = Field(
         True,

@@ -21,7 +21,8 @@ from scheduler.settings import SchedulerSettings
 
 
 class Mesh:
-    def __init__(self, redis_url: str | None, model_repository: str, executors: int = 1, models: list[str] | None = None,
+    def __init__(self, redis_url: str | None, model_repository: str, executors: int = 1,
+                 models: list[str] | None = None,
                  gateway_overrides: dict | None = None, **scheduler_overrides):
         # Without a URL the mesh gets a Redis of its own, so meshes never see each other's queues.
         self.own_redis = None if redis_url else EmbeddedRedis().start()
@@ -69,7 +70,8 @@ class Mesh:
             SchedulerSettings(redis_url=self.redis_url, port=0, metrics_port=-1, **self.scheduler_overrides)
         ).start()
         gateway = {"drain_timeout_s": 5.0, **self.gateway_overrides}
-        self.gateway = await GatewayApp(GatewaySettings(redis_url=self.redis_url, port=0, metrics_port=-1, **gateway)).start()
+        self.gateway = await GatewayApp(GatewaySettings(redis_url=self.redis_url, port=0, metrics_port=-1,
+                                                        **gateway)).start()
 
     async def _start_executor(self, i: int) -> ExecutorApp:
         settings = ExecutorSettings(

@@ -59,14 +59,16 @@ def test_batch_cost_is_the_profile_plus_margin_and_overhead():
 
 def test_a_batch_costs_the_margin_of_its_size_class():
     # Classes 0-1 (1-3 units) 1 ms, 2 (4-7) 5 ms, 3 and beyond 30 ms; the overall margin is unused.
-    view = pb.ModelLoad(cost_per_unit_s=0.01, cost_fixed_s=0.02, cost_margin_s=0.3, margin_by_size_s=[0.001, 0.001, 0.005, 0.03])
+    view = pb.ModelLoad(cost_per_unit_s=0.01, cost_fixed_s=0.02, cost_margin_s=0.3,
+                        margin_by_size_s=[0.001, 0.001, 0.005, 0.03])
     assert batch_cost_s(view, 1) == pytest.approx(cost(1) + 0.001)
     assert batch_cost_s(view, 5) == pytest.approx(cost(5) + 0.005)
     assert batch_cost_s(view, 8) == pytest.approx(cost(8) + 0.03)
     assert batch_cost_s(view, 40) == pytest.approx(cost(40) + 0.03)
     # A request alone is admitted against the margin of its own size, not of the largest batches:
     # 1 unit takes 31 ms predicted, within 0.9 of a 40 ms budget (with 0.3 s of margin it would not be).
-    idle = pb.ModelLoad(cost_per_unit_s=0.01, cost_fixed_s=0.02, cost_margin_s=0.3, margin_by_size_s=[0.001, 0.001, 0.005, 0.03],
+    idle = pb.ModelLoad(cost_per_unit_s=0.01, cost_fixed_s=0.02, cost_margin_s=0.3,
+                        margin_by_size_s=[0.001, 0.001, 0.005, 0.03],
                         executors=1, queued_rows=[0], policy="deadline", tails=[tail(free=(NOW + 0.001,))])
     assert admit(idle, MODEL, Candidate(1, 1, 0.04), NOW, headroom=0.9) is None
 
@@ -157,7 +159,8 @@ def test_a_refusal_is_told_to_come_back_after_those_refused_before_it():
     assert capped.retry_after_s == pytest.approx(own + 0.2)
     # Expected back before this one could fit anyway (or long gone): its own wait stands.
     for retries_at in (NOW + own - 0.1, 0.0):
-        assert admit(view, MODEL, Candidate(1, 1, 0.2), NOW, retries_at_s=retries_at).retry_after_s == pytest.approx(own)
+        assert admit(view, MODEL, Candidate(1, 1, 0.2), NOW,
+                     retries_at_s=retries_at).retry_after_s == pytest.approx(own)
     # Only overload is hinted: a budget below the run alone is not worth retrying as is.
     assert admit(view, MODEL, Candidate(4, 1, 0.05), NOW, retries_at_s=NOW + 9).retry_after_s is None
 
@@ -186,7 +189,8 @@ def test_a_budget_below_the_run_time_alone_is_deadline_exceeded():
     assert isinstance(err, DeadlineExceeded) and "the 400 µs budget" in str(err)
 
 
-@pytest.mark.parametrize("seconds, text", [(0.00085, "850 µs"), (0.0025, "2.5 ms"), (0.2, "200 ms"), (12.5, "12500 ms")])
+@pytest.mark.parametrize("seconds, text",
+                         [(0.00085, "850 µs"), (0.0025, "2.5 ms"), (0.2, "200 ms"), (12.5, "12500 ms")])
 def test_durations_are_quoted_in_the_unit_a_person_reads(seconds, text):
     assert duration_text(seconds) == text
 

@@ -250,5 +250,7 @@ def test_a_tenants_max_rate_is_one_bucket_across_gateways(mesh_factory, tmp_path
     assert all(re.search(r"tenant 'search' is over its rate of 2 requests/s: retry in \d+ ms", x) for x in messages)
     # The cap's refusals are counted where every refusal is: both gateways run in this process.
     refused = outcomes.count("StatusCode.RESOURCE_EXHAUSTED")
-    assert _counted("tenant_requests", model="mlp", tenant="search", status="resource_exhausted") - tenant_before == refused
-    assert _counted("request_failure", model="mlp", version="1", reason="resource_exhausted") - failures_before == refused
+    assert _counted("tenant_requests", model="mlp", tenant="search",
+                    status="resource_exhausted") - tenant_before == refused
+    assert _counted("request_failure", model="mlp", version="1",
+                    reason="resource_exhausted") - failures_before == refused

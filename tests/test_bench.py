@@ -246,7 +246,8 @@ def test_texts_send_one_sentence_a_request_on_the_text_input(mesh, tmp_path, cap
     sentences.write_text("A short one.\n\nA somewhat longer sentence about batching requests of many lengths.\n")
     out_json = tmp_path / "r.json"
     code = cli.main(["bench", "--url", mesh.address, "--model", "minilm", "--texts", str(sentences), "--concurrency",
-                     "2", "--duration", "1", "--warmup", "0.2", "--budget-ms", "5000", "--json", str(out_json), "--quiet"])
+                     "2", "--duration", "1", "--warmup", "0.2", "--budget-ms", "5000", "--json", str(out_json),
+                     "--quiet"])
     assert code == 0, capsys.readouterr()
     [step] = read_json(out_json).steps
     assert step.status_counts.get("OK", 0) > 0 and set(step.status_counts) == {"OK"}

@@ -45,7 +45,8 @@ def test_bytes_round_trip_through_a_string_model(other_mesh):
     meta = client.get_model_metadata("echo")
     assert meta.inputs[0].datatype == "BYTES" and meta.outputs[0].datatype == "BYTES"
     config = client.get_model_config("echo").config  # Triton calls BYTES tensors TYPE_STRING
-    assert [i.data_type for i in config.input] == [mc.TYPE_STRING] and [o.data_type for o in config.output] == [mc.TYPE_STRING]
+    assert [i.data_type for i in config.input] == [mc.TYPE_STRING]
+    assert [o.data_type for o in config.output] == [mc.TYPE_STRING]
     text = np.array([["héllo", ""], ["batch", "line"]], dtype=object)
     inp = tc.InferInput("text", [2, 2], "BYTES")
     inp.set_data_from_numpy(text)

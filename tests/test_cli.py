@@ -112,7 +112,8 @@ def test_up_serves_and_ctrl_c_stops_everything(model_repository):
             client.async_infer("minilm", inputs, on_answer, client_timeout=60)
         # Admitted: each is answered already or has its payload in Redis until it is.
         with redis.Redis.from_url(redis_url) as r:
-            poll(lambda: len(answers) + sum(1 for _ in r.scan_iter(contract.payload(("*", "*"), "*"), count=1000)) >= IN_FLIGHT,
+            poll(lambda: len(answers)
+                 + sum(1 for _ in r.scan_iter(contract.payload(("*", "*"), "*"), count=1000)) >= IN_FLIGHT,
                  30, f"all {IN_FLIGHT} sent to be answered or queued", interval=0.01)
         assert len(answers) < IN_FLIGHT  # most still wait for a lane
     finally:
@@ -212,13 +213,15 @@ def test_up_whose_redis_cannot_start_says_why_in_one_line_and_leaves_nothing_beh
         text=True)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1, stdout + stderr
-    assert stderr == "batchline: cannot start Redis: redis-server exited with 1: FATAL CONFIG FILE ERROR: Bad directive\n"
+    assert stderr == ("batchline: cannot start Redis: redis-server exited with 1: "
+                      "FATAL CONFIG FILE ERROR: Bad directive\n")
     assert "started" not in stdout  # no service was started without its Redis
     assert not list(pathlib.Path(tempfile.gettempdir()).glob(f"batchline-redis-{proc.pid}-*"))
 
 
 def test_service_help_texts_list_their_settings():
-    for module, flag in (("gateway", "--max-message-bytes"), ("scheduler", "--max-batches-per-executor"), ("executor", "--model-repository")):
+    for module, flag in (("gateway", "--max-message-bytes"), ("scheduler", "--max-batches-per-executor"),
+                         ("executor", "--model-repository")):
         out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert flag in out.stdout and "--redis-url" in out.stdout

@@ -21,7 +21,8 @@ from batchline.testing.processes import poll
 from test_faults import (assert_all_ok, assert_answers_correct, assert_none_lost, assert_nothing_hung,  # noqa: F401
                          between, load_for, mlp_model, process_mesh, report, served_again, soft_poll)
 
-pytestmark = pytest.mark.skipif(redis_cli_binary() is None, reason="redis-cli (Debian: redis-tools) creates the cluster")
+pytestmark = pytest.mark.skipif(redis_cli_binary() is None,
+                                reason="redis-cli (Debian: redis-tools) creates the cluster")
 
 
 @pytest.fixture
@@ -107,7 +108,8 @@ def test_both_demo_models_are_served_with_their_keys_on_different_shards(redis_c
         shard = redis_cluster.shard_of(queue)
         slot = redis_cluster.node(0).cluster("keyslot", queue)
         # Every key of the model is in its slot: its statistics, written by the executor's clean-up, are there.
-        assert redis_cluster.node(shard).exists(contract.stats((model, "1"))), f"{model}'s statistics not on shard {shard}"
+        assert redis_cluster.node(shard).exists(contract.stats((model, "1"))), \
+            f"{model}'s statistics not on shard {shard}"
         rows.append((model, slot, shard))
     print("\nmodel   slot   shard (node port)")
     for model, slot, shard in rows:

@@ -116,7 +116,8 @@ def _group_commit_checks(r: redis.Redis) -> None:
                             [contract.Abandoned("gone", bounded, b"gone")]) == [1, 0, 1, 1]
     assert r.zrange(contract.queue(bounded), 0, -1) == [b"ma"]
     assert sorted(r.zrange(contract.queue(open_), 0, -1)) == [b"mc", b"md"]
-    assert r.get(contract.payload(bounded, "a")) == b"payload-a" and 0 < r.pttl(contract.payload(bounded, "a")) <= 60_000
+    assert r.get(contract.payload(bounded, "a")) == b"payload-a"
+    assert 0 < r.pttl(contract.payload(bounded, "a")) <= 60_000
     assert r.get(contract.payload(bounded, "b")) is None and r.get(contract.payload(bounded, "gone")) is None
     # One token per queue, however many writes: the scheduler takes a list's tokens all at once.
     notify = [contract.notify(bounded), contract.notify(open_)]

@@ -96,7 +96,8 @@ BROKEN = {
     "undefined dependency": (lambda c: c["services"]["grafana"].update(depends_on=["prometheus", "loki"]),
                              "'grafana' depends on 'loki', an undefined service"),
     "dependency on an inactive profile": (lambda c: c["services"]["scheduler"]["depends_on"].update(
-        {"gateway-tls": {"condition": "service_started"}}), "depends on 'gateway-tls', a service of an inactive profile"),
+        {"gateway-tls": {"condition": "service_started"}}),
+        "depends on 'gateway-tls', a service of an inactive profile"),
     "dependency cycle": (lambda c: c["services"]["redis"].update(depends_on=["gateway"]), "dependency cycle: "),
     "no image nor build": (lambda c: c["services"]["jaeger"].pop("image"), "'jaeger' has neither an image nor a build"),
     "missing build context": (lambda c: c["services"]["executor"].update(build={"context": "no-such-dir"}),
@@ -106,7 +107,8 @@ BROKEN = {
     "undefined network": (lambda c: c["services"]["redis"].update(networks=["backend"]), "undefined network 'backend'"),
     "bad duration": (lambda c: c["services"]["redis"]["healthcheck"].update(interval="2 seconds"),
                      "invalid healthcheck interval: '2 seconds'"),
-    "bad port": (lambda c: c["services"]["gateway"]["ports"].append("8001:99999"), "invalid port mapping: '8001:99999'"),
+    "bad port": (lambda c: c["services"]["gateway"]["ports"].append("8001:99999"),
+                 "invalid port mapping: '8001:99999'"),
     "bad interpolation": (lambda c: c["services"]["gateway"]["environment"].update(BATCHLINE_GATEWAY_PORT="${PORT"),
                           "invalid interpolation format"),
     "required variable": (lambda c: c["services"]["gateway"]["environment"].update(
@@ -271,7 +273,8 @@ def test_gateway_healthcheck_command_reads_grpc_health(compose, serving):
     test = compose["services"]["gateway"]["healthcheck"]["test"]
     assert test[0] == "CMD" and test[1] == "python"
     argv = [sys.executable, *test[2:]]
-    assert HEALTHCHECK_ADDRESS in argv[-1] and str(8001) == compose["services"]["gateway"]["environment"]["BATCHLINE_GATEWAY_PORT"]
+    assert HEALTHCHECK_ADDRESS in argv[-1]
+    assert str(8001) == compose["services"]["gateway"]["environment"]["BATCHLINE_GATEWAY_PORT"]
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
@@ -354,7 +357,8 @@ def test_dockerfile_copy_sources_exist_in_the_build_context(dockerfile):
             continue
         for source in sources:
             assert (ROOT / source).exists(), f"{dockerfile.name}: COPY source {source} is not in the repository"
-            assert not ignored(source, patterns), f"{dockerfile.name}: COPY source {source} is excluded by .dockerignore"
+            assert not ignored(source, patterns), \
+                f"{dockerfile.name}: COPY source {source} is excluded by .dockerignore"
             checked += 1
     assert checked
 
@@ -518,7 +522,8 @@ def grafana_to_promql(expr: str) -> str:
 
 
 def test_metric_names_sees_through_promql():
-    expr = "histogram_quantile(0.5, sum by (le) (rate(a_bucket{m=~\"x\"}[1m]))) / (b or c * 0) + -max_over_time(d[5m:1m])"
+    expr = ("histogram_quantile(0.5, sum by (le) (rate(a_bucket{m=~\"x\"}[1m]))) / (b or c * 0) "
+            "+ -max_over_time(d[5m:1m])")
     assert metric_names(expr) == {"a_bucket", "b", "c", "d"}
     with pytest.raises(ValueError):
         metric_names("sum(rate(a[1m])")
@@ -701,7 +706,8 @@ def test_k8s_secure_overlay_serves_tls_and_tokens_from_secrets(monkeypatch):
     assert env["BATCHLINE_GATEWAY_TLS_KEY_FILE"] == f"{mounts['tls']}/tls.key"
     assert env["BATCHLINE_GATEWAY_AUTH_FILE"] == f"{mounts['auth']}/auth.toml"
     comments = (overlay / "kustomization.yaml").read_text()
-    assert f"create secret tls {secrets['tls']}" in comments and f"generic {secrets['auth']} --from-file=auth.toml" in comments
+    assert f"create secret tls {secrets['tls']}" in comments
+    assert f"generic {secrets['auth']} --from-file=auth.toml" in comments
     # Kubernetes' gRPC probes speak plaintext: over TLS the probes are TCP, on the gRPC port.
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["$patch"] == "replace" and container[probe]["tcpSocket"] == {"port": 8001}
@@ -719,7 +725,8 @@ def test_k8s_sentinel_overlay_points_every_service_at_the_sentinels_of_its_redis
     assert deleted == {("Deployment", "redis"), ("Service", "redis")} and deleted <= base
     values = load_yaml(overlay / "redis-values.yaml")
     assert values["sentinel"]["enabled"] and values["architecture"] == "replication"
-    assert values["auth"]["existingSecret"] == "batchline-redis" and values["auth"]["existingSecretPasswordKey"] == "password"
+    assert values["auth"]["existingSecret"] == "batchline-redis"
+    assert values["auth"]["existingSecretPasswordKey"] == "password"
     (path,) = [x["path"] for x in kustomization["patches"] if "path" in x]
     patched = {}
     with open(overlay / path) as f:
@@ -732,7 +739,8 @@ def test_k8s_sentinel_overlay_points_every_service_at_the_sentinels_of_its_redis
     for service, (name, url) in patched.items():
         assert name == SETTINGS[service].model_config["env_prefix"] + "REDIS_URL"
         target = sentinel.parse(url)
-        assert target.sentinels == [(values["fullnameOverride"], 26379)] and target.master == values["sentinel"]["masterSet"]
+        assert target.sentinels == [(values["fullnameOverride"], 26379)]
+        assert target.master == values["sentinel"]["masterSet"]
         assert target.master_kwargs["password"] == target.sentinel_kwargs["password"] == "$(REDIS_PASSWORD)"
 
 

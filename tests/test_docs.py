@@ -151,11 +151,13 @@ def _known_flags() -> set[str]:
             flags.add(_flag(name))
             if info.annotation is bool:
                 flags.add("--no-" + _flag(name)[2:])
-    sources = [*(ROOT / "batchline").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "scripts").glob("*.py")]
+    sources = [*(ROOT / "batchline").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
+               *(ROOT / "scripts").glob("*.py")]
     for source in sources:
         text = source.read_text()
         flags.update(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", text))
-        flags.update("--no-" + f for f in re.findall(r"add_argument\(\s*\"--([a-z0-9-]+)\".*?BooleanOptionalAction", text))
+        flags.update("--no-" + f
+                     for f in re.findall(r"add_argument\(\s*\"--([a-z0-9-]+)\".*?BooleanOptionalAction", text))
     return flags
 
 
@@ -186,7 +188,8 @@ def test_the_readme_commands_are_the_ones_dev_sh_runs():
     assert "./dev.sh up" in readme and "./dev.sh test" in readme and "./dev.sh lint" in readme
     assert re.search(r"^\s*up\)\n(?:.*\n)*?\s*exec .*batchline\" up", dev, re.M)
     assert re.search(r"^\s*test\)\n(?:.*\n)*?\s*exec .* -m pytest", dev, re.M)
-    assert re.search(r"^\s*lint\)\n\s*install\n\s*.*/ruff\" check \.\n\s*exec .*/mypy\"\n", dev, re.M)
+    assert re.search(r"^\s*lint\)\n\s*install\n\s*.*/ruff\" check \.\n\s*.*/mypy\"\n"
+                     r"\s*exec .* scripts/check_commits\.py\n", dev, re.M)
     # CI lints first, then runs the README's test command.
     ci = (ROOT / ".ci" / "run").read_text()
     assert "./dev.sh test" in ci and 0 <= ci.find("./dev.sh lint") < ci.find("./dev.sh test")

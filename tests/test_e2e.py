@@ -27,7 +27,8 @@ SENTENCES = [
 @pytest.fixture(scope="module")
 def sessions(model_repository):
     return {
-        name: ort.InferenceSession(str(model_repository / name / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+        name: ort.InferenceSession(str(model_repository / name / "1" / "model.onnx"),
+                                   providers=["CPUExecutionProvider"])
         for name in ("mlp", "minilm")
     }
 
@@ -71,18 +72,22 @@ def test_server_and_model_metadata(client):
 
 
 def test_model_config_as_triton_reports_it(client):
-    """tritonclient's get_model_config (and so perf_analyzer) reads Triton's ModelConfig from config.toml and the session."""
+    """tritonclient's get_model_config (and so perf_analyzer) reads Triton's ModelConfig from config.toml and the
+    session."""
     cfg = client.get_model_config("minilm", as_json=True)["config"]
-    assert (cfg["name"], cfg["platform"], cfg["backend"], cfg["max_batch_size"]) == ("minilm", "onnxruntime_onnx", "onnxruntime", 32)
+    assert ((cfg["name"], cfg["platform"], cfg["backend"], cfg["max_batch_size"])
+            == ("minilm", "onnxruntime_onnx", "onnxruntime", 32))
     # dims leave the batch dim out, as Triton's do for a batched model
     assert [(i["name"], i["data_type"], i["dims"]) for i in cfg["input"]] == [
         ("input_ids", "TYPE_INT64", ["-1"]), ("attention_mask", "TYPE_INT64", ["-1"]), ("text", "TYPE_STRING", ["1"])]
     assert cfg["parameters"]["text_input"]["string_value"] == "text"
-    assert [(o["name"], o["data_type"], o["dims"]) for o in cfg["output"]] == [("sentence_embedding", "TYPE_FP32", ["384"])]
+    assert [(o["name"], o["data_type"], o["dims"])
+            for o in cfg["output"]] == [("sentence_embedding", "TYPE_FP32", ["384"])]
     batching = cfg["dynamic_batching"]
     assert batching["max_queue_delay_microseconds"] == "5000"
     assert batching["default_priority_level"] == "1"
-    assert batching["default_queue_policy"] == {"default_timeout_microseconds": "5000000", "allow_timeout_override": True}
+    assert batching["default_queue_policy"] == {"default_timeout_microseconds": "5000000",
+                                                "allow_timeout_override": True}
     assert set(cfg["parameters"]["padded_inputs"]["string_value"].split(",")) == {"input_ids", "attention_mask"}
     assert cfg["parameters"]["providers"]["string_value"] == "CPUExecutionProvider"
     mlp = client.get_model_config("mlp", "1").config  # Triton's own ModelConfig message parses it
@@ -151,7 +156,8 @@ async def test_aio_client(mesh, sessions):
         inp = tca.InferInput("features", [1, 32], "FP32")
         inp.set_data_from_numpy(x)
         result = await client.infer("mlp", [inp], request_id="aio-1")
-        np.testing.assert_allclose(result.as_numpy("probability"), sessions["mlp"].run(None, {"features": x})[0], atol=1e-6)
+        np.testing.assert_allclose(result.as_numpy("probability"), sessions["mlp"].run(None, {"features": x})[0],
+                                   atol=1e-6)
         stats = await client.get_inference_statistics("mlp")
         assert stats.model_stats[0].name == "mlp"
     finally:
@@ -265,8 +271,11 @@ def test_every_service_serves_health_and_reflection(mesh):
                 status = health.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5).status
                 assert status == health_pb2.HealthCheckResponse.SERVING, (name, svc)
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            responses = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+            responses = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                       timeout=5))
             listed = {s.name for s in responses[0].list_services_response.service}
             assert service in listed, (name, listed)
-            fd = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=service)]), timeout=5))
-            assert fd[0].file_descriptor_response.file_descriptor_proto, (name, "reflection cannot describe the service")
+            asked = reflection_pb2.ServerReflectionRequest(file_containing_symbol=service)
+            fd = list(stub.ServerReflectionInfo(iter([asked]), timeout=5))
+            assert fd[0].file_descriptor_response.file_descriptor_proto, \
+                (name, "reflection cannot describe the service")

@@ -51,7 +51,8 @@ def expect_error(call, status: str, *fragments: str) -> InferenceServerException
 
 
 def tensor(name: str, array: np.ndarray, datatype: str | None = None, shape=None) -> grpcclient.InferInput:
-    datatype = datatype or {np.dtype("float32"): "FP32", np.dtype("float64"): "FP64", np.dtype("int64"): "INT64"}[array.dtype]
+    datatype = datatype or {np.dtype("float32"): "FP32", np.dtype("float64"): "FP64",
+                            np.dtype("int64"): "INT64"}[array.dtype]
     t = grpcclient.InferInput(name, list(shape if shape is not None else array.shape), datatype)
     t.set_data_from_numpy(array)
     return t
@@ -107,7 +108,8 @@ def mlp_session(model_repository) -> ort.InferenceSession:
 
 @pytest.fixture(scope="module")
 def minilm_session(model_repository) -> ort.InferenceSession:
-    return ort.InferenceSession(str(model_repository / "minilm" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(model_repository / "minilm" / "1" / "model.onnx"),
+                                providers=["CPUExecutionProvider"])
 
 
 def reference(session: ort.InferenceSession, x: np.ndarray) -> np.ndarray:
@@ -127,7 +129,8 @@ def small_gateway(mesh):
     limit = 1024 * 1024
 
     async def start():
-        return await GatewayApp(GatewaySettings(redis_url=mesh.redis_url, port=0, metrics_port=-1, max_message_bytes=limit)).start()
+        return await GatewayApp(GatewaySettings(redis_url=mesh.redis_url, port=0, metrics_port=-1,
+                                                max_message_bytes=limit)).start()
 
     app = mesh.call(start())
     try:
@@ -144,7 +147,8 @@ def test_unknown_model_is_not_found(client):
 
 
 def test_unknown_version_is_not_found(client):
-    expect_error(lambda: client.infer("mlp", mlp_inputs(), model_version="7"), NOT_FOUND, "'mlp'", "'7'", "available: 1")
+    expect_error(lambda: client.infer("mlp", mlp_inputs(), model_version="7"), NOT_FOUND, "'mlp'", "'7'",
+                 "available: 1")
 
 
 def test_metadata_and_config_of_unknown_model_are_not_found(client):
@@ -179,7 +183,8 @@ def test_wrong_shape(client):
 @pytest.mark.parametrize("shape", [[1, 32, 1], [32]], ids=["rank3", "rank1"])
 def test_wrong_rank(client, shape):
     x = np.zeros(shape, np.float32)
-    expect_error(lambda: client.infer("mlp", [tensor("features", x)]), INVALID_ARGUMENT, "'features'", "shape", str(shape))
+    expect_error(lambda: client.infer("mlp", [tensor("features", x)]), INVALID_ARGUMENT, "'features'", "shape",
+                 str(shape))
 
 
 def test_missing_input(client):
@@ -209,7 +214,8 @@ def test_inputs_disagree_on_batch_size(client):
 
 
 def test_duplicate_input(client):
-    expect_error(lambda: client.infer("mlp", mlp_inputs() + mlp_inputs()), INVALID_ARGUMENT, "'features'", "more than once")
+    expect_error(lambda: client.infer("mlp", mlp_inputs() + mlp_inputs()), INVALID_ARGUMENT, "'features'",
+                 "more than once")
 
 
 def test_sequence_id_is_refused(client):
@@ -386,7 +392,8 @@ def test_request_that_fails_in_the_model_fails_alone(client, minilm_session, cap
         valid = {}
         for i in range(8):
             seq = int(rng.integers(4, 13))
-            valid[i] = (rng.integers(1000, 30000, (1 + i % 2, seq)).astype(np.int64), np.ones((1 + i % 2, seq), np.int64))
+            valid[i] = (rng.integers(1000, 30000, (1 + i % 2, seq)).astype(np.int64),
+                        np.ones((1 + i % 2, seq), np.int64))
         poisoned = {i: (np.full((1, 6), 10**9, np.int64), np.ones((1, 6), np.int64)) for i in (8, 9)}
         done: dict[int, tuple] = {}
         lock = threading.Lock()
@@ -495,7 +502,8 @@ def test_redis_out_of_memory_is_unavailable_and_the_mesh_serves_once_it_has_room
         c.infer("mlp", mlp_inputs())
         r.config_set("maxmemory", 1)  # every write refused with OOM: what a Redis at its maxmemory does
         try:
-            expect_error(lambda: c.infer("mlp", mlp_inputs()), "StatusCode.UNAVAILABLE", "Redis refuses writes", "maxmemory")
+            expect_error(lambda: c.infer("mlp", mlp_inputs()), "StatusCode.UNAVAILABLE", "Redis refuses writes",
+                         "maxmemory")
             # Until the executors' registrations lapse (their heartbeats are refused): they come
             # back only if the heartbeats outlived the refusals.
             poll(lambda: not any(r.scan_iter(contract.executor("*"))), 15, "the registrations to lapse", interval=0.1)

@@ -227,7 +227,8 @@ def test_sigterm_drains_an_executor(process_mesh, mlp_model):
         ("before SIGTERM", between(records, 0, t_term)),
         ("while draining", between(records, t_term, t_exit)),
         ("after exit", between(records, t_exit)),
-    ], f"exit code {code} after {t_exit - t_term:.2f}s; held batches at SIGTERM: {busy}; left after exit: {left_detail}")
+    ], f"exit code {code} after {t_exit - t_term:.2f}s; held batches at SIGTERM: {busy}; "
+       f"left after exit: {left_detail}")
     assert code == 0, f"the executor exited with {code} on SIGTERM"
     assert cleared, f"batches still assigned to the executor 5 s after it exited: {left_detail}"
     assert_nothing_hung(records)
@@ -353,7 +354,8 @@ def test_redis_restart_under_load(process_mesh, mlp_model):
     refused = [r for r in outage if r.end < t_up]
     assert refused, "no request was answered while Redis was down"
     wrong = [r for r in refused if r.code not in UNAVAILABLE_LIKE]
-    assert not wrong, f"requests sent while Redis was down ended with {sorted({r.code for r in wrong})}, e.g. {wrong[:3]}"
+    assert not wrong, \
+        f"requests sent while Redis was down ended with {sorted({r.code for r in wrong})}, e.g. {wrong[:3]}"
     # "About a second" (the Redis timeout): the median rather than the maximum, so that one
     # request stalled by this 2-core machine does not decide; none may wait for its budget.
     assert median < 1.5, f"requests sent while Redis was down took {median:.2f} s (median) to be refused"

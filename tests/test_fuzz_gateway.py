@@ -120,8 +120,10 @@ datatypes = st.sampled_from(DATATYPES + JUNK_DATATYPES)
 param_values = st.one_of(
     st.tuples(st.just("bool_param"), st.booleans()),
     st.tuples(st.just("int64_param"), st.one_of(INT64, st.sampled_from(EDGE_INTS))),
-    st.tuples(st.just("uint64_param"), st.one_of(UINT64, st.sampled_from([e for e in EDGE_INTS if e >= 0] + [2**64 - 1]))),
-    st.tuples(st.just("string_param"), st.one_of(st.text(max_size=20), st.sampled_from(["1000", "-1", "1e9", "", "nan"]))),
+    st.tuples(st.just("uint64_param"),
+              st.one_of(UINT64, st.sampled_from([e for e in EDGE_INTS if e >= 0] + [2**64 - 1]))),
+    st.tuples(st.just("string_param"),
+              st.one_of(st.text(max_size=20), st.sampled_from(["1000", "-1", "1e9", "", "nan"]))),
     st.tuples(st.just("double_param"), st.floats(allow_nan=True, allow_infinity=True)),
     st.tuples(st.just(None), st.none()),  # a parameter with nothing set
 )
@@ -424,7 +426,8 @@ def test_fuzzed_requests_on_a_stream(stream_infer, mlp_session, batch):
     try:
         answers = list(stream_infer(iter([*batch, probe]), timeout=CLIENT_TIMEOUT_S))
     except grpc.RpcError as exc:
-        pytest.fail(f"the stream failed with {exc.code().name} after {time.monotonic() - started:.1f} s: {exc.details()}")
+        pytest.fail(f"the stream failed with {exc.code().name} after {time.monotonic() - started:.1f} s: "
+                    f"{exc.details()}")
     assert len(answers) == len(batch) + 1, f"{len(batch) + 1} requests, {len(answers)} answers"
     for a in answers:
         if a.error_message:

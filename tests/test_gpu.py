@@ -256,7 +256,8 @@ def test_tensorrt_without_its_libraries_serves_on_cuda_and_the_log_says_why(gpu_
 def test_optimize_writes_the_fp16_version_where_it_is_faster_on_the_gpu(cuda, tmp_path):
     # 4096-wide MatMuls on 1024 rows: the GPU is busy, and FP16 halves both its weights' bytes and
     # its tensor-core time against FP32 (or TF32).
-    _save(tmp_path, WIDE_MODEL, _mlp(WIDE_MODEL, [256, 4096, 4096, 4096, 4096, 256]), f"max_batch_size = {WIDE_BATCH}\n")
+    _save(tmp_path, WIDE_MODEL, _mlp(WIDE_MODEL, [256, 4096, 4096, 4096, 4096, 256]),
+          f"max_batch_size = {WIDE_BATCH}\n")
     out = subprocess.run([sys.executable, "-m", "batchline.cli", "optimize", WIDE_MODEL, "--repository", str(tmp_path),
                           "--variants", "fp16", "--scratch", str(tmp_path / "scratch")],
                          capture_output=True, text=True, timeout=240)

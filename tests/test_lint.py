@@ -39,12 +39,19 @@ def test_the_code_passes_ruff():
 
 
 def test_ruff_reports_what_it_is_configured_to(tmp_path):
-    # The configuration is the project's, not empty: an unused import in a copy of the rules fails.
+    # The configuration is the project's, not empty: in a copy of the rules, an unused import, a line
+    # over 120 characters, a silent blind except and a noqa that silences nothing each fail.
     (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
-    (tmp_path / "bad.py").write_text("import os\n")
+    (tmp_path / "bad.py").write_text(
+        "import os\n"
+        f"LONG = '{'x' * 120}'\n"
+        "try:\n    LONG.upper()\nexcept Exception:\n    pass\n"
+        "SHORT = 1  # noqa: E501\n")
     result = subprocess.run([ruff(), "check", "--no-cache", "--output-format", "concise", "."],
                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1 and "F401" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 1, result.stdout + result.stderr
+    for rule in ("F401", "E501", "BLE001", "RUF100"):
+        assert rule in result.stdout, (rule, result.stdout)
 
 
 def test_the_pure_packages_pass_mypy():

@@ -108,7 +108,8 @@ def test_explicit_mode_loads_and_unloads_under_load_and_reports_what_cannot_load
             with pytest.raises(InferenceServerException) as corrupt:
                 client.load_model("broken")
             assert corrupt.value.status() == "StatusCode.INVALID_ARGUMENT"
-            assert "ONNX Runtime could not load it" in corrupt.value.message() and "protobuf" in corrupt.value.message().lower()
+            assert "ONNX Runtime could not load it" in corrupt.value.message()
+            assert "protobuf" in corrupt.value.message().lower()
             assert _index(client)[("broken", "1")][0] == "UNAVAILABLE"
 
             # A new version: load_model returns once it serves, and the traffic moves to it.
@@ -116,7 +117,8 @@ def test_explicit_mode_loads_and_unloads_under_load_and_reports_what_cannot_load
             client.load_model("mlp")
             switched_at = time.monotonic()
             assert client.is_model_ready("mlp", "2")
-            poll(lambda: _index(client).get(("mlp", "1")) == ("UNAVAILABLE", "unloaded"), 30, "version 1 to be released")
+            poll(lambda: _index(client).get(("mlp", "1")) == ("UNAVAILABLE", "unloaded"), 30,
+                 "version 1 to be released")
             load.wait_ok(200, time.monotonic(), 30)
             rollout = [r for r in load.snapshot()]
             counts = _check_rollout(rollout, switched_at)

@@ -174,7 +174,8 @@ def test_static_int8_is_calibrated_on_the_inputs_given(repository, calibration, 
     assert set(variant["gate"]["outputs"]["probability"]) >= {"max_abs_error", "max_rel_error"}
     # Without inputs there is nothing to calibrate on: skipped, and said so.
     report = optimize(Options("mlp", repository, variants=("int8-static",)))
-    assert report["variants"] == [{"name": "int8-static", "skipped": "no calibration inputs (--calibration or --texts)"}]
+    assert report["variants"] == [{"name": "int8-static",
+                                   "skipped": "no calibration inputs (--calibration or --texts)"}]
 
 
 def test_the_demo_build_writes_an_int8_minilm_judged_on_real_sentences(repository):

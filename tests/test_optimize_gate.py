@@ -22,7 +22,8 @@ def _save(repo: pathlib.Path, name: str, nodes: list, inputs: list, outputs: lis
           config: str) -> pathlib.Path:
     graph = helper.make_graph(nodes, name, inputs, outputs, [numpy_helper.from_array(v, k) for k, v in weights.items()])
     (repo / name / "1").mkdir(parents=True)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(repo / name / "1" / "model.onnx"))
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+              str(repo / name / "1" / "model.onnx"))
     (repo / name / "config.toml").write_text(config)
     return repo / name
 
@@ -41,7 +42,8 @@ def _classifier(repo: pathlib.Path, config: str = "max_batch_size = 64\n") -> pa
         helper.make_node("MatMul", ["active", "w_logits"], ["logits"], name="to_logits"),
         helper.make_node("Softmax", ["logits"], ["scores"], axis=-1)],
         [helper.make_tensor_value_info("x", f32, ["batch", 16])],
-        [helper.make_tensor_value_info(n, f32, ["batch", w]) for n, w in (("logits", 10), ("scores", 10), ("hidden", 12))],
+        [helper.make_tensor_value_info(n, f32, ["batch", w])
+         for n, w in (("logits", 10), ("scores", 10), ("hidden", 12))],
         {"w_hidden": rng.standard_normal((16, 12)).astype(np.float32) / 4,
          "w_logits": rng.standard_normal((12, 10)).astype(np.float32)}, config)
 
@@ -64,13 +66,15 @@ def test_fp16_and_tensorrt_int8_are_judged_on_the_gpu_where_one_serves_and_skipp
     cpu_host = ["CPUExecutionProvider"]
     steps = {s.variant: s for s in providers.plan(VARIANTS, cpu_host, providers.serving(gpu_host, cpu_host))}
     assert steps["fp16"].provider is None and "CUDAExecutionProvider" in steps["fp16"].skipped
-    assert steps["tensorrt-int8"].provider is None and "TensorRT is not available here" in steps["tensorrt-int8"].skipped
+    assert steps["tensorrt-int8"].provider is None
+    assert "TensorRT is not available here" in steps["tensorrt-int8"].skipped
     assert all(steps[v].provider == "CPUExecutionProvider" and steps[v].choosable
                for v in ("graph", "int8-dynamic", "int8-static"))
 
     # The choice: the fastest that passed, among those judged on the device that serves the model.
     def judged(name, provider, ratio, passed=True):
-        return {"name": name, "provider": provider, "gate": {"passed": passed}, "speed": {"32": {"throughput_ratio": ratio}}}
+        return {"name": name, "provider": provider, "gate": {"passed": passed},
+                "speed": {"32": {"throughput_ratio": ratio}}}
 
     results = [judged("int8-dynamic", "CPUExecutionProvider", 2.0), judged("fp16", "CUDAExecutionProvider", 1.6),
                judged("tensorrt-int8", "TensorrtExecutionProvider", 3.0, passed=False)]
@@ -133,16 +137,19 @@ def test_each_output_is_judged_as_what_it_is_by_name_values_or_config(tmp_path):
 
 def test_a_classifier_whose_argmax_flips_fails_the_gate_however_close_its_cosines(tmp_path):
     _classifier(tmp_path)
-    session = ort.InferenceSession(str(tmp_path / "classifier" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(tmp_path / "classifier" / "1" / "model.onnx"),
+                                   providers=["CPUExecutionProvider"])
     reference = session.run(["logits"], _features(2000))[0]
     # The two best classes swapped where they are within 0.2 of each other: every cosine near 1.
     top = np.argsort(-reference, axis=1)[:, :2]
     rows = np.nonzero(np.take_along_axis(reference, top, 1) @ [1, -1] < 0.2)[0]
     flipped = reference.copy()
-    flipped[rows, top[rows, 0]], flipped[rows, top[rows, 1]] = reference[rows, top[rows, 1]], reference[rows, top[rows, 0]]
+    first, second = top[rows, 0], top[rows, 1]
+    flipped[rows, first], flipped[rows, second] = reference[rows, second], reference[rows, first]
     assert 0.02 < len(rows) / len(reference) and gate.cosines(reference, flipped).min() > 0.99
     kind, _ = gate.kind_of("logits", reference, {})
-    verdict = gate.judge({"logits": reference}, {"logits": flipped}, gate.Thresholds(max_abs_error=1.0), {"logits": kind})
+    verdict = gate.judge({"logits": reference}, {"logits": flipped}, gate.Thresholds(max_abs_error=1.0),
+                         {"logits": kind})
     assert not verdict["passed"] and verdict["failed"][0].startswith("logits: argmax_agreement")
 
 
@@ -193,7 +200,8 @@ def _words_model(repo: pathlib.Path, tokenizer_table: str) -> pathlib.Path:
         helper.make_node("ReduceSum", ["mask3", "one"], ["count"], keepdims=0),
         helper.make_node("Div", ["total", "count"], ["mean"]),
         helper.make_node("MatMul", ["mean", "projection"], ["sentence_embedding"], name="project")],
-        [helper.make_tensor_value_info(n, i64, ["batch", "sequence"]) for n in ("input_ids", "padding_mask", "segments")],
+        [helper.make_tensor_value_info(n, i64, ["batch", "sequence"])
+         for n in ("input_ids", "padding_mask", "segments")],
         [helper.make_tensor_value_info("sentence_embedding", f32, ["batch", 24])],
         {"table": rng.standard_normal((len(WORDS) + 1, 24)).astype(np.float32),
          "segment_table": np.zeros((2, 24), np.float32), "last": np.array([-1]), "one": np.array([1]),
@@ -259,7 +267,8 @@ def _sensitive(repo: pathlib.Path) -> pathlib.Path:
         helper.make_node("MatMul", ["h1", "w_middle"], ["h2"], name="middle"),
         helper.make_node("Tanh", ["h2"], ["a2"]),
         helper.make_node("MatMul", ["a2", "w_last"], ["embedding"], name="last")],
-        [helper.make_tensor_value_info("x", f32, ["batch", 16])], [helper.make_tensor_value_info("embedding", f32, ["batch", 24])],
+        [helper.make_tensor_value_info("x", f32, ["batch", 16])],
+        [helper.make_tensor_value_info("embedding", f32, ["batch", 24])],
         {"w_first": first, "w_middle": middle, "w_last": rng.standard_normal((32, 24)).astype(np.float32) / 6},
         "max_batch_size = 64\n")
 

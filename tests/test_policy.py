@@ -280,7 +280,8 @@ def test_expired_requests_are_shed_and_the_rest_still_planned():
 
 def test_all_expired_gives_no_batches_and_no_wake():
     policy = ModelPolicy(BatchingRule(4), max_queue_delay=10.0)
-    p = plan(2.0, [req("a", deadline=1.0), req("b", deadline=2.0)], policy, free_at=IDLE * 1, cost=FunctionCost(fixed(0.25)))
+    p = plan(2.0, [req("a", deadline=1.0), req("b", deadline=2.0)], policy, free_at=IDLE * 1,
+             cost=FunctionCost(fixed(0.25)))
     assert [e.request_id for e in p.expired] == ["a", "b"]
     assert p.batches == []
     assert p.wake_at is None
@@ -698,7 +699,8 @@ def test_tail_batches_are_cut_to_meet_their_earliest_deadline():
     queue = [req("a", deadline=0.125), req("b"), req("c"), req("d")]
     t = played(queue, 4)
     first = plan(0.0, queue, ModelPolicy(BatchingRule(4), max_queue_delay=10.0), IDLE, FunctionCost(linear))
-    assert [ids(b) for b in first.batches] == [["b", "c", "d"]] and ids(PlannedBatch(tuple(first.expired), 0, "", 0)) == ["a"]
+    assert [ids(b) for b in first.batches] == [["b", "c", "d"]]
+    assert ids(PlannedBatch(tuple(first.expired), 0, "", 0)) == ["a"]
     assert [[m.request_id for m in b.members] for b in t.batches] == [["b", "c", "d"]]
     assert [p.request_id for p in t.shed] == ["a"]
     # Two as tight: a batch of 4 gets no more done in time than the batch of 2, which goes first.

@@ -1,4 +1,5 @@
-"""The checked-in stubs are what scripts/gen_protos.py generates from protos/, and they are wire-compatible with Triton."""
+"""The checked-in stubs are what scripts/gen_protos.py generates from protos/, and they are wire-compatible with
+Triton."""
 from __future__ import annotations
 
 import importlib.util
@@ -64,7 +65,8 @@ def _values(enum) -> dict[str, int]:
 @pytest.mark.parametrize("enum", sorted(inference_pb2.DESCRIPTOR.enum_types_by_name))
 def test_enums_match_triton(enum):
     assert model_config_pb2.DESCRIPTOR.enum_types_by_name[enum].full_name == f"inference.{enum}"
-    assert _values(inference_pb2.DESCRIPTOR.enum_types_by_name[enum]) == _values(model_config_pb2.DESCRIPTOR.enum_types_by_name[enum])
+    assert (_values(inference_pb2.DESCRIPTOR.enum_types_by_name[enum])
+            == _values(model_config_pb2.DESCRIPTOR.enum_types_by_name[enum]))
 
 
 def test_service_methods_match_triton():

@@ -18,7 +18,8 @@ def test_providers_keep_preference_order_and_skip_what_the_build_lacks():
     chosen = choose_providers(DEFAULT_PROVIDERS, {"CUDAExecutionProvider": {"device_id": 0}}, available)
     assert chosen == [("CUDAExecutionProvider", {"device_id": 0}), ("CPUExecutionProvider", {})]
     # CPU is always the last resort, even when not asked for.
-    assert choose_providers(["TensorrtExecutionProvider"], {}, ["CPUExecutionProvider"]) == [("CPUExecutionProvider", {})]
+    assert choose_providers(["TensorrtExecutionProvider"], {},
+                            ["CPUExecutionProvider"]) == [("CPUExecutionProvider", {})]
 
 
 def test_session_falls_back_to_cpu_when_a_gpu_provider_fails(model_repository):

@@ -63,7 +63,8 @@ def _fill_executor(r: redis.Redis, s, eid: str) -> list[str]:
     waits for a report. Returns the held batch ids."""
     held = [f"held{i}" for i in range(s.settings.max_batches_per_executor)]
     r.sadd(contract.inflight(("mlp", "1"), eid), *held)
-    r.rpush(contract.REPORTS, pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1").SerializeToString())
+    r.rpush(contract.REPORTS,
+            pb.ExecutionReport(executor_id="x", model_name="mlp", model_version="1").SerializeToString())
     poll(lambda: contract.queue(("mlp", "1")) in s.wakeups.blocked, 15, "mlp's queue to wait for its executor")
     return held
 
@@ -92,7 +93,8 @@ def test_a_full_batch_goes_out_at_once_and_records_why(mesh_factory):
     gateway_id = "gw-full"
     # Queued atomically, so the scheduler sees all 64 rows (mlp's max_batch_size) in one step.
     with r.pipeline(transaction=True) as pipe:
-        ids = [_enqueue(pipe, gateway_id, now_us() + 30_000_000, _mlp_request(np.full((16, 32), k)), rows=16) for k in range(4)]
+        ids = [_enqueue(pipe, gateway_id, now_us() + 30_000_000, _mlp_request(np.full((16, 32), k)), rows=16)
+               for k in range(4)]
         pipe.execute()
     replies = _replies(r, gateway_id, 4)
     assert all(replies[i].code == 0 for i in ids)
@@ -209,7 +211,8 @@ def test_the_leader_leaves_the_arrivals_of_a_queue_waiting_for_a_busy_executor_a
     r.rpush(contract.REPORTS, report)  # a step, which finds it so
     poll(lambda: contract.queue(("mlp", "1")) in s.wakeups.blocked, 15, "mlp's queue to wait for its executor")
     r.rpush(mlp, 1)  # the wait begun before that verdict may take this one, and then leave the list
-    poll(lambda: mlp not in s.wakeups.listening and other in s.wakeups.listening, 15, "the wait to leave mlp's arrivals alone")
+    poll(lambda: mlp not in s.wakeups.listening and other in s.wakeups.listening, 15,
+         "the wait to leave mlp's arrivals alone")
 
     waiting = s.wakeups.listening
     rid = _enqueue(r, "gw-blocked", now_us() + 30_000_000, _mlp_request(np.ones((1, 32))))

@@ -96,7 +96,8 @@ def test_a_second_scheduler_stands_by_and_takes_over_when_the_leader_stops(mesh_
     first = m.scheduler
     second = m.call(SchedulerApp(SchedulerSettings(redis_url=m.redis_url, port=0, metrics_port=-1)).start())
     try:
-        poll(lambda: first.scheduler.leader and second.scheduler.lease.attempted_at, WAIT_S, "both schedulers to try the lease")
+        poll(lambda: first.scheduler.leader and second.scheduler.lease.attempted_at, WAIT_S,
+             "both schedulers to try the lease")
         assert not second.scheduler.leader
         channel, stub = _stub(m)
         with channel:
@@ -154,9 +155,11 @@ def test_a_standby_leaves_the_shared_event_lists_to_the_leader(mesh_factory):
 
     r.delete(contract.LEADER)
     poll(lambda: scheduler.leader, WAIT_S, "the scheduler to take the lease")
-    poll(lambda: r.llen(contract.REPORTS) == 0 and r.llen(contract.notify(("mlp", "1"))) == 0, WAIT_S, "the leader to take the events")
+    poll(lambda: r.llen(contract.REPORTS) == 0 and r.llen(contract.notify(("mlp", "1"))) == 0, WAIT_S,
+         "the leader to take the events")
     # An unregistered executor's report counts for its model's "unknown" kind.
-    poll(lambda: (3, 0.003) in scheduler.profiles.of(("mlp", "1", "unknown")).samples(), WAIT_S, "the report in the profile")
+    poll(lambda: (3, 0.003) in scheduler.profiles.of(("mlp", "1", "unknown")).samples(), WAIT_S,
+         "the report in the profile")
 
 
 def test_a_dead_executors_batch_is_requeued_and_answered_by_another(mesh_factory):
@@ -180,7 +183,8 @@ def test_a_dead_executors_batch_is_requeued_and_answered_by_another(mesh_factory
     assert all(reply.code == 0 for reply in replies.values())
     assert m.scheduler.scheduler.counts["redispatched"] == 3
     # The dead executor's keys are gone and it is forgotten.
-    assert not r.exists(contract.work("dead"), contract.inflight(("mlp", "1"), "dead"), contract.batch(("mlp", "1"), "lost"))
+    assert not r.exists(contract.work("dead"), contract.inflight(("mlp", "1"), "dead"),
+                        contract.batch(("mlp", "1"), "lost"))
     assert not r.sismember(contract.EXECUTORS, "dead")
 
 
@@ -226,7 +230,8 @@ def _backed_up(m, cost_per_unit_s: float = 0.001) -> redis.Redis:
                         policy="deadline", updated_us=now_us() + 60_000_000, tails=[backed_up, backed_up])
     r.set(contract.load(("mlp", "1")), view.SerializeToString(), px=60_000)
     # (the real scheduler published a view of its own before standing by: wait for ours)
-    poll(lambda: getattr(m.gateway.gateway.loads.get(("mlp", "1")), "queued_rows", [0])[0] == 5000, WAIT_S, "the gateway to read the load view")
+    poll(lambda: getattr(m.gateway.gateway.loads.get(("mlp", "1")), "queued_rows", [0])[0] == 5000, WAIT_S,
+         "the gateway to read the load view")
     return r
 
 
@@ -312,7 +317,8 @@ def test_a_refusal_on_a_stream_carries_the_retry_hint_and_the_stream_goes_on(mes
         answers = list(stub.ModelStreamInfer(iter([overloaded, too_tight]), timeout=10))
     by_id = {a.infer_response.id: a for a in answers}
     assert set(by_id) == {"over", "tight"}
-    assert by_id["over"].error_message.startswith("[RESOURCE_EXHAUSTED]") and "overloaded" in by_id["over"].error_message
+    assert by_id["over"].error_message.startswith("[RESOURCE_EXHAUSTED]")
+    assert "overloaded" in by_id["over"].error_message
     assert by_id["over"].infer_response.parameters["retry-after-ms"].int64_param > 0
     # Only a refusal for load says when to come back: a budget too short for the model does not.
     assert by_id["tight"].error_message.startswith("[DEADLINE_EXCEEDED]")
@@ -497,7 +503,8 @@ def test_the_load_view_says_up_to_which_request_of_each_gateway_it_has_read(mesh
             # Dispatched, run and answered: its view has counted it (queued or sent on), even if the
             # scheduler never published while it was queued.
             poll(lambda: (b := r.get(contract.load(("mlp", "1")))) and
-                         pb.ModelLoad.FromString(b).seen_us.get(gateway_id, 0) >= before, WAIT_S, "a view that has read the request")
+                         pb.ModelLoad.FromString(b).seen_us.get(gateway_id, 0) >= before, WAIT_S,
+                         "a view that has read the request")
             assert pb.ModelLoad.FromString(r.get(contract.load(("mlp", "1")))).seen_us[gateway_id] <= now_us()
 
 
@@ -520,7 +527,8 @@ def test_an_answered_request_is_ahead_of_nobody_while_no_newer_view_comes(mesh_f
         # Budget 200 ms, planned to 190, admitted up to 133 ms: 80 ms alone fits; behind the answered
         # request, still counted, 160 ms would not.
         second = stub.ModelInfer.future(_request(2.0), timeout=0.2)
-        seen = poll(lambda: "queued" if r.zcard(queue) else ("over" if second.done() else None), WAIT_S, "the second request admitted or refused")
+        seen = poll(lambda: "queued" if r.zcard(queue) else ("over" if second.done() else None), WAIT_S,
+                    "the second request admitted or refused")
         assert seen == "queued", second.exception().details()
         assert second.exception(timeout=5).code() == grpc.StatusCode.DEADLINE_EXCEEDED  # admitted, never run
 
@@ -556,7 +564,8 @@ def test_a_gateway_whose_admitted_requests_come_late_admits_less(mesh_factory):
             stub.ModelInfer(_request(2.0), timeout=0.28)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "overloaded" in info.value.details()
-        exported = prometheus_client.REGISTRY.get_sample_value("batchline_admission_headroom", {"model": "mlp", "version": "1"})
+        exported = prometheus_client.REGISTRY.get_sample_value("batchline_admission_headroom",
+                                                               {"model": "mlp", "version": "1"})
         assert exported == pytest.approx(0.7 - 0.2 * 0.99)
         ahead.cancel()
 
@@ -618,7 +627,8 @@ def test_a_model_with_two_instances_runs_on_two_lanes_of_one_executor(model_repo
     shutil.copytree(pathlib.Path(model_repository) / "minilm", repo / "minilm")
     config = repo / "mlp" / "config.toml"
     # Batches of 2: 16 requests at once make more batches than one lane takes.
-    config.write_text(config.read_text().replace("max_batch_size = 64", "max_batch_size = 2") + "\ninstance_count = 2\n")
+    config.write_text(config.read_text().replace("max_batch_size = 64", "max_batch_size = 2")
+                      + "\ninstance_count = 2\n")
     (repo / "minilm" / "config.toml").write_text(
         (repo / "minilm" / "config.toml").read_text().replace("instance_count = 2", "instance_count = 1"))
     from mesh import Mesh
@@ -641,7 +651,8 @@ def test_a_model_with_two_instances_runs_on_two_lanes_of_one_executor(model_repo
         assert all(f.result().id == "t" for f in futures)
         channel.close()
         ran = {e: pb.ExecutorInfo.FromString(r.get(contract.executor(e))).executed_batches for e in lanes}
-        poll(lambda: all(pb.ExecutorInfo.FromString(r.get(contract.executor(e))).executed_batches for e in lanes), WAIT_S, f"both lanes to report batches run (so far {ran})")
+        poll(lambda: all(pb.ExecutorInfo.FromString(r.get(contract.executor(e))).executed_batches for e in lanes),
+             WAIT_S, f"both lanes to report batches run (so far {ran})")
         # The process's control endpoint counts the batches of both lanes.
         app = m.executors[0]
         with grpc.insecure_channel(f"127.0.0.1:{app.port}") as control:
@@ -778,7 +789,8 @@ def test_a_text_requests_length_travels_with_it_and_its_batch_reports_the_padded
         _dispatch_queued(r, m, "minilm", members, "mixed")
         for call in calls:
             assert call.result(timeout=30).outputs[0].shape == [1, 384]
-    [report] = [x for x in map(pb.ExecutionReport.FromString, r.lrange(contract.REPORTS, 0, -1)) if x.batch_id == "mixed"]
+    [report] = [x for x in map(pb.ExecutionReport.FromString, r.lrange(contract.REPORTS, 0, -1))
+                if x.batch_id == "mixed"]
     assert (report.rows, report.units) == (2, 2 * 12)
 
 
@@ -800,7 +812,8 @@ def test_a_batch_retried_member_by_member_reports_every_run_it_made(mesh_factory
         with pytest.raises(grpc.RpcError) as failed:
             bad.result(timeout=30)
         assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    [report] = [x for x in map(pb.ExecutionReport.FromString, r.lrange(contract.REPORTS, 0, -1)) if x.batch_id == "poisoned"]
+    [report] = [x for x in map(pb.ExecutionReport.FromString, r.lrange(contract.REPORTS, 0, -1))
+                if x.batch_id == "poisoned"]
     assert (report.rows, report.failed, report.units) == (1, 1, 2 * 12 + 5 + 12)
 
 
@@ -808,14 +821,16 @@ def test_a_short_sequence_is_judged_by_its_own_cost_after_long_ones_taught_the_p
     m = mesh_factory(models=["minilm"])
     r = redis.Redis.from_url(m.redis_url)
     eid = m.executors[0].executor.executor_id
-    poll(lambda: m.scheduler.scheduler.profiles.by_key.get(("minilm", "1", "CPUExecutionProvider")), WAIT_S, "the warm-up reports")
+    poll(lambda: m.scheduler.scheduler.profiles.by_key.get(("minilm", "1", "CPUExecutionProvider")), WAIT_S,
+         "the warm-up reports")
     # Batches of 8 sequences of 64 and of 128 tokens took 2 ms per token (a very slow host): 1 s and 2 s.
     reports = [pb.ExecutionReport(executor_id=eid, batch_id=f"long{i}", model_name="minilm", model_version="1",
                                   rows=8, requests=8, units=8 * tokens, compute_infer_ns=8 * tokens * 2_000_000)
                for i, tokens in enumerate([64, 128] * 20)]
     r.rpush(contract.REPORTS, *(x.SerializeToString() for x in reports))
     poll(lambda: (view := r.get(contract.load(("minilm", "1")))) and
-          pb.ModelLoad.FromString(view).cost_per_unit_s == pytest.approx(0.002, rel=0.01), WAIT_S, "the profile's new cost")
+          pb.ModelLoad.FromString(view).cost_per_unit_s == pytest.approx(0.002, rel=0.01), WAIT_S,
+          "the profile's new cost")
     channel, stub = _stub(m)
     with channel:
         # Long budgets, until this gateway reads that view (a request asks for a fresher one).
@@ -840,13 +855,15 @@ def test_a_spell_of_slow_runs_does_not_lock_tight_budgets_out(mesh_factory):
     r = redis.Redis.from_url(m.redis_url)
     eid = m.executors[0].executor.executor_id
     key = ("mlp", "1")
-    poll(lambda: m.scheduler.scheduler.profiles.by_key.get((*key, "CPUExecutionProvider")), WAIT_S, "the warm-up reports")
+    poll(lambda: m.scheduler.scheduler.profiles.by_key.get((*key, "CPUExecutionProvider")), WAIT_S,
+         "the warm-up reports")
     reports = [pb.ExecutionReport(executor_id=eid, batch_id=f"slow{i}", model_name="mlp", model_version="1",
                                   rows=4, requests=4, units=4, compute_infer_ns=20 * 10**9 if i % 5 == 0 else 2_000_000)
                for i in range(50)]
     r.rpush(contract.REPORTS, *(x.SerializeToString() for x in reports))
     gateway = m.gateway.gateway
-    poll(lambda: (view := gateway.loads.get(key)) and view.cost_margin_s > 10, WAIT_S, "the gateway to read the new margin")
+    poll(lambda: (view := gateway.loads.get(key)) and view.cost_margin_s > 10, WAIT_S,
+         "the gateway to read the new margin")
 
     def idle_in_view() -> bool:
         return all(f <= time.time() for t in gateway.loads[key].tails for f in t.free_s)

@@ -165,7 +165,8 @@ def test_primary_killed_under_load(sentinels, process_mesh, mlp_model):
         ("sent in the window", between(records, killed, promoted + 1.0)),
         ("after", between(records, promoted + 1.0)),
     ], f"failover {promoted - killed:.2f} s (kill to promotion); served again {served - promoted:.2f} s after it; "
-       f"UNAVAILABLE {len(unavailable)} ({len([r for r in unavailable if 'lacks' in r.message])} lacked by the new primary)")
+       f"UNAVAILABLE {len(unavailable)} "
+       f"({len([r for r in unavailable if 'lacks' in r.message])} lacked by the new primary)")
     assert_nothing_hung(records)
     assert_none_lost(records)
     assert_answers_correct(records)
@@ -192,9 +193,10 @@ def tls_sentinels(tmp_path):
     for i, port in enumerate(ports[:2]):
         (tmp_path / f"data-{i}").mkdir()
         replica = ["--replicaof", "127.0.0.1", str(ports[0])] if i else []
-        procs.append(subprocess.Popen([redis_server_binary(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-                                       *tls, "--save", "", "--appendonly", "no", "--dir", str(tmp_path / f"data-{i}"),
-                                       *replica], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen([redis_server_binary(), "--port", "0", "--tls-port", str(port),
+                                       "--bind", "127.0.0.1", *tls, "--save", "", "--appendonly", "no",
+                                       "--dir", str(tmp_path / f"data-{i}"), *replica],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     for port in ports[2:]:
         conf = tmp_path / f"sentinel-{port}.conf"
         conf.write_text(f"port 0\ntls-port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
@@ -206,7 +208,8 @@ def tls_sentinels(tmp_path):
     try:
         def ready() -> bool:
             try:
-                state = redis.Redis(port=ports[2], ssl=True, ssl_ca_certs=ca.file, socket_timeout=1).sentinel_master("mymaster")
+                state = redis.Redis(port=ports[2], ssl=True, ssl_ca_certs=ca.file,
+                                    socket_timeout=1).sentinel_master("mymaster")
             except redis.exceptions.RedisError:
                 return False
             return int(state["num-slaves"]) == 1 and int(state["num-other-sentinels"]) == 2

@@ -47,7 +47,8 @@ def test_an_answer_that_finds_its_call_over_is_not_logged_as_an_error(caplog):
         raise cygrpc.ExecuteBatchError('Failed "execute_batch"')
     except cygrpc.ExecuteBatchError:
         with caplog.at_level(logging.DEBUG):
-            grpc_log.exception("ExecuteBatchError raised in core by servicer method [/inference.GRPCInferenceService/ModelInfer]")
+            grpc_log.exception("ExecuteBatchError raised in core by servicer method "
+                               "[/inference.GRPCInferenceService/ModelInfer]")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("already over" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
     # Any other error grpc logs still shows.

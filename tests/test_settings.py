@@ -43,4 +43,5 @@ def test_bad_flag_value_is_refused():
 def test_an_executor_id_that_could_clash_with_a_lane_is_refused():
     with pytest.raises(SystemExit):
         parse_settings(ExecutorSettings, ["--executor-id", "gpu-0#1"], prog="ex", description="")
-    assert parse_settings(ExecutorSettings, ["--executor-id", "gpu-0"], prog="ex", description="").executor_id == "gpu-0"
+    assert parse_settings(ExecutorSettings, ["--executor-id", "gpu-0"], prog="ex",
+                          description="").executor_id == "gpu-0"

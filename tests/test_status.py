@@ -71,7 +71,8 @@ def test_status_shows_the_leader_executors_gateways_and_queues_by_priority(mesh_
         status = json.loads(_status(m.redis_url, "--json"))
         assert status["leader"] == "held-by-the-test"
         [executor] = status["executors"]
-        assert executor["models"] == [{"name": "mlp", "version": "1", "provider": "CPUExecutionProvider", "unloading": False}]
+        assert executor["models"] == [{"name": "mlp", "version": "1", "provider": "CPUExecutionProvider",
+                                       "unloading": False}]
         assert 0 <= executor["heartbeat_age_s"] < 15 and 0 <= executor["busy_share"] <= 1
         assert [g["address"] for g in status["gateways"]] == [m.address]
         assert status["queues"] == [{"model": "mlp", "version": "1", "depth": 3, "by_priority": {"1": 1, "3": 2},

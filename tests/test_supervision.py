@@ -139,7 +139,8 @@ def test_killed_services_are_restarted_under_load_and_every_call_is_answered(mlp
     assert outcomes["ok"] >= 0.99 * outcomes["sent"], (outcomes, messages, output[-3000:])
     assert code == 0 and "batchline: stopped" in output, output[-3000:]
     assert "exited with code -9; restarting it" in output
-    assert [len(re.findall(rf"restarted {s} \(pid", output)) for s in ("executor-0", "scheduler", "gateway-0")] == [3, 1, 1]
+    assert [len(re.findall(rf"restarted {s} \(pid", output))
+            for s in ("executor-0", "scheduler", "gateway-0")] == [3, 1, 1]
 
 
 def test_a_crash_loop_stops_up_and_names_the_service_with_its_last_output(tmp_path):

@@ -86,7 +86,8 @@ def test_text_through_the_aio_client_and_a_stream(served, reference):
 
     async def aio():
         async with tca.InferenceServerClient(m.address) as client:
-            results = await asyncio.gather(*(client.infer("minilm", [_text([s], tca)], client_timeout=120) for s in mixed))
+            results = await asyncio.gather(*(client.infer("minilm", [_text([s], tca)], client_timeout=120)
+                                             for s in mixed))
             return np.concatenate([r.as_numpy("sentence_embedding") for r in results])
 
     before = _padding()

@@ -84,7 +84,8 @@ def test_a_rotated_certificate_is_served_to_new_connections_without_a_restart(me
 @pytest.mark.parametrize("flags, named", [
     (["--tls-cert-file", "/etc/hostname"], "tls_key_file is not set"),
     (["--tls-client-ca-file", "/etc/hostname"], "tls_client_ca_file needs tls_cert_file"),
-    (["--tls-cert-file", "/no/such.pem", "--tls-key-file", "/no/such.key"], "tls_cert_file '/no/such.pem' is not a readable file"),
+    (["--tls-cert-file", "/no/such.pem", "--tls-key-file", "/no/such.key"],
+     "tls_cert_file '/no/such.pem' is not a readable file"),
 ])
 def test_tls_settings_that_cannot_work_are_one_line_errors(flags, named):
     out = subprocess.run([sys.executable, "-m", "gateway", *flags], capture_output=True, text=True, timeout=60)

@@ -149,7 +149,8 @@ def check_traces(spans: list[ReceivedSpan]) -> None:
     # queue_wait is recorded after the fact: enqueue time -> dispatch time, inside the request.
     assert infer.start_ns - SLACK_NS <= wait.start_ns <= wait.end_ns <= infer.end_ns + SLACK_NS
     batch_id = wait.attributes["batchline.batch_id"]
-    assert batch_id and wait.attributes["batchline.dispatch_reason"] in ("full", "preferred", "deadline", "delay", "no_company")
+    assert batch_id
+    assert wait.attributes["batchline.dispatch_reason"] in ("full", "preferred", "deadline", "delay", "no_company")
     assert isinstance(wait.attributes["batchline.slack_ms"], (int, float))
 
     assert execute.attributes["batchline.batch_id"] == batch_id

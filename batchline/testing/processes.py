@@ -262,7 +262,8 @@ class ProcessMesh:
     def gateways(self) -> list[str]:
         return self.of_kind("gateway")
 
-    def start(self, executors: int = 1, schedulers: int = 1, gateway: bool = True, timeout: float = 60.0) -> "ProcessMesh":
+    def start(self, executors: int = 1, schedulers: int = 1, gateway: bool = True,
+              timeout: float = 60.0) -> "ProcessMesh":
         """Redis, then every service at once (they wait for each other through Redis); returns when serving."""
         self.start_redis()
         for _ in range(executors):
@@ -337,7 +338,8 @@ class ProcessMesh:
         blobs = self._redis_or([], lambda r: r.mget([contract.executor(n) for n in names]))
         live = []
         for name, blob in zip(names, blobs):
-            if blob is not None and internal_pb2.ExecutorInfo.FromString(blob).started_us >= self.services[name].started_us:
+            if blob is not None and (internal_pb2.ExecutorInfo.FromString(blob).started_us
+                                     >= self.services[name].started_us):
                 live.append(name)
         return live
 
