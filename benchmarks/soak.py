@@ -34,7 +34,8 @@ import time
 from collections import Counter
 
 from batchline.testing.load import LoadClient, Record, summarize
-from batchline.testing.processes import MeshError, ProcessMesh
+from batchline.testing.polling import MeshError
+from batchline.testing.processes import ProcessMesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -119,12 +120,12 @@ class Faults(threading.Thread):
         names = self.mesh.executors
         victim = names[self._victims % len(names)]
         self._victims += 1
-        held = self.mesh.held_batches(victim)
+        held = self.mesh.probe.held_batches(victim)
         self.mesh.kill(victim, signal.SIGKILL)
         self.mesh.wait_exit(victim, 10)
-        self.mesh.wait_executor_gone(victim)
+        self.mesh.probe.wait_executor_gone(victim)
         self.mesh.restart(victim)
-        self.mesh.wait_for_executors(len(names), 60)
+        self.mesh.probe.wait_for_executors(len(names), 60)
         return f"SIGKILLed {victim} (holding {held} batches), restarted"
 
     def _kill_scheduler(self) -> str:
@@ -136,7 +137,7 @@ class Faults(threading.Thread):
 
     def _restart_redis(self) -> str:
         self.mesh.restart_redis()
-        self.mesh.wait_for_executors(len(self.mesh.executors), 60)
+        self.mesh.probe.wait_for_executors(len(self.mesh.executors), 60)
         return "SIGKILLed Redis, started it again (empty); executors registered again"
 
 
@@ -161,8 +162,8 @@ def sample(mesh: ProcessMesh, load: LoadClient, t0: float, since: float) -> dict
     s = summarize(recent)
     redis_info = {"keys": None, "used_memory": None}
     try:
-        redis_info["keys"] = mesh.redis.dbsize()
-        redis_info["used_memory"] = int(mesh.redis.info("memory")["used_memory"])
+        redis_info["keys"] = mesh.probe.redis.dbsize()
+        redis_info["used_memory"] = int(mesh.probe.redis.info("memory")["used_memory"])
     except Exception:  # noqa: BLE001 - Redis may be restarting right now
         pass
     pids = mesh.pids()
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: logs in {log_dir}", flush=True)
     try:
         mesh.start(executors=args.executors)
-        address = mesh.gateway_address()
+        address = mesh.probe.gateway_address()
         services = list(mesh.services)
         print(f"soak: mesh up at {address}: {', '.join(f'{n}={p}' for n, p in mesh.pids().items())}", flush=True)
 
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
               f"faults at {', '.join(f'{at:g}s {kind}' for at, kind in schedule) or 'none'}", flush=True)
         load = LoadClient(address, model, rate=rate, budget_s=args.budget_s, seed=2)
         samples: list[dict] = []
-        keys_before = mesh.redis.dbsize()  # at rest: what the mesh keeps (registrations, lease, profiles)
+        keys_before = mesh.probe.redis.dbsize()  # at rest: what the mesh keeps (registrations, lease, profiles)
         t0 = time.monotonic()
         load.start()
         faults = Faults(mesh, schedule, t0)

@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from batchline import auth, contract
 from batchline.errors import PermissionDenied, Unauthenticated
-from batchline.testing.processes import poll
+from batchline.testing.polling import poll
 
 SEARCH, OTHER, ADMIN = "search-secret-1", "other-secret-2", "admin-secret-3"
 

@@ -9,7 +9,7 @@ import tritonclient.grpc as tc
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
-from models import save_echo_model
+from batchline.testing.onnx_models import save_echo_model
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +34,9 @@ def string_repository(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def other_mesh(string_repository):
-    from mesh import Mesh
+    from batchline.testing.in_process import InProcessMesh
 
-    with Mesh(None, str(string_repository)) as m:
+    with InProcessMesh(None, str(string_repository)) as m:
         yield m
 
 

@@ -19,7 +19,7 @@ import tritonclient.grpc as tc
 from batchline import contract
 from batchline.mesh import executors_up
 from batchline.embedded_redis import EmbeddedRedis
-from batchline.testing.processes import MeshError, poll
+from batchline.testing.polling import MeshError, poll
 
 IN_FLIGHT = 96
 

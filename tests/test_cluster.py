@@ -17,9 +17,9 @@ import tritonclient.grpc as tc
 from batchline import cluster, contract
 from batchline.redis_client import mask
 from batchline.testing.cluster import ClusterRedis, redis_cli_binary
-from batchline.testing.processes import poll
-from test_faults import (assert_all_ok, assert_answers_correct, assert_none_lost, assert_nothing_hung,  # noqa: F401
-                         between, load_for, mlp_model, process_mesh, report, served_again, soft_poll)
+from batchline.testing.polling import poll
+from batchline.testing.verdicts import (assert_all_ok, assert_answers_correct, assert_none_lost, assert_nothing_hung,
+                                        between, load_for, report, served_again, soft_poll)
 
 pytestmark = pytest.mark.skipif(redis_cli_binary() is None,
                                 reason="redis-cli (Debian: redis-tools) creates the cluster")
@@ -95,7 +95,7 @@ def test_a_cluster_without_every_slot_or_named_as_one_redis_stops_a_service_in_o
 
 def test_both_demo_models_are_served_with_their_keys_on_different_shards(redis_cluster, process_mesh, model_repository):
     mesh = process_mesh(redis_server=redis_cluster, models=("mlp", "minilm")).start(executors=1)
-    client = tc.InferenceServerClient(mesh.gateway_address())
+    client = tc.InferenceServerClient(mesh.probe.gateway_address())
     features = tc.InferInput("features", [2, 32], "FP32")
     features.set_data_from_numpy(np.ones((2, 32), dtype=np.float32))
     assert client.infer("mlp", [features], client_timeout=30).as_numpy("probability").shape == (2, 1)
@@ -124,17 +124,17 @@ def test_an_executor_killed_under_load_on_a_cluster(redis_cluster, process_mesh,
     mesh = process_mesh(redis_server=redis_cluster).start(executors=2)
     with load_for(mesh, mlp_model) as load:
         load.wait_ok(100, since=0, timeout=60, check=mesh.check_alive)
-        soft_poll(lambda: mesh.held_batches("exec-0") > 0, 5)
-        held = mesh.held_batches("exec-0")
+        soft_poll(lambda: mesh.probe.held_batches("exec-0") > 0, 5)
+        held = mesh.probe.held_batches("exec-0")
         t_kill = time.monotonic()
         mesh.kill("exec-0", signal.SIGKILL)
         mesh.wait_exit("exec-0", 10)
-        mesh.wait_executor_gone("exec-0")
-        poll(lambda: mesh.held_batches("exec-0") == 0 and mesh.queued_work("exec-0") == 0, 10,
+        mesh.probe.wait_executor_gone("exec-0")
+        poll(lambda: mesh.probe.held_batches("exec-0") == 0 and mesh.probe.queued_work("exec-0") == 0, 10,
              "the dead executor's batches to be handed back")
         t_back = time.monotonic()
         mesh.restart("exec-0")
-        mesh.wait_for_executors(2, 60)
+        mesh.probe.wait_for_executors(2, 60)
         load.wait_ok(100, since=time.monotonic(), timeout=60, check=mesh.check_alive)
         records = load.stop()
     report("executor SIGKILL on a Redis Cluster", [
@@ -155,13 +155,13 @@ def test_the_standby_scheduler_takes_over_on_a_cluster(redis_cluster, process_me
     mesh = process_mesh(redis_server=redis_cluster).start(executors=1, schedulers=2)
     with load_for(mesh, mlp_model) as load:
         load.wait_ok(100, since=0, timeout=60, check=mesh.check_alive)
-        dispatched = {n: mesh.scheduler_status(n).dispatched_batches for n in mesh.schedulers}
+        dispatched = {n: mesh.probe.scheduler_status(n).dispatched_batches for n in mesh.schedulers}
         (leader,) = [n for n, d in dispatched.items() if d > 0]
         (standby,) = [n for n in mesh.schedulers if n != leader]
         t_kill = time.monotonic()
         mesh.kill(leader, signal.SIGKILL)
         mesh.wait_exit(leader, 10)
-        poll(lambda: mesh.scheduler_status(standby).dispatched_batches > 0, 30,
+        poll(lambda: mesh.probe.scheduler_status(standby).dispatched_batches > 0, 30,
              f"the standby {standby} to take over", check=mesh.check_alive)
         t_takeover = time.monotonic()
         load.wait_ok(100, since=t_takeover, timeout=60, check=mesh.check_alive)
@@ -175,9 +175,9 @@ def test_the_standby_scheduler_takes_over_on_a_cluster(redis_cluster, process_me
     assert_answers_correct(records)
     assert_all_ok(records)
     ok_rows = sum(r.rows for r in records if r.code == "OK")
-    poll(lambda: mesh.model_statistics("mlp").inference_count == ok_rows, 10,
+    poll(lambda: mesh.probe.model_statistics("mlp").inference_count == ok_rows, 10,
          f"inference_count to reach the {ok_rows} rows answered")
-    assert mesh.model_statistics("mlp").inference_count == ok_rows
+    assert mesh.probe.model_statistics("mlp").inference_count == ok_rows
 
 
 def test_a_shard_s_primary_killed_under_load_fails_over_to_its_replica(process_mesh, mlp_model):

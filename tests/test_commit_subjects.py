@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from batchline.testing.checkout import ROOT
+
 SCRIPT = ROOT / "scripts" / "check_commits.py"
 AFTER_RULE = "2026-11-27T12:00:00+00:00"
 BEFORE_RULE = "2026-11-20T12:00:00+00:00"

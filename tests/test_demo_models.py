@@ -16,12 +16,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# Lets the file run from any working directory without packaging config.
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from batchline import demo_models  # noqa: E402
+from batchline import demo_models
+from batchline.testing.checkout import ROOT
 
 SENTENCES = [
     "Hi.",
@@ -175,7 +171,7 @@ def test_import_does_not_load_torch():
         "heavy = {'torch', 'transformers', 'sentence_transformers', 'onnx'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_cli_help(capsys):

@@ -1,7 +1,7 @@
 """The deployment files: compose stack, Dockerfiles, Prometheus/Grafana config, k8s manifests.
 
 No Docker here, so these check what can be checked without it: the compose files as `docker
-compose config` checks and resolves them (tests/compose_config.py: the Compose Specification's
+compose config` checks and resolves them (batchline/testing/compose_config.py: the Compose Specification's
 schema, merges, profiles and consistency), hadolint on the Dockerfiles, every path a file refers
 to, and that every setting, port and metric name the files use is one the services have.
 """
@@ -21,12 +21,12 @@ from concurrent import futures
 import pytest
 import yaml
 
-import compose_config
+from batchline.testing import compose_config
+from batchline.testing.checkout import ROOT
 from executor.settings import ExecutorSettings
 from gateway.settings import GatewaySettings
 from scheduler.settings import SchedulerSettings
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_GPU = ROOT / "docker-compose.gpu.yml"
@@ -113,7 +113,7 @@ BROKEN = {
                           "invalid interpolation format"),
     "required variable": (lambda c: c["services"]["gateway"]["environment"].update(
         BATCHLINE_GATEWAY_PORT="${BATCHLINE_TEST_UNSET:?set it}"), "required variable BATCHLINE_TEST_UNSET is missing"),
-    # Not resolved by tests/compose_config.py, so refused rather than left unchecked.
+    # Not resolved by batchline/testing/compose_config.py, so refused rather than left unchecked.
     "extends": (lambda c: c["services"]["executor"].update(extends={"service": "scheduler"}),
                 "services.executor.extends: not resolved"),
 }
@@ -231,7 +231,7 @@ def test_compose_env_names_are_settings_fields(files, resolved, monkeypatch):
 
 
 def test_the_tls_profile_adds_a_gateway_with_tls_and_tokens_from_deploy_tls(compose, tmp_path, monkeypatch):
-    from certs import Authority
+    from batchline.testing.certs import Authority
 
     service = compose["services"]["gateway-tls"]
     assert service["profiles"] == ["tls"] and "8443:8443" in service["ports"]

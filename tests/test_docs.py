@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from batchline.testing.checkout import ROOT
+
 # The pages a reader follows from README.md; the benchmark and deploy pages are linked from there.
 PAGES = sorted([ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "deploy" / "README.md",
                 *(ROOT / "docs").rglob("*.md")])

@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 from batchline import contract
 from batchline.protocol import inference_pb2 as ipb
 from gateway.app import GatewayApp
-from batchline.testing.processes import poll
+from batchline.testing.polling import poll
 from gateway.settings import GatewaySettings
 
 INVALID_ARGUMENT = "StatusCode.INVALID_ARGUMENT"

@@ -123,7 +123,8 @@ def _client(address: str, token: str, stop: threading.Event, out: Counter, pause
 
 
 def test_a_flooding_tenant_is_refused_while_a_light_one_is_served(model_repository, tmp_path):
-    from batchline.testing.processes import ProcessMesh, poll
+    from batchline.testing.polling import poll
+    from batchline.testing.processes import ProcessMesh
 
     repo = tmp_path / "repository"
     shutil.copytree(model_repository / "minilm", repo / "minilm")
@@ -133,8 +134,8 @@ def test_a_flooding_tenant_is_refused_while_a_light_one_is_served(model_reposito
         mesh.add_executor()
         mesh.add_scheduler()
         mesh.add_gateway(flags=["--auth-file", str(tmp_path / "auth.toml")])
-        mesh.wait_for_executors(1)
-        address = mesh.gateway_address()
+        mesh.probe.wait_for_executors(1)
+        address = mesh.probe.gateway_address()
         stop, outcomes = threading.Event(), {"a": Counter(), "b": Counter()}
         # a: 12 callers back to back, more than the model answers in 200 ms on any host; b: one call every 100 ms.
         threads = [threading.Thread(target=_client, args=(address, A, stop, outcomes["a"], 0.0), daemon=True)

@@ -24,123 +24,16 @@ import time
 
 import grpc
 import numpy as np
-import pytest
 
 from batchline import contract
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
-from batchline.testing.load import LoadClient, Record, format_summary
-from batchline.testing.processes import MeshError, ProcessMesh, poll
+from batchline.testing.load import LoadClient
+from batchline.testing.polling import poll
+from batchline.testing.verdicts import (BUDGET_S, assert_all_ok, assert_answers_correct, assert_none_lost,
+                                        assert_nothing_hung, between, load_for, report, soft_poll, watch_health)
 
-BUDGET_S = 10.0
-HANG_SLACK_S = 2.0
 UNAVAILABLE_LIKE = {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
-
-
-# -- fixtures and helpers ----------------------------------------------------------------
-
-
-@pytest.fixture
-def process_mesh(request, model_repository, tmp_path):
-    """Makes ProcessMeshes whose logs go under this test's tmp dir; all are stopped after
-    the test, and their logs printed when it failed."""
-    meshes: list[ProcessMesh] = []
-    failed_before = request.session.testsfailed
-
-    def make(**kwargs) -> ProcessMesh:
-        m = ProcessMesh(model_repository, tmp_path / f"mesh-{len(meshes)}", **kwargs)
-        meshes.append(m)
-        return m
-
-    yield make
-    for m in meshes:
-        m.stop()
-    if request.session.testsfailed > failed_before:
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        for m in meshes:
-            text = f"\n===== service logs of {request.node.name} ({m.log_dir}) =====\n{m.logs(80)}\n"
-            if reporter is not None:
-                reporter.write_line(text)
-            else:  # pragma: no cover - -p no:terminal
-                print(text)
-
-
-@pytest.fixture(scope="module")
-def mlp_model(model_repository):
-    return model_repository / "mlp" / "1" / "model.onnx"
-
-
-def load_for(mesh: ProcessMesh, mlp_model, **kwargs) -> LoadClient:
-    return LoadClient(mesh.gateway_address(), mlp_model, concurrency=8, budget_s=BUDGET_S, **kwargs)
-
-
-def soft_poll(condition, timeout: float, interval: float = 0.005) -> bool:
-    """Like poll, but only reports whether the condition was seen (for conditions that make
-    a fault more telling but are not what the test asserts)."""
-    try:
-        poll(condition, timeout, "soft condition", interval=interval)
-        return True
-    except MeshError:
-        return False
-
-
-def watch_health(mesh: ProcessMesh, names: list[str], state: str, timeout: float) -> dict[str, bool]:
-    """Poll every service's health Check together until each reported `state` once (or timeout)."""
-    seen = {n: False for n in names}
-    deadline = time.monotonic() + timeout
-    while not all(seen.values()) and time.monotonic() < deadline:
-        for n in names:
-            seen[n] = seen[n] or mesh.health(n) == state
-        time.sleep(0.05)
-    return seen
-
-
-def served_again(load: LoadClient, since: float, timeout: float = 30.0) -> float:
-    """When the mesh served again after a fault ended at `since`: the end of the first OK call sent
-    after it, the load's or a probe's. The probes, sent one at a time from here, stand for new
-    clients: the load's callers may all be waiting on requests the failover lost, which the
-    gateway answers only after a grace for their replies."""
-    rng = np.random.default_rng(7)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ok = [r.end for r in load.snapshot() if r.sent >= since and r.code == "OK"]
-        if ok:
-            return min(ok)
-        if load.one(rng).code != "OK":
-            time.sleep(0.02)
-    raise MeshError(f"no call sent after the fault was answered OK within {timeout} s")
-
-
-def between(records: list[Record], start: float, end: float = float("inf")) -> list[Record]:
-    return [r for r in records if start <= r.sent < end]
-
-
-def report(title: str, phases: list[tuple[str, list[Record]]], extra: str = "") -> None:
-    print(f"\n== {title}")
-    for label, recs in phases:
-        print("  " + format_summary(label, recs))
-    if extra:
-        print("  " + extra)
-
-
-def assert_nothing_hung(records: list[Record]) -> None:
-    hung = [r for r in records if r.latency > BUDGET_S + HANG_SLACK_S]
-    assert not hung, f"{len(hung)} call(s) outlived their {BUDGET_S} s budget by > {HANG_SLACK_S} s, e.g. {hung[:3]}"
-
-
-def assert_answers_correct(records: list[Record]) -> None:
-    wrong = [r for r in records if r.code == "OK" and not r.correct]
-    assert not wrong, f"{len(wrong)} successful answer(s) did not match their request, e.g. {wrong[:3]}"
-
-
-def assert_none_lost(records: list[Record]) -> None:
-    lost = [r for r in records if r.code == "DEADLINE_EXCEEDED"]
-    assert not lost, f"{len(lost)} request(s) lost (DEADLINE_EXCEEDED with a {BUDGET_S} s budget), e.g. {lost[:3]}"
-
-
-def assert_all_ok(records: list[Record]) -> None:
-    failed = [r for r in records if r.code != "OK"]
-    assert not failed, f"{len(failed)} of {len(records)} request(s) failed, e.g. {failed[:5]}"
 
 
 # -- executors -------------------------------------------------------------------------
@@ -160,31 +53,32 @@ def test_executor_deaths_under_load(process_mesh, mlp_model):
             if freeze_first:
                 # Frozen, it keeps the batches it was given until its heartbeat expires.
                 mesh.kill(victim, signal.SIGSTOP)
-                poll(lambda: mesh.held_batches(victim) > 0, 10, f"{victim} to hold a batch while frozen")
+                poll(lambda: mesh.probe.held_batches(victim) > 0, 10, f"{victim} to hold a batch while frozen")
             else:
-                soft_poll(lambda: mesh.held_batches(victim) > 0, 5)
-            held = mesh.held_batches(victim)
+                soft_poll(lambda: mesh.probe.held_batches(victim) > 0, 5)
+            held = mesh.probe.held_batches(victim)
             mesh.kill(victim, signal.SIGKILL)
             mesh.wait_exit(victim, 10)
-            mesh.wait_executor_gone(victim)
+            mesh.probe.wait_executor_gone(victim)
             # Restarting under the same id before the scheduler took the dead one's batches
             # back would test something else (an executor resuming its own work).
-            reclaimed = soft_poll(lambda: mesh.held_batches(victim) == 0 and mesh.queued_work(victim) == 0, 5, 0.05)
+            reclaimed = soft_poll(lambda: mesh.probe.held_batches(victim) == 0
+                                  and mesh.probe.queued_work(victim) == 0, 5, 0.05)
             mesh.restart(victim)
-            mesh.wait_for_executors(3, 60)
+            mesh.probe.wait_for_executors(3, 60)
             events.append(f"{'frozen+' if freeze_first else ''}killed {victim} holding {held} batch(es) at "
                           f"t+{time.monotonic() - t:.1f}s; reclaimed before restart: {reclaimed}")
 
         def freeze_and_wake(victim: str) -> None:
             t = time.monotonic()
             mesh.kill(victim, signal.SIGSTOP)
-            poll(lambda: mesh.held_batches(victim) > 0, 10, f"{victim} to hold a batch while frozen")
-            held = mesh.held_batches(victim)
-            mesh.wait_executor_gone(victim)
+            poll(lambda: mesh.probe.held_batches(victim) > 0, 10, f"{victim} to hold a batch while frozen")
+            held = mesh.probe.held_batches(victim)
+            mesh.probe.wait_executor_gone(victim)
             # The others serve while it is frozen (its batches go elsewhere).
             load.wait_ok(20, since=time.monotonic(), timeout=20, check=mesh.check_alive)
             mesh.kill(victim, signal.SIGCONT)
-            mesh.wait_for_executors(3, 30)
+            mesh.probe.wait_for_executors(3, 30)
             events.append(f"froze {victim} holding {held} batch(es), woke it after t+{time.monotonic() - t:.1f}s")
 
         kill_and_restart("exec-0", freeze_first=False)
@@ -212,14 +106,15 @@ def test_sigterm_drains_an_executor(process_mesh, mlp_model):
     mesh = process_mesh().start(executors=2)
     with load_for(mesh, mlp_model) as load:
         load.wait_ok(30, since=0, timeout=30, check=mesh.check_alive)
-        busy = soft_poll(lambda: mesh.held_batches("exec-1") > 0, 5)
+        busy = soft_poll(lambda: mesh.probe.held_batches("exec-1") > 0, 5)
         t_term = time.monotonic()
         mesh.kill("exec-1", signal.SIGTERM)
         code = mesh.wait_exit("exec-1", 30)
         t_exit = time.monotonic()
         # Nothing may stay assigned to it: what it did not run was handed back (or recovered).
-        cleared = soft_poll(lambda: mesh.queued_work("exec-1") == 0 and mesh.held_batches("exec-1") == 0, 5, 0.05)
-        left_detail = f"work list {mesh.queued_work('exec-1')}, inflight set {mesh.held_batches('exec-1')}"
+        cleared = soft_poll(lambda: mesh.probe.queued_work("exec-1") == 0
+                            and mesh.probe.held_batches("exec-1") == 0, 5, 0.05)
+        left_detail = f"work list {mesh.probe.queued_work('exec-1')}, inflight set {mesh.probe.held_batches('exec-1')}"
         load.wait_ok(30, since=time.monotonic(), timeout=20, check=mesh.check_alive)
         records = load.stop()
 
@@ -248,7 +143,7 @@ def test_scheduler_killed_and_restarted(process_mesh, mlp_model):
         mesh.kill("sched-0", signal.SIGKILL)
         mesh.wait_exit("sched-0", 10)
         # Without a scheduler every request ends up waiting in the queue.
-        poll(lambda: mesh.queue_depth() >= 4, 10, "requests to queue up while no scheduler runs")
+        poll(lambda: mesh.probe.queue_depth() >= 4, 10, "requests to queue up while no scheduler runs")
         t_restart = time.monotonic()
         mesh.restart("sched-0")
         load.wait_ok(30, since=time.monotonic(), timeout=30, check=mesh.check_alive)
@@ -271,8 +166,8 @@ def test_standby_scheduler_never_dispatches_and_takes_over(process_mesh, mlp_mod
     mesh = process_mesh().start(executors=2, schedulers=2)
     with load_for(mesh, mlp_model) as load:
         load.wait_ok(100, since=0, timeout=30, check=mesh.check_alive)
-        dispatched = {n: mesh.scheduler_status(n).dispatched_batches for n in mesh.schedulers}
-        lease_ttl_ms = mesh.redis.pttl(contract.LEADER)
+        dispatched = {n: mesh.probe.scheduler_status(n).dispatched_batches for n in mesh.schedulers}
+        lease_ttl_ms = mesh.probe.redis.pttl(contract.LEADER)
         active = [n for n, d in dispatched.items() if d > 0]
         assert len(active) == 1, f"batches dispatched per scheduler: {dispatched} (exactly one should be the leader)"
         (leader,) = active
@@ -282,7 +177,7 @@ def test_standby_scheduler_never_dispatches_and_takes_over(process_mesh, mlp_mod
         t_kill = time.monotonic()
         mesh.kill(leader, signal.SIGKILL)
         mesh.wait_exit(leader, 10)
-        poll(lambda: mesh.scheduler_status(standby).dispatched_batches > 0, 30,
+        poll(lambda: mesh.probe.scheduler_status(standby).dispatched_batches > 0, 30,
              f"the standby {standby} to take over", check=mesh.check_alive)
         t_takeover = time.monotonic()
         load.wait_ok(50, since=t_takeover, timeout=30, check=mesh.check_alive)
@@ -302,7 +197,7 @@ def test_standby_scheduler_never_dispatches_and_takes_over(process_mesh, mlp_mod
     # Statistics are written just after the replies: wait for them to catch up, but a
     # count past the rows answered means some request ran twice.
     def executed_rows() -> int:
-        n = mesh.model_statistics("mlp").inference_count
+        n = mesh.probe.model_statistics("mlp").inference_count
         assert n <= ok_rows, f"executors ran {n} rows for {ok_rows} rows answered ({sent_rows} sent): double dispatch"
         return n
 
@@ -319,7 +214,7 @@ def test_redis_restart_under_load(process_mesh, mlp_model):
     mesh = process_mesh().start(executors=2)
     services = list(mesh.services)
     for name in services:
-        mesh.channel(name)  # resolve every address while Redis still holds the gateway's
+        mesh.probe.channel(name)  # resolve every address while Redis still holds the gateway's
     with load_for(mesh, mlp_model) as load:
         load.wait_ok(30, since=0, timeout=30, check=mesh.check_alive)
         t_down = time.monotonic()
@@ -333,7 +228,7 @@ def test_redis_restart_under_load(process_mesh, mlp_model):
         load.wait_ok(1, since=t_up, timeout=30, check=mesh.check_alive)
         t_served = time.monotonic()
         serving = watch_health(mesh, services, "SERVING", 15)
-        mesh.wait_for_executors(2, 30)
+        mesh.probe.wait_for_executors(2, 30)
         load.wait_ok(30, since=time.monotonic(), timeout=30, check=mesh.check_alive)
         records = load.stop()
 
@@ -380,7 +275,7 @@ def test_sigterm_drains_the_gateway(process_mesh, mlp_model):
     admitting new requests at once, still answers those it had admitted once they are
     served, and exits 0."""
     mesh = process_mesh().start(executors=1)
-    address = mesh.gateway_address()
+    address = mesh.probe.gateway_address()
     client = LoadClient(address, mlp_model, budget_s=BUDGET_S)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=6)
     try:
@@ -388,7 +283,7 @@ def test_sigterm_drains_the_gateway(process_mesh, mlp_model):
         assert client.one(rng).code == "OK"
         mesh.kill("sched-0", signal.SIGSTOP)
         admitted = [pool.submit(client.one, np.random.default_rng(100 + i)) for i in range(6)]
-        poll(lambda: mesh.queue_depth() == 6, 10, "6 requests to wait in the queue")
+        poll(lambda: mesh.probe.queue_depth() == 6, 10, "6 requests to wait in the queue")
 
         t_term = time.monotonic()
         mesh.kill("gateway", signal.SIGTERM)
@@ -407,7 +302,7 @@ def test_sigterm_drains_the_gateway(process_mesh, mlp_model):
 
         # Probed once it says it drains (its health turns NOT_SERVING): a request that reached it before
         # it handled the signal was admitted, and waits for the frozen scheduler like the others.
-        poll(lambda: mesh.health("gateway") == "NOT_SERVING", 5, "the gateway to report that it drains")
+        poll(lambda: mesh.probe.health("gateway") == "NOT_SERVING", 5, "the gateway to report that it drains")
         new_code = poll(refused, 5, "the draining gateway to refuse a new request")
         # The queued requests stay unserved a while longer than a token grace period:
         # the gateway must wait for them, not for a fixed few seconds.

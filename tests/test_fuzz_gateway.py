@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from batchline.protocol import inference_pb2 as ipb
-from models import save_echo_model
+from batchline.testing.onnx_models import save_echo_model
 
 ALLOWED = {
     grpc.StatusCode.OK,
@@ -57,14 +57,14 @@ FUZZ_SETTINGS = dict(
 @pytest.fixture(scope="module")
 def fuzz_mesh(model_repository, tmp_path_factory):
     """The demo models (linked, not copied) plus the BYTES echo model, on a mesh of its own."""
-    from mesh import Mesh
+    from batchline.testing.in_process import InProcessMesh
 
     repo = tmp_path_factory.mktemp("fuzz-repository")
     for name in ("mlp", "minilm"):
         (repo / name).symlink_to(model_repository / name, target_is_directory=True)
     save_echo_model(repo)
     (repo / "echo" / "config.toml").write_text("max_batch_size = 8\nmax_queue_delay_ms = 1.0\n")
-    with Mesh(None, str(repo)) as m:
+    with InProcessMesh(None, str(repo)) as m:
         yield m
 
 

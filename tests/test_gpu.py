@@ -23,6 +23,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper
 
+from batchline.testing.checkout import ROOT
 from batchline.testing.processes import ProcessMesh
 from executor import providers as gpu
 from executor.repository import create_session, load_repository
@@ -113,7 +114,7 @@ def test_the_warning_names_what_it_fell_back_from_what_it_runs_on_and_why():
 
 
 def test_the_gpu_scripts_mesh_steps_read_streams_and_rows_and_name_a_bad_step():
-    bench = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+    bench = ROOT / "benchmarks"
     parsed = subprocess.run([sys.executable, "-c", "import gpu; print(gpu.parse_steps('1x1, 8x4s/4,8x6/2'))"],
                             cwd=bench, capture_output=True, text=True, timeout=60)
     assert parsed.stdout.strip() == "[(1, 1, False, 1), (8, 4, True, 4), (8, 6, False, 2)]", parsed.stderr
@@ -189,7 +190,7 @@ def _infer(address: str, x: np.ndarray) -> np.ndarray:
 def test_the_executor_serves_on_cuda_and_says_so(gpu_mesh):
     import tritonclient.grpc as tc
 
-    address = gpu_mesh.gateway_address()
+    address = gpu_mesh.probe.gateway_address()
     x = np.random.default_rng(1).standard_normal((3, 64), dtype=np.float32)
     assert _infer(address, x).shape == (3, 16)
     out = subprocess.run([sys.executable, "-m", "batchline.cli", "status", "--redis-url", gpu_mesh.redis_url, "--json"],
@@ -208,7 +209,7 @@ def _provider_metrics(mesh: ProcessMesh) -> set[tuple[str, str]]:
     from prometheus_client.parser import text_string_to_metric_families
 
     [name] = mesh.executors
-    for port in mesh.listening_ports(name):
+    for port in mesh.probe.listening_ports(name):
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
                 text = resp.read().decode()
@@ -216,7 +217,7 @@ def _provider_metrics(mesh: ProcessMesh) -> set[tuple[str, str]]:
             continue  # the gRPC port
         return {(s.labels["model"], s.labels["provider"]) for f in text_string_to_metric_families(text)
                 for s in f.samples if s.name == "batchline_model_provider" and s.value == 1}
-    raise AssertionError(f"no /metrics among {name}'s ports {mesh.listening_ports(name)}")
+    raise AssertionError(f"no /metrics among {name}'s ports {mesh.probe.listening_ports(name)}")
 
 
 @pytest.mark.gpu
@@ -225,7 +226,7 @@ def test_a_batch_answered_on_cuda_matches_the_cpu(gpu_mesh):
     cpu = ort.InferenceSession(str(path), providers=[gpu.CPU])
     rng = np.random.default_rng(2)
     requests = [rng.standard_normal((rows, 64), dtype=np.float32) for rows in (1, 2, 3, 1, 1)]  # 8 rows: a full batch
-    address = gpu_mesh.gateway_address()
+    address = gpu_mesh.probe.gateway_address()
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
         answers = list(pool.map(lambda x: _infer(address, x), requests))
     for x, y in zip(requests, answers):
@@ -241,7 +242,7 @@ def test_tensorrt_without_its_libraries_serves_on_cuda_and_the_log_says_why(gpu_
         pytest.skip(f"this ONNX Runtime offers no {gpu.TENSORRT}")
     if not gpu.unloadable(["libnvinfer.so.10"]):
         pytest.skip("TensorRT's libnvinfer.so.10 loads here: the executor serves on TensorRT")
-    address = gpu_mesh.gateway_address()
+    address = gpu_mesh.probe.gateway_address()
     assert _infer(address, np.ones((1, 64), np.float32)).shape == (1, 16)
     [name] = gpu_mesh.executors
     log = pathlib.Path(gpu_mesh.services[name].log_path).read_text(errors="replace")

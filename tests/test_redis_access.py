@@ -13,8 +13,8 @@ import tritonclient.grpc as tc
 
 from batchline.embedded_redis import EmbeddedRedis, free_port, redis_server_binary
 from batchline.redis_client import mask
-from batchline.testing.processes import poll
-from certs import Authority
+from batchline.testing.certs import Authority
+from batchline.testing.polling import poll
 
 SECRET = "the-right-secret"
 
@@ -78,13 +78,13 @@ def _pong(client: redis.Redis) -> bool:
 
 
 def test_the_mesh_serves_through_a_tls_redis_as_an_acl_user(tls_redis, model_repository, tmp_path):
-    from mesh import Mesh
+    from batchline.testing.in_process import InProcessMesh
 
     port, ca = tls_redis
     url = f"rediss://mesh:{SECRET}@localhost:{port}/0?ssl_ca_certs={ca}"
     repo = tmp_path / "repository"
     shutil.copytree(model_repository / "mlp", repo / "mlp")
-    with Mesh(url, str(repo), models=["mlp"]) as m, tc.InferenceServerClient(m.address) as client:
+    with InProcessMesh(url, str(repo), models=["mlp"]) as m, tc.InferenceServerClient(m.address) as client:
         inp = tc.InferInput("features", [1, 32], "FP32").set_data_from_numpy(np.ones((1, 32), np.float32))
         assert client.infer("mlp", [inp]).as_numpy("probability").shape == (1, 1)
 

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from batchline.grpc_server import LIVENESS
-from batchline.testing.processes import poll
+from batchline.testing.polling import poll
 
 
 def _wait_health(address: str, want: int, timeout: float = 10, service: str = "") -> None:

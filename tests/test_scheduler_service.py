@@ -12,7 +12,7 @@ from batchline import contract
 from batchline.clock import now_us
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
-from batchline.testing.processes import poll
+from batchline.testing.polling import poll
 from scheduler.load_views import pending_by_level
 
 

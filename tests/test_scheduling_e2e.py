@@ -24,7 +24,7 @@ from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
-from batchline.testing.processes import poll
+from batchline.testing.polling import poll
 from scheduler.app import SchedulerApp
 from scheduler.settings import SchedulerSettings
 
@@ -575,9 +575,9 @@ def test_max_queue_size_refuses_with_resource_exhausted(mesh_factory, model_repo
     shutil.copytree(pathlib.Path(model_repository) / "mlp", repo / "mlp")
     config = repo / "mlp" / "config.toml"
     config.write_text(config.read_text() + "\nmax_queue_size = 2\n")
-    from mesh import Mesh
+    from batchline.testing.in_process import InProcessMesh
 
-    m = Mesh(None, str(repo), models=["mlp"]).start()
+    m = InProcessMesh(None, str(repo), models=["mlp"]).start()
     try:
         r = _hold_lease(m)
         channel = grpc.insecure_channel(m.address)
@@ -605,9 +605,9 @@ def test_a_lone_clients_requests_stop_waiting_for_company_that_cannot_come(model
     config = repo / "mlp" / "config.toml"
     config.write_text(re.sub(r"max_queue_delay_ms = [0-9.]+", "max_queue_delay_ms = 300.0", config.read_text()))
     assert "max_queue_delay_ms = 300.0" in config.read_text()
-    from mesh import Mesh
+    from batchline.testing.in_process import InProcessMesh
 
-    m = Mesh(None, str(repo), models=["mlp"]).start()
+    m = InProcessMesh(None, str(repo), models=["mlp"]).start()
     try:
         channel, stub = _stub(m)
         for i in range(8):
@@ -631,9 +631,9 @@ def test_a_model_with_two_instances_runs_on_two_lanes_of_one_executor(model_repo
                       + "\ninstance_count = 2\n")
     (repo / "minilm" / "config.toml").write_text(
         (repo / "minilm" / "config.toml").read_text().replace("instance_count = 2", "instance_count = 1"))
-    from mesh import Mesh
+    from batchline.testing.in_process import InProcessMesh
 
-    m = Mesh(None, str(repo), models=["mlp", "minilm"]).start()
+    m = InProcessMesh(None, str(repo), models=["mlp", "minilm"]).start()
     try:
         r = redis.Redis.from_url(m.redis_url)
         eid = m.executors[0].executor.executor_id

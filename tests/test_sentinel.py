@@ -19,10 +19,10 @@ from batchline import contract, metrics, sentinel
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import connect_sync, mask
-from batchline.testing.processes import poll
+from batchline.testing.polling import poll
 from batchline.testing.sentinel import SentinelRedis
-from test_faults import (BUDGET_S, assert_answers_correct, assert_none_lost, assert_nothing_hung, between,  # noqa: F401
-                         load_for, mlp_model, process_mesh, report, served_again)
+from batchline.testing.verdicts import (assert_answers_correct, assert_none_lost, assert_nothing_hung, between,
+                                        load_for, report, served_again)
 
 
 @pytest.fixture
@@ -93,11 +93,11 @@ def test_a_failover_fails_at_once_only_what_the_new_primary_lacks(sentinels, mod
     still holds the batch key of a batch already answered (what asynchronous replication leaves
     when a primary dies): the lacking request is answered UNAVAILABLE at once, its neighbour is
     served, and the executor writes the lost batch's answers again."""
-    from mesh import Mesh
+    from batchline.testing.in_process import InProcessMesh
 
     failovers, lost, rewritten = (metrics.REDIS_FAILOVERS._value.get(), metrics.FAILOVER_LOST._value.get(),
                                   metrics.BATCHES_REWRITTEN._value.get())
-    with Mesh(sentinels.url, str(model_repository), models=["mlp"]) as m:
+    with InProcessMesh(sentinels.url, str(model_repository), models=["mlp"]) as m:
         client = tc.InferenceServerClient(m.address)
         client.infer("mlp", [_features(0.0)])
         answered = m.executors[0].executor.written.batches()[-1]
@@ -180,7 +180,7 @@ def test_primary_killed_under_load(sentinels, process_mesh, mlp_model):
 def tls_sentinels(tmp_path):
     """A primary, a replica and three sentinels serving TLS only (replication and the sentinels'
     own links too); yields (the rediss+sentinel:// URL, the CA file)."""
-    from certs import Authority
+    from batchline.testing.certs import Authority
 
     from batchline.embedded_redis import free_port, redis_server_binary
 
@@ -223,13 +223,13 @@ def tls_sentinels(tmp_path):
 
 
 def test_the_mesh_serves_through_sentinels_over_tls(tls_sentinels, model_repository, tmp_path):
-    from certs import Authority
-    from mesh import Mesh
+    from batchline.testing.certs import Authority
+    from batchline.testing.in_process import InProcessMesh
 
     url, ca = tls_sentinels
     repo = tmp_path / "repository"
     shutil.copytree(model_repository / "mlp", repo / "mlp")
-    with Mesh(url, str(repo), models=["mlp"]) as m, tc.InferenceServerClient(m.address) as client:
+    with InProcessMesh(url, str(repo), models=["mlp"]) as m, tc.InferenceServerClient(m.address) as client:
         assert client.infer("mlp", [_features(1.0)]).as_numpy("probability").shape == (1, 1)
     stranger = Authority(tmp_path, "stranger")
     out = subprocess.run([sys.executable, "-m", "scheduler", "--redis-url", url.replace(ca.file, stranger.file),

@@ -4,9 +4,9 @@ that a command added in a service fails here rather than in a reviewer's search.
 from __future__ import annotations
 
 import ast
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from batchline.testing.checkout import ROOT
+
 SCANNED = ("gateway", "scheduler", "executor", "batchline")
 # The contract owns the commands; the test helpers may inspect Redis directly.
 ALLOWED = ("batchline/contract/", "batchline/testing/")

@@ -21,9 +21,9 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchline import metrics, telemetry, tracecontext
-from otlp_receiver import OtlpReceiver
+from batchline.testing.checkout import ROOT
+from batchline.testing.otlp_receiver import OtlpReceiver
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENT_TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 

@@ -21,11 +21,11 @@ SHORT = ["hello world", "Batching puts requests of similar length together.", "Ã
 
 @pytest.fixture(scope="module")
 def served(model_repository, tmp_path_factory):
-    from mesh import Mesh
+    from batchline.testing.in_process import InProcessMesh
 
     repo = tmp_path_factory.mktemp("text") / "repository"
     shutil.copytree(model_repository / "minilm", repo / "minilm")
-    with Mesh(None, str(repo), models=["minilm"]) as m:
+    with InProcessMesh(None, str(repo), models=["minilm"]) as m:
         yield m, repo
 
 
@@ -147,13 +147,13 @@ def test_bad_text_is_refused_naming_the_element(served):
 
 
 def test_a_model_that_refuses_long_text_says_which_element(model_repository, tmp_path):
-    from mesh import Mesh
+    from batchline.testing.in_process import InProcessMesh
 
     repo = tmp_path / "repository"
     shutil.copytree(model_repository / "minilm", repo / "minilm")
     config = repo / "minilm" / "config.toml"
     config.write_text(config.read_text().replace("max_length = 256", "max_length = 16\ntruncate = false"))
-    with Mesh(None, str(repo), models=["minilm"]) as m, tc.InferenceServerClient(m.address) as client:
+    with InProcessMesh(None, str(repo), models=["minilm"]) as m, tc.InferenceServerClient(m.address) as client:
         assert client.infer("minilm", [_text(["short enough"])]).as_numpy("sentence_embedding").shape == (1, 384)
         code, message = _status(lambda: client.infer("minilm", [_text(["short", "word " * 40])]))
     assert code == "StatusCode.INVALID_ARGUMENT"

@@ -18,8 +18,8 @@ import tritonclient.grpc as tc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from batchline.testing.processes import poll
-from certs import Authority
+from batchline.testing.certs import Authority
+from batchline.testing.polling import poll
 
 
 def _infer(address: str, **ssl) -> np.ndarray:

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from batchline.mesh import Mesh
-from otlp_receiver import OtlpReceiver, ReceivedSpan, format_tree
+from batchline.testing.otlp_receiver import OtlpReceiver, ReceivedSpan, format_tree
 
 CLIENT_TRACE_ID = os.urandom(16).hex()
 CLIENT_SPAN_ID = os.urandom(8).hex()

@@ -21,7 +21,7 @@ import onnxruntime as ort
 
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
-from batchline.testing.processes import MeshError, poll
+from batchline.testing.polling import MeshError, poll
 
 MLP_FEATURES = 32
 

@@ -80,7 +80,7 @@ def _load(path: pathlib.Path, env: Mapping[str, str]) -> dict:
     unresolved = ["include"] * ("include" in data) + [
         f"services.{name}.extends" for name, service in data.get("services", {}).items() if "extends" in service]
     if unresolved:
-        raise ComposeError(f"{path.name}: {', '.join(unresolved)}: not resolved by tests/compose_config.py")
+        raise ComposeError(f"{path.name}: {', '.join(unresolved)}: not resolved by batchline/testing/compose_config.py")
     for service in data.get("services", {}).values():
         _normalize(service)
     return data

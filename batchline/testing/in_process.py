@@ -1,4 +1,4 @@
-"""An in-process mesh for tests: real gateway, scheduler and executors on port 0.
+"""The mesh in one process, for tests: real gateway, scheduler and executors on port 0.
 
 The services run on their own event loop in a background thread, so tests
 can drive them with the synchronous tritonclient as well as the aio one.
@@ -20,7 +20,7 @@ from scheduler.app import SchedulerApp
 from scheduler.settings import SchedulerSettings
 
 
-class Mesh:
+class InProcessMesh:
     def __init__(self, redis_url: str | None, model_repository: str, executors: int = 1,
                  models: list[str] | None = None,
                  gateway_overrides: dict | None = None, **scheduler_overrides):
@@ -57,7 +57,7 @@ class Mesh:
     def address(self) -> str:
         return f"127.0.0.1:{self.gateway.port}"
 
-    def start(self) -> "Mesh":
+    def start(self) -> "InProcessMesh":
         connect_sync(self.redis_url, 2).flushdb()
         self.thread.start()
         self.call(self._start())
@@ -102,7 +102,7 @@ class Mesh:
             if self.own_redis:
                 self.own_redis.close()
 
-    def __enter__(self) -> "Mesh":
+    def __enter__(self) -> "InProcessMesh":
         return self.start()
 
     def __exit__(self, *exc) -> None:
