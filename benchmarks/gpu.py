@@ -19,7 +19,7 @@ Phases, in order, each skipped (with the reason in the results) when the budget 
    closed loop, 64 requests in flight per gateway: 1 gateway and 1 executor, 4 and 2 unary, 8 and 4 on
    streams, then 4 and 6 on streams with four sequences a request (--mesh-steps chooses others);
    mesh/ceiling and CPU per sequence per process (benchmarks/gpu_mesh.py);
-6. tests: `pytest -m gpu tests/test_gpu.py`;
+6. tests: `pytest -m gpu tests/e2e/test_gpu.py`;
 7. cpu-scaling: the CPU provider only, mlp and minilm 16 tokens, the mesh pinned to 2, 4, 8 and 16
    cores (gateways and executors growing with them), the clients on 4 cores of their own where the
    machine has them.

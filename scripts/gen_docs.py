@@ -8,7 +8,7 @@ Usage: python scripts/gen_docs.py [--check]
 - docs/reference/metrics.md: every Prometheus metric in batchline.metrics, with its
   type, labels, the service that fills it in and its help text.
 
-tests/test_docs.py fails when a committed page differs from what this writes, so a
+tests/unit/test_docs.py fails when a committed page differs from what this writes, so a
 setting or metric added without regenerating fails CI. --check only reports that.
 """
 from __future__ import annotations

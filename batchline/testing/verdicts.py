@@ -1,6 +1,6 @@
 """The fault tests' load and how they judge it: the mlp load a process mesh serves (8 requests in
 flight, a 10 s budget each), and the verdicts on every request sent (nothing hung, every answer
-right, nothing lost). tests/test_faults.py says why these are the verdicts."""
+right, nothing lost). tests/faults/test_faults.py says why these are the verdicts."""
 from __future__ import annotations
 
 import time

@@ -3,7 +3,7 @@
 `gpu` and skip, with the reason, where ONNX Runtime offers no CUDAExecutionProvider or no CUDA device
 works. The parts that need no GPU (the reasons, the CPU's provider) run everywhere.
 
-    python -m pytest -m gpu tests/test_gpu.py
+    python -m pytest -m gpu tests/e2e/test_gpu.py
 """
 from __future__ import annotations
 

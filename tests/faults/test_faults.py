@@ -12,7 +12,7 @@ kind of fault, and then judges every request that was sent:
   and a scheduler available (a 10 s budget is plenty for any recovery here).
 
 Run with `-s` to see a per-phase summary (sent / ok / by status / latency).
-The poisoned-request case is covered by tests/test_errors_e2e.py
+The poisoned-request case is covered by tests/e2e/test_errors_e2e.py
 (test_request_that_fails_in_the_model_fails_alone), so it is not repeated here.
 """
 from __future__ import annotations
