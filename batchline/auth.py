@@ -9,8 +9,9 @@ it changes.
     weight = 1.0                     # the tenant's share under overload
     max_rate = 0                     # requests/s the tenant may send (0: no cap)
 
-Clients send `authorization: Bearer <token>` metadata. A token is hashed on arrival and looked
-up by its hash; neither the token nor its hash is written to logs, metrics or messages.
+Clients send `authorization: Bearer <token>`: gRPC metadata, or an HTTP header on the REST port.
+A token is hashed on arrival and looked up by its hash; neither the token nor its hash is written
+to logs, metrics or messages.
 """
 from __future__ import annotations
 
@@ -103,9 +104,11 @@ def load(path: str) -> dict[str, Grant]:
     return parse(text, f"auth file {path!r}")
 
 
-def token_of(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    """The bearer token in gRPC metadata, if any."""
+def token_of(metadata: Iterable[tuple[str | bytes, str | bytes]] | None) -> str | None:
+    """The bearer token in gRPC metadata or HTTP headers (ASGI's are bytes), if any."""
     for key, value in metadata or ():
+        if isinstance(key, bytes):
+            key = key.decode("latin-1")
         if key.lower() == HEADER:
             if isinstance(value, bytes):
                 value = value.decode("latin-1")
@@ -143,14 +146,14 @@ class Tokens:
             return
         log.info("auth file %s re-read: %d tokens", self.path, len(self._grants))
 
-    def digest(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    def digest(self, metadata: Iterable[tuple[str | bytes, str | bytes]] | None) -> str:
         """The hash of the caller's token, which names its grant; Unauthenticated without a token."""
         token = token_of(metadata)
         if token is None:
             raise Unauthenticated(f"this gateway needs a token: send `{HEADER}: Bearer <token>` metadata "
-                                  "(tritonclient: headers={'authorization': 'Bearer <token>'})")
+                                  "or header (tritonclient: headers={'authorization': 'Bearer <token>'})")
         if not token:
-            raise Unauthenticated(f"the `{HEADER}` metadata must read `Bearer <token>`")
+            raise Unauthenticated(f"the `{HEADER}` metadata (or header) must read `Bearer <token>`")
         return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
     def lookup(self, digest: str) -> Grant:
@@ -163,6 +166,6 @@ class Tokens:
             raise Unauthenticated("the token is not known to this gateway (mistyped, or revoked)")
         return grant
 
-    def grant(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Grant:
+    def grant(self, metadata: Iterable[tuple[str | bytes, str | bytes]] | None) -> Grant:
         """What the caller's token may do; Unauthenticated without a known token."""
         return self.lookup(self.digest(metadata))

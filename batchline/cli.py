@@ -51,7 +51,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             phase = "up"
         restarts = (f"restarts counted at http://{args.host}:{mesh.metrics_port}/metrics; "
                     if mesh.metrics_port > 0 else "")
-        say(args, f"batchline: up. Gateway (KServe v2 gRPC) listening on {address}; "
+        rest = f"REST (KServe v2 HTTP) on {args.host}:{mesh.http_port}; " if mesh.http_port > 0 else ""
+        say(args, f"batchline: up. Gateway (KServe v2 gRPC) listening on {address}; {rest}"
             f"Redis at {mask(mesh.redis.url if mesh.redis else mesh.redis_url)}; {restarts}Press Ctrl-C to stop.")
         while phase == "up":
             mesh.supervise()
@@ -179,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                     "stops and names it; below that, crashed services are restarted (default: 5)")
     up.add_argument("--gateway-port", type=int, default=8001,
                     help="gateway gRPC port; 0 = any free port (default: 8001)")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="gateway KServe v2 HTTP/REST port, beside gRPC's; 0 = any free port, -1 = none "
+                    "(default: 8000)")
     up.add_argument("--host", default="127.0.0.1", help="interface the services bind to (default: 127.0.0.1)")
     up.add_argument("--metrics-port", type=int, default=8002,
                     help="Prometheus endpoints on consecutive ports from this one: gateway-0, gateway-1, ..., the "

@@ -1,8 +1,8 @@
-"""Domain errors and the one table that maps them to gRPC status codes.
+"""Domain errors and the tables that map them to gRPC status codes and HTTP statuses.
 
 Every rejection a client sees is raised as one of these, with a message a
-person can act on; servicers translate them with `grpc_status()` and nothing
-else decides status codes.
+person can act on; the gRPC servicer translates them with `grpc_status()`, the
+REST port with `http_status()`, and nothing else decides status codes.
 """
 from __future__ import annotations
 
@@ -74,6 +74,18 @@ _CODES: dict[type[BatchlineError], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
+# As Triton's and KServe's HTTP endpoints answer: the client's fault 400 (a missing model 404),
+# refusals that may pass later 429 (with Retry-After) or 503, a budget run out 504.
+_HTTP: dict[type[BatchlineError], int] = {
+    InvalidArgument: 400,
+    NotFound: 404,
+    ResourceExhausted: 429,
+    DeadlineExceeded: 504,
+    Unavailable: 503,
+    Internal: 500,
+    Unauthenticated: 401,
+    PermissionDenied: 403,
+}
 _ERRORS_BY_CODE: dict[int, type[BatchlineError]] = {c.value[0]: e for e, c in _CODES.items()}
 
 
@@ -82,6 +94,13 @@ def grpc_status(error: BaseException) -> grpc.StatusCode:
         if cls in _CODES:
             return _CODES[cls]
     return grpc.StatusCode.INTERNAL
+
+
+def http_status(error: BaseException) -> int:
+    for cls in type(error).__mro__:
+        if cls in _HTTP:
+            return _HTTP[cls]
+    return 500
 
 
 def status_value(error: BaseException) -> int:

@@ -60,6 +60,7 @@ class Mesh:
         self.redis_url = ""
         self.supervisor: Supervisor | None = None
         self.metrics_port = -1  # the supervisor's own endpoint (batchline_restarts_total)
+        self.http_port = -1  # the gateways' REST port (-1: none)
 
     @property
     def hurry(self) -> bool:
@@ -75,6 +76,12 @@ class Mesh:
         if a.gateway_port and ports.in_use(a.host, a.gateway_port):
             raise SystemExit("batchline: "
                              f"{ports.PortInUse(a.gateway_port, 'stop it, or choose another --gateway-port')}")
+        self.http_port = getattr(a, "http_port", -1)
+        if self.http_port > 0 and ports.in_use(a.host, self.http_port):
+            raise SystemExit(f"batchline: {ports.PortInUse(self.http_port, 'stop it, or choose another --http-port')}")
+        if self.http_port == 0:
+            # Chosen here, not by gateway-0: every gateway (and each restart) serves the same one.
+            self.http_port = ports.free_port(a.host)
         repo = pathlib.Path(a.model_repository).resolve()
         if not repo.exists():
             build_demo(repo)
@@ -121,6 +128,7 @@ class Mesh:
         share = ["--share-port"] if gateways > 1 else []
         for i in range(gateways):
             gateway = self.supervisor.spawn(f"gateway-{i}", "gateway", "--port", str(port), *tls, *share,
+                                            "--http-port", str(self.http_port),
                                             "--model-control-mode", mode,
                                             "--gateway-id", f"gateway-{i}", "--metrics-port", metrics_port(i))
             if i == 0 and gateways > 1:

@@ -25,6 +25,14 @@ class PortInUse(OSError):
         super().__init__(f"port {port} is in use by {owner(port)}{': ' + hint if hint else ''}")
 
 
+def free_port(host: str) -> int:
+    """A port nothing listens on now (the kernel's pick)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.bind(address)
+        return probe.getsockname()[1]
+
+
 def in_use(host: str, port: int) -> bool:
     """Whether a socket listens on host:port (or on every interface, which covers it)."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]

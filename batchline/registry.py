@@ -87,7 +87,9 @@ class Registry:
         if not versions:
             # (Why a model serves no version, when the repository says, is gateway/repository.py's absent.)
             served = ", ".join(self.model_names()) or "none"
-            raise NotFound(f"model '{name}' is not served by any live executor (served models: {served})")
+            # Triton's wording up to the colon: its example clients look for it.
+            raise NotFound(f"Request for unknown model: '{name}' is not served by any live executor (served models: "
+                           f"{served})")
         if not version:
             version = versions[-1]
         if (name, version) not in self.holders:

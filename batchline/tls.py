@@ -1,4 +1,4 @@
-"""TLS on the gateway's gRPC port: its certificate and key, and, for mutual TLS, the CA that
+"""TLS on the gateway's gRPC and REST ports: their certificate and key, and, for mutual TLS, the CA that
 clients' certificates must be signed by. The files are re-read when they change, so a rotated
 certificate is served without a restart: every new connection's handshake looks whether the files
 changed since the last read (a stat of each); connections already open keep what they negotiated.
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 from dataclasses import dataclass
 
 import grpc
@@ -78,3 +79,39 @@ def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
 
     return grpc.dynamic_ssl_server_credentials(files._configuration(), fetch,
                                                require_client_authentication=bool(files.client_ca_file))
+
+
+def ssl_context(files: TlsFiles) -> ssl.SSLContext:
+    """A server SSLContext (the REST port's) that follows the files as they change, as
+    server_credentials does for gRPC: each handshake looks whether they changed and, if so, is
+    served from a context built anew from them."""
+
+    def build() -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(files.cert_file, files.key_file)
+        if files.client_ca_file:
+            context.load_verify_locations(files.client_ca_file)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    state = {"stamp": files._stamp(), "context": build()}
+    outer = build()
+
+    def pick(connection: ssl.SSLObject, server_name: str | None, _: ssl.SSLContext) -> None:
+        # OpenSSL calls this for every ClientHello, with or without a server name.
+        try:
+            now = files._stamp()
+            if now != state["stamp"]:
+                state["context"] = build()
+                if files.client_ca_file:
+                    # Which CA a client certificate is checked against stays the handshake's
+                    # first context's: it learns the new CA (the old one is kept until a restart).
+                    outer.load_verify_locations(files.client_ca_file)
+                state["stamp"] = now
+                log.info("TLS certificate re-read from %s (REST port)", files.cert_file)
+        except (OSError, ssl.SSLError) as exc:
+            log.warning("TLS files not re-read (%s): the current certificate stays", exc)
+        connection.context = state["context"]
+
+    outer.sni_callback = pick
+    return outer

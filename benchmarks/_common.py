@@ -53,12 +53,13 @@ def step_args(p: argparse.ArgumentParser, duration: float = 10.0, rounds: int = 
 
 
 def mesh_args(model_repository: str | pathlib.Path, log_level: str = "WARNING", executors: int = 1,
-              gateways: int = 1, metrics_port: int = 0) -> argparse.Namespace:
+              gateways: int = 1, metrics_port: int = 0, http_port: int = -1) -> argparse.Namespace:
     """`batchline up`'s arguments for a local mesh: a private Redis, the gateways on a free port, the
-    metrics on free ports (or consecutive ones from `metrics_port`: gateways, scheduler, executors)."""
+    metrics on free ports (or consecutive ones from `metrics_port`: gateways, scheduler, executors),
+    and no REST port unless `http_port` (0: a free one, Mesh.http_port once started)."""
     return argparse.Namespace(model_repository=str(model_repository), redis_url="", executors=executors,
                               gateways=gateways, gateway_port=0, host="127.0.0.1", log_level=log_level,
-                              startup_timeout=180.0, metrics_port=metrics_port)
+                              startup_timeout=180.0, metrics_port=metrics_port, http_port=http_port)
 
 
 @contextlib.contextmanager

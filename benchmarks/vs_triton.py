@@ -109,6 +109,7 @@ class Triton:
         self.peer_python = peer_python
         self.proc: subprocess.Popen | None = None
         self.address = ""
+        self.http_address = ""  # its KServe v2 HTTP endpoint
         self.crashes = 0
         self.flags: tuple[str, ...] = ()  # pytriton_server.py's: the models and Triton's settings
 
@@ -146,6 +147,7 @@ class Triton:
             line = ""  # seen after a crash: a restarted server that never says it is ready
         if line:
             self.address = f"127.0.0.1:{int(line.split()[1])}"
+            self.http_address = f"127.0.0.1:{int(line.split()[2])}"
             return self
         code = self.proc.poll()
         self.stop()

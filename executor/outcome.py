@@ -84,7 +84,7 @@ async def write(store: ExecutorStore, executor_id: str, batch: pb.Batch, model: 
     succeeded = model is not None and bool(ok)
     stats: list = _statistics(ok, rows, timing, done_us) if succeeded else []
     if len(ok) < len(members):
-        failed = [m for m in members if m not in ok]
+        failed = [m for m in members if m.error is not None or m.outputs is None]
         stats += ("fail_count", len(failed), "fail_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in failed))
     done = FinishedBatch(batch, report, replies, stats, done_us // 1000 if succeeded else 0)
     async with metrics.redis_rtt("executor", "write"):

@@ -2,28 +2,20 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 
 import grpc
 
-from batchline import metrics, telemetry
-from batchline.errors import RETRY_AFTER_KEY, BatchlineError, Internal, grpc_status
+from batchline.errors import RETRY_AFTER_KEY, BatchlineError, grpc_status
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
 from batchline.auth import Grant, Tokens
 from batchline.undecodable import Undecodable, tolerated
 from gateway.convert import inputs_of, model_config, model_statistics
+from gateway import inference
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
 
 log = logging.getLogger(__name__)
-_tracer = telemetry.tracer("batchline.gateway")
-
-
-def _trace_headers(context: grpc.aio.ServicerContext) -> tuple[str, str]:
-    md = dict(context.invocation_metadata() or ())
-    return md.get("traceparent", ""), md.get("tracestate", "")
 
 
 def _retry_after_ms(seconds: float) -> int:
@@ -117,43 +109,8 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request, context, name: str = "ModelInfer",
                      grant: Grant | None = None) -> ipb.ModelInferResponse:
-        """One inference, traced (continuing the client's trace) and counted; raises BatchlineError."""
-        started = time.perf_counter()
-        traced = telemetry.enabled()
-        with (telemetry.server_span(_tracer, name, context.invocation_metadata(),
-                                    {"batchline.model": request.model_name})
-              if traced else contextlib.nullcontext()) as span:
-            def failed(error: BatchlineError) -> None:
-                labels = self.gateway.catalog.labels(request.model_name, request.model_version)
-                reason = metrics.status_reason(grpc_status(error))
-                metrics.REQUEST_FAILURE.labels(*labels, reason).inc()
-                if grant is not None:
-                    metrics.TENANT_REQUESTS.labels(labels[0], grant.tenant, reason).inc()
-                if traced:
-                    telemetry.set_error(span, f"{grpc_status(error).name}: {error}")
-
-            try:
-                if grant is not None and grant.max_rate > 0:
-                    await self.gateway.take_rate(grant.tenant, grant.max_rate, request.model_name)
-                response = await self.gateway.infer(
-                    request, context.time_remaining(), *_trace_headers(context),
-                    **({"tenant": grant.tenant, "weight": grant.weight} if grant is not None else {}))
-            except BatchlineError as exc:
-                failed(exc)
-                raise
-            except Exception as exc:
-                # A bug or a failure nobody foresaw: INTERNAL with what happened, not gRPC's UNKNOWN,
-                # and on a stream an answer rather than a request left hanging.
-                log.exception("request %r to model %r failed unexpectedly", request.id, request.model_name)
-                error = Internal(f"the gateway failed on this request unexpectedly ({type(exc).__name__}: {exc})")
-                failed(error)
-                raise error from exc
-        metrics.REQUEST_SUCCESS.labels(response.model_name, response.model_version).inc()
-        if grant is not None:
-            metrics.TENANT_REQUESTS.labels(response.model_name, grant.tenant, "ok").inc()
-        duration = time.perf_counter() - started
-        metrics.REQUEST_DURATION.labels(response.model_name, response.model_version).observe(duration)
-        return response
+        return await inference.infer(self.gateway, request, context.time_remaining(), context.invocation_metadata(),
+                                     name, grant)
 
     async def ModelInfer(self, request, context):
         grant = await self._allow(context, request.model_name)

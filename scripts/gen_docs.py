@@ -152,7 +152,7 @@ def _metric_services() -> dict[str, str]:
     """Metric variable -> the service section of batchline/metrics.py it is defined in."""
     source = (ROOT / "batchline" / "metrics.py").read_text()
     sections = [(i + 1, m.group(1)) for i, line in enumerate(source.splitlines())
-                if (m := re.match(r"# -- (\w+) -", line))]
+                if (m := re.match(r"# -- (\w[\w ]*?) -", line))]
     out = {}
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):

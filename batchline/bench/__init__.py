@@ -1,4 +1,4 @@
-"""Load generation against KServe v2 gRPC endpoints (batchline or Triton): `batchline bench`.
+"""Load generation against KServe v2 gRPC or HTTP endpoints (batchline or Triton): `batchline bench`.
 
 Python API (what the benchmark scripts and tests use)::
 
@@ -29,6 +29,7 @@ from batchline.bench.loadgen import (
     closed_step,
     open_step,
 )
+from batchline.bench.http import HttpEndpoint
 from batchline.bench.report import BenchResult, format_table, plot, read_json, write_json
 
 __all__ = [
@@ -58,6 +59,7 @@ class BenchConfig:
     retry_after: bool = True                  # closed loop: wait out a refusal's retry-after hint
     connections: int = 1                      # gRPC connections, calls spread over them round robin
     headers: dict[str, str] = field(default_factory=dict)  # metadata of every call (authorization: Bearer ...)
+    protocol: str = "grpc"                    # grpc, or http: KServe v2 REST with binary tensors
 
 
 async def _connect(config: BenchConfig, ep: Endpoint) -> RequestPool:
@@ -81,7 +83,12 @@ async def run_bench_async(config: BenchConfig) -> BenchResult:
         raise BenchError(f"unknown mode {config.mode!r} (closed or open)")
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     progress = Progress(config.progress)
-    async with Endpoint(config.url, config.model, config.version, config.connections, config.headers) as ep:
+    if config.protocol not in ("grpc", "http"):
+        raise BenchError(f"unknown protocol {config.protocol!r} (grpc or http)")
+    if config.protocol == "http" and config.streaming:
+        raise BenchError("--streaming is gRPC's ModelStreamInfer: HTTP has no streams")
+    endpoint = HttpEndpoint if config.protocol == "http" else Endpoint
+    async with endpoint(config.url, config.model, config.version, config.connections, config.headers) as ep:
         pool = await _connect(config, ep)
         cfg = asdict(config)
         cfg.pop("url"), cfg.pop("model"), cfg.pop("version"), cfg.pop("progress")
@@ -110,14 +117,15 @@ def run_bench(config: BenchConfig) -> BenchResult:
 def run_closed(url: str, model: str, concurrency: int, duration: float, *, warmup: float = 1.0,
                version: str = "", budget_ms: float | None = None, priority: int = 0,
                inputs: InputOptions | None = None, progress: bool = False, streaming: bool = False,
-               retry_after: bool = True, connections: int = 1) -> StepResult:
+               retry_after: bool = True, connections: int = 1, protocol: str = "grpc") -> StepResult:
     """One closed-loop step: `concurrency` requests kept in flight for `duration` s after `warmup` s
     (with `streaming`, each on a ModelStreamInfer stream of its own; with `retry_after`, a refused
-    request's retry-after hint is waited out before the next)."""
+    request's retry-after hint is waited out before the next; `protocol` "http": over KServe v2 REST
+    with binary tensors, `url` its HOST:PORT)."""
     config = BenchConfig(url=url, model=model, version=version, mode="closed", concurrency=[concurrency],
                          duration=duration, warmup=warmup, budget_ms=budget_ms, priority=priority,
                          inputs=inputs or InputOptions(), progress=progress, streaming=streaming,
-                         retry_after=retry_after, connections=connections)
+                         retry_after=retry_after, connections=connections, protocol=protocol)
     return run_bench(config).steps[0]
 
 

@@ -5,14 +5,16 @@ import argparse
 import sys
 
 DESCRIPTION = """\
-Drive a KServe v2 gRPC endpoint (batchline or Triton) with random inputs shaped after the model's
+Drive a KServe v2 gRPC or HTTP endpoint (batchline or Triton) with random inputs shaped after the model's
 metadata, and report per step: offered load, throughput (OK answers/s), goodput (OK answers within
 --budget-ms per second), p50/p95/p99/max latency of OK answers, counts by gRPC status and the mean
 batch size from ModelStatistics.
 
 Closed loop keeps N requests in flight (one step per --concurrency value); open loop sends Poisson
 arrivals at each --rate without waiting for answers (plus --burst SIZE:PERIOD_S bursts). Requests
-are unary ModelInfer calls, or with --streaming messages on ModelStreamInfer streams.
+are unary ModelInfer calls, or with --streaming messages on ModelStreamInfer streams; with
+--protocol http, POSTs to the REST port with binary tensors (Triton's binary tensor data extension),
+one keep-alive connection per request in flight, and statuses counted by their gRPC names.
 
 Inputs: a dynamic first dim is the batch dim (1 row per request); other dynamic dims are
 --default-dim, or --seq-len for 2-D integer inputs, or exactly --shape NAME=d0,d1,... (full shape).
@@ -24,6 +26,7 @@ examples:
   batchline bench --url 127.0.0.1:8001 --model mlp --concurrency 1,8,32 --duration 10
   batchline bench --model minilm --seq-len 128 --int-range input_ids=1000:29000 --concurrency 32
   batchline bench --url 127.0.0.1:8001 --model mlp --concurrency 32 --streaming
+  batchline bench --protocol http --url 127.0.0.1:8000 --model mlp --concurrency 32
   batchline bench --model minilm --seq-len 16 --mode open --rate 100,200,400 --budget-ms 200 \\
       --burst 50:2 --json out.json --plot out.png"""
 
@@ -55,7 +58,10 @@ def _burst(text: str) -> tuple[int, float]:
 
 def configure(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("target")
-    t.add_argument("--url", default="127.0.0.1:8001", help="gRPC endpoint HOST:PORT (default: 127.0.0.1:8001)")
+    t.add_argument("--url", default=None, help="endpoint HOST:PORT (default: 127.0.0.1:8001, with --protocol http "
+                   "127.0.0.1:8000)")
+    t.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                   help="grpc, or http: KServe v2 REST with binary tensors (default: grpc)")
     t.add_argument("--model", required=True, help="model name")
     t.add_argument("--model-version", default="", help="model version (default: the server's choice)")
     m = p.add_argument_group("load")
@@ -165,9 +171,11 @@ def main(args: argparse.Namespace) -> int:
         if not sep or not name.strip():
             return fail(f"--header takes NAME=VALUE, got {h!r}")
         headers[name.strip()] = value
+    if args.url is None:
+        args.url = "127.0.0.1:8000" if args.protocol == "http" else "127.0.0.1:8001"
     try:
         config = BenchConfig(
-            url=args.url, model=args.model, version=args.model_version, mode=args.mode,
+            url=args.url, protocol=args.protocol, model=args.model, version=args.model_version, mode=args.mode,
             concurrency=args.concurrency, rate=args.rate, burst=args.burst, duration=args.duration,
             warmup=args.warmup, budget_ms=args.budget_ms, priority=args.priority,
             inputs=_input_options(args), max_outstanding=args.max_outstanding, streaming=args.streaming,
@@ -181,7 +189,7 @@ def main(args: argparse.Namespace) -> int:
         return fail("interrupted")
     shapes = ", ".join(f"{k}={v}" for k, v in result.config["input_shapes"].items())
     budget = f", budget {args.budget_ms:g} ms" if args.budget_ms is not None else ""
-    stream = " over ModelStreamInfer streams" if args.streaming else ""
+    stream = " over ModelStreamInfer streams" if args.streaming else (" over HTTP" if args.protocol == "http" else "")
     print(f"{args.model} @ {args.url}: {args.mode} loop{stream}, {args.duration:g} s per step{budget}; inputs {shapes}")
     print(format_table(result.steps))
     if args.json:

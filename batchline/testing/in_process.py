@@ -22,12 +22,13 @@ from scheduler.settings import SchedulerSettings
 
 class InProcessMesh:
     def __init__(self, redis_url: str | None, model_repository: str, executors: int = 1,
-                 models: list[str] | None = None,
-                 gateway_overrides: dict | None = None, **scheduler_overrides):
+                 models: list[str] | None = None, gateway_overrides: dict | None = None,
+                 executor_overrides: dict | None = None, **scheduler_overrides):
         # Without a URL the mesh gets a Redis of its own, so meshes never see each other's queues.
         self.own_redis = None if redis_url else EmbeddedRedis().start()
         self.redis_url = redis_url or self.own_redis.url
         self.gateway_overrides = gateway_overrides or {}
+        self.executor_overrides = executor_overrides or {}
         self.repo = model_repository
         self.n_executors = executors
         self.models = models or []
@@ -57,6 +58,11 @@ class InProcessMesh:
     def address(self) -> str:
         return f"127.0.0.1:{self.gateway.port}"
 
+    @property
+    def http_address(self) -> str:
+        """The gateway's REST port, as tritonclient.http takes it."""
+        return f"127.0.0.1:{self.gateway.http_port}"
+
     def start(self) -> "InProcessMesh":
         connect_sync(self.redis_url, 2).flushdb()
         self.thread.start()
@@ -69,7 +75,7 @@ class InProcessMesh:
         self.scheduler = await SchedulerApp(
             SchedulerSettings(redis_url=self.redis_url, port=0, metrics_port=-1, **self.scheduler_overrides)
         ).start()
-        gateway = {"drain_timeout_s": 5.0, **self.gateway_overrides}
+        gateway = {"drain_timeout_s": 5.0, "http_port": 0, **self.gateway_overrides}
         self.gateway = await GatewayApp(GatewaySettings(redis_url=self.redis_url, port=0, metrics_port=-1,
                                                         **gateway)).start()
 
@@ -82,6 +88,7 @@ class InProcessMesh:
             metrics_port=-1,
             executor_id=f"test-exec-{i}-{uuid.uuid4().hex[:6]}",
             intra_op_threads=1,
+            **self.executor_overrides,
         )
         return await ExecutorApp(settings).start()
 

@@ -16,7 +16,7 @@ through pytriton. Inputs listed under
 [padding] are padded to the batch's longest member, as batchline does; the benchmark sends
 equal-length requests, so nothing is padded in practice.
 
-Prints "ready <grpc port>" once Triton serves, then runs until SIGINT/SIGTERM.
+Prints "ready <grpc port> <http port>" once Triton serves, then runs until SIGINT/SIGTERM.
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def main() -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"serving {', '.join(bound)}", file=sys.stderr, flush=True)
-        print(f"ready {ports['grpc']}", flush=True)
+        print(f"ready {ports['grpc']} {ports['http']}", flush=True)
         stop.wait()
     return 0
 

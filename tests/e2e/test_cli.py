@@ -54,8 +54,8 @@ def test_up_serves_and_ctrl_c_stops_everything(model_repository):
     # it the way a terminal's does.
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchline.cli", "up", "--model-repository", str(model_repository),
-         "--gateway-port", "0", "--metrics-port", "0", "--executors", "2", "--log-level", "WARNING",
-         "--redis-password", REDIS_PASSWORD],
+         "--gateway-port", "0", "--metrics-port", "0", "--http-port", "-1", "--executors", "2",
+         "--log-level", "WARNING", "--redis-password", REDIS_PASSWORD],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -143,7 +143,7 @@ def test_services_go_with_a_killed_up(model_repository):
     # order), so nothing else would take them down if `up` itself were SIGKILLed.
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchline.cli", "up", "--model-repository", str(model_repository),
-         "--gateway-port", "0", "--metrics-port", "-1", "--log-level", "WARNING"],
+         "--gateway-port", "0", "--metrics-port", "-1", "--http-port", "-1", "--log-level", "WARNING"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     lines = []
@@ -208,7 +208,7 @@ def test_up_whose_redis_cannot_start_says_why_in_one_line_and_leaves_nothing_beh
     (bin_dir / "redis-server").chmod(0o755)
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchline.cli", "up", "--model-repository", str(model_repository),
-         "--gateway-port", "0", "--metrics-port", "-1"],
+         "--gateway-port", "0", "--metrics-port", "-1", "--http-port", "-1"],
         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
     stdout, stderr = proc.communicate(timeout=60)

@@ -129,7 +129,7 @@ def small_gateway(mesh):
     limit = 1024 * 1024
 
     async def start():
-        return await GatewayApp(GatewaySettings(redis_url=mesh.redis_url, port=0, metrics_port=-1,
+        return await GatewayApp(GatewaySettings(redis_url=mesh.redis_url, port=0, metrics_port=-1, http_port=-1,
                                                 max_message_bytes=limit)).start()
 
     app = mesh.call(start())

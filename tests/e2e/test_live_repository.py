@@ -169,7 +169,7 @@ def test_batchline_up_in_explicit_mode_starts_empty_and_loads_on_request(reposit
     from batchline.testing.up import STARTUP_S, Up
 
     up = Up("--model-repository", str(repository), "--model-control-mode", "explicit",
-            "--gateway-port", "0", "--metrics-port", "-1")
+            "--gateway-port", "0", "--metrics-port", "-1", "--http-port", "-1")
     try:
         address = up.wait_for(r"listening on (\S+);", STARTUP_S).group(1)
         with tc.InferenceServerClient(address) as client:

@@ -76,7 +76,7 @@ def test_up_with_json_logs_writes_only_json_lines(model_repository, tmp_path):
     shutil.copytree(model_repository / "mlp", repo / "mlp")
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchline.cli", "up", "--model-repository", str(repo), "--gateway-port", "0",
-         "--metrics-port", "-1", "--log-format", "json", "--log-level", "DEBUG"],
+         "--metrics-port", "-1", "--http-port", "-1", "--log-format", "json", "--log-level", "DEBUG"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()

@@ -289,7 +289,7 @@ def test_with_two_gateways_each_spaces_its_own_refusals_twice_as_far(mesh_factor
     from gateway.settings import GatewaySettings
 
     m = mesh_factory(models=["mlp"])
-    other = m.call(GatewayApp(GatewaySettings(redis_url=m.redis_url, port=0, metrics_port=-1,
+    other = m.call(GatewayApp(GatewaySettings(redis_url=m.redis_url, port=0, metrics_port=-1, http_port=-1,
                                               heartbeat_interval_s=0.1)).start())
     try:
         _backed_up(m, cost_per_unit_s=0.05)

@@ -38,10 +38,10 @@ def receiver():
 
 
 @pytest.fixture(scope="module")
-def traced_mesh(receiver, model_repository):
+def traced(receiver, model_repository):
     args = argparse.Namespace(
-        model_repository=str(model_repository), redis_url="", executors=1, gateway_port=0, host="127.0.0.1",
-        log_level="WARNING", startup_timeout=120.0,
+        model_repository=str(model_repository), redis_url="", executors=1, gateway_port=0, http_port=0,
+        host="127.0.0.1", log_level="WARNING", startup_timeout=120.0,
     )
     # Whatever OTEL_* the caller's shell has must not leak in: each service names itself batchline-<service>.
     env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("OTEL_")}
@@ -59,9 +59,15 @@ def traced_mesh(receiver, model_repository):
     mesh = Mesh(args, env=env)
     try:
         address = mesh.start()
-        yield address
+        yield mesh, address
     finally:
         mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def traced_mesh(traced):
+    """The gateway's gRPC address."""
+    return traced[1]
 
 
 def _one(spans: list[ReceivedSpan], **match) -> ReceivedSpan | None:
@@ -183,3 +189,29 @@ def check_traces(spans: list[ReceivedSpan]) -> None:
         services = {str(v) for k, v in x.attributes.items() if k in ("rpc.service", "rpc.method")}
         text = " ".join([x.name, *services]).lower()
         assert "health" not in text and "reflection" not in text and x.name != "Check", x
+
+
+def test_a_rest_request_joins_the_clients_trace_as_grpc_ones_do(traced, receiver):
+    mesh, _ = traced
+    import http.client
+    import json
+
+    trace_id, span_id = os.urandom(16).hex(), os.urandom(8).hex()
+    body = json.dumps({"inputs": [{"name": "features", "shape": [1, 32], "datatype": "FP32", "data": [0.5] * 32}]})
+    connection = http.client.HTTPConnection("127.0.0.1", mesh.http_port, timeout=30)
+    try:
+        connection.request("POST", "/v2/models/mlp/infer", body=body,
+                           headers={"traceparent": f"00-{trace_id}-{span_id}-01"})
+        assert connection.getresponse().status == 200
+    finally:
+        connection.close()
+
+    def found(spans: list[ReceivedSpan]) -> bool:
+        names = {s.name for s in spans if s.trace_id == trace_id}
+        return {"HTTP ModelInfer", "enqueue", "queue_wait", "execute"} <= names
+
+    spans = [s for s in receiver.wait_for(found, timeout=30) if s.trace_id == trace_id]
+    infer = _one(spans, name="HTTP ModelInfer")
+    assert infer.service == "batchline-gateway" and infer.kind == "SERVER" and infer.parent_span_id == span_id
+    assert infer.attributes["batchline.model"] == "mlp"
+    assert {s.service for s in spans} == {"batchline-gateway", "batchline-scheduler", "batchline-executor"}

@@ -71,7 +71,8 @@ def test_a_group_commit_over_two_shards_keeps_each_write_s_answer_and_announces_
 
 
 def _start_gateway(url: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gateway", "--redis-url", url, "--port", "0", "--metrics-port", "-1"],
+    return subprocess.run([sys.executable, "-m", "gateway", "--redis-url", url, "--port", "0", "--metrics-port", "-1",
+                           "--http-port", "-1"],
                           capture_output=True, text=True, timeout=60)
 
 

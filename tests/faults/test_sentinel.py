@@ -49,7 +49,8 @@ def test_sentinel_urls_name_their_sentinels_master_and_options():
 
 def test_a_master_name_no_sentinel_knows_stops_a_service_in_one_line(sentinels):
     url = sentinels.url.replace(f"/{sentinels.master}/", "/no-such-master/")
-    out = subprocess.run([sys.executable, "-m", "gateway", "--redis-url", url, "--port", "0", "--metrics-port", "-1"],
+    out = subprocess.run([sys.executable, "-m", "gateway", "--redis-url", url, "--port", "0", "--metrics-port", "-1",
+                          "--http-port", "-1"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]

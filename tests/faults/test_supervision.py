@@ -67,7 +67,7 @@ def _load(address: str, stop: threading.Event, outcomes: Counter, messages: Coun
 
 def test_killed_services_are_restarted_under_load_and_every_call_is_answered(mlp_repository):
     up = Up("--model-repository", str(mlp_repository), "--executors", "3", "--gateways", "2",
-            "--gateway-port", "0", "--metrics-port", "0")
+            "--gateway-port", "0", "--metrics-port", "0", "--http-port", "-1")
     stop, outcomes, messages, clients = threading.Event(), Counter(), Counter(), []
     try:
         ready = up.wait_for(r"listening on (\S+);.*restarts counted at http://\S+:(\d+)/metrics", STARTUP_S)
@@ -107,6 +107,7 @@ def test_a_crash_loop_stops_up_and_names_the_service_with_its_last_output(tmp_pa
     version.mkdir(parents=True)
     (version / "model.onnx").write_bytes(b"this is not an ONNX model")
     up = Up("--model-repository", str(tmp_path / "repository"), "--gateway-port", "0", "--metrics-port", "-1",
+            "--http-port", "-1",
             "--max-restarts", "1", "--startup-timeout", "300")
     code = up.proc.wait(180)
     up.reader.join(10)
@@ -140,7 +141,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_an_embedded_redis_that_cannot_restart_stops_the_mesh_with_one_line_saying_why(mlp_repository):
-    up = Up("--model-repository", str(mlp_repository), "--gateway-port", "0", "--metrics-port", "-1")
+    up = Up("--model-repository", str(mlp_repository), "--gateway-port", "0", "--metrics-port", "-1",
+            "--http-port", "-1")
     squatter = None
     try:
         up.wait_for(r"listening on", STARTUP_S)

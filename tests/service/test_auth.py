@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import queue
 import re
 import time
@@ -23,28 +22,14 @@ from tritonclient.utils import InferenceServerException
 
 from batchline import auth, contract
 from batchline.errors import PermissionDenied, Unauthenticated
+from batchline.testing.auth_files import ADMIN, OTHER, SEARCH, token_entry, write_auth_file
 from batchline.testing.polling import poll
-
-SEARCH, OTHER, ADMIN = "search-secret-1", "other-secret-2", "admin-secret-3"
-
-
-def _entry(token: str, tenant: str, models: list[str], admin: bool = False) -> str:
-    digest = hashlib.sha256(token.encode()).hexdigest()
-    return (f'[[tokens]]\nsha256 = "{digest}"\ntenant = "{tenant}"\nmodels = {models!r}\n'
-            f"admin = {'true' if admin else 'false'}\nweight = 1.0\nmax_rate = 0\n").replace("'", '"')
-
-
-def _write(path, *entries: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(entries))
-    os.replace(tmp, path)
-
 
 @pytest.fixture
 def guarded(mesh_factory, tmp_path):
     path = tmp_path / "auth.toml"
-    _write(path, _entry(SEARCH, "search", ["ml*"]), _entry(OTHER, "other", ["minilm"]),
-           _entry(ADMIN, "ops", ["*"], admin=True))
+    write_auth_file(path, token_entry(SEARCH, "search", ["ml*"]), token_entry(OTHER, "other", ["minilm"]),
+           token_entry(ADMIN, "ops", ["*"], admin=True))
     m = mesh_factory(models=["mlp"], gateway_overrides={"auth_file": str(path)})
     return m, path
 
@@ -103,14 +88,14 @@ def test_a_stream_judges_every_message_by_the_auth_file_as_it_is_then(guarded):
         client.start_stream(callback=lambda result, error: answers.put((result, error)), headers=_bearer(SEARCH))
         assert send(client, "before") == "OK"
         # The token's scope narrowed while the stream is open: the next message is judged by it.
-        _write(path, _entry(SEARCH, "search", ["minilm"]), _entry(OTHER, "other", ["minilm"]))
+        write_auth_file(path, token_entry(SEARCH, "search", ["minilm"]), token_entry(OTHER, "other", ["minilm"]))
         assert "[PERMISSION_DENIED] tenant 'search' may not call model 'mlp'" in send(client, "narrowed")
-        _write(path, _entry(SEARCH, "search", ["ml*"]).replace("max_rate = 0", "max_rate = 1"))
+        write_auth_file(path, token_entry(SEARCH, "search", ["ml*"]).replace("max_rate = 0", "max_rate = 1"))
         assert send(client, "widened") == "OK"
         # A cap added mid-stream: its bucket of one is spent by the first message.
         assert "[RESOURCE_EXHAUSTED] tenant 'search' is over its rate of 1 requests/s" in send(client, "capped")
         # Revoked: removed from the file, refused from the next message on the same stream.
-        _write(path, _entry(OTHER, "other", ["minilm"]))
+        write_auth_file(path, token_entry(OTHER, "other", ["minilm"]))
         assert "[UNAUTHENTICATED] the token is not known to this gateway" in send(client, "revoked")
         client.stop_stream()
 
@@ -130,7 +115,7 @@ def test_bad_credentials_get_their_status_and_never_reach_redis(guarded):
         statuses["statistics without admin"] = _status_of(
             lambda: client.get_inference_statistics("mlp", headers=_bearer(SEARCH)))
         # Revoked: the file is rewritten without the token; the next request finds it changed.
-        _write(path, _entry(OTHER, "other", ["minilm"]))
+        write_auth_file(path, token_entry(OTHER, "other", ["minilm"]))
         statuses["revoked token"] = _status_of(lambda: infer(headers=_bearer(SEARCH)))
         # Probes stay open.
         assert client.is_server_live()
@@ -171,7 +156,7 @@ def test_the_repository_shows_a_token_only_its_models_and_takes_loads_only_from_
 
 def test_a_model_outside_the_scope_is_refused_whether_it_exists_or_not(tmp_path):
     path = tmp_path / "auth.toml"
-    _write(path, _entry(SEARCH, "search", ["ml*"]))
+    write_auth_file(path, token_entry(SEARCH, "search", ["ml*"]))
     grant = auth.Tokens(str(path)).grant([("authorization", f"Bearer {SEARCH}")])
     grant.check_model("mlp")
     for name in ("minilm", "does-not-exist"):
@@ -210,7 +195,7 @@ def test_any_auth_file_text_parses_or_is_an_auth_file_error(text):
 @given(st.one_of(st.text(max_size=100), st.binary(max_size=100)))
 def test_any_authorization_header_is_unauthenticated_or_a_grant(tmp_path_factory, value):
     path = tmp_path_factory.mktemp("auth") / "auth.toml"
-    _write(path, _entry(SEARCH, "search", ["mlp"]))
+    write_auth_file(path, token_entry(SEARCH, "search", ["mlp"]))
     tokens = auth.Tokens(str(path))
     try:
         tokens.grant([("authorization", value)])
@@ -223,9 +208,9 @@ def test_a_tenants_max_rate_is_one_bucket_across_gateways(mesh_factory, tmp_path
     from gateway.settings import GatewaySettings
 
     path = tmp_path / "auth.toml"
-    _write(path, _entry(SEARCH, "search", ["mlp"]).replace("max_rate = 0", "max_rate = 2"))
+    write_auth_file(path, token_entry(SEARCH, "search", ["mlp"]).replace("max_rate = 0", "max_rate = 2"))
     m = mesh_factory(models=["mlp"], gateway_overrides={"auth_file": str(path)})
-    second = m.call(GatewayApp(GatewaySettings(redis_url=m.redis_url, port=0, metrics_port=-1,
+    second = m.call(GatewayApp(GatewaySettings(redis_url=m.redis_url, port=0, metrics_port=-1, http_port=-1,
                                                auth_file=str(path))).start())
     outcomes, messages = [], []
     tenant_before = _counted("tenant_requests", model="mlp", tenant="search", status="resource_exhausted")

@@ -163,7 +163,7 @@ def test_compose_services(compose):
     services = compose["services"]
     assert {"redis", "jaeger", "prometheus", "grafana", "gateway", "scheduler", "executor"} <= set(services)
     assert services["redis"]["image"].startswith("redis:7")
-    assert "8001:8001" in services["gateway"]["ports"]
+    assert {"8001:8001", "8000:8000"} <= set(services["gateway"]["ports"])
     # Scalable with --scale: a container name or a host port would collide between replicas.
     assert "container_name" not in services["executor"] and "ports" not in services["executor"]
     assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
@@ -234,10 +234,10 @@ def test_the_tls_profile_adds_a_gateway_with_tls_and_tokens_from_deploy_tls(comp
     from batchline.testing.certs import Authority
 
     service = compose["services"]["gateway-tls"]
-    assert service["profiles"] == ["tls"] and "8443:8443" in service["ports"]
+    assert service["profiles"] == ["tls"] and {"8443:8443", "8444:8444"} <= set(service["ports"])
     mount = mount_target(service["volumes"], "./deploy/tls")
     env = settings_env(service["environment"], "gateway")
-    assert env["BATCHLINE_GATEWAY_PORT"] == "8443"
+    assert env["BATCHLINE_GATEWAY_PORT"] == "8443" and env["BATCHLINE_GATEWAY_HTTP_PORT"] == "8444"
     files = {"TLS_CERT_FILE": "tls.crt", "TLS_KEY_FILE": "tls.key", "AUTH_FILE": "auth.toml"}
     assert {k: env[f"BATCHLINE_GATEWAY_{k}"] for k in files} == {k: f"{mount}/{f}" for k, f in files.items()}
     # Files the README in deploy/tls says to make (none is committed) are what the settings load.
@@ -249,7 +249,8 @@ def test_the_tls_profile_adds_a_gateway_with_tls_and_tokens_from_deploy_tls(comp
     assert ignored("deploy/tls/tls.key", dockerignore_patterns())  # never sent to an image build
     # Off unless asked for; valid with the profile on.
     assert "gateway-tls" not in compose_config.config(COMPOSE)["services"]
-    assert compose_config.config(COMPOSE, profiles=["tls"])["services"]["gateway-tls"]["ports"] == ["8443:8443"]
+    tls_gateway = compose_config.config(COMPOSE, profiles=["tls"])["services"]["gateway-tls"]
+    assert tls_gateway["ports"] == ["8443:8443", "8444:8444"]
 
 
 def test_metrics_ports_are_the_contract(compose):
@@ -404,7 +405,7 @@ def test_runtime_images_are_slim_nonroot_and_serve_every_service():
         users = [args for k, args in runtime if k == "USER"]
         assert users and not users[-1].startswith(("root", "0")), f"{dockerfile.name} runs as root"
         exposed = {w for k, args in runtime if k == "EXPOSE" for w in args.split()}
-        assert {"8001", "8002", "8003", "8004"} <= exposed
+        assert {"8000", "8001", "8002", "8003", "8004"} <= exposed
         entry = [json.loads(args) for k, args in runtime if k == "ENTRYPOINT"]
         assert entry == [["python", "-m"]], "one image: the command names the service"
         assert "torch" not in " ".join(args for k, args in runtime if k == "RUN"), "torch stays in the models stage"
@@ -627,6 +628,8 @@ def test_k8s_services_settings_ports_and_scrape_annotations(monkeypatch):
             assert env[prefix + "PORT"] == str(probe_port) and probe_port in ports
     (gateway,) = services["gateway"]
     assert gateway[2]["readinessProbe"]["grpc"]["port"] == 8001
+    assert gateway[3]["BATCHLINE_GATEWAY_HTTP_PORT"] == "8000"
+    assert 8000 in {p["containerPort"] for p in gateway[2]["ports"]}
 
 
 def test_k8s_liveness_outlives_redis_and_pods_get_to_drain():
@@ -648,7 +651,7 @@ def test_k8s_liveness_outlives_redis_and_pods_get_to_drain():
 def test_k8s_gateway_service_scheduler_replicas_gpu_and_autoscaling():
     docs = {(d["kind"], d["metadata"]["name"]): d for _, d in k8s_documents()}
     service_ports = {p["name"]: p["port"] for p in docs[("Service", "gateway")]["spec"]["ports"]}
-    assert service_ports == {"grpc": 8001, "metrics": 8002}
+    assert service_ports == {"grpc": 8001, "http": 8000, "metrics": 8002}
     assert docs[("Deployment", "scheduler")]["spec"]["replicas"] == 2
     gpu = docs[("Deployment", "executor-gpu")]["spec"]["template"]["spec"]["containers"][0]
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1 and gpu["image"] == "batchline:cuda"

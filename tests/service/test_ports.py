@@ -30,7 +30,8 @@ def foreign_server(mesh):
 
 
 def _gateway(redis_url: str, port: int, **overrides) -> GatewayApp:
-    return GatewayApp(GatewaySettings(redis_url=redis_url, port=port, metrics_port=-1, **overrides))
+    return GatewayApp(GatewaySettings(**{"redis_url": redis_url, "port": port, "metrics_port": -1, "http_port": -1,
+                                         **overrides}))
 
 
 @pytest.mark.parametrize("share_port", [False, True])
@@ -57,9 +58,10 @@ def test_the_gateways_of_one_mesh_share_their_port_and_no_other_meshs_gateway_jo
 def test_a_gateway_process_and_batchline_up_on_a_served_port_exit_in_one_line(mesh, foreign_server, model_repository):
     runs = {
         "gateway": [sys.executable, "-m", "gateway", "--redis-url", mesh.redis_url, "--port", str(foreign_server),
-                    "--metrics-port", "-1"],
+                    "--metrics-port", "-1", "--http-port", "-1"],
         "up": [sys.executable, "-m", "batchline.cli", "up", "--redis-url", mesh.redis_url, "--model-repository",
-               str(model_repository), "--gateway-port", str(foreign_server), "--metrics-port", "-1"],
+               str(model_repository), "--gateway-port", str(foreign_server), "--metrics-port", "-1", "--http-port",
+               "-1"],
     }
     for what, cmd in runs.items():
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
@@ -76,3 +78,17 @@ def test_the_command_line_a_refusal_names_keeps_no_credentials():
     assert "s3cret" not in shown and "hunter2" not in shown and "pw@" not in shown, shown
     assert shown == ("python -m gateway --redis-url unix://***@/tmp/redis.sock?db=0 --redis-password *** "
                      "--auth-file=/etc/auth.toml rediss://***@host:6380/0")
+
+
+def test_the_rest_port_is_shared_and_refused_as_the_grpc_port_is(mesh_factory, foreign_server):
+    m = mesh_factory(models=["mlp"], gateway_overrides={"share_port": True})
+    with pytest.raises(PortInUse) as info:
+        m.call(_gateway(m.redis_url, 0, http_port=foreign_server).start())
+    assert str(info.value).startswith(f"port {foreign_server} is in use by pid {os.getpid()} (")
+    assert str(info.value).endswith("(--http-port)"), str(info.value)
+    # Another gateway of the mesh joins both of its ports.
+    second = m.call(_gateway(m.redis_url, m.gateway.port, share_port=True, http_port=m.gateway.http_port).start())
+    try:
+        assert (second.port, second.http_port) == (m.gateway.port, m.gateway.http_port)
+    finally:
+        m.call(second.stop(0))

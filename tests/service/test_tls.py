@@ -99,7 +99,7 @@ def test_up_passes_tls_and_mutual_tls_to_its_gateways(model_repository, tmp_path
     shutil.copytree(model_repository / "mlp", repo / "mlp")
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchline.cli", "up", "--model-repository", str(repo), "--gateway-port", "0",
-         "--metrics-port", "-1", "--log-level", "WARNING", "--tls-cert", cert, "--tls-key", key,
+         "--metrics-port", "-1", "--http-port", "-1", "--log-level", "WARNING", "--tls-cert", cert, "--tls-key", key,
          "--tls-client-ca", clients.file],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []

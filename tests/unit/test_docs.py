@@ -162,8 +162,8 @@ def _known_flags() -> set[str]:
     return flags
 
 
-# Flags of other tools the docs show (docker, docker compose).
-OTHER_TOOLS = {"--build", "--build-arg", "--scale", "--from-literal", "--from-file", "--profile"}  # docker, kubectl
+# Flags of other tools the docs show (docker, docker compose, kubectl, curl).
+OTHER_TOOLS = {"--build", "--build-arg", "--scale", "--from-literal", "--from-file", "--profile", "--data-binary"}
 
 
 def test_every_flag_the_docs_name_exists():

@@ -1,0 +1,64 @@
+"""One inference as both ports serve it: traced (continuing the client's trace), counted, and
+every failure a BatchlineError. The gRPC servicer and the REST app differ only in how they read
+the request and write the answer."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Sequence
+
+from batchline import metrics, telemetry
+from batchline.auth import Grant
+from batchline.errors import BatchlineError, Internal, grpc_status
+from batchline.protocol import inference_pb2 as ipb
+from gateway.core import Gateway
+
+log = logging.getLogger(__name__)
+_tracer = telemetry.tracer("batchline.gateway")
+
+
+def trace_headers(metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, str]:
+    md = dict(metadata or ())
+    return md.get("traceparent", ""), md.get("tracestate", "")
+
+
+async def infer(gateway: Gateway, request: ipb.ModelInferRequest, remaining_s: float | None,
+                metadata: Sequence[tuple[str, Any]] | None, name: str = "ModelInfer",
+                grant: Grant | None = None) -> ipb.ModelInferResponse:
+    """`metadata`: the call's gRPC metadata or HTTP headers (lowercase names), for the trace
+    context; `remaining_s`: the client's deadline, if it set one. Raises BatchlineError."""
+    started = time.perf_counter()
+    traced = telemetry.enabled()
+    with (telemetry.server_span(_tracer, name, metadata, {"batchline.model": request.model_name})
+          if traced else contextlib.nullcontext()) as span:
+        def failed(error: BatchlineError) -> None:
+            labels = gateway.catalog.labels(request.model_name, request.model_version)
+            reason = metrics.status_reason(grpc_status(error))
+            metrics.REQUEST_FAILURE.labels(*labels, reason).inc()
+            if grant is not None:
+                metrics.TENANT_REQUESTS.labels(labels[0], grant.tenant, reason).inc()
+            if traced:
+                telemetry.set_error(span, f"{grpc_status(error).name}: {error}")
+
+        try:
+            if grant is not None and grant.max_rate > 0:
+                await gateway.take_rate(grant.tenant, grant.max_rate, request.model_name)
+            response = await gateway.infer(
+                request, remaining_s, *trace_headers(metadata),
+                **({"tenant": grant.tenant, "weight": grant.weight} if grant is not None else {}))
+        except BatchlineError as exc:
+            failed(exc)
+            raise
+        except Exception as exc:
+            # A bug or a failure nobody foresaw: INTERNAL with what happened, not gRPC's UNKNOWN,
+            # and on a stream an answer rather than a request left hanging.
+            log.exception("request %r to model %r failed unexpectedly", request.id, request.model_name)
+            error = Internal(f"the gateway failed on this request unexpectedly ({type(exc).__name__}: {exc})")
+            failed(error)
+            raise error from exc
+    metrics.REQUEST_SUCCESS.labels(response.model_name, response.model_version).inc()
+    if grant is not None:
+        metrics.TENANT_REQUESTS.labels(response.model_name, grant.tenant, "ok").inc()
+    metrics.REQUEST_DURATION.labels(response.model_name, response.model_version).observe(time.perf_counter() - started)
+    return response

@@ -1,0 +1,243 @@
+"""The KServe v2 REST protocol (with Triton's binary tensor data and repository extensions) as a
+bare ASGI app: HTTP in, Gateway calls out, as gateway/servicer.py does for gRPC.
+
+Health probes are open; with `tokens`, every other call needs an `authorization: Bearer` header
+judged as the gRPC metadata is. Errors answer `{"error": "<the gRPC status's message>"}` with the
+HTTP status of batchline.errors.http_status.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import zlib
+
+from batchline.auth import Grant, Tokens
+from batchline.errors import (RETRY_AFTER_KEY, BatchlineError, Internal, InvalidArgument, NotFound, Unauthenticated,
+                              http_status)
+from batchline.protocol import inference_pb2 as ipb
+from gateway import inference
+from gateway.convert import inputs_of, model_config, model_statistics
+from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
+from gateway.rest_tensors import infer_request, infer_response
+from gateway.rest_json import message_dict
+
+log = logging.getLogger(__name__)
+
+# The client's deadline, in milliseconds from when the request arrives: what a gRPC deadline is
+# to ModelInfer (the tighter of it and the `timeout` parameter is the budget).
+TIMEOUT_HEADER = b"batchline-timeout-ms"
+HEADER_LENGTH = b"inference-header-content-length"
+_TRACE_HEADERS = (b"traceparent", b"tracestate")
+_JSON = [(b"content-type", b"application/json")]
+
+
+def _error_body(exc: BatchlineError) -> tuple[int, list, bytes]:
+    headers = list(_JSON)
+    if isinstance(exc, Unauthenticated):
+        headers.append((b"www-authenticate", b"Bearer"))
+    if exc.retry_after_s is not None:
+        headers.append((b"retry-after", str(max(1, math.ceil(exc.retry_after_s))).encode()))
+        headers.append((RETRY_AFTER_KEY.encode(), str(max(1, round(exc.retry_after_s * 1000))).encode()))
+    return http_status(exc), headers, json.dumps({"error": str(exc)}).encode()
+
+
+def _json(value) -> tuple[int, list, bytes]:
+    return 200, _JSON, json.dumps(value, separators=(",", ":")).encode()
+
+
+def _remaining_s(headers: dict[bytes, bytes]) -> float | None:
+    value = headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = math.nan
+    if not math.isfinite(ms) or ms < 0:
+        raise InvalidArgument(f"the {TIMEOUT_HEADER.decode()} header must be a number of milliseconds >= 0, "
+                              f"got {value.decode('latin-1')!r}")
+    return ms / 1000
+
+
+class RestApp:
+    def __init__(self, gateway: Gateway, tokens: Tokens | None, max_body_bytes: int):
+        self.gateway = gateway
+        self.tokens = tokens
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        headers = dict(scope["headers"])
+        try:
+            status, answer_headers, body = await self._route(scope, headers, receive)
+        except BatchlineError as exc:
+            status, answer_headers, body = _error_body(exc)
+        except Exception as exc:
+            # A bug or a failure nobody foresaw: a JSON error as every other, not uvicorn's text page.
+            log.exception("%s %s failed unexpectedly", scope["method"], scope["path"])
+            status, answer_headers, body = _error_body(
+                Internal(f"the gateway failed on this request unexpectedly ({type(exc).__name__}: {exc})"))
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [*answer_headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _body(self, headers: dict[bytes, bytes], receive) -> bytes:
+        declared = headers.get(b"content-length")
+        cap = self.max_body_bytes
+        if declared is not None and declared.isdigit() and int(declared) > cap:
+            raise InvalidArgument(f"the request body is {int(declared)} bytes, over the gateway's limit of {cap} "
+                                  "(max_message_bytes)")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise InvalidArgument("the client went away before the request body was complete")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > cap:
+                raise InvalidArgument(f"the request body is over the gateway's limit of {cap} bytes "
+                                      "(max_message_bytes)")
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                encoding = headers.get(b"content-encoding")
+                return self._decompress(body, encoding.decode("latin-1").strip().lower()) if encoding else body
+
+    def _decompress(self, body: bytes, encoding: str) -> bytes:
+        """A compressed body (tritonclient's request_compression_algorithm), within the same cap."""
+        if encoding == "identity":
+            return body
+        if encoding not in ("gzip", "deflate"):
+            raise InvalidArgument(f"Content-Encoding {encoding!r} is not supported: send gzip, deflate or none")
+        inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+        try:
+            out = inflater.decompress(body, self.max_body_bytes + 1)
+        except zlib.error as exc:
+            raise InvalidArgument(f"the request body is not valid {encoding} data: {exc}") from None
+        if len(out) > self.max_body_bytes:
+            raise InvalidArgument(f"the request body is over the gateway's limit of {self.max_body_bytes} bytes "
+                                  "(max_message_bytes) once decompressed")
+        return out
+
+    async def _json_body(self, headers, receive) -> dict:
+        body = await self._body(headers, receive)
+        if not body.strip():
+            return {}
+        try:
+            value = json.loads(body)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+            raise InvalidArgument(f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise InvalidArgument("the request body must be a JSON object")
+        return value
+
+    def _allow(self, headers, model: str = "", admin: str = "") -> Grant | None:
+        if self.tokens is None:
+            return None
+        grant = self.tokens.grant(headers.items())
+        if admin:
+            grant.check_admin(admin)
+        if model:
+            grant.check_model(model)
+        return grant
+
+    async def _route(self, scope, headers, receive) -> tuple[int, list, bytes]:
+        method, path = scope["method"], scope["path"]
+        parts = path.strip("/").split("/")
+        if parts[0] != "v2":
+            raise NotFound(f"no such endpoint: {method} {path} (the KServe v2 REST API lives under /v2)")
+        route = parts[1:]
+        if method == "GET":
+            if route == ["health", "live"]:
+                return 200, [], b""
+            if route == ["health", "ready"]:
+                ready = not self.gateway.draining and await self.gateway.catalog.ready()
+                return (200 if ready else 400), [], b""
+            if route == []:
+                self._allow(headers)
+                return _json({"name": SERVER_NAME, "version": SERVER_VERSION,
+                              "extensions": [*EXTENSIONS, "binary_tensor_data"]})
+            if route == ["models", "stats"]:
+                return await self._statistics(headers, "", "")
+        if route[:1] == ["models"] and len(route) >= 2:
+            name, rest = route[1], route[2:]
+            version = ""
+            if rest[:1] == ["versions"] and len(rest) >= 2:
+                version, rest = rest[1], rest[2:]
+            action = "/".join(rest)
+            if method == "POST" and action == "infer":
+                return await self._infer(headers, receive, name, version)
+            if method == "GET":
+                if action == "":
+                    return await self._metadata(headers, name, version)
+                if action == "ready":
+                    self._allow(headers, name)
+                    return (200 if await self.gateway.catalog.model_ready(name, version) else 400), [], b""
+                if action == "config":
+                    self._allow(headers, name)
+                    info = await self.gateway.catalog.model(name, version)
+                    return _json(message_dict(model_config(info)))
+                if action == "stats":
+                    return await self._statistics(headers, name, version)
+        if method == "POST" and route[:1] == ["repository"]:
+            return await self._repository(headers, receive, route[1:], path)
+        raise NotFound(f"no such endpoint: {method} {path}")
+
+    async def _metadata(self, headers, name: str, version: str):
+        self._allow(headers, name)
+        info = await self.gateway.catalog.model(name, version)
+
+        def tensors(specs) -> list[dict]:
+            return [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in specs]
+
+        return _json({"name": info.name, "versions": list(self.gateway.catalog.registry.versions(info.name)),
+                      "platform": info.platform, "inputs": tensors(inputs_of(info)), "outputs": tensors(info.outputs)})
+
+    async def _statistics(self, headers, name: str, version: str):
+        self._allow(headers, admin="statistics")
+        entries = await self.gateway.catalog.statistics(name, version)
+        answer = ipb.ModelStatisticsResponse(model_stats=[model_statistics(info, s) for info, s in entries])
+        return _json(message_dict(answer))
+
+    async def _infer(self, headers, receive, name: str, version: str):
+        grant = self._allow(headers, name)
+        remaining = _remaining_s(headers)
+        await self.gateway.catalog.model(name, version)  # an unknown model is 404, whatever the body
+        body = await self._body(headers, receive)
+        length = headers.get(HEADER_LENGTH)
+        if length is not None and not length.isdigit():
+            raise InvalidArgument(f"the Inference-Header-Content-Length header must be a byte count, "
+                                  f"got {length.decode('latin-1')!r}")
+        request, choice = infer_request(body, int(length) if length is not None else None, name, version)
+        # What the trace context needs, not every header: this runs for every request.
+        metadata = [(k.decode(), v.decode("latin-1")) for k in _TRACE_HEADERS if (v := headers.get(k)) is not None]
+        response = await inference.infer(self.gateway, request, remaining, metadata, "HTTP ModelInfer", grant)
+        body, header_length = infer_response(response, choice)
+        if header_length is None:
+            return 200, _JSON, body
+        return 200, [(b"content-type", b"application/octet-stream"),
+                     (HEADER_LENGTH, str(header_length).encode())], body
+
+    async def _repository(self, headers, receive, route: list[str], path: str):
+        if route == ["index"]:
+            grant = self._allow(headers)
+            ready = (await self._json_body(headers, receive)).get("ready", False)
+            entries = await self.gateway.repository.index(ready is True)
+            return _json([{"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
+                          for e in entries if grant is None or grant.allows(e.name)])
+        if len(route) == 3 and route[0] == "models" and route[2] in ("load", "unload"):
+            name, action = route[1], route[2]
+            self._allow(headers, name, admin=f"{action}ing a model")
+            remaining = _remaining_s(headers)
+            body = await self._json_body(headers, receive)
+            if action == "load":
+                parameters = body.get("parameters") or {}
+                if not isinstance(parameters, dict):
+                    raise InvalidArgument("`parameters` must be an object")
+                await self.gateway.load_model(name, parameters, remaining)
+            else:
+                await self.gateway.unload_model(name, remaining)
+            return 200, [], b""
+        raise NotFound(f"no such endpoint: POST {path}")
