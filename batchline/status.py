@@ -3,7 +3,9 @@
 The leader scheduler; each executor with its models, the execution provider each actually runs on,
 its busy share and heartbeat age; each gateway; queue depth per model and priority level, for every
 model served and every queue that holds requests, served or not (with every executor gone, the
-queues are what is left to see). `--json` gives the same as one object, for scripts. Errors go to
+queues are what is left to see); the executors the leader wants, and per model the arrival rate,
+its forecast and one executor's capacity behind that (scheduler/demand.py). `--json` gives the same as one object, for
+scripts. Errors go to
 stderr, with exit code 1.
 """
 from __future__ import annotations
@@ -52,7 +54,21 @@ def gather(store: AdminStore) -> dict:
         queues.append({"model": name, "version": version, "depth": depth,
                        "by_priority": {str(level): n for level, n in by_level.items()},
                        "served": (name, version) in models})
-    return {"leader": store.leader(), "executors": executors, "gateways": gateways, "queues": queues}
+    return {"leader": store.leader(), "executors": executors, "gateways": gateways, "queues": queues,
+            "demand": demand(store.demand())}
+
+
+def demand(blob: bytes | None) -> dict | None:
+    """The leader's MeshDemand as plain data; None when none is live."""
+    if blob is None:
+        return None
+    d = pb.MeshDemand.FromString(blob)
+    return {"executors_wanted": d.executors_wanted, "horizon_s": round(d.horizon_s, 3),
+            "executor_start_s": round(d.executor_start_s, 3),
+            "models": [{"model": m.name, "version": m.version, "arrival_rate": round(m.arrival_rate, 3),
+                        "forecast_rate": round(m.forecast_rate, 3), "capacity": round(m.capacity, 3),
+                        "budget_s": m.budget_s, "backlog": m.backlog,
+                        "executors": round(max(m.by_forecast, m.by_backlog), 3)} for m in d.models]}
 
 
 def render(status: dict) -> str:
@@ -78,6 +94,18 @@ def render(status: dict) -> str:
         levels = ", ".join(f"priority {level}: {n}" for level, n in q["by_priority"].items())
         lines.append(f"  {q['model']}:{q['version']}: {q['depth']}" + (f" ({levels})" if levels else "")
                      + ("" if q["served"] else ", served by no executor"))
+    d = status.get("demand")
+    lines += ["", "demand (leader's forecast):"]
+    if d is None:
+        lines.append("  (none published: no leader scheduler)")
+    else:
+        start = f"{d['executor_start_s']:.1f} s" if d["executor_start_s"] else "not measured yet"
+        lines.append(f"  executors wanted: {d['executors_wanted']} (forecast {d['horizon_s']:.1f} s ahead; "
+                     f"an executor starts in {start})")
+        for m in d["models"]:
+            lines.append(f"  {m['model']}:{m['version']}: {m['arrival_rate']:.1f}/s now, {m['forecast_rate']:.1f}/s "
+                         f"forecast, {m['capacity']:.1f}/s per executor within {m['budget_s'] * 1000:.0f} ms, "
+                         f"{m['backlog']} queued: {m['executors']:.2f} executors")
     return "\n".join(lines)
 
 

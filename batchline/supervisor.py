@@ -9,7 +9,9 @@ stops, and the message names the service and gives its last log lines. An
 embedded Redis is restarted the same way (the services reconnect by
 themselves); one that cannot start again stops the mesh, with a line that
 says why. Each restart is logged and counted in batchline_restarts_total on
-the supervisor's metrics endpoint.
+the supervisor's metrics endpoint. A service retired (an executor the
+autoscaler stops, batchline/autoscale.py) is asked to stop, drains, and is
+forgotten once it exits, whatever its exit code.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ class Service:
     backoff_s: float = RESTART_BACKOFF_S
     crashes: deque = field(default_factory=deque)  # time.monotonic() of its recent crashes
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    retiring: bool = False  # asked to stop for good: not restarted once it exits
 
     @property
     def role(self) -> str:
@@ -110,11 +113,22 @@ class Supervisor:
         say(self.args, f"batchline: started {name} (pid {service.proc.pid})")
         return service
 
+    def retire(self, name: str) -> None:
+        """Ask a service to stop for good (SIGTERM: it drains first); forgotten once it exits."""
+        s = next(s for s in self.services if s.name == name)
+        s.retiring = True
+        if s.proc is not None and s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+
     def supervise(self) -> None:
         """Restart what died and is due; raise CrashLoop when a service keeps dying."""
         now = time.monotonic()
         if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
             self._restart_redis(now)
+        for s in [s for s in self.services if s.retiring and (s.proc is None or s.proc.poll() is not None)]:
+            self.services.remove(s)
+            code = s.proc.returncode if s.proc is not None else None
+            say(self.args, f"batchline: {s.name} stopped (exit code {code})")
         for s in self.services:
             if s.proc is None:
                 if s.restart_at is not None and now >= s.restart_at:

@@ -11,7 +11,6 @@ import contextlib
 import os
 import pathlib
 import platform
-import re
 import shutil
 import socket
 import tempfile
@@ -23,6 +22,7 @@ import psutil
 
 from batchline.cli import DEFAULT_REPOSITORY
 from batchline.mesh import Mesh
+from batchline.tune.layouts import set_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Closed-loop runs that measure what the mesh can serve give requests a budget long enough
@@ -116,14 +116,6 @@ def ensure_repository(path: str | pathlib.Path) -> pathlib.Path:
 
         build_repository(path)
     return path
-
-
-def set_config(text: str, key: str, value: str) -> str:
-    """Set a top-level `key = value` in config.toml text (before any [table])."""
-    pattern = re.compile(rf"^{re.escape(key)}\s*=.*$", re.MULTILINE)
-    if pattern.search(text):
-        return pattern.sub(f"{key} = {value}", text, count=1)
-    return f"{key} = {value}\n" + text
 
 
 @contextlib.contextmanager

@@ -44,8 +44,11 @@ def executor_lanes(settings: ExecutorSettings, models: list[LoadedModel]) -> lis
 
 
 class ExecutorApp:
-    def __init__(self, settings: ExecutorSettings):
+    def __init__(self, settings: ExecutorSettings, started_s: float | None = None):
+        """`started_s`: when the executor began starting (epoch s; default now), which its
+        registrations' start-to-serving time counts from."""
         self.settings = settings
+        self.started_s = time.time() if started_s is None else started_s
         self.lanes: list[Executor] = []
         self.server: ServerHandle | None = None
         self._health: asyncio.Task | None = None
@@ -82,6 +85,7 @@ class ExecutorApp:
         self.server = await start_server(s.host, s.port, register)
         self._address = f"{s.host}:{self.server.port}"
         for lane in self.lanes:
+            lane.start_s = time.time() - self.started_s
             await lane.start(self._address)
         self._health = asyncio.create_task(self.server.watch_redis(
             self.executor.store, on_change=self._redis_trouble, on_restart=self._new_primary))
@@ -170,6 +174,7 @@ class ExecutorApp:
         if self.server:
             await self.server.stop(grace)
         metrics.stop_metrics_server(self.metrics_port)
+        self.repository.overrides.close()
 
 
 # The provider each placed version's gauge names, to clear it on release or replacement.

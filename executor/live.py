@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pathlib
 import time
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from batchline.registry import Registry
 from executor.repository import (
     LoadedModel, ModelDir, RepositoryError, load_model, load_repository, model_names, scan_model,
 )
+from executor.load_override import OVERRIDE_JSON, Overrides
+from executor.model_config import ConfigError
 from executor.warmup import warm_up
 
 if TYPE_CHECKING:
@@ -64,6 +67,8 @@ class LiveRepository:
         self.listed: set[str] = set()        # model directories of the repository at the last scan
         self.applied: dict[str, int] = {}    # model -> sequence number of the last repository call applied
         self._locks: dict[str, asyncio.Lock] = {}
+        # The models loaded with a load call's config and files.
+        self.overrides = Overrides(self.settings.executor_id or f"pid{os.getpid()}")
 
     # -- what the registration shows ------------------------------------
 
@@ -94,24 +99,26 @@ class LiveRepository:
             return models
         if self.mode == "explicit":
             wanted = [n for n in s.load_model if not s.models or n in s.models]
-            # Before the lanes (and their Redis clients) exist: a client of its own for this one read.
+            # Before the lanes (and their Redis clients) exist: a client of its own for these reads.
             store = ExecutorStore(connect(s.redis_url, s.redis_timeout_s))
             try:
                 calls = await store.control_calls()
+                for name, (action, seq) in calls.items():
+                    self.applied[name] = seq
+                    if action == "load" and not await self._override(name, seq, store):
+                        continue
+                    if action == "load" and name not in wanted:
+                        wanted.append(name)
+                    elif action == "unload" and name in wanted:
+                        wanted.remove(name)
+                        self.notes[name] = UNLOADED
             finally:
                 await store.aclose()
-            for name, (action, seq) in calls.items():
-                self.applied[name] = seq
-                if action == "load" and name not in wanted:
-                    wanted.append(name)
-                elif action == "unload" and name in wanted:
-                    wanted.remove(name)
-                    self.notes[name] = UNLOADED
             names = wanted
         models = []
         for name in names:
             try:
-                scanned = await asyncio.to_thread(scan_model, self.root / name)
+                scanned = await asyncio.to_thread(self._scan, name)
                 for version, print_ in scanned.versions.items():
                     models.append(await self._load(scanned, version, print_))
             except RepositoryError as exc:
@@ -151,8 +158,10 @@ class LiveRepository:
             if self.settings.models and name not in self.settings.models:
                 pass  # not this executor's to serve: applied, so that the caller need not wait for it
             elif action == "load":
-                self.listed = set(await asyncio.to_thread(model_names, self.root, self.settings.models or None))
-                await self.sync(name)
+                if await self._override(name, seq, self.app.executor.store):
+                    names = await asyncio.to_thread(model_names, self.root, self.settings.models or None)
+                    self.listed = set(names) | set(self.overrides.dirs)
+                    await self.sync(name)
             else:
                 self.unload(name)
             self.applied[name] = seq
@@ -162,9 +171,9 @@ class LiveRepository:
         """Bring one model to what its directory and version_policy say now."""
         async with self._locks.setdefault(name, asyncio.Lock()):
             try:
-                scanned = await asyncio.to_thread(scan_model, self.root / name)
+                scanned = await asyncio.to_thread(self._scan, name)
             except RepositoryError as exc:
-                if not (self.root / name).is_dir():
+                if not self._dir(name).is_dir():
                     self.listed.discard(name)
                     self._unload_versions(name, {})
                     return
@@ -193,7 +202,7 @@ class LiveRepository:
                 self.slots[(n, v)] = Slot(UNLOADING, fingerprint=slot.fingerprint, since=time.monotonic())
                 self.app.mark_unloading((n, v))
                 log.info("unloading %s version %s: it finishes what is queued for it first", n, v)
-            elif slot.state == UNAVAILABLE and not (slot.reason == UNLOADED and (self.root / n / v).is_dir()):
+            elif slot.state == UNAVAILABLE and not (slot.reason == UNLOADED and (self._dir(n) / v).is_dir()):
                 del self.slots[(n, v)]  # a failed version, or one whose directory is gone
 
     async def release_finished(self) -> None:
@@ -223,6 +232,36 @@ class LiveRepository:
         return any(e not in mine for e in (await Registry.load(store)).holders.get(key, []))
 
     # -- loading ------------------------------------------------------------
+
+    def _dir(self, name: str) -> pathlib.Path:
+        """Where the model's files are: its load call's override, else the repository."""
+        return self.overrides.dirs.get(name, self.root / name)
+
+    def _scan(self, name: str) -> ModelDir:
+        if name in self.overrides.dirs:
+            return scan_model(self.overrides.dirs[name], self.overrides.configs[name], OVERRIDE_JSON)
+        return scan_model(self.root / name)
+
+    async def _override(self, name: str, seq: int, store: ExecutorStore) -> bool:
+        """Take load call `seq`'s config and files, if it had any; False when its config cannot be
+        served (the call fails with the reason; what serves goes on as it was)."""
+        blob = await store.control_override(name)
+        try:
+            await asyncio.to_thread(self.overrides.apply, name, blob, seq, self.root)
+        except ConfigError as exc:
+            reason = f"a reload failed: {exc}"
+            versions = [key for key in self.slots if key[0] == name]
+            for key in versions:
+                self.slots[key].reason = reason
+            if not versions:
+                self._failed(name, str(exc))
+            log.error("could not load %s: %s", name, exc)
+            return False
+        for key, slot in self.slots.items():
+            # An earlier call's config that failed is no reason against this one.
+            if key[0] == name and slot.state == READY and slot.reason.startswith("a reload failed"):
+                slot.reason = ""
+        return True
 
     async def _load(self, scanned: ModelDir, version: str, print_: tuple[int, ...]) -> LoadedModel:
         """The version loaded (RepositoryError with ONNX Runtime's reason if it cannot be)."""

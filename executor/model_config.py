@@ -11,8 +11,10 @@ import pathlib
 import tomllib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from executor.sequence_config import SequenceBatchingConfig
 
 
 class ConfigError(ValueError):
@@ -51,6 +53,70 @@ class OptimizeConfig(BaseModel):
         "their name and values (docs/guides/optimize.md#the-gate).")
 
 
+class GenerationConfig(BaseModel):
+    """`[generation]`: the model is a decoder that writes text a token at a time, with a key/value cache."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cache_inputs: list[str] = Field(
+        description="The graph's past key/value inputs, [batch, heads, past, head_dim] each.")
+    cache_outputs: list[str] = Field(
+        description="The outputs that return each of cache_inputs with the new positions appended, in the same "
+        "order: [batch, heads, past + sequence, head_dim].")
+    eos_token_ids: list[int] = Field(
+        default_factory=list, description="Token ids that end a sequence (unless a request sets ignore_eos).")
+    max_context: int = Field(description="Most tokens of one sequence, prompt and output together.")
+    tokenizer: str = Field(description="Directory holding tokenizer.json (Hugging Face `tokenizers`), relative to "
+                           "the model's.")
+    ids_input: str = Field("input_ids", description="The graph's input that takes the new token ids [batch, sequence].")
+    positions_input: str = Field("position_ids", description="The graph's input that takes their positions.")
+    mask_input: str = Field("attention_mask", description="The graph's input that takes the mask over cached and new "
+                            "positions [batch, past + sequence].")
+    logits_output: str = Field("logits", description="The output of next-token logits [batch, sequence, vocabulary].")
+    prefill_chunk: int = Field(
+        256, description="Most prompt tokens prefilled in one step: a longer prompt is prefilled over several, "
+        "between the decode steps of the running sequences.")
+
+    @field_validator("cache_inputs", "cache_outputs")
+    @classmethod
+    def _cache_names(cls, value: list[str], info: Any) -> list[str]:
+        if not value:
+            raise _problem(f"generation.{info.field_name} must name at least one tensor")
+        twice = sorted({name for name in value if value.count(name) > 1})
+        if twice:
+            raise _problem(f"generation.{info.field_name} names {twice} more than once")
+        return value
+
+    @field_validator("eos_token_ids")
+    @classmethod
+    def _eos(cls, value: list[int]) -> list[int]:
+        bad = [v for v in value if v < 0]
+        if bad:
+            raise _problem(f"generation.eos_token_ids must be token ids >= 0 (got {bad})")
+        return value
+
+    @field_validator("max_context")
+    @classmethod
+    def _context(cls, value: int) -> int:
+        if value < 2:
+            raise _problem(f"generation.max_context must be >= 2: a prompt token and one to write (got {value})")
+        return value
+
+    @field_validator("prefill_chunk")
+    @classmethod
+    def _chunk(cls, value: int) -> int:
+        if value < 1:
+            raise _problem(f"generation.prefill_chunk must be >= 1 (got {value})")
+        return value
+
+    @model_validator(mode="after")
+    def _pairs(self) -> "GenerationConfig":
+        if len(self.cache_inputs) != len(self.cache_outputs):
+            raise _problem(f"generation.cache_inputs has {len(self.cache_inputs)} names and generation.cache_outputs "
+                           f"{len(self.cache_outputs)}: they pair in order, one output per input")
+        return self
+
+
 class ModelConfig(BaseModel):
     """The keys of ``<repo>/<model>/config.toml``; every one is optional."""
 
@@ -84,7 +150,11 @@ class ModelConfig(BaseModel):
     )
     instance_count: int = Field(
         1, description="Batches of this model an executor runs at once (Triton's instance_group count), each a lane "
-        "of its own on cpu_cores / instance_count intra-op threads unless the executor sets intra_op_threads.",
+        "of its own on cpu_cores / instance_count intra-op threads unless intra_op_threads says otherwise.",
+    )
+    intra_op_threads: int = Field(
+        0, ge=0, description="ONNX Runtime intra-op threads of each of this model's runs, over the executor's "
+        "intra_op_threads (0 = the executor's; `batchline tune` writes it).",
     )
     padding: dict[str, Any] = Field(
         default_factory=dict,
@@ -102,16 +172,47 @@ class ModelConfig(BaseModel):
         "with `trt_fp16_enable = true`.",
     )
 
+    input_format: dict[str, Literal["FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW"]] = Field(
+        default_factory=dict,
+        description="Input name = its layout as Triton names it (`FORMAT_NCHW`, `FORMAT_NHWC`, `FORMAT_NONE`), "
+        "reported in ModelConfig: image clients (Triton's image_client) read it to lay out pixels.",
+    )
+    label_filename: dict[str, str] = Field(
+        default_factory=dict,
+        description="Output name = a file of class labels, one a line, relative to the model's directory: a "
+        "request may ask that output for its top N classes (the `classification` parameter), answered as "
+        "BYTES `score:index:label`.",
+    )
+
     tokenizer: TokenizerConfig | None = Field(
         None, description="A `[tokenizer]` table: the model also takes text (a BYTES input, `text` by default), which "
         "the gateway tokenizes into its token-id inputs; those stay available to clients that tokenize themselves. "
         "Keys: `path` (required: the directory of tokenizer.json), `max_length` (512), `truncate` (true; false "
         "refuses longer texts), `input`, `ids_input`, `mask_input`, `type_ids_input`.",
     )
+    generation: GenerationConfig | None = Field(
+        None,
+        description="A `[generation]` table: the model is a decoder with a key/value cache, run by the generation "
+        "engine (docs/design/generation.md) rather than in batches of whole requests. Keys: `cache_inputs` and "
+        "`cache_outputs` (required, paired in order), `eos_token_ids`, `max_context` (required), `tokenizer` "
+        "(required: the directory of tokenizer.json), `ids_input`, `positions_input`, `mask_input`, `logits_output`, "
+        "`prefill_chunk` (256).",
+    )
     optimize: OptimizeConfig | None = Field(
         None, description="An `[optimize]` table for `batchline optimize` (the executors ignore it): "
         "`outputs = { NAME = \"embedding\" | \"classes\" | \"values\" }` says how its accuracy gate judges each output "
         "(default: by the output's name and values).",
+    )
+    sequence_batching: SequenceBatchingConfig | None = Field(
+        None, description="A `[sequence_batching]` table: the model is stateful (Triton's sequence batcher). Keys: "
+        "`max_sequence_idle_microseconds` (1000000), `strategy` (`oldest` | `direct`), `control = { INPUT = "
+        "\"start\" | \"end\" | \"ready\" | \"corrid\" }`, `state = { STATE_INPUT = \"STATE_OUTPUT\" }` "
+        "(docs/guides/model-repository.md#sequence-models).",
+    )
+    decoupled: bool = Field(
+        False, description="Answer each request with one response per row of its outputs' first dim (zero rows: "
+        "no response), on ModelStreamInfer only; needs max_batch_size = 0 "
+        "(docs/guides/model-repository.md#decoupled-models).",
     )
     version_policy: dict[str, Any] = Field(
         default_factory=lambda: {"latest": 1},
@@ -138,6 +239,24 @@ class ModelConfig(BaseModel):
         if kind not in ("latest", "all", "specific"):
             raise _problem(f"{usage} (got {value!r})")
         return value
+
+    @model_validator(mode="after")
+    def _generation_alone(self) -> "ModelConfig":
+        # The generation engine tokenizes with [generation].tokenizer and never pads a request.
+        if self.generation is not None:
+            if self.tokenizer is not None:
+                raise _problem("[tokenizer] is for models that take text in one request; a generative model names its "
+                               "tokenizer in [generation] (tokenizer = \"DIR\")")
+            if self.padding:
+                raise _problem("[padding] does not apply to a generative model: the generation engine masks "
+                               "sequences of different lengths itself")
+            if self.max_batch_size < 1:
+                raise _problem("max_batch_size of a generative model must be >= 1: it is the most sequences in one "
+                               "decode step")
+            if self.sequence_batching is not None:
+                raise _problem("[sequence_batching] does not apply to a generative model: the generation engine keeps "
+                               "each sequence's state (its key/value cache) itself")
+        return self
 
     @field_validator("max_batch_size")
     @classmethod
@@ -184,6 +303,16 @@ def select_versions(policy: dict[str, Any], available: list[str]) -> list[str]:
     return numbered
 
 
+def declares_generation(model_dir: pathlib.Path) -> bool:
+    """Whether the model's config.toml has a `[generation]` table (false when it cannot be read: reading it
+    for serving reports why)."""
+    try:
+        with (model_dir / "config.toml").open("rb") as f:
+            return "generation" in tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+
+
 def _message(error: dict[str, Any]) -> str:
     if error["type"] == "model_config":
         return error["msg"]
@@ -200,10 +329,19 @@ def read_model_config(path: pathlib.Path) -> ModelConfig:
                 loaded = tomllib.load(f)
             except tomllib.TOMLDecodeError as exc:
                 raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    return _checked(loaded, str(path))
+
+
+def _checked(loaded: dict[str, Any], where: str) -> ModelConfig:
     unknown = set(loaded) - set(KEYS)
     if unknown:
-        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; known: {KEYS}")
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; known: {KEYS}")
     try:
         return ModelConfig(**loaded)
     except ValidationError as exc:
-        raise ConfigError(f"{path}: " + "; ".join(_message(e) for e in exc.errors())) from None
+        raise ConfigError(f"{where}: " + "; ".join(_message(e) for e in exc.errors())) from None
+
+
+def check_model_config(loaded: dict[str, Any], where: str) -> dict[str, Any]:
+    """config.toml's keys given as a dict (a load call's override), checked; every key, defaults filled in."""
+    return _checked(loaded, where).model_dump()

@@ -21,7 +21,8 @@ from batchline.codec import DATATYPES, onnx_datatype
 from batchline.optimize import tensorrt
 from batchline.protocol import internal_pb2 as pb
 from executor import providers as gpu
-from executor.model_config import ConfigError, read_model_config, select_versions
+from executor.model_config import ConfigError, declares_generation, read_model_config, select_versions
+from executor.sequence_config import SequenceBatchingConfig, split_graph
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,29 @@ def _tensor_specs(args, batched: bool) -> list[pb.TensorSpec]:
     return specs
 
 
+def _triton_fields(model_dir: pathlib.Path, config: dict[str, Any], inputs: list[pb.TensorSpec],
+                   outputs: list[pb.TensorSpec]) -> None:
+    """Set config.toml's input_format and label_filename (its labels read) on the tensors they name."""
+    where = f"{model_dir}/config.toml"
+    for key, specs in (("input_format", inputs), ("label_filename", outputs)):
+        by_name = {s.name: s for s in specs}
+        unknown = sorted(set(config[key]) - set(by_name))
+        if unknown:
+            raise RepositoryError(f"{where}: [{key}] names unknown tensors {unknown}; "
+                                  f"the model's are {sorted(by_name)}")
+    for name, fmt in config["input_format"].items():
+        {s.name: s for s in inputs}[name].format = "" if fmt == "FORMAT_NONE" else fmt
+    for name, filename in config["label_filename"].items():
+        spec = {s.name: s for s in outputs}[name]
+        try:
+            lines = (model_dir / filename).read_text().splitlines()
+        except OSError as exc:
+            raise RepositoryError(f"{where}: [label_filename] {name}: cannot read {model_dir / filename} "
+                                  f"({exc.strerror})") from None
+        spec.label_filename = filename
+        spec.labels.extend(lines)
+
+
 def load_model(
     model_dir: pathlib.Path,
     version_dir: pathlib.Path,
@@ -184,7 +208,8 @@ def load_model(
         if provider == tensorrt.PROVIDER:
             place_calibration_table(opts, version_dir)
     instances = int(config["instance_count"])
-    session = create_session(path, chosen, intra_op_threads_for(instances, intra_op_threads, cpu_cores), allow_spinning,
+    threads = intra_op_threads_for(instances, int(config["intra_op_threads"]) or intra_op_threads, cpu_cores)
+    session = create_session(path, chosen, threads, allow_spinning,
                              f"{name} version {version}")
     batched = config["max_batch_size"] > 0
     inputs = _tensor_specs(session.get_inputs(), batched)
@@ -193,6 +218,7 @@ def load_model(
         for spec in [*inputs, *outputs]:
             if not spec.shape:
                 raise RepositoryError(f"{path}: max_batch_size > 0 but '{spec.name}' has no batch dimension")
+    _triton_fields(model_dir, config, inputs, outputs)
     padding = dict(config["padding"])
     unknown_pad = set(padding) - {s.name for s in inputs}
     if unknown_pad:
@@ -215,6 +241,12 @@ def load_model(
         padded_inputs=sorted(padding),
         max_queue_size=int(config["max_queue_size"]),
     )
+    sequence = config.get("sequence_batching")
+    try:
+        split_graph(f"{model_dir}/config.toml", info, SequenceBatchingConfig(**sequence) if sequence else None,
+                    bool(config.get("decoupled")))
+    except ValueError as exc:
+        raise RepositoryError(str(exc)) from None
     tokenizer_json = _text_input(model_dir, config.get("tokenizer"), info) if config.get("tokenizer") else b""
     log.info("loaded %s version %s on %s (max_batch_size %d, %d instance(s))",
              name, version, list(info.providers), info.max_batch_size, instances)
@@ -277,25 +309,34 @@ def fingerprint(*paths: pathlib.Path) -> tuple[int, ...]:
 
 
 def model_names(root: pathlib.Path, only: list[str] | None = None) -> list[str]:
-    """The model directories of the repository (those in `only`, when given)."""
+    """The model directories of the repository (those in `only`, when given) that batches of whole requests serve.
+
+    Generative models (config.toml `[generation]`) are left out: they are run by the generation
+    engine (executor/generation_engine.py), which nothing serves over the mesh yet.
+    """
     if not root.is_dir():
         raise RepositoryError(f"model repository {root} does not exist")
     return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
-                  and (not only or p.name in only))
+                  and (not only or p.name in only) and not declares_generation(p))
 
 
-def scan_model(model_dir: pathlib.Path) -> ModelDir:
-    """The model's config and selected versions; RepositoryError when its config cannot be served."""
+def scan_model(model_dir: pathlib.Path, config: dict[str, Any] | None = None,
+               config_file: str = "config.toml") -> ModelDir:
+    """The model's config and selected versions; RepositoryError when its config cannot be served.
+
+    `config`: the model's config.toml keys given (a load call's override), with the file in the
+    directory whose change tells a new config (`config_file`)."""
     if ":" in model_dir.name:
         # Redis keys are built as prefix:model:version (batchline.contract).
         raise RepositoryError(f"{model_dir}: a model name may not contain ':'")
     if not model_dir.is_dir():
         raise RepositoryError(f"model '{model_dir.name}' is not in the repository {model_dir.parent}")
-    config = read_config(model_dir)
+    if config is None:
+        config = read_config(model_dir)
     present = [p.name for p in model_dir.iterdir() if p.is_dir() and (p / "model.onnx").exists()]
     selected = select_versions(config["version_policy"], present)
-    config_file = model_dir / "config.toml"
-    return ModelDir(model_dir, config, {v: fingerprint(config_file, model_dir / v / "model.onnx") for v in selected})
+    config_path = model_dir / config_file
+    return ModelDir(model_dir, config, {v: fingerprint(config_path, model_dir / v / "model.onnx") for v in selected})
 
 
 def load_repository(
@@ -331,7 +372,8 @@ def load_repository(
 def warmup_inputs(model: LoadedModel, rows: int = 1) -> dict[str, np.ndarray]:
     """Zero-filled inputs with every free dimension set small, for a warm-up run."""
     feeds = {}
-    for spec in model.info.inputs:
+    # The graph's inputs, sequence control and state inputs too (they are not among the model's).
+    for spec in _tensor_specs(model.session.get_inputs(), model.info.max_batch_size > 0):
         shape = [d if d >= 0 else 8 for d in spec.shape]
         if model.info.max_batch_size > 0:
             shape[0] = rows

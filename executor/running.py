@@ -102,7 +102,8 @@ async def _run_singly(model: LoadedModel, members: list[Member]) -> int:
 
 
 def _session_run(model: LoadedModel, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    names = [o.name for o in model.info.outputs]
+    # A sequence model's state outputs too: the next step's state (executor/sequences.py).
+    names = [o.name for o in model.info.outputs] + [s.output for s in model.info.sequence.states]
     return dict(zip(names, model.session.run(names, feeds)))
 
 

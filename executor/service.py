@@ -23,7 +23,7 @@ from batchline.lifecycle import stop_tasks
 from batchline.heartbeats import HeartbeatTrust
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, connect, connect_blocking
-from executor import outcome, running
+from executor import decoupled, outcome, running, sequences
 from executor.outcome import Timing
 from executor.running import Member
 from executor.repository import LoadedModel
@@ -58,6 +58,7 @@ class Executor:
                                             connect_blocking(settings.redis_url, settings.redis_timeout_s))
         self.address = ""
         self.started_us = now_us()
+        self.start_s = 0.0  # process start to its first registration (ExecutorApp sets it)
         self.executed_batches = 0
         self.busy_batches = 0
         self.busy_s = 0.0  # time spent on batches, fetch to write
@@ -103,6 +104,7 @@ class Executor:
             executed_batches=self.executed_batches,
             draining=self.draining,
             busy_share=self.busy_share,
+            start_s=self.start_s,
         )
 
     async def register(self) -> None:
@@ -268,7 +270,10 @@ class Executor:
     async def _run_batch(self, batch: pb.Batch, model: LoadedModel | None, provider: str, traced: bool) -> None:
         """A batch in three phases: take and decode its members, run them, answer them."""
         taken = await self._take(batch, model, traced)
+        steps = await sequences.begin(self.store, model, taken.members) if sequences.is_sequence_model(model) else []
         ran = await self._run(batch, model, taken, traced)
+        if steps:
+            await sequences.finish(self.store, model, steps)
         await self._answer(batch, model, provider, taken, ran, traced)
 
     async def _take(self, batch: pb.Batch, model: LoadedModel | None, traced: bool) -> Taken:
@@ -317,8 +322,13 @@ class Executor:
         ran_anything = ran.ended_ns > taken.decoded_ns
         ran_until_us = taken.start_us + (ran.ended_ns - taken.started_ns) // 1000 if ran_anything else 0
         replies: dict[str, list[bytes]] = defaultdict(list)
+        ahead: dict[str, list[bytes]] = defaultdict(list)  # a decoupled model's responses
         for m in taken.members:
-            r = running.reply(model, m)
+            if model is not None and model.info.decoupled:
+                partial, r = decoupled.replies(model, m)
+                ahead[m.entry.gateway_id] += [p.SerializeToString() for p in partial]
+            else:
+                r = running.reply(model, m)
             if r.code == 0:
                 r.ran_until_us = ran_until_us
             replies[m.entry.gateway_id].append(r.SerializeToString())
@@ -326,6 +336,8 @@ class Executor:
         timing = Timing(taken.start_us, taken.decoded_ns - taken.started_ns, ran.ended_ns - ran.held_ns,
                         encoded_ns - ran.ended_ns, ran_until_us, ran.units)
         with _phase("write", traced):
+            if ahead:
+                await self.store.send_replies(ahead)
             await outcome.write(self.store, self.executor_id, batch, model, taken.members, replies, timing,
                                 self.written)
         if traced:

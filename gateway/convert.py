@@ -67,10 +67,10 @@ def model_config(info) -> ipb.ModelConfig:
         platform=info.platform,
         backend="onnxruntime",
         max_batch_size=info.max_batch_size,
-        input=[ipb.ModelInput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape))
-               for s in inputs_of(info)],
-        output=[ipb.ModelOutput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape))
-                for s in info.outputs],
+        input=[ipb.ModelInput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape),
+                              format=ipb.ModelInput.Format.Value(s.format or "FORMAT_NONE")) for s in inputs_of(info)],
+        output=[ipb.ModelOutput(name=s.name, data_type=_data_type(s.datatype), dims=dims(s.shape),
+                                label_filename=s.label_filename) for s in info.outputs],
         parameters={
             "providers": ipb.ModelParameter(string_value=",".join(info.providers)),
             "padded_inputs": ipb.ModelParameter(string_value=",".join(info.padded_inputs)),
@@ -94,4 +94,39 @@ def model_config(info) -> ipb.ModelConfig:
                 max_queue_size=info.max_queue_size,
             ),
         ))
+    if info.HasField("sequence"):
+        config.ClearField("dynamic_batching")  # Triton's config has one or the other
+        config.sequence_batching.CopyFrom(sequence_batching(info, dims))
+    if info.decoupled:
+        config.model_transaction_policy.decoupled = True
+    return config
+
+
+_CONTROL_KINDS = {"start": "CONTROL_SEQUENCE_START", "end": "CONTROL_SEQUENCE_END",
+                  "ready": "CONTROL_SEQUENCE_READY", "corrid": "CONTROL_SEQUENCE_CORRID"}
+
+
+def sequence_batching(info, dims) -> ipb.ModelSequenceBatching:
+    """Triton's sequence_batching of a sequence model: its controls, its implicit state, its strategy."""
+    seq = info.sequence
+    control = ipb.ModelSequenceBatching.Control
+    config = ipb.ModelSequenceBatching(max_sequence_idle_microseconds=seq.max_idle_us)
+    delay_us = round(info.max_queue_delay_ms * 1000)
+    if seq.strategy == "direct":
+        config.direct.max_queue_delay_microseconds = delay_us
+    else:
+        config.oldest.max_queue_delay_microseconds = delay_us
+    for c in seq.controls:
+        entry = control(kind=control.Kind.Value(_CONTROL_KINDS[c.kind]))
+        if c.kind == "corrid":
+            entry.data_type = _data_type(c.datatype)
+        elif c.datatype == "BOOL":
+            entry.bool_false_true.extend([False, True])
+        elif c.datatype.startswith("FP"):
+            entry.fp32_false_true.extend([0.0, 1.0])
+        else:
+            entry.int32_false_true.extend([0, 1])
+        config.control_input.add(name=c.name, control=[entry])
+    for s in seq.states:
+        config.state.add(input_name=s.input, output_name=s.output, data_type=_data_type(s.datatype), dims=list(s.shape))
     return config

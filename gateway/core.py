@@ -18,7 +18,9 @@ from batchline import contract, logs, metrics, telemetry, tracecontext
 from batchline.contract.keys import ModelKey
 from batchline.contract.gateway_store import GatewayStore
 from batchline.clock import now_us
-from batchline.errors import DeadlineExceeded, ResourceExhausted, Unavailable, duration_text, from_status_value
+from batchline.errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable, duration_text,
+                              from_status_value)
+from batchline.sequences import sequence_flags
 from batchline.lifecycle import stop_tasks
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
@@ -26,15 +28,19 @@ from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
 from batchline.cluster import is_cluster_url
 from batchline.sentinel import is_sentinel
 from gateway.admission import Calibration
+from gateway import classification
+from gateway.arrivals import Arrivals
 from gateway.catalog import Catalog
 from gateway.commit import GroupCommit
 from gateway.fairness import FairShares
 from gateway.ledger import AdmissionLedger, Ticket, usable
 from gateway import presence
-from gateway.replies import Replies
+from gateway.replies import PartialSink, Replies
+from gateway.sequences import SequenceOrder
 from gateway.repository import RepositoryControl
 from gateway.request import Call, parse, queue_entry
 from gateway.settings import GatewaySettings
+from gateway.shared_memory import SharedMemory
 from gateway.text import Tokenizers
 from gateway.views import LoadViews
 
@@ -42,7 +48,8 @@ log = logging.getLogger(__name__)
 
 SERVER_NAME = "batchline"
 SERVER_VERSION = "0.1.0"
-EXTENSIONS = ["statistics", "model_configuration", "model_repository"]
+# Triton's extensions both protocols serve (each adds its own: gRPC shared memory, REST binary data).
+EXTENSIONS = ["classification", "statistics", "model_configuration", "model_repository", "sequence"]
 # How often drain() looks whether every admitted request has been answered.
 DRAIN_POLL_S = 0.05
 
@@ -64,12 +71,15 @@ class Gateway:
         self.views = LoadViews(self.store, lambda: sorted(self.catalog.registry.models), settings.load_refresh_s)
         self.ledger = AdmissionLedger(self.gateway_id, settings.admission_headroom, settings.admission_target)
         self.gateways = 1  # live gateways (from the heartbeats): each spaces only the refusals it gives itself
-        self.repository = RepositoryControl(self.store, settings.model_control_mode)
+        self.repository = RepositoryControl(self.store, settings.model_control_mode, settings.load_files_max_bytes)
         self.fair = FairShares()  # tenants' shares of each model (tokens' weights)
         self.tokenizers = Tokenizers(self.store)  # of the models that take text
+        self.shared_memory = SharedMemory()  # the regions clients registered with this gateway
         # Behind Sentinel or on a cluster, a Redis (a shard's primary) lost is most likely replaced by a replica.
         self.replicated = is_sentinel(settings.redis_url) or is_cluster_url(settings.redis_url)
         self._reconciling: set[asyncio.Task] = set()
+        self.arrivals = Arrivals(self.store)  # what the scheduler's demand forecast reads
+        self.sequences = SequenceOrder()  # each sequence's requests, one after another
 
     @property
     def loads(self) -> dict[ModelKey, pb.ModelLoad]:
@@ -89,6 +99,7 @@ class Gateway:
             asyncio.create_task(self.replies.read(), name="replies"),
             asyncio.create_task(self._refresh_loop(), name="registry"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            asyncio.create_task(self.arrivals.run(), name="arrivals"),
         ]
         if self.settings.admission_control:
             self._tasks.append(asyncio.create_task(self.views.keep_fresh(), name="load"))
@@ -112,7 +123,9 @@ class Gateway:
     async def stop(self) -> None:
         await stop_tasks(self._tasks)
         self.give_up()
+        self.shared_memory.close()
         try:
+            await self.arrivals.flush()
             await self.store.leave(self.gateway_id)
         except REDIS_ERRORS:
             pass
@@ -186,12 +199,27 @@ class Gateway:
         tracestate: str = "",
         tenant: str = "",
         weight: float = 1.0,
-    ) -> ipb.ModelInferResponse:
+        on_partial: PartialSink | None = None,
+    ) -> ipb.ModelInferResponse | None:
+        """The request's answer. A decoupled model's responses go to `on_partial` as they arrive
+        and the answer is None, unless its last response came with the end."""
         started = time.perf_counter()
         model = await self.catalog.model(request.model_name, request.model_version)
+        if model.decoupled and on_partial is None:
+            raise InvalidArgument(f"ModelInfer RPC doesn't support models with decoupled transaction policy: model "
+                                  f"'{model.name}' answers with any number of responses; call ModelStreamInfer")
         if model.text.name:
             request = await self.tokenizers.convert(request, model)
-        call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000)
+        # Triton's extensions that change a request's tensors on their way in and out.
+        targets = self.shared_memory.output_targets(request, tenant)
+        classes = classification.requested(request, model)
+        if model.decoupled and (targets or classes):
+            # Its responses go to the stream as they come, past the answer these would rewrite.
+            raise InvalidArgument(f"model '{model.name}' is decoupled: its outputs cannot be asked for in shared "
+                                  f"memory or as classifications; ask for them in the responses")
+        request, payload = self.shared_memory.read_inputs(request, tenant)
+        call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000, payload)
+        self.arrivals.count(call.key)
         if self.draining:
             raise Unavailable("this gateway is shutting down: retry on another instance")
         arrived_us = now_us()
@@ -215,8 +243,13 @@ class Gateway:
                                         retry_after_s=exc.retry_after_s) from None
         if tenant:
             self.fair.admitted(call.key, tenant, call.rows, arrived_us / 1e6)
+        flags = sequence_flags(call.request) if model.HasField("sequence") else None
         try:
-            reply = await self._queue_and_wait(call, ticket, traceparent, tracestate, started)
+            if flags is None:
+                reply = await self._queue_and_wait(call, ticket, traceparent, tracestate, started, on_partial)
+            else:
+                async with self.sequences.turn(model.name, model.version, flags):
+                    reply = await self._queue_and_wait(call, ticket, traceparent, tracestate, started, on_partial)
         except BaseException:
             if ticket is not None:
                 ticket.over()
@@ -228,27 +261,32 @@ class Gateway:
             ticket.over(error is None and now_us() - arrived_us <= call.run_budget_s * 1e6 if judged else None)
         if error is not None:
             raise error
-        return reply.response
+        response = reply.response if reply.HasField("response") else None
+        if response is not None and classes:
+            classification.classify(response, model, classes)
+        if response is not None and targets:
+            self.shared_memory.write_outputs(response, targets)
+        return response
 
     async def _queue_and_wait(self, call: Call, ticket: Ticket | None, traceparent: str, tracestate: str,
-                              started: float) -> pb.Reply:
+                              started: float, on_partial: PartialSink | None = None) -> pb.Reply:
         """Write the request to Redis with the next group commit and wait for its reply."""
         enqueued = now_us()
         deadline = enqueued + int(call.run_budget_s * 1e6)
         entry = queue_entry(call, self.gateway_id, enqueued, deadline, traceparent, tracestate)
         if not logs.structured():
-            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started)
+            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started, on_partial)
         with logs.context(request_id=entry.request_id, trace_id=tracecontext.trace_id(entry.traceparent) or ""):
-            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started)
+            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started, on_partial)
 
     async def _write_and_wait(self, call: Call, entry: pb.QueueEntry, enqueued: int, deadline: int,
-                              ticket: Ticket | None, started: float) -> pb.Reply:
+                              ticket: Ticket | None, started: float, on_partial: PartialSink | None) -> pb.Reply:
         """`started`: the request's arrival (perf_counter), where its enqueue stage begins."""
         member = entry.SerializeToString()
-        fut = self.replies.expect(entry.request_id)
+        fut = self.replies.expect(entry.request_id, on_partial if call.model.decoupled else None)
         if ticket is not None:
             ticket.queued(enqueued)
-        write = contract.QueueWrite(entry.request_id, call.key, call.request.SerializeToString(),
+        write = contract.QueueWrite(entry.request_id, call.key, call.payload or call.request.SerializeToString(),
                                     contract.payload_ttl_ms(deadline, enqueued), member,
                                     contract.queue_score(call.priority, deadline), call.model.max_queue_size)
         try:

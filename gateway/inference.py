@@ -13,6 +13,7 @@ from batchline.auth import Grant
 from batchline.errors import BatchlineError, Internal, grpc_status
 from batchline.protocol import inference_pb2 as ipb
 from gateway.core import Gateway
+from gateway.replies import PartialSink
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("batchline.gateway")
@@ -25,9 +26,11 @@ def trace_headers(metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, str]
 
 async def infer(gateway: Gateway, request: ipb.ModelInferRequest, remaining_s: float | None,
                 metadata: Sequence[tuple[str, Any]] | None, name: str = "ModelInfer",
-                grant: Grant | None = None) -> ipb.ModelInferResponse:
+                grant: Grant | None = None, on_partial: PartialSink | None = None) -> ipb.ModelInferResponse | None:
     """`metadata`: the call's gRPC metadata or HTTP headers (lowercase names), for the trace
-    context; `remaining_s`: the client's deadline, if it set one. Raises BatchlineError."""
+    context; `remaining_s`: the client's deadline, if it set one. A decoupled model's responses go
+    to `on_partial` (ModelStreamInfer), and its answer is None unless its end came with one.
+    Raises BatchlineError."""
     started = time.perf_counter()
     traced = telemetry.enabled()
     with (telemetry.server_span(_tracer, name, metadata, {"batchline.model": request.model_name})
@@ -45,7 +48,7 @@ async def infer(gateway: Gateway, request: ipb.ModelInferRequest, remaining_s: f
             if grant is not None and grant.max_rate > 0:
                 await gateway.take_rate(grant.tenant, grant.max_rate, request.model_name)
             response = await gateway.infer(
-                request, remaining_s, *trace_headers(metadata),
+                request, remaining_s, *trace_headers(metadata), on_partial=on_partial,
                 **({"tenant": grant.tenant, "weight": grant.weight} if grant is not None else {}))
         except BatchlineError as exc:
             failed(exc)
@@ -57,8 +60,10 @@ async def infer(gateway: Gateway, request: ipb.ModelInferRequest, remaining_s: f
             error = Internal(f"the gateway failed on this request unexpectedly ({type(exc).__name__}: {exc})")
             failed(error)
             raise error from exc
-    metrics.REQUEST_SUCCESS.labels(response.model_name, response.model_version).inc()
+    model_name, model_version = ((response.model_name, response.model_version) if response is not None else
+                                 gateway.catalog.labels(request.model_name, request.model_version))
+    metrics.REQUEST_SUCCESS.labels(model_name, model_version).inc()
     if grant is not None:
-        metrics.TENANT_REQUESTS.labels(response.model_name, grant.tenant, "ok").inc()
-    metrics.REQUEST_DURATION.labels(response.model_name, response.model_version).observe(time.perf_counter() - started)
+        metrics.TENANT_REQUESTS.labels(model_name, grant.tenant, "ok").inc()
+    metrics.REQUEST_DURATION.labels(model_name, model_version).observe(time.perf_counter() - started)
     return response

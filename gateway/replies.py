@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 from batchline.contract.gateway_store import GatewayStore
 
@@ -10,9 +11,13 @@ from batchline import contract
 from batchline.contract.keys import ModelKey
 from batchline.errors import BatchlineError
 from batchline.protocol import internal_pb2 as pb
+from batchline.protocol import inference_pb2 as ipb
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S
 
 log = logging.getLogger(__name__)
+
+# Where a decoupled model's responses go as they arrive (called on the reader's task: it must not block).
+PartialSink = Callable[[ipb.ModelInferResponse], None]
 
 # Replies one read takes at most.
 DRAIN = 10_000
@@ -32,9 +37,15 @@ class Replies:
         self.waiting: dict[str, asyncio.Future] = {}  # request id -> its answer, for the requests queued
         # The waiting requests whose write Redis acknowledged, and their models (whose slot holds the payload).
         self.acknowledged: dict[str, ModelKey] = {}
+        # A decoupled model's requests: where their responses go as they arrive, and the index of
+        # the next one (a batch run twice sends its responses twice).
+        self.partial: dict[str, tuple[PartialSink, int]] = {}
 
-    def expect(self, request_id: str) -> asyncio.Future:
+    def expect(self, request_id: str, on_partial: PartialSink | None = None) -> asyncio.Future:
+        """The future of the request's (final) reply; `on_partial` takes the responses before it."""
         fut = self.waiting[request_id] = asyncio.get_running_loop().create_future()
+        if on_partial is not None:
+            self.partial[request_id] = (on_partial, 0)
         return fut
 
     def queued(self, request_id: str, model: ModelKey) -> None:
@@ -44,6 +55,7 @@ class Replies:
     def forget(self, request_id: str) -> None:
         self.waiting.pop(request_id, None)
         self.acknowledged.pop(request_id, None)
+        self.partial.pop(request_id, None)
 
     async def reconcile(self, error: BatchlineError) -> int:
         """After a change of primary, answer `error` to each acknowledged request whose payload the
@@ -104,9 +116,24 @@ class Replies:
         except Exception:  # one unreadable reply must not stop the reader
             log.exception("an unreadable reply (%d bytes) was dropped", len(blob))
             return
+        if reply.partial:
+            self._forward(reply)
+            return
+        self.partial.pop(reply.request_id, None)
         fut = self.waiting.pop(reply.request_id, None)
         self.acknowledged.pop(reply.request_id, None)
         # A second answer to the same request (a batch re-dispatched
         # while the first executor was only slow) finds no future.
         if fut is not None and not fut.done():
             fut.set_result(reply)
+
+    def _forward(self, reply: pb.Reply) -> None:
+        """A decoupled model's response: to its request's sink, once, in order."""
+        sink, expected = self.partial.get(reply.request_id, (None, 0))
+        if sink is None or reply.index < expected:
+            return  # nobody waits, or sent already (by a run of its batch before this one)
+        self.partial[reply.request_id] = (sink, reply.index + 1)
+        try:
+            sink(reply.response)
+        except Exception:  # one client's sink must not stop the reader
+            log.exception("forwarding a response of request %s failed", reply.request_id)

@@ -16,6 +16,7 @@ from batchline.errors import InvalidArgument, NotFound, Unavailable
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS
 from batchline.registry import Registry
+from gateway.load_override import override_maker
 
 # How often a load or unload looks whether the executors have applied it.
 WAIT_POLL_S = 0.05
@@ -48,9 +49,10 @@ def _loaded(info: pb.ExecutorInfo, name: str) -> bool:
 
 
 class RepositoryControl:
-    def __init__(self, store: GatewayStore, mode: str):
+    def __init__(self, store: GatewayStore, mode: str, max_override_bytes: int):
         self.store = store
         self.mode = mode
+        self.max_override_bytes = max_override_bytes
 
     async def index(self, ready_only: bool) -> list[pb.RepositoryEntry]:
         registry = await self._registry()
@@ -58,12 +60,10 @@ class RepositoryControl:
         return [e for e in entries if e.state == "READY"] if ready_only else entries
 
     async def load(self, name: str, parameters: dict, timeout_s: float | None) -> None:
-        """Load (or re-read) `name` on every explicit-mode executor; returns once one serves it."""
-        unsupported = sorted(k for k in parameters if k == "config" or k.startswith("file:"))
-        if unsupported:
-            raise InvalidArgument(f"RepositoryModelLoad parameters {unsupported} are not supported: batchline loads "
-                                  f"models from its model repository only (put the files there, then load '{name}')")
-        seq = await self._call(name, "load")
+        """Load (or re-read) `name` on every explicit-mode executor, with the call's config and
+        files when it has them (gateway/load_override.py); returns once one serves it."""
+        self._explicit("load", name)
+        seq = await self._call(name, "load", override_maker(name, parameters, self.max_override_bytes))
         await self._wait(name, seq, timeout_s, "load", lambda info: _loaded(info, name))
 
     async def unload(self, name: str, timeout_s: float | None) -> None:
@@ -85,12 +85,12 @@ class RepositoryControl:
         except REDIS_ERRORS as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
 
-    async def _call(self, name: str, action: str) -> int:
+    async def _call(self, name: str, action: str, override=None) -> int:
         self._explicit(action, name)
         if not name or ":" in name:
             raise InvalidArgument(f"model name {name!r} is not a model's name (empty, or contains ':')")
         try:
-            seq = await self.store.control_call(name, action)
+            seq = await self.store.control_call(name, action, override)
         except REDIS_ERRORS as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
         return seq
@@ -110,7 +110,7 @@ class RepositoryControl:
             if len(applied) == len(explicit):
                 listed = [e for i in explicit for e in i.repository if e.name == name]
                 if not listed:
-                    raise NotFound(f"model '{name}' is not in the model repository of any executor")
+                    raise NotFound(f"failed to {what} '{name}': it is not in the model repository of any executor")
                 if served is None:
                     return
                 reasons = sorted({f"version {e.version}: {e.reason}" if e.version else e.reason

@@ -26,6 +26,7 @@ class Call:
     priority: int        # 1 is the highest
     budget_s: float      # the client's: the tighter of its gRPC deadline and `timeout`, else the model's default
     run_budget_s: float  # what the mesh plans by: the budget less the time kept for the answer's way back
+    payload: bytes = b""  # the request serialized, when it came so (inputs read from shared memory)
 
     @property
     def key(self) -> ModelKey:
@@ -46,7 +47,7 @@ def budget_s(request: ipb.ModelInferRequest, model: pb.ModelInfo, grpc_remaining
 
 
 def parse(request: ipb.ModelInferRequest, model: pb.ModelInfo, grpc_remaining: float | None,
-          answer_margin_s: float) -> Call:
+          answer_margin_s: float, payload: bytes = b"") -> Call:
     """Validate `request` against `model` (InvalidArgument naming what is wrong) and take its facts.
 
     The mesh plans to finish a little before the client's deadline, keeping `answer_margin_s`
@@ -58,7 +59,7 @@ def parse(request: ipb.ModelInferRequest, model: pb.ModelInfo, grpc_remaining: f
         raise DeadlineExceeded(f"the request's deadline had passed {duration_text(-budget)} "
                                "before it reached the gateway")
     return Call(request, model, rows, row_length(model, {t.name: t.shape for t in request.inputs}),
-                request_priority(request, model), budget, budget - min(answer_margin_s, budget / 2))
+                request_priority(request, model), budget, budget - min(answer_margin_s, budget / 2), payload)
 
 
 def queue_entry(call: Call, gateway_id: str, enqueued_us: int, deadline_us: int, traceparent: str,

@@ -202,8 +202,6 @@ def infer_request(body: bytes, header_length: int | None, model: str,
         for key, value in tensor_parameters.items():
             if key == _BINARY:
                 choice.by_name[entry.name] = _flag(value, f"output '{entry.name}': parameter '{_BINARY}'")
-            elif key == "classification":
-                raise InvalidArgument(f"output '{entry.name}': the classification extension is not supported")
             else:
                 set_parameter(entry.parameters, key, value)
     return request, choice

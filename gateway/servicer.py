@@ -14,8 +14,15 @@ from batchline.undecodable import Undecodable, tolerated
 from gateway.convert import inputs_of, model_config, model_statistics
 from gateway import inference
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
+from gateway.replies import PartialSink
+from gateway.shared_memory_calls import SharedMemoryCalls
 
 log = logging.getLogger(__name__)
+# Triton's response parameter that tells a stream's client a request is over, and the request
+# parameter by which a client asks for an empty last response when a decoupled model ends a
+# request without one (docs/reference/protocol.md).
+FINAL_KEY = "triton_final_response"
+EMPTY_FINAL_KEY = "triton_enable_empty_final_response"
 
 
 def _retry_after_ms(seconds: float) -> int:
@@ -45,7 +52,17 @@ def stream_error(request: ipb.ModelInferRequest, exc: BatchlineError) -> ipb.Mod
     return ipb.ModelStreamInferResponse(error_message=f"[{grpc_status(exc).name}] {exc}", infer_response=answer)
 
 
-class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
+def streamed(response: ipb.ModelInferResponse, final: bool) -> ipb.ModelStreamInferResponse:
+    """A response on ModelStreamInfer, flagged whether it is its request's last, as Triton flags them."""
+    response.parameters[FINAL_KEY].bool_param = final
+    return ipb.ModelStreamInferResponse(infer_response=response)
+
+
+def _param_true(request: ipb.ModelInferRequest, key: str) -> bool:
+    return key in request.parameters and request.parameters[key].bool_param
+
+
+class InferenceServicer(SharedMemoryCalls, inference_pb2_grpc.GRPCInferenceServiceServicer):
     """ServerLive and ServerReady are open, as probes; with `tokens`, every other call needs a token,
     and a model call one whose scope holds the model (statistics: an admin token)."""
 
@@ -56,6 +73,9 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def _grant(self, context) -> Grant | None:
         """The caller's grant (None: the gateway is unauthenticated); raises Unauthenticated."""
         return self.tokens.grant(context.invocation_metadata()) if self.tokens is not None else None
+
+    async def _abort_with(self, context, exc: BatchlineError):
+        await _abort(context, exc)
 
     async def _allow(self, context, model: str = "", admin: str = "") -> Grant | None:
         """Abort the call unless its token may call `model` (and is an admin's, for `admin`); its grant."""
@@ -82,7 +102,8 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ServerMetadata(self, request, context):
         await self._allow(context)
-        return ipb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS)
+        return ipb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION,
+                                          extensions=[*EXTENSIONS, "system_shared_memory"])
 
     async def ModelMetadata(self, request, context):
         await self._allow(context, request.name)
@@ -107,10 +128,10 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             await _abort(context, exc)
         return ipb.ModelConfigResponse(config=model_config(info))
 
-    async def _infer(self, request, context, name: str = "ModelInfer",
-                     grant: Grant | None = None) -> ipb.ModelInferResponse:
+    async def _infer(self, request, context, name: str = "ModelInfer", grant: Grant | None = None,
+                     on_partial: PartialSink | None = None) -> ipb.ModelInferResponse | None:
         return await inference.infer(self.gateway, request, context.time_remaining(), context.invocation_metadata(),
-                                     name, grant)
+                                     name, grant, on_partial)
 
     async def ModelInfer(self, request, context):
         grant = await self._allow(context, request.model_name)
@@ -138,8 +159,16 @@ class InferenceServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 if digest is not None:
                     grant = self.tokens.lookup(digest)
                     grant.check_model(request.model_name)
-                response = await self._infer(request, context, "ModelStreamInfer", grant)
-                await answers.put(ipb.ModelStreamInferResponse(infer_response=response))
+                response = await self._infer(request, context, "ModelStreamInfer", grant,
+                                             lambda partial: answers.put_nowait(streamed(partial, final=False)))
+                if response is None:
+                    # A decoupled model's end without a response: sent only to a client that asked.
+                    if _param_true(request, EMPTY_FINAL_KEY):
+                        await answers.put(streamed(ipb.ModelInferResponse(
+                            id=request.id, model_name=request.model_name, model_version=request.model_version),
+                            final=True))
+                else:
+                    await answers.put(streamed(response, final=True))
             except BatchlineError as exc:
                 await answers.put(stream_error(request, exc))
 

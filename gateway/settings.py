@@ -38,6 +38,11 @@ class GatewaySettings(CommonSettings):
         "are served (an admin's token, when auth_file is set); otherwise they are refused UNAVAILABLE, as Triton does. "
         "RepositoryIndex is served in every mode."
     )
+    load_files_max_bytes: int = Field(
+        32 * 1024 * 1024,
+        description="Most bytes of RepositoryModelLoad's `config` and `file:` parameters together, which reach the "
+        "executors through Redis; a larger load is refused with RESOURCE_EXHAUSTED.",
+    )
     registry_refresh_s: float = Field(0.5,
                                       description="Seconds between re-reads of the executor registry (served models).")
     heartbeat_interval_s: float = Field(1.0, description="Seconds between registrations of this gateway in Redis.")

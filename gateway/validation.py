@@ -11,12 +11,8 @@ from batchline import contract
 from batchline.errors import InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
+from gateway.sequences import check_sequence
 
-# Request-level parameters batchline understands; others are passed along untouched.
-_UNSUPPORTED_REQUEST_PARAMS = {
-    "sequence_id": "sequence batching is not supported; send each request on its own",
-}
-_SHM_PARAM = "shared_memory_region"
 
 def _param_int(param: ipb.InferParameter, name: str) -> int:
     kind = param.WhichOneof("parameter_choice")
@@ -52,13 +48,6 @@ def request_priority(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int
 
 def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
     """Check the request against `model`; return its batch size (rows)."""
-    for name, reason in _UNSUPPORTED_REQUEST_PARAMS.items():
-        if name in request.parameters:
-            param = request.parameters[name]
-            kind = param.WhichOneof("parameter_choice")
-            if kind and getattr(param, kind):
-                raise InvalidArgument(f"parameter '{name}': {reason}")
-
     specs = {s.name: s for s in model.inputs}
     given = [t.name for t in request.inputs]
     missing = [n for n in specs if n not in given]
@@ -70,13 +59,17 @@ def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
     if unknown:
         raise InvalidArgument(f"model '{model.name}' has no input(s) {unknown}; its inputs are {list(specs)}")
 
+    if request.raw_input_contents:
+        typed = [t.name for t in request.inputs if t.HasField("contents")]
+        if typed:
+            raise InvalidArgument(
+                f"contents field must not be specified when using raw_input_contents for '{typed[0]}' for model "
+                f"'{model.name}': send every input raw (raw_input_contents) or every input typed (contents), not both")
+
     batched = model.max_batch_size > 0
     rows = None
     for tensor in request.inputs:
         spec = specs[tensor.name]
-        if _SHM_PARAM in tensor.parameters:
-            raise InvalidArgument(f"input '{tensor.name}': shared memory is not supported; "
-                                  "send the data in the request")
         if tensor.datatype != spec.datatype:
             raise InvalidArgument(
                 f"input '{tensor.name}' of model '{model.name}' must be {spec.datatype}, "
@@ -103,10 +96,10 @@ def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
             raise InvalidArgument(
                 f"model '{model.name}' has no output '{out.name}'; its outputs are {[s.name for s in model.outputs]}"
             )
-        if _SHM_PARAM in out.parameters:
-            raise InvalidArgument(f"output '{out.name}': shared memory is not supported")
 
     # Sizes: decoding checks byte counts against shapes without copying the data.
     decode_inputs(request)
-    return rows if rows is not None else 1
+    rows = rows if rows is not None else 1
+    check_sequence(request, model, rows)
+    return rows
 

@@ -15,6 +15,7 @@ executors which batches are theirs. Its parts:
 - profiles.py: the latency profiles, learned from reports and kept in Redis.
 - dispatch.py: what a step writes for batches and sheds.
 - load_views.py: the views the gateways' admission control reads.
+- demand.py: the arrival forecast and the executors wanted, for the autoscalers.
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, connect, connect_blocking
 from batchline.registry import Registry
+from batchline.planning import BatchCost, BatchingRule
 from scheduler import dispatch
+from scheduler.demand import Demand
 from scheduler.fleet import Fleet
 from scheduler.leadership import Lease
 from scheduler.load_views import LoadViews
@@ -62,6 +65,9 @@ class Scheduler:
         self.queues = Queues(self.views)
         self.timeline = ExecutorTimeline(settings.default_execution_ms / 1000, settings.max_batches_per_executor)
         self.profiles = Profiles(self.store, settings.default_execution_ms / 1000, settings.margin_quantile)
+        self.demand = Demand(self.store, self.scheduler_id, settings.demand())
+        # Per model served, what this step planned it by (rule, cost, holders): the demand step reads them.
+        self._plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str]]] = {}
         self._scanned_at = 0.0  # when the last step began reading the queues
         self._held: dict[str, int] = {}  # batches each executor holds, as the last step read them
         self._tasks: list[asyncio.Task] = []
@@ -96,6 +102,7 @@ class Scheduler:
             pass
         self.lease.held = False
         self.queues.forget_gauges()
+        self.demand.forget_gauges()
         await self.store.aclose()
 
     async def _loop(self) -> None:
@@ -131,8 +138,10 @@ class Scheduler:
                 self.timeline.forget()
                 self.queues.forget_steps()
                 self.fleet.read_again()
+                self.demand.forget()
             else:
                 self.queues.forget_gauges()
+                self.demand.forget_gauges()
         metrics.SCHEDULER_LEADER.set(1 if held else 0)
         if held != was or not held:
             # Taken: the blocking wait listens as a standby; make it take the shared lists now.
@@ -157,6 +166,7 @@ class Scheduler:
                    for eid, batches in zip(executors, held)}
         self._held = {eid: len(batches) for eid, batches in zip(executors, held)}
         wake_at: float | None = None
+        self._plans = {}
         for key, members in zip(models, heads):
             wake_at = _earlier(wake_at, await self._schedule(key, members, free_at, now))
         # An empty queue planned before another queue's dispatch kept the shared
@@ -169,6 +179,9 @@ class Scheduler:
                     self.wakeups.blocked.add(contract.queue(key))
                     wake_at = _earlier(wake_at, ready_at)
         self.queues.keep_only({m for members in heads for m in members})
+        if self.demand.due(now):
+            await self.demand.step(self.registry, self._plans, self.depths, now)
+            wake_at = _earlier(wake_at, now + self.settings.forecast_step_s)
         await self.wakeups.relisten()
         if time.monotonic() - self.profiles.saved_at >= self.settings.profile_save_s:
             await self.profiles.save()
@@ -228,6 +241,7 @@ class Scheduler:
                         lead=self.settings.dispatch_lead_ms / 1000, company=company,
                         in_share_budget=self.queues.in_share_budget(key, now),
                         busy=[bool(self._held.get(e)) for e in ready])
+        self._plans[key] = (decision.rule, cost, holders)
         (self.wakeups.blocked.add if decision.blocked else self.wakeups.blocked.discard)(contract.queue(key))
         # What the step does goes to Redis in one round trip: sheds, dispatches, the load view.
         async with self.store.step_writes() as pipe:

@@ -7,6 +7,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from batchline.settings import CommonSettings
+from scheduler.demand import DemandSettings
 
 
 class SchedulerSettings(CommonSettings):
@@ -67,3 +68,24 @@ class SchedulerSettings(CommonSettings):
         2.0, description="Time a batch spends outside what executors measure (the Redis hops between "
         "services), added to predictions."
     )
+    forecast_step_s: float = Field(
+        1.0, gt=0, description="Seconds between measurements of each model's arrival rate (requests the gateways "
+        "received, refused included) and forecasts of it, for the autoscalers (docs/guides/scaling.md)."
+    )
+    forecast_horizon_s: float = Field(
+        0.0, ge=0, description="How far ahead the arrival rate is forecast; 0 = the executors' measured "
+        "start-to-serving time (10 s until one has reported it)."
+    )
+    target_utilisation: float = Field(
+        0.7, gt=0, le=1, description="Share of one executor's capacity within a model's default budget that the "
+        "forecast demand may fill: executors wanted = forecast / (capacity x this), never below what finishes the "
+        "queue within one budget."
+    )
+    demand_period_s: float = Field(
+        0.0, ge=0, description="A known period of the demand (e.g. 86400 for a daily cycle), which the forecast "
+        "then learns a seasonal term for; 0 = none."
+    )
+
+    def demand(self) -> DemandSettings:
+        return DemandSettings(self.forecast_step_s, self.forecast_horizon_s, self.target_utilisation,
+                              self.demand_period_s)

@@ -44,6 +44,10 @@ class AdminStore:
         address = self.client.get(k.gateway(gateway_id))
         return address.decode() if address is not None else None
 
+    def demand(self) -> bytes | None:
+        """The MeshDemand the leader scheduler published last; None when none is live."""
+        return self.client.get(k.DEMAND)
+
     def queued_models(self) -> set[ModelKey]:
         """The models whose queues hold requests, served or not (Redis drops an empty sorted set).
         A cluster client scans every primary."""

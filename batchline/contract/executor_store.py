@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from batchline.contract import calls
+from batchline.contract import calls, scripts
 from batchline.contract import keys as k
 from batchline.contract.calls import FinishedBatch
 from batchline.contract.keys import ModelKey
@@ -66,6 +66,34 @@ class ExecutorStore(RecoveryStore):
         """A finished batch's answers, report and statistics, in one write (contract.batch_done)."""
         await calls.batch_done(self.client, done)
 
+    async def send_replies(self, replies: Mapping[str, Sequence[bytes]]) -> None:
+        """Push Replies to their gateways (per gateway id) ahead of the batch's own write: a
+        decoupled model's responses, forwarded to the client as they arrive."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for gateway_id, blobs in replies.items():
+                calls.push_with_ttl(pipe, k.reply(gateway_id), k.REPLY_TTL, blobs)
+            await pipe.execute()
+
+    async def sequence_states(self, model: ModelKey, sequence_keys: Sequence[str]) -> list[bytes | None]:
+        """Each sequence's saved state (a SequenceState; None: none, or it expired)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for key in sequence_keys:
+                pipe.hget(k.sequence(model, key), "state")
+            return list(await pipe.execute())
+
+    async def save_sequence_states(self, model: ModelKey, writes: Sequence[tuple[str, int, int, bytes]],
+                                   ttl_ms: int) -> list[bool]:
+        """Save (sequence key, steps read, steps after, SequenceState) each, unless another run
+        moved its step count on meanwhile; whether each was saved."""
+        if not writes:
+            return []
+        args: list = [ttl_ms]
+        for _, expected, after, blob in writes:
+            args += (expected, after, blob)
+        names = [k.sequence(model, key) for key, _, _, _ in writes]
+        saved = await self.client.eval(scripts.SAVE_SEQUENCES_LUA, len(names), *names, *args)
+        return [bool(n) for n in saved]
+
     async def still_dispatched(self, batches: Sequence[FinishedBatch]) -> list[bool]:
         """Whether Redis still holds each batch's key (its answers never reached this primary)."""
         async with self.client.pipeline(transaction=False) as pipe:
@@ -77,6 +105,10 @@ class ExecutorStore(RecoveryStore):
         """The latest repository call per model name: (action, sequence number)."""
         raw = await self.client.hgetall(k.CONTROL)
         return {name.decode(): k.parse_control(v) for name, v in raw.items()}
+
+    async def control_override(self, name: str) -> bytes | None:
+        """The ModelOverride of the latest load call of `name`, if it had one."""
+        return await self.client.get(k.override(name))
 
     async def queued_for(self, model: ModelKey, executor_ids: Sequence[str]) -> tuple[int, list[list[bytes]]]:
         """The model's queue depth and each executor's work list (Batch blobs), read in the order a

@@ -4,7 +4,7 @@ the models served and the model repository's calls."""
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from batchline.contract import calls
 from batchline.contract import keys as k
@@ -52,6 +52,14 @@ class GatewayStore(Store):
         """The group commit (contract.enqueue): per write, 1 when queued, 0 when its queue was full."""
         return list(await calls.enqueue(self.client, gateway_id, address, heartbeat_ttl_ms, writes, abandoned))
 
+    async def add_arrivals(self, counts: dict[ModelKey, int]) -> None:
+        """Add to each model's count of requests received (the scheduler's demand forecast reads them)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for model, n in counts.items():
+                pipe.incrby(k.arrivals(model), n)
+                pipe.expire(k.arrivals(model), k.ARRIVALS_TTL)
+            await pipe.execute()
+
     async def take_token(self, tenant: str, rate_per_s: float, burst: float) -> tuple[bool, int]:
         """(taken, milliseconds until a token is there) from the tenant's bucket."""
         taken, wait_ms = await calls.take_token(self.client, tenant, rate_per_s, burst)
@@ -83,9 +91,17 @@ class GatewayStore(Store):
             raw = await pipe.execute()
         return [{name.decode(): int(v) for name, v in h.items()} for h in raw]
 
-    async def control_call(self, name: str, action: str) -> int:
-        """Record a repository call (load or unload `name`) for the executors; its sequence number."""
+    async def control_call(self, name: str, action: str, override: Callable[[int], bytes] | None = None) -> int:
+        """Record a repository call (load or unload `name`) for the executors; its sequence number.
+
+        `override` makes a load's ModelOverride for its sequence number; written before the call,
+        so that an executor that sees the call finds it. Any other call drops the model's override.
+        """
         seq = int(await self.client.incr(k.CONTROL_SEQ))
+        if override is not None:
+            await self.client.set(k.override(name), override(seq), ex=k.CONTROL_TTL)
+        else:
+            await self.client.delete(k.override(name))
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hset(k.CONTROL, name, k.control_record(action, seq))
             pipe.expire(k.CONTROL, k.CONTROL_TTL)

@@ -5,7 +5,8 @@ Keys (all under the ``bl:`` prefix; messages are protobufs from
 Redis Cluster, keys with the same tag live in one hash slot, which is what lets each script and
 each blocking wait name keys of one slot only (docs/design/redis-cluster.md). M is
 ``m:<model>:<version>``, X ``x:<executor_id>``, G ``g:<gateway_id>``; a tenant's bucket and a
-tokenizer have a tag of their own (``t:<tenant>``, ``k:<sha256>``); S, the shared slot, holds
+tokenizer and a load call's override have a tag of their own (``t:<tenant>``, ``k:<sha256>``, ``o:<model>``); S, the
+shared slot, holds
 what is small and read by everyone (wake-ups, reports, registrations, the lease).
 
 =====================================  ===========  ==================================================
@@ -16,8 +17,11 @@ bl:req:{M}:<request_id>                string       the ModelInferRequest (tenso
 bl:batch:{M}:<batch_id>                string       Batch while dispatched; TTL = latest deadline + grace
 bl:inflight:{M}:<executor_id>          set          ids of that model's batches dispatched to the executor, not yet
                                                     answered
+bl:seq:{M}:<sequence id>               hash         a sequence's state: steps (count), state (SequenceState); TTL = its
+idle timeout
 bl:stats:{M}                           hash         Triton-style statistics counters
 bl:load:{M}                            string       ModelLoad, the scheduler's view for admission; short TTL
+bl:arrivals:{M}                        string       requests the gateways received for it, refused included (INCRBY)
 bl:profile-units:{M}:<kind>            string       latency-profile samples (units, seconds) as float32 pairs
 bl:work:{X}                            list         Batch messages waiting for that executor
 bl:served:{X}                          set          the models (M) batches were ever sent to it for: where its in-flight
@@ -33,10 +37,12 @@ bl:leader:{s}                          string       id of the scheduler holding 
 bl:exec:{s}:<executor_id>              string       ExecutorInfo; TTL = heartbeat TTL (presence)
 bl:executors:{s}                       set          executor ids ever seen (members pruned when stale)
 bl:gateway:{s}:<gateway_id>            string       the gateway's address; TTL = heartbeat TTL
+bl:demand:{s}                          string       MeshDemand: the executors the mesh wants (leader scheduler); TTL
 bl:gateways:{s}                        sorted set   gateway ids scored by their last heartbeat (ms): how many are live
 bl:control:{s}:models                  hash         model name -> "load:<seq>" | "unload:<seq>": the latest repository
                                                     call
 bl:control:{s}:seq                     string       the sequence number of the latest repository call (INCR)
+bl:override:{o:<model>}               string       ModelOverride: a load call's config and files; TTL = CONTROL_TTL
 bl:rate:{t:<tenant>}                   hash         a tenant's token bucket (max_rate): tokens, as of (ms); TTL = refill
                                                     time
 bl:tokenizer:{k:<sha256>}              string       a model's tokenizer.json, for the gateways to tokenize its text
@@ -59,6 +65,7 @@ LEADER = f"{PREFIX}leader:{SHARED}"
 GATEWAYS = f"{PREFIX}gateways:{SHARED}"
 CONTROL = f"{PREFIX}control:{SHARED}:models"
 CONTROL_SEQ = f"{PREFIX}control:{SHARED}:seq"
+DEMAND = f"{PREFIX}demand:{SHARED}"
 
 # Ordering within a queue: priority level first (1 is highest), then the
 # earliest deadline. deadline_ms is ~1.8e12, so a 1e13 stride keeps both exact
@@ -91,6 +98,8 @@ SCHEDULER_WAKE_TTL_MS = 10_000  # a scheduler's own wake list, should it die bef
 REPORTS_CAP = 100_000
 CONTROL_TTL = 30 * 24 * 3_600    # the repository calls are remembered this long after the last one
 TOKENIZER_TTL = 7 * 24 * 3_600   # refreshed whenever an executor loads the model
+ARRIVALS_TTL = 3_600             # an arrival count nobody added to for this long starts again from 0
+DEMAND_TTL_MS = 10_000           # an autoscaler ignores the demand of a scheduler gone this long
 
 # A model version being released still takes the batches of what was queued for it this long
 # (and until its queue is empty or another executor serves it): longer than the gateways and
@@ -100,6 +109,11 @@ UNLOAD_GRACE_S = 2.0
 
 def control_record(action: str, seq: int) -> str:
     return f"{action}:{seq}"
+
+
+def override(name: str) -> str:
+    """A load call's config and files: a tag of their own, as they may be large."""
+    return f"{PREFIX}override:{{o:{name}}}"
 
 
 def parse_control(record: bytes | str) -> tuple[str, int]:
@@ -175,8 +189,18 @@ def gateway(gateway_id: str) -> str:
     return f"{PREFIX}gateway:{SHARED}:{gateway_id}"
 
 
+def sequence(model: ModelKey, sequence_key: str) -> str:
+    """A sequence's state (`sequence_key`: batchline.sequences.SequenceFlags.key): in the model's
+    slot, so that a batch's sequences are read and written in one command."""
+    return f"{PREFIX}seq:{model_tag(model)}:{sequence_key}"
+
+
 def stats(model: ModelKey) -> str:
     return f"{PREFIX}stats:{model_tag(model)}"
+
+
+def arrivals(model: ModelKey) -> str:
+    return f"{PREFIX}arrivals:{model_tag(model)}"
 
 
 def load(model: ModelKey) -> str:

@@ -31,6 +31,8 @@ class MemoryState:
     loads: dict[ModelKey, bytes] = field(default_factory=dict)
     profiles: dict[ProfileKey, bytes] = field(default_factory=dict)
     stats: dict[ModelKey, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    arrivals: Counter[ModelKey] = field(default_factory=Counter)  # what the gateways counted
+    demand: bytes | None = None
     leader: str | None = None
 
     def enqueue(self, model: ModelKey, entry: pb.QueueEntry, payload: bytes) -> None:
@@ -156,6 +158,12 @@ class MemorySchedulerStore(_MemoryStore):
 
     async def saved_profiles(self, keys: Sequence[ProfileKey]) -> list[bytes | None]:
         return [self.state.profiles.get(key) for key in keys]
+
+    async def arrival_counts(self, models: Sequence[ModelKey]) -> list[int]:
+        return [self.state.arrivals[m] for m in models]
+
+    async def publish_demand(self, demand: bytes) -> None:
+        self.state.demand = demand
 
     async def save_profiles(self, samples: Mapping[ProfileKey, bytes]) -> None:
         self.state.profiles.update(samples)

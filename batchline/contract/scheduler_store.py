@@ -110,6 +110,14 @@ class SchedulerStore(RecoveryStore):
     async def release_lease(self, holder_id: str) -> None:
         await calls.release_lease(self.client, holder_id)
 
+    async def arrival_counts(self, models: Sequence[ModelKey]) -> list[int]:
+        """Requests the gateways received for each model so far (0 where none counted)."""
+        return [int(v or 0) for v in await get_many(self.client, [k.arrivals(m) for m in models])]
+
+    async def publish_demand(self, demand: bytes) -> None:
+        """The MeshDemand, for the autoscalers (`batchline up --autoscale`, the KEDA trigger reads the gauges)."""
+        await self.client.set(k.DEMAND, demand, px=k.DEMAND_TTL_MS)
+
     async def saved_profiles(self, keys: Sequence[ProfileKey]) -> list[bytes | None]:
         """The latency-profile samples saved under each key (None: none)."""
         return list(await get_many(self.client, [k.profile(key[:2], key[2]) for key in keys]))

@@ -246,3 +246,24 @@ if taken == 1 then
 end
 return {0, math.ceil((1 - tokens) * 1000 / rate)}
 """
+
+# Save sequences' states after a step, each only if its step count is still the one the step
+# read (a stale run, of a batch handed to another executor while this one was only slow, must
+# not overwrite a later step's state).
+# KEYS: each sequence's hash; ARGV: TTL ms, then per key: the steps expected, the steps after, the state.
+# Returns, per key, 1 when saved, 0 when the count had moved on.
+SAVE_SEQUENCES_LUA = """
+local saved = {}
+for i = 1, #KEYS do
+  local a = 2 + (i - 1) * 3
+  local steps = redis.call('HGET', KEYS[i], 'steps') or '0'
+  if steps == ARGV[a] then
+    redis.call('HSET', KEYS[i], 'steps', ARGV[a + 1], 'state', ARGV[a + 2])
+    redis.call('PEXPIRE', KEYS[i], ARGV[1])
+    saved[i] = 1
+  else
+    saved[i] = 0
+  end
+end
+return saved
+"""

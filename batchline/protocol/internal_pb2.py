@@ -26,13 +26,15 @@ _sym_db = _symbol_database.Default()
 from batchline.protocol import inference_pb2 as batchline_dot_protocol_dot_inference__pb2
 
 
-DESCRIPTOR = _pool.POOL.AddSerializedFile(b'\n!batchline/protocol/internal.proto\x12\x15\x62\x61tchline.internal.v1\x1a\"batchline/protocol/inference.proto\"\xce\x01\n\nQueueEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngateway_id\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x0c\n\x04rows\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_us\x18\x05 \x01(\x03\x12\x13\n\x0b\x65nqueued_us\x18\x06 \x01(\x03\x12\x10\n\x08priority\x18\x07 \x01(\r\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\x12\x12\n\ntracestate\x18\t \x01(\t\x12\x0e\n\x06length\x18\n \x01(\r\"\xda\x01\n\x05\x42\x61tch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x32\n\x07members\x18\x04 \x03(\x0b\x32!.batchline.internal.v1.QueueEntry\x12\x13\n\x0b\x65xecutor_id\x18\x05 \x01(\t\x12\x15\n\rdispatched_us\x18\x06 \x01(\x03\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x08 \x01(\r\x12\x13\n\x0btraceparent\x18\t \x01(\t\"\x81\x01\n\x05Reply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12/\n\x08response\x18\x04 \x01(\x0b\x32\x1d.inference.ModelInferResponse\x12\x14\n\x0cran_until_us\x18\x05 \x01(\x03\"\x97\x02\n\x0f\x45xecutionReport\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12\x0c\n\x04rows\x18\x05 \x01(\r\x12\x10\n\x08requests\x18\x06 \x01(\r\x12\x18\n\x10\x63ompute_input_ns\x18\x07 \x01(\x03\x12\x18\n\x10\x63ompute_infer_ns\x18\x08 \x01(\x03\x12\x19\n\x11\x63ompute_output_ns\x18\t \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\n \x01(\r\x12\x0e\n\x06warmup\x18\x0b \x01(\x08\x12\x14\n\x0cran_until_us\x18\x0c \x01(\x03\x12\r\n\x05units\x18\r \x01(\x04\";\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xca\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x1a\n\x12max_queue_delay_ms\x18\x05 \x01(\x01\x12\x1a\n\x12\x64\x65\x66\x61ult_timeout_ms\x18\x06 \x01(\x01\x12\x18\n\x10\x64\x65\x66\x61ult_priority\x18\x07 \x01(\r\x12\x17\n\x0fpriority_levels\x18\x08 \x01(\r\x12\x1d\n\x15preferred_batch_sizes\x18\t \x03(\r\x12\x31\n\x06inputs\x18\n \x03(\x0b\x32!.batchline.internal.v1.TensorSpec\x12\x32\n\x07outputs\x18\x0b \x03(\x0b\x32!.batchline.internal.v1.TensorSpec\x12\x11\n\tproviders\x18\x0c \x03(\t\x12\x15\n\rpadded_inputs\x18\r \x03(\t\x12\x16\n\x0emax_queue_size\x18\x0e \x01(\r\x12\x11\n\tunloading\x18\x0f \x01(\x08\x12.\n\x04text\x18\x10 \x01(\x0b\x32 .batchline.internal.v1.TextInput\"\x98\x01\n\tTextInput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmax_length\x18\x02 \x01(\r\x12\x10\n\x08truncate\x18\x03 \x01(\x08\x12\x11\n\tids_input\x18\x04 \x01(\t\x12\x12\n\nmask_input\x18\x05 \x01(\t\x12\x16\n\x0etype_ids_input\x18\x06 \x01(\t\x12\x18\n\x10tokenizer_sha256\x18\x07 \x01(\t\"O\n\x0fRepositoryEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\xc7\x03\n\x0c\x45xecutorInfo\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x30\n\x06models\x18\x03 \x03(\x0b\x32 .batchline.internal.v1.ModelInfo\x12\x12\n\nstarted_us\x18\x04 \x01(\x03\x12\x14\n\x0cheartbeat_us\x18\x05 \x01(\x03\x12\x14\n\x0c\x62usy_batches\x18\x06 \x01(\r\x12\x18\n\x10\x65xecuted_batches\x18\x07 \x01(\x04\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x12\n\nbusy_share\x18\t \x01(\x01\x12:\n\nrepository\x18\n \x03(\x0b\x32&.batchline.internal.v1.RepositoryEntry\x12\x1a\n\x12model_control_mode\x18\x0b \x01(\t\x12P\n\x0f\x63ontrol_applied\x18\x0c \x03(\x0b\x32\x37.batchline.internal.v1.ExecutorInfo.ControlAppliedEntry\x1a\x35\n\x13\x43ontrolAppliedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb8\x01\n\tQueueTail\x12\x0e\n\x06\x66ree_s\x18\x05 \x03(\x01\x12\r\n\x05level\x18\x06 \x01(\r\x12\x34\n\x05items\x18\x08 \x03(\x0b\x32%.batchline.internal.v1.QueueTail.Item\x1aJ\n\x04Item\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x12\n\ndeadline_s\x18\x03 \x01(\x01\x12\x10\n\x08priority\x18\x04 \x01(\rJ\x04\x08\x01\x10\x05J\x04\x08\x07\x10\x08\"\xb2\x03\n\tModelLoad\x12\x17\n\x0f\x63ost_per_unit_s\x18\x01 \x01(\x01\x12\x14\n\x0c\x63ost_fixed_s\x18\x02 \x01(\x01\x12\x15\n\rcost_margin_s\x18\x03 \x01(\x01\x12\x12\n\noverhead_s\x18\x04 \x01(\x01\x12\x11\n\texecutors\x18\x05 \x01(\r\x12\x11\n\tbacklog_s\x18\x06 \x01(\x01\x12\x13\n\x0bqueued_rows\x18\x07 \x03(\x04\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\x12\n\nupdated_us\x18\t \x01(\x03\x12/\n\x05tails\x18\x0b \x03(\x0b\x32 .batchline.internal.v1.QueueTail\x12=\n\x07seen_us\x18\x0c \x03(\x0b\x32,.batchline.internal.v1.ModelLoad.SeenUsEntry\x12\x18\n\x10margin_by_size_s\x18\r \x03(\x01\x12\x17\n\x0fover_share_rows\x18\x0e \x01(\r\x12\x14\n\x0clength_aware\x18\x0f \x01(\x08\x1a-\n\x0bSeenUsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01J\x04\x08\n\x10\x0b\"\x0f\n\rStatusRequest\"\xd2\x02\n\x0fSchedulerStatus\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\x12\x41\n\x06queues\x18\x02 \x03(\x0b\x32\x31.batchline.internal.v1.SchedulerStatus.ModelQueue\x12\x36\n\texecutors\x18\x03 \x03(\x0b\x32#.batchline.internal.v1.ExecutorInfo\x12\x1a\n\x12\x64ispatched_batches\x18\x04 \x01(\x04\x12\x1b\n\x13\x64ispatched_requests\x18\x05 \x01(\x04\x12\x15\n\rshed_requests\x18\x06 \x01(\x04\x12\x0e\n\x06leader\x18\x07 \x01(\x08\x12\x1d\n\x15redispatched_requests\x18\x08 \x01(\x04\x1a/\n\nModelQueue\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\x04\x32\x61\n\x08\x45xecutor\x12U\n\x06Status\x12$.batchline.internal.v1.StatusRequest\x1a#.batchline.internal.v1.ExecutorInfo\"\x00\x32\x65\n\tScheduler\x12X\n\x06Status\x12$.batchline.internal.v1.StatusRequest\x1a&.batchline.internal.v1.SchedulerStatus\"\x00\x62\x06proto3')
+DESCRIPTOR = _pool.POOL.AddSerializedFile(b'\n!batchline/protocol/internal.proto\x12\x15\x62\x61tchline.internal.v1\x1a\"batchline/protocol/inference.proto\"\xce\x01\n\nQueueEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngateway_id\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x0c\n\x04rows\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_us\x18\x05 \x01(\x03\x12\x13\n\x0b\x65nqueued_us\x18\x06 \x01(\x03\x12\x10\n\x08priority\x18\x07 \x01(\r\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\x12\x12\n\ntracestate\x18\t \x01(\t\x12\x0e\n\x06length\x18\n \x01(\r\"\xda\x01\n\x05\x42\x61tch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x32\n\x07members\x18\x04 \x03(\x0b\x32!.batchline.internal.v1.QueueEntry\x12\x13\n\x0b\x65xecutor_id\x18\x05 \x01(\t\x12\x15\n\rdispatched_us\x18\x06 \x01(\x03\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x08 \x01(\r\x12\x13\n\x0btraceparent\x18\t \x01(\t\"\xa1\x01\n\x05Reply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12/\n\x08response\x18\x04 \x01(\x0b\x32\x1d.inference.ModelInferResponse\x12\x14\n\x0cran_until_us\x18\x05 \x01(\x03\x12\x0f\n\x07partial\x18\x06 \x01(\x08\x12\r\n\x05index\x18\x07 \x01(\r\"\x97\x02\n\x0f\x45xecutionReport\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12\x0c\n\x04rows\x18\x05 \x01(\r\x12\x10\n\x08requests\x18\x06 \x01(\r\x12\x18\n\x10\x63ompute_input_ns\x18\x07 \x01(\x03\x12\x18\n\x10\x63ompute_infer_ns\x18\x08 \x01(\x03\x12\x19\n\x11\x63ompute_output_ns\x18\t \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\n \x01(\r\x12\x0e\n\x06warmup\x18\x0b \x01(\x08\x12\x14\n\x0cran_until_us\x18\x0c \x01(\x03\x12\r\n\x05units\x18\r \x01(\x04\"s\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06\x66ormat\x18\n \x01(\t\x12\x16\n\x0elabel_filename\x18\x0b \x01(\t\x12\x0e\n\x06labels\x18\x0c \x03(\t\"\x98\x04\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x1a\n\x12max_queue_delay_ms\x18\x05 \x01(\x01\x12\x1a\n\x12\x64\x65\x66\x61ult_timeout_ms\x18\x06 \x01(\x01\x12\x18\n\x10\x64\x65\x66\x61ult_priority\x18\x07 \x01(\r\x12\x17\n\x0fpriority_levels\x18\x08 \x01(\r\x12\x1d\n\x15preferred_batch_sizes\x18\t \x03(\r\x12\x31\n\x06inputs\x18\n \x03(\x0b\x32!.batchline.internal.v1.TensorSpec\x12\x32\n\x07outputs\x18\x0b \x03(\x0b\x32!.batchline.internal.v1.TensorSpec\x12\x11\n\tproviders\x18\x0c \x03(\t\x12\x15\n\rpadded_inputs\x18\r \x03(\t\x12\x16\n\x0emax_queue_size\x18\x0e \x01(\r\x12\x11\n\tunloading\x18\x0f \x01(\x08\x12.\n\x04text\x18\x10 \x01(\x0b\x32 .batchline.internal.v1.TextInput\x12\x39\n\x08sequence\x18\x1e \x01(\x0b\x32\'.batchline.internal.v1.SequenceBatching\x12\x11\n\tdecoupled\x18\x1f \x01(\x08\"\xbd\x02\n\x10SequenceBatching\x12\x41\n\x08\x63ontrols\x18\x01 \x03(\x0b\x32/.batchline.internal.v1.SequenceBatching.Control\x12=\n\x06states\x18\x02 \x03(\x0b\x32-.batchline.internal.v1.SequenceBatching.State\x12\x13\n\x0bmax_idle_us\x18\x03 \x01(\x03\x12\x10\n\x08strategy\x18\x04 \x01(\t\x1a\x37\n\x07\x43ontrol\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x03 \x01(\t\x1aG\n\x05State\x12\r\n\x05input\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\"q\n\rSequenceState\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62\x65\x66ore\x18\x02 \x03(\x0c\x12\r\n\x05\x61\x66ter\x18\x03 \x03(\x0c\x12\r\n\x05\x65nded\x18\x04 \x01(\x08\x12\r\n\x05steps\x18\x05 \x01(\x04\x12\x0f\n\x07\x65\x61rlier\x18\x06 \x03(\t\"\x98\x01\n\tTextInput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmax_length\x18\x02 \x01(\r\x12\x10\n\x08truncate\x18\x03 \x01(\x08\x12\x11\n\tids_input\x18\x04 \x01(\t\x12\x12\n\nmask_input\x18\x05 \x01(\t\x12\x16\n\x0etype_ids_input\x18\x06 \x01(\t\x12\x18\n\x10tokenizer_sha256\x18\x07 \x01(\t\"\x9f\x01\n\rModelOverride\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12>\n\x05\x66iles\x18\x03 \x03(\x0b\x32/.batchline.internal.v1.ModelOverride.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"O\n\x0fRepositoryEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\xd8\x03\n\x0c\x45xecutorInfo\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x30\n\x06models\x18\x03 \x03(\x0b\x32 .batchline.internal.v1.ModelInfo\x12\x12\n\nstarted_us\x18\x04 \x01(\x03\x12\x14\n\x0cheartbeat_us\x18\x05 \x01(\x03\x12\x14\n\x0c\x62usy_batches\x18\x06 \x01(\r\x12\x18\n\x10\x65xecuted_batches\x18\x07 \x01(\x04\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x12\n\nbusy_share\x18\t \x01(\x01\x12:\n\nrepository\x18\n \x03(\x0b\x32&.batchline.internal.v1.RepositoryEntry\x12\x1a\n\x12model_control_mode\x18\x0b \x01(\t\x12P\n\x0f\x63ontrol_applied\x18\x0c \x03(\x0b\x32\x37.batchline.internal.v1.ExecutorInfo.ControlAppliedEntry\x12\x0f\n\x07start_s\x18\r \x01(\x01\x1a\x35\n\x13\x43ontrolAppliedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb8\x01\n\tQueueTail\x12\x0e\n\x06\x66ree_s\x18\x05 \x03(\x01\x12\r\n\x05level\x18\x06 \x01(\r\x12\x34\n\x05items\x18\x08 \x03(\x0b\x32%.batchline.internal.v1.QueueTail.Item\x1aJ\n\x04Item\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x12\n\ndeadline_s\x18\x03 \x01(\x01\x12\x10\n\x08priority\x18\x04 \x01(\rJ\x04\x08\x01\x10\x05J\x04\x08\x07\x10\x08\"\xb2\x03\n\tModelLoad\x12\x17\n\x0f\x63ost_per_unit_s\x18\x01 \x01(\x01\x12\x14\n\x0c\x63ost_fixed_s\x18\x02 \x01(\x01\x12\x15\n\rcost_margin_s\x18\x03 \x01(\x01\x12\x12\n\noverhead_s\x18\x04 \x01(\x01\x12\x11\n\texecutors\x18\x05 \x01(\r\x12\x11\n\tbacklog_s\x18\x06 \x01(\x01\x12\x13\n\x0bqueued_rows\x18\x07 \x03(\x04\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\x12\n\nupdated_us\x18\t \x01(\x03\x12/\n\x05tails\x18\x0b \x03(\x0b\x32 .batchline.internal.v1.QueueTail\x12=\n\x07seen_us\x18\x0c \x03(\x0b\x32,.batchline.internal.v1.ModelLoad.SeenUsEntry\x12\x18\n\x10margin_by_size_s\x18\r \x03(\x01\x12\x17\n\x0fover_share_rows\x18\x0e \x01(\r\x12\x14\n\x0clength_aware\x18\x0f \x01(\x08\x1a-\n\x0bSeenUsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01J\x04\x08\n\x10\x0b\"\x0f\n\rStatusRequest\"\xd2\x02\n\x0fSchedulerStatus\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\x12\x41\n\x06queues\x18\x02 \x03(\x0b\x32\x31.batchline.internal.v1.SchedulerStatus.ModelQueue\x12\x36\n\texecutors\x18\x03 \x03(\x0b\x32#.batchline.internal.v1.ExecutorInfo\x12\x1a\n\x12\x64ispatched_batches\x18\x04 \x01(\x04\x12\x1b\n\x13\x64ispatched_requests\x18\x05 \x01(\x04\x12\x15\n\rshed_requests\x18\x06 \x01(\x04\x12\x0e\n\x06leader\x18\x07 \x01(\x08\x12\x1d\n\x15redispatched_requests\x18\x08 \x01(\x04\x1a/\n\nModelQueue\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\x04\"\xea\x02\n\nMeshDemand\x12\x18\n\x10\x65xecutors_wanted\x18\x01 \x01(\r\x12\x11\n\thorizon_s\x18\x02 \x01(\x01\x12\x18\n\x10\x65xecutor_start_s\x18\x03 \x01(\x01\x12\x37\n\x06models\x18\x04 \x03(\x0b\x32\'.batchline.internal.v1.MeshDemand.Model\x12\x12\n\nupdated_us\x18\x05 \x01(\x03\x12\x14\n\x0cscheduler_id\x18\x06 \x01(\t\x1a\xb1\x01\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x14\n\x0c\x61rrival_rate\x18\x03 \x01(\x01\x12\x15\n\rforecast_rate\x18\x04 \x01(\x01\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x01\x12\x10\n\x08\x62udget_s\x18\x06 \x01(\x01\x12\x0f\n\x07\x62\x61\x63klog\x18\x07 \x01(\x04\x12\x13\n\x0b\x62y_forecast\x18\x08 \x01(\x01\x12\x12\n\nby_backlog\x18\t \x01(\x01\x32\x61\n\x08\x45xecutor\x12U\n\x06Status\x12$.batchline.internal.v1.StatusRequest\x1a#.batchline.internal.v1.ExecutorInfo\"\x00\x32\x65\n\tScheduler\x12X\n\x06Status\x12$.batchline.internal.v1.StatusRequest\x1a&.batchline.internal.v1.SchedulerStatus\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'batchline.protocol.internal_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_MODELOVERRIDE_FILESENTRY']._loaded_options = None
+  _globals['_MODELOVERRIDE_FILESENTRY']._serialized_options = b'8\001'
   _globals['_EXECUTORINFO_CONTROLAPPLIEDENTRY']._loaded_options = None
   _globals['_EXECUTORINFO_CONTROLAPPLIEDENTRY']._serialized_options = b'8\001'
   _globals['_MODELLOAD_SEENUSENTRY']._loaded_options = None
@@ -42,37 +44,53 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BATCH']._serialized_start=306
   _globals['_BATCH']._serialized_end=524
   _globals['_REPLY']._serialized_start=527
-  _globals['_REPLY']._serialized_end=656
-  _globals['_EXECUTIONREPORT']._serialized_start=659
-  _globals['_EXECUTIONREPORT']._serialized_end=938
-  _globals['_TENSORSPEC']._serialized_start=940
-  _globals['_TENSORSPEC']._serialized_end=999
-  _globals['_MODELINFO']._serialized_start=1002
-  _globals['_MODELINFO']._serialized_end=1460
-  _globals['_TEXTINPUT']._serialized_start=1463
-  _globals['_TEXTINPUT']._serialized_end=1615
-  _globals['_REPOSITORYENTRY']._serialized_start=1617
-  _globals['_REPOSITORYENTRY']._serialized_end=1696
-  _globals['_EXECUTORINFO']._serialized_start=1699
-  _globals['_EXECUTORINFO']._serialized_end=2154
-  _globals['_EXECUTORINFO_CONTROLAPPLIEDENTRY']._serialized_start=2101
-  _globals['_EXECUTORINFO_CONTROLAPPLIEDENTRY']._serialized_end=2154
-  _globals['_QUEUETAIL']._serialized_start=2157
-  _globals['_QUEUETAIL']._serialized_end=2341
-  _globals['_QUEUETAIL_ITEM']._serialized_start=2255
-  _globals['_QUEUETAIL_ITEM']._serialized_end=2329
-  _globals['_MODELLOAD']._serialized_start=2344
-  _globals['_MODELLOAD']._serialized_end=2778
-  _globals['_MODELLOAD_SEENUSENTRY']._serialized_start=2727
-  _globals['_MODELLOAD_SEENUSENTRY']._serialized_end=2772
-  _globals['_STATUSREQUEST']._serialized_start=2780
-  _globals['_STATUSREQUEST']._serialized_end=2795
-  _globals['_SCHEDULERSTATUS']._serialized_start=2798
-  _globals['_SCHEDULERSTATUS']._serialized_end=3136
-  _globals['_SCHEDULERSTATUS_MODELQUEUE']._serialized_start=3089
-  _globals['_SCHEDULERSTATUS_MODELQUEUE']._serialized_end=3136
-  _globals['_EXECUTOR']._serialized_start=3138
-  _globals['_EXECUTOR']._serialized_end=3235
-  _globals['_SCHEDULER']._serialized_start=3237
-  _globals['_SCHEDULER']._serialized_end=3338
+  _globals['_REPLY']._serialized_end=688
+  _globals['_EXECUTIONREPORT']._serialized_start=691
+  _globals['_EXECUTIONREPORT']._serialized_end=970
+  _globals['_TENSORSPEC']._serialized_start=972
+  _globals['_TENSORSPEC']._serialized_end=1087
+  _globals['_MODELINFO']._serialized_start=1090
+  _globals['_MODELINFO']._serialized_end=1626
+  _globals['_SEQUENCEBATCHING']._serialized_start=1629
+  _globals['_SEQUENCEBATCHING']._serialized_end=1946
+  _globals['_SEQUENCEBATCHING_CONTROL']._serialized_start=1818
+  _globals['_SEQUENCEBATCHING_CONTROL']._serialized_end=1873
+  _globals['_SEQUENCEBATCHING_STATE']._serialized_start=1875
+  _globals['_SEQUENCEBATCHING_STATE']._serialized_end=1946
+  _globals['_SEQUENCESTATE']._serialized_start=1948
+  _globals['_SEQUENCESTATE']._serialized_end=2061
+  _globals['_TEXTINPUT']._serialized_start=2064
+  _globals['_TEXTINPUT']._serialized_end=2216
+  _globals['_MODELOVERRIDE']._serialized_start=2219
+  _globals['_MODELOVERRIDE']._serialized_end=2378
+  _globals['_MODELOVERRIDE_FILESENTRY']._serialized_start=2334
+  _globals['_MODELOVERRIDE_FILESENTRY']._serialized_end=2378
+  _globals['_REPOSITORYENTRY']._serialized_start=2380
+  _globals['_REPOSITORYENTRY']._serialized_end=2459
+  _globals['_EXECUTORINFO']._serialized_start=2462
+  _globals['_EXECUTORINFO']._serialized_end=2934
+  _globals['_EXECUTORINFO_CONTROLAPPLIEDENTRY']._serialized_start=2881
+  _globals['_EXECUTORINFO_CONTROLAPPLIEDENTRY']._serialized_end=2934
+  _globals['_QUEUETAIL']._serialized_start=2937
+  _globals['_QUEUETAIL']._serialized_end=3121
+  _globals['_QUEUETAIL_ITEM']._serialized_start=3035
+  _globals['_QUEUETAIL_ITEM']._serialized_end=3109
+  _globals['_MODELLOAD']._serialized_start=3124
+  _globals['_MODELLOAD']._serialized_end=3558
+  _globals['_MODELLOAD_SEENUSENTRY']._serialized_start=3507
+  _globals['_MODELLOAD_SEENUSENTRY']._serialized_end=3552
+  _globals['_STATUSREQUEST']._serialized_start=3560
+  _globals['_STATUSREQUEST']._serialized_end=3575
+  _globals['_SCHEDULERSTATUS']._serialized_start=3578
+  _globals['_SCHEDULERSTATUS']._serialized_end=3916
+  _globals['_SCHEDULERSTATUS_MODELQUEUE']._serialized_start=3869
+  _globals['_SCHEDULERSTATUS_MODELQUEUE']._serialized_end=3916
+  _globals['_MESHDEMAND']._serialized_start=3919
+  _globals['_MESHDEMAND']._serialized_end=4281
+  _globals['_MESHDEMAND_MODEL']._serialized_start=4104
+  _globals['_MESHDEMAND_MODEL']._serialized_end=4281
+  _globals['_EXECUTOR']._serialized_start=4283
+  _globals['_EXECUTOR']._serialized_end=4380
+  _globals['_SCHEDULER']._serialized_start=4382
+  _globals['_SCHEDULER']._serialized_end=4483
 # @@protoc_insertion_point(module_scope)

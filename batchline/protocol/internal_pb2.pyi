@@ -54,18 +54,22 @@ class Batch(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., members: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., executor_id: _Optional[str] = ..., dispatched_us: _Optional[int] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Reply(_message.Message):
-    __slots__ = ("request_id", "code", "message", "response", "ran_until_us")
+    __slots__ = ("request_id", "code", "message", "response", "ran_until_us", "partial", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     RAN_UNTIL_US_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     code: int
     message: str
     response: _inference_pb2.ModelInferResponse
     ran_until_us: int
-    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[_inference_pb2.ModelInferResponse, _Mapping]] = ..., ran_until_us: _Optional[int] = ...) -> None: ...
+    partial: bool
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[_inference_pb2.ModelInferResponse, _Mapping]] = ..., ran_until_us: _Optional[int] = ..., partial: _Optional[bool] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ExecutionReport(_message.Message):
     __slots__ = ("executor_id", "batch_id", "model_name", "model_version", "rows", "requests", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "failed", "warmup", "ran_until_us", "units")
@@ -98,17 +102,23 @@ class ExecutionReport(_message.Message):
     def __init__(self, executor_id: _Optional[str] = ..., batch_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., rows: _Optional[int] = ..., requests: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., failed: _Optional[int] = ..., warmup: _Optional[bool] = ..., ran_until_us: _Optional[int] = ..., units: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "datatype", "shape")
+    __slots__ = ("name", "datatype", "shape", "format", "label_filename", "labels")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATATYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FILENAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     datatype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    format: str
+    label_filename: str
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., format: _Optional[str] = ..., label_filename: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "platform", "max_batch_size", "max_queue_delay_ms", "default_timeout_ms", "default_priority", "priority_levels", "preferred_batch_sizes", "inputs", "outputs", "providers", "padded_inputs", "max_queue_size", "unloading", "text")
+    __slots__ = ("name", "version", "platform", "max_batch_size", "max_queue_delay_ms", "default_timeout_ms", "default_priority", "priority_levels", "preferred_batch_sizes", "inputs", "outputs", "providers", "padded_inputs", "max_queue_size", "unloading", "text", "sequence", "decoupled")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +135,8 @@ class ModelInfo(_message.Message):
     MAX_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
     UNLOADING_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    DECOUPLED_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     platform: str
@@ -141,7 +153,57 @@ class ModelInfo(_message.Message):
     max_queue_size: int
     unloading: bool
     text: TextInput
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., default_timeout_ms: _Optional[float] = ..., default_priority: _Optional[int] = ..., priority_levels: _Optional[int] = ..., preferred_batch_sizes: _Optional[_Iterable[int]] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., padded_inputs: _Optional[_Iterable[str]] = ..., max_queue_size: _Optional[int] = ..., unloading: _Optional[bool] = ..., text: _Optional[_Union[TextInput, _Mapping]] = ...) -> None: ...
+    sequence: SequenceBatching
+    decoupled: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., default_timeout_ms: _Optional[float] = ..., default_priority: _Optional[int] = ..., priority_levels: _Optional[int] = ..., preferred_batch_sizes: _Optional[_Iterable[int]] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., padded_inputs: _Optional[_Iterable[str]] = ..., max_queue_size: _Optional[int] = ..., unloading: _Optional[bool] = ..., text: _Optional[_Union[TextInput, _Mapping]] = ..., sequence: _Optional[_Union[SequenceBatching, _Mapping]] = ..., decoupled: _Optional[bool] = ...) -> None: ...
+
+class SequenceBatching(_message.Message):
+    __slots__ = ("controls", "states", "max_idle_us", "strategy")
+    class Control(_message.Message):
+        __slots__ = ("name", "kind", "datatype")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        KIND_FIELD_NUMBER: _ClassVar[int]
+        DATATYPE_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        kind: str
+        datatype: str
+        def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., datatype: _Optional[str] = ...) -> None: ...
+    class State(_message.Message):
+        __slots__ = ("input", "output", "datatype", "shape")
+        INPUT_FIELD_NUMBER: _ClassVar[int]
+        OUTPUT_FIELD_NUMBER: _ClassVar[int]
+        DATATYPE_FIELD_NUMBER: _ClassVar[int]
+        SHAPE_FIELD_NUMBER: _ClassVar[int]
+        input: str
+        output: str
+        datatype: str
+        shape: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, input: _Optional[str] = ..., output: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    CONTROLS_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IDLE_US_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    controls: _containers.RepeatedCompositeFieldContainer[SequenceBatching.Control]
+    states: _containers.RepeatedCompositeFieldContainer[SequenceBatching.State]
+    max_idle_us: int
+    strategy: str
+    def __init__(self, controls: _Optional[_Iterable[_Union[SequenceBatching.Control, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[SequenceBatching.State, _Mapping]]] = ..., max_idle_us: _Optional[int] = ..., strategy: _Optional[str] = ...) -> None: ...
+
+class SequenceState(_message.Message):
+    __slots__ = ("request_id", "before", "after", "ended", "steps", "earlier")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    EARLIER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    before: _containers.RepeatedScalarFieldContainer[bytes]
+    after: _containers.RepeatedScalarFieldContainer[bytes]
+    ended: bool
+    steps: int
+    earlier: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., before: _Optional[_Iterable[bytes]] = ..., after: _Optional[_Iterable[bytes]] = ..., ended: _Optional[bool] = ..., steps: _Optional[int] = ..., earlier: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TextInput(_message.Message):
     __slots__ = ("name", "max_length", "truncate", "ids_input", "mask_input", "type_ids_input", "tokenizer_sha256")
@@ -161,6 +223,23 @@ class TextInput(_message.Message):
     tokenizer_sha256: str
     def __init__(self, name: _Optional[str] = ..., max_length: _Optional[int] = ..., truncate: _Optional[bool] = ..., ids_input: _Optional[str] = ..., mask_input: _Optional[str] = ..., type_ids_input: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ...) -> None: ...
 
+class ModelOverride(_message.Message):
+    __slots__ = ("seq", "config_json", "files")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    config_json: str
+    files: _containers.ScalarMap[str, bytes]
+    def __init__(self, seq: _Optional[int] = ..., config_json: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
 class RepositoryEntry(_message.Message):
     __slots__ = ("name", "version", "state", "reason")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -174,7 +253,7 @@ class RepositoryEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("executor_id", "address", "models", "started_us", "heartbeat_us", "busy_batches", "executed_batches", "draining", "busy_share", "repository", "model_control_mode", "control_applied")
+    __slots__ = ("executor_id", "address", "models", "started_us", "heartbeat_us", "busy_batches", "executed_batches", "draining", "busy_share", "repository", "model_control_mode", "control_applied", "start_s")
     class ControlAppliedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +273,7 @@ class ExecutorInfo(_message.Message):
     REPOSITORY_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONTROL_MODE_FIELD_NUMBER: _ClassVar[int]
     CONTROL_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    START_S_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     address: str
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
@@ -206,7 +286,8 @@ class ExecutorInfo(_message.Message):
     repository: _containers.RepeatedCompositeFieldContainer[RepositoryEntry]
     model_control_mode: str
     control_applied: _containers.ScalarMap[str, int]
-    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ..., busy_share: _Optional[float] = ..., repository: _Optional[_Iterable[_Union[RepositoryEntry, _Mapping]]] = ..., model_control_mode: _Optional[str] = ..., control_applied: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    start_s: float
+    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ..., busy_share: _Optional[float] = ..., repository: _Optional[_Iterable[_Union[RepositoryEntry, _Mapping]]] = ..., model_control_mode: _Optional[str] = ..., control_applied: _Optional[_Mapping[str, int]] = ..., start_s: _Optional[float] = ...) -> None: ...
 
 class QueueTail(_message.Message):
     __slots__ = ("free_s", "level", "items")
@@ -298,3 +379,40 @@ class SchedulerStatus(_message.Message):
     leader: bool
     redispatched_requests: int
     def __init__(self, scheduler_id: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[SchedulerStatus.ModelQueue, _Mapping]]] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., dispatched_batches: _Optional[int] = ..., dispatched_requests: _Optional[int] = ..., shed_requests: _Optional[int] = ..., leader: _Optional[bool] = ..., redispatched_requests: _Optional[int] = ...) -> None: ...
+
+class MeshDemand(_message.Message):
+    __slots__ = ("executors_wanted", "horizon_s", "executor_start_s", "models", "updated_us", "scheduler_id")
+    class Model(_message.Message):
+        __slots__ = ("name", "version", "arrival_rate", "forecast_rate", "capacity", "budget_s", "backlog", "by_forecast", "by_backlog")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        VERSION_FIELD_NUMBER: _ClassVar[int]
+        ARRIVAL_RATE_FIELD_NUMBER: _ClassVar[int]
+        FORECAST_RATE_FIELD_NUMBER: _ClassVar[int]
+        CAPACITY_FIELD_NUMBER: _ClassVar[int]
+        BUDGET_S_FIELD_NUMBER: _ClassVar[int]
+        BACKLOG_FIELD_NUMBER: _ClassVar[int]
+        BY_FORECAST_FIELD_NUMBER: _ClassVar[int]
+        BY_BACKLOG_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        version: str
+        arrival_rate: float
+        forecast_rate: float
+        capacity: float
+        budget_s: float
+        backlog: int
+        by_forecast: float
+        by_backlog: float
+        def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., arrival_rate: _Optional[float] = ..., forecast_rate: _Optional[float] = ..., capacity: _Optional[float] = ..., budget_s: _Optional[float] = ..., backlog: _Optional[int] = ..., by_forecast: _Optional[float] = ..., by_backlog: _Optional[float] = ...) -> None: ...
+    EXECUTORS_WANTED_FIELD_NUMBER: _ClassVar[int]
+    HORIZON_S_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_START_S_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_US_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    executors_wanted: int
+    horizon_s: float
+    executor_start_s: float
+    models: _containers.RepeatedCompositeFieldContainer[MeshDemand.Model]
+    updated_us: int
+    scheduler_id: str
+    def __init__(self, executors_wanted: _Optional[int] = ..., horizon_s: _Optional[float] = ..., executor_start_s: _Optional[float] = ..., models: _Optional[_Iterable[_Union[MeshDemand.Model, _Mapping]]] = ..., updated_us: _Optional[int] = ..., scheduler_id: _Optional[str] = ...) -> None: ...

@@ -6,3 +6,5 @@ from __future__ import annotations
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# Triton's example clients, vendored unmodified: the tests run them against a mesh.
+TRITON_EXAMPLES = ROOT / "tests" / "triton_examples"

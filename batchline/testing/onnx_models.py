@@ -6,6 +6,8 @@ import pathlib
 import onnx
 import onnx.helper as oh
 
+from batchline.testing import triton_models
+
 
 def save_echo_model(repo: pathlib.Path) -> None:
     """`echo`: BYTES (ONNX string) `text` [batch, 2] -> `echo`, unchanged; version 1 under `repo`."""
@@ -49,23 +51,7 @@ def save_identity_model(repo: pathlib.Path) -> None:
 
 
 def save_triton_example_models(repo: pathlib.Path) -> None:
-    """The models Triton's example clients call, as its example repository defines them: `simple`
+    """The models Triton's example clients call (batchline/testing/triton_models.py): `simple`
     (INT32 INPUT0 + INPUT1 -> OUTPUT0, INPUT0 - INPUT1 -> OUTPUT1, [batch, 16]), `simple_string`
     (the same on BYTES holding decimal integers) and `simple_identity` (BYTES, unchanged)."""
-    config = "max_batch_size = 8\nmax_queue_delay_ms = 1.0\n"
-
-    def io(kind: int, *names: str) -> list:
-        return [oh.make_tensor_value_info(n, kind, ["batch", 16]) for n in names]
-
-    _save(repo, "simple", [oh.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
-                           oh.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])],
-          io(onnx.TensorProto.INT32, "INPUT0", "INPUT1"), io(onnx.TensorProto.INT32, "OUTPUT0", "OUTPUT1"), config)
-    _save(repo, "simple_string", [
-        oh.make_node("Cast", ["INPUT0"], ["a"], to=onnx.TensorProto.INT32),
-        oh.make_node("Cast", ["INPUT1"], ["b"], to=onnx.TensorProto.INT32),
-        oh.make_node("Add", ["a", "b"], ["sum"]), oh.make_node("Sub", ["a", "b"], ["diff"]),
-        oh.make_node("Cast", ["sum"], ["OUTPUT0"], to=onnx.TensorProto.STRING),
-        oh.make_node("Cast", ["diff"], ["OUTPUT1"], to=onnx.TensorProto.STRING),
-    ], io(onnx.TensorProto.STRING, "INPUT0", "INPUT1"), io(onnx.TensorProto.STRING, "OUTPUT0", "OUTPUT1"), config)
-    _save(repo, "simple_identity", [oh.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
-          io(onnx.TensorProto.STRING, "INPUT0"), io(onnx.TensorProto.STRING, "OUTPUT0"), config)
+    triton_models.build_repository(repo, ("simple", "simple_string", "simple_identity"))

@@ -206,7 +206,11 @@ class ProcessMesh:
 
     def add_gateway(self, name: str = "gateway", *, flags: Iterable[str] = (),
                     env: dict[str, str] | None = None) -> str:
-        self._add(name, "gateway", ["--gateway-id", name, "--port", "0",
+        flags = list(flags)
+        # No REST port unless a test asks: the gateway's default (8000) is one port per host, and
+        # test meshes in parallel would contend for it.
+        rest = [] if "--http-port" in flags else ["--http-port", "-1"]
+        self._add(name, "gateway", ["--gateway-id", name, "--port", "0", *rest,
                                     "--heartbeat-interval-s", str(self.heartbeat_interval_s), *flags], env)
         return name
 

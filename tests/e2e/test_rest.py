@@ -306,10 +306,13 @@ def test_the_repository_extension_loads_and_unloads_in_explicit_mode(rest_reposi
         assert not client.is_model_ready("simple_string")
         with pytest.raises(InferenceServerException) as info:
             client.load_model("nope")
-        assert info.value.status() == "404" and "'nope' is not in the model repository" in info.value.message()
-        with pytest.raises(InferenceServerException) as info:
-            client.load_model("simple", config='{"max_batch_size": 16}')
-        assert info.value.status() == "400" and "['config'] are not supported" in info.value.message()
+        assert info.value.status() == "404" and "failed to load 'nope'" in info.value.message()
+        # Triton's load overrides, as over gRPC: a config, and files (base64 in the JSON body).
+        client.load_model("simple", config='{"max_batch_size": 16}')
+        assert client.get_model_config("simple")["max_batch_size"] == 16
+        onnx_file = (rest_repository / "simple" / "1" / "model.onnx").read_bytes()
+        client.load_model("simple_copy", config="{}", files={"file:1/model.onnx": onnx_file})
+        assert client.is_model_ready("simple_copy")
 
 
 def test_text_inputs_in_json_answer_as_grpc_does(rest_mesh):

@@ -45,7 +45,8 @@ COUNTERS = {
     "batchline_batches_dispatched_total", "batchline_shed_total", "batchline_redispatched_total",
     "batchline_inference_count_total", "batchline_execution_count_total", "batchline_executor_busy_seconds_total",
 }
-GAUGES = {"batchline_pending_requests", "batchline_scheduler_leader"}
+GAUGES = {"batchline_pending_requests", "batchline_scheduler_leader", "batchline_executors_wanted",
+          "batchline_arrival_rate_forecast", "batchline_executor_capacity", "batchline_executor_start_seconds"}
 HISTOGRAMS = {
     "batchline_request_duration_seconds", "batchline_redis_roundtrip_seconds", "batchline_batch_size",
     "batchline_dispatch_slack_seconds", "batchline_queue_duration_seconds",
@@ -659,8 +660,13 @@ def test_k8s_gateway_service_scheduler_replicas_gpu_and_autoscaling():
     assert ("Deployment", scaled["spec"]["scaleTargetRef"]["name"]) in docs
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["type"] == "prometheus"
-    assert "sum(batchline_pending_requests)" in trigger["metadata"]["query"]
-    assert metric_names(trigger["metadata"]["query"]) == {"batchline_pending_requests"}
+    assert "max(batchline_executors_wanted)" in trigger["metadata"]["query"]
+    assert metric_names(trigger["metadata"]["query"]) == {"batchline_executors_wanted"}
+    # One replica per executor wanted; up at once, down stabilised.
+    assert trigger["metricType"] == "AverageValue" and trigger["metadata"]["threshold"] == "1"
+    behavior = scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 60
 
 
 def test_k8s_services_reach_redis_with_the_password_of_its_secret():

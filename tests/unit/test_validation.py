@@ -171,20 +171,6 @@ def test_duplicated_input_is_rejected():
     assert "'features'" in msg and "more than once" in msg
 
 
-def test_shared_memory_on_input():
-    req = request(features=features(1))
-    req.inputs[0].parameters["shared_memory_region"].string_param = "region0"
-    msg = rejected(req, mlp_model())
-    assert "'features'" in msg and "shared memory" in msg
-
-
-def test_shared_memory_on_output():
-    req = request(features=features(1), outputs=("probability",))
-    req.outputs[0].parameters["shared_memory_region"].string_param = "region0"
-    msg = rejected(req, mlp_model())
-    assert "'probability'" in msg and "shared memory" in msg
-
-
 def test_non_zero_sequence_id():
     req = request(features=features(1))
     req.parameters["sequence_id"].int64_param = 42

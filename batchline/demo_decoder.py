@@ -1,0 +1,151 @@
+"""The demo generative model: a small GPT-2 with random weights and a byte-level BPE tokenizer.
+
+``gpt`` is built into ``<repo>/gpt/1/model.onnx`` with its tokenizer in ``<repo>/gpt/tokenizer/``.
+No package ships a GPT-style decoder small enough, so the weights are random (a fixed seed): the
+text it writes is nonsense, but every step of generation (prefill, cache, sampling, stopping,
+detokenization) runs as it would for a trained model. The tokenizer is a byte-level BPE, the kind
+GPT-2 and Llama 3 use, trained in code on Python's reference manual (pydoc_data, which every Python
+ships): its tokens split multi-byte characters, the case incremental detokenization has to get
+right, which the WordPiece tokenizer shipped with minilm never produces.
+
+The graph takes the key/value cache as explicit tensors, ``past.<layer>.key|value``
+[batch, heads, past, head_dim], and returns ``present.<layer>.key|value`` (past and the new
+positions), with ``input_ids``, ``position_ids`` [batch, sequence] and ``attention_mask``
+[batch, past + sequence], so that sequences with different lengths share one run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # heavy imports stay out of module import time
+    import torch
+    from tokenizers import Tokenizer
+
+VOCAB_SIZE = 4096
+MAX_CONTEXT = 256
+LAYERS = 4
+HEADS = 4
+EMBEDDING = 128
+SEED = 0
+END_OF_TEXT = "<|endoftext|>"
+
+CONFIG = f"""\
+# A small GPT-2 with random weights (fixed seed) and a byte-level BPE tokenizer: a demo decoder.
+# Sequences in one decode step.
+max_batch_size = 32
+[generation]
+cache_inputs = [{", ".join(f'"past.{i}.key", "past.{i}.value"' for i in range(LAYERS))}]
+cache_outputs = [{", ".join(f'"present.{i}.key", "present.{i}.value"' for i in range(LAYERS))}]
+eos_token_ids = [0]
+max_context = {MAX_CONTEXT}
+tokenizer = "tokenizer"
+"""
+
+
+def train_tokenizer() -> "Tokenizer":
+    """The byte-level BPE, trained on Python's reference manual: the same one on every build."""
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=[END_OF_TEXT], show_progress=False,
+        # Every byte is a token of its own, so any text encodes.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([topics[k] for k in sorted(topics)], trainer)
+    return tokenizer
+
+
+def build_reference_model() -> "torch.nn.Module":
+    """The transformers GPT2LMHeadModel that the ONNX graph is exported from (eval mode, same weights every call)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB_SIZE, n_positions=MAX_CONTEXT, n_embd=EMBEDDING, n_layer=LAYERS, n_head=HEADS,
+        bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+        # Ten times GPT-2's: at 0.02 random weights repeat one token for a dozen steps, which would
+        # hide a cache that feeds the wrong positions; at 0.2 the next token depends on the context.
+        initializer_range=0.2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = GPT2LMHeadModel(config)
+    return model.eval()
+
+
+def build_decoder_module(model: "torch.nn.Module") -> "torch.nn.Module":
+    """`model` as a graph with flat cache inputs and outputs.
+
+    Attention is written out here on the model's own weights and layers: transformers' cache
+    classes and mask builders do not trace to a graph whose cache is a plain tensor pair.
+    """
+    import torch
+
+    class Decoder(torch.nn.Module):
+        def __init__(self, gpt: torch.nn.Module) -> None:
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, input_ids, position_ids, attention_mask, *past):
+            body = self.gpt.transformer
+            heads = body.config.n_head
+            hidden = body.wte(input_ids) + body.wpe(position_ids)
+            batch, new = input_ids.shape[0], input_ids.shape[1]
+            total = attention_mask.shape[1]
+            # New position i sits at column total - new + i: it sees the columns up to its own
+            # that the attention mask keeps.
+            columns = torch.arange(total).unsqueeze(0)
+            rows = torch.arange(new).unsqueeze(1) + (total - new)
+            allowed = (columns <= rows).unsqueeze(0).unsqueeze(0) & attention_mask.bool()[:, None, None, :]
+            presents = []
+            for i, block in enumerate(body.h):
+                x = block.ln_1(hidden)
+                q, k, v = block.attn.c_attn(x).split(body.config.n_embd, dim=2)
+                q, k, v = (t.view(batch, new, heads, -1).transpose(1, 2) for t in (q, k, v))
+                k = torch.cat([past[2 * i], k], dim=2)
+                v = torch.cat([past[2 * i + 1], v], dim=2)
+                presents += [k, v]
+                scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+                scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+                attended = torch.matmul(torch.softmax(scores, dim=-1), v)
+                attended = attended.transpose(1, 2).reshape(batch, new, -1)
+                hidden = hidden + block.attn.c_proj(attended)
+                hidden = hidden + block.mlp(block.ln_2(hidden))
+            logits = self.gpt.lm_head(body.ln_f(hidden))
+            return (logits, *presents)
+
+    return Decoder(model).eval()
+
+
+def build(model_dir: Path) -> None:
+    """Write the graph and its tokenizer into `model_dir`."""
+    import torch
+
+    from batchline.demo_models import MODEL_FILE, TOKENIZER_DIR, VERSION_DIR, _atomic_write, _export_onnx
+
+    module = build_decoder_module(build_reference_model())
+    head_dim = EMBEDDING // HEADS
+    # Batch 2, 3 new positions after 5 cached: distinct sizes so the tracer keeps every one free.
+    batch, new, cached = 2, 3, 5
+    past = [torch.zeros(batch, HEADS, cached, head_dim) for _ in range(2 * LAYERS)]
+    past_names = [f"past.{i}.{kind}" for i in range(LAYERS) for kind in ("key", "value")]
+    present_names = [name.replace("past", "present") for name in past_names]
+    axes = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
+            "attention_mask": {0: "batch", 1: "total"}, "logits": {0: "batch", 1: "sequence"}}
+    axes |= {name: {0: "batch", 2: "past"} for name in past_names}
+    axes |= {name: {0: "batch", 2: "total"} for name in present_names}
+    _export_onnx(
+        module,
+        (torch.ones(batch, new, dtype=torch.int64), torch.arange(cached, cached + new).repeat(batch, 1),
+         torch.ones(batch, cached + new, dtype=torch.int64), *past),
+        model_dir / VERSION_DIR / MODEL_FILE,
+        input_names=["input_ids", "position_ids", "attention_mask", *past_names],
+        output_names=["logits", *present_names],
+        dynamic_axes=axes,
+    )
+    _atomic_write(model_dir / TOKENIZER_DIR / "tokenizer.json", train_tokenizer().to_str())

@@ -1,0 +1,50 @@
+"""A request's sequence flags (Triton's `sequence_id`, `sequence_start`, `sequence_end`
+parameters), read the same way by the gateway, which checks them, and the executor, which runs
+the step. A sequence id is an integer or a string; 0 and "" mean none."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchline.errors import InvalidArgument
+from batchline.protocol import inference_pb2 as ipb
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceFlags:
+    id: int | str          # as the client gave it: 0 or "" when it gave none
+    start: bool = False
+    end: bool = False
+
+    @property
+    def given(self) -> bool:
+        return self.id not in (0, "")
+
+    @property
+    def key(self) -> str:
+        """The id as a Redis key part: 7 and "7" are different sequences, as in Triton."""
+        return f"i:{self.id}" if isinstance(self.id, int) else f"s:{self.id}"
+
+
+def _flag(request: ipb.ModelInferRequest, name: str) -> bool:
+    if name not in request.parameters:
+        return False
+    param = request.parameters[name]
+    kind = param.WhichOneof("parameter_choice")
+    if kind != "bool_param":
+        raise InvalidArgument(f"parameter '{name}' must be a bool, got {kind or 'nothing'}")
+    return param.bool_param
+
+
+def sequence_flags(request: ipb.ModelInferRequest) -> SequenceFlags:
+    """The request's sequence flags; InvalidArgument when one has the wrong type."""
+    seq_id: int | str = 0
+    if "sequence_id" in request.parameters:
+        param = request.parameters["sequence_id"]
+        kind = param.WhichOneof("parameter_choice")
+        if kind in ("int64_param", "uint64_param"):
+            seq_id = getattr(param, kind)
+        elif kind == "string_param":
+            seq_id = param.string_param
+        else:
+            raise InvalidArgument(f"parameter 'sequence_id' must be an integer or a string, got {kind or 'nothing'}")
+    return SequenceFlags(seq_id, _flag(request, "sequence_start"), _flag(request, "sequence_end"))

@@ -1,0 +1,44 @@
+"""The demo decoder for the generation tests and benchmark: built once into a directory, its reference
+greedy outputs from transformers on the same weights, and prompts of mixed lengths."""
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+
+from batchline import demo_decoder
+
+
+def build_gpt(root: pathlib.Path) -> pathlib.Path:
+    """`root`/gpt, built as `batchline build-models` builds it (config.toml last, as the repository does)."""
+    model_dir = root / "gpt"
+    if not (model_dir / "config.toml").is_file():
+        demo_decoder.build(model_dir)
+        (model_dir / "config.toml").write_text(demo_decoder.CONFIG)
+    return model_dir
+
+
+def mixed_prompts(count: int, seed: int = 0, longest: int = 150) -> list[list[int]]:
+    """`count` prompts of random token ids (never the end-of-text id), lengths from 1 to `longest`,
+    most short and a few long, as real prompts are."""
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(longest, 1 + rng.geometric(1 / 24, size=count))
+    lengths[:2] = (1, longest)
+    return [rng.integers(1, demo_decoder.VOCAB_SIZE, size=int(n)).tolist() for n in lengths]
+
+
+class Reference:
+    """transformers' GPT2LMHeadModel.generate on the weights the ONNX graph was exported from."""
+
+    def __init__(self) -> None:
+        self.model = demo_decoder.build_reference_model()
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens, fewer when the end-of-text token comes (it is the last then)."""
+        import torch
+
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                      do_sample=False, pad_token_id=0)
+        return out[0, len(prompt):].tolist()

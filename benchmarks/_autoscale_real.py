@@ -1,0 +1,120 @@
+"""The real mode of benchmarks/autoscale.py: a trace played by an open-loop client against a local
+mesh (`batchline up`'s Mesh, in this process) whose executors the policy under test scales.
+
+Predictive is the mesh's own `--autoscale` (Mesh.autoscale with batchline.autoscale.ScalePolicy,
+which the simulated mode runs too); reactive swaps in a policy that reads the queue depth as
+today's KEDA trigger does; the static ones start their executors and leave them. Executor-seconds
+count every executor process from its start (starting ones included, as in the simulation).
+Refused requests are not sent again: each counts once.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import math
+import random
+import threading
+import time
+from typing import Callable
+
+from batchline.bench import InputOptions, build_pool
+from batchline.bench.loadgen import Endpoint
+from batchline.mesh import Mesh
+from batchline.protocol import internal_pb2 as pb
+
+
+class QueueDepthPolicy:
+    """⌈queued / threshold⌉ executors, up at once, down to the most asked within the cool-down:
+    the KEDA ScaledObject on batchline_pending_requests, as ScalePolicy's stand-in."""
+
+    def __init__(self, depth: Callable[[], int], low: int, high: int, cool_down_s: float, threshold: int) -> None:
+        self.depth, self.low, self.high = depth, low, high
+        self.cool_down_s, self.threshold = cool_down_s, threshold
+        self.recent: list[tuple[float, int]] = []
+
+    def decide(self, now: float, running: int, demand: pb.MeshDemand | None):
+        from batchline.autoscale import Decision
+
+        desired = min(self.high, max(self.low, math.ceil(self.depth() / self.threshold)))
+        self.recent = [(t, d) for t, d in self.recent if now - t <= self.cool_down_s] + [(now, desired)]
+        target = desired if desired > running else max(d for _, d in self.recent)
+        if target == running:
+            return None
+        return Decision(target, "up" if target > running else "down", "queue", f"{self.depth()} queued")
+
+
+def run_real(trace: Callable[[float, random.Random], float], policy: str, seed: int, a: argparse.Namespace,
+             repo: str, peak_need: int, result_type) -> tuple[object, float]:
+    """One run; (a Result, the executor start time the mesh measured)."""
+    low, high = (int(x) for x in a.bounds.split(":"))
+    executors = peak_need if policy == "static-peak" else low
+    args = argparse.Namespace(model_repository=repo, redis_url="", executors=executors, gateways=1, gateway_port=0,
+                              host="127.0.0.1", log_level="ERROR", startup_timeout=180.0, metrics_port=-1,
+                              autoscale=a.bounds if policy in ("predictive", "reactive") else "",
+                              scale_down_cool_down_s=a.cool_down_s)
+    mesh = Mesh(args)
+    with contextlib.redirect_stdout(io.StringIO()):
+        address = mesh.start()
+    if policy == "reactive":
+        mesh.policy = QueueDepthPolicy(lambda: mesh.store.depths((a.model, "1"))[0], low, high, a.cool_down_s,
+                                       a.keda_threshold)
+    done = threading.Event()
+    counts: list[tuple[float, int]] = []
+    output = io.StringIO()
+
+    def supervise() -> None:
+        with contextlib.redirect_stdout(output):
+            while not done.is_set():
+                mesh.supervise()
+                counts.append((time.monotonic(), len([s for s in mesh.supervisor.services if s.role == "executor"])))
+                time.sleep(0.2)
+
+    watcher = threading.Thread(target=supervise, daemon=True)
+    watcher.start()
+    try:
+        r = asyncio.run(_play(address, trace, seed, a, result_type))
+    finally:
+        done.set()
+        watcher.join(30)
+        blob = mesh.store.demand()
+        with contextlib.redirect_stdout(io.StringIO()):
+            mesh.stop()
+    r.executor_s = sum((t1 - t0) * n for (t0, n), (t1, _) in zip(counts, counts[1:]))
+    r.scale_events = output.getvalue().count("scaling executors")
+    start = pb.MeshDemand.FromString(blob).executor_start_s if blob else 0.0
+    return r, start
+
+
+async def _play(address: str, trace: Callable[[float, random.Random], float], seed: int, a: argparse.Namespace,
+                result_type):
+    rng = random.Random(seed)
+    r = result_type()
+    scale = a.real_seconds / a.trace_seconds  # real seconds per trace second
+    async with Endpoint(address, a.model) as ep:
+        pool = build_pool(a.model, await ep.inputs(), InputOptions(), budget_ms=a.budget_ms)
+        pending: set[asyncio.Task] = set()
+
+        async def one(payload: bytes) -> None:
+            code, latency, _ = await ep.infer_hinted(payload, a.budget_ms / 1000 + 1.0)
+            if code == "OK":
+                r.answered += 1
+                r.latencies.append((latency, 1))
+                r.in_budget += latency <= a.budget_ms / 1000
+            elif code == "RESOURCE_EXHAUSTED":
+                r.refused += 1
+            else:
+                r.timed_out += 1  # DEADLINE_EXCEEDED, or anything else that did not answer
+
+        start = time.monotonic()
+        t = 0.0
+        while t < a.real_seconds:
+            rate = trace(t / scale, rng) * a.base_rate / a.sim_base
+            t += rng.expovariate(rate) if rate > 0 else 0.01
+            await asyncio.sleep(max(0.0, start + t - time.monotonic()))
+            task = asyncio.create_task(one(pool.requests[rng.randrange(len(pool))]))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        await asyncio.gather(*pending)
+    return r

@@ -1,0 +1,331 @@
+"""Autoscaling policies replayed against arrival traces, simulated: how many requests each serves
+within budget, refuses, times out, and at what cost in executor-seconds.
+
+    python benchmarks/autoscale.py [--seeds 1,2,3] [--start-s 5] [--plot DIR]
+    python benchmarks/autoscale.py --mode real [--bounds 1:3] [--base-rate 40] [--real-seconds 120]
+
+The traces (per-second Poisson rates from documented parameters, fixed seeds; BASE = 800/s):
+- diurnal: a day compressed into 300 s, BASE to 8x BASE and back as a raised cosine;
+- bursts: BASE with 3x BASE for 10 s every 60 s;
+- step: BASE, then 3x BASE from 100 s on;
+- flash: BASE with 10x BASE for 20 s at 100 s;
+- mmpp: a Markov-modulated Poisson process, BASE and 4x BASE, switching with probability 0.05 a second.
+
+The policies, all with the same executor start time and cool-down:
+- static-min: MIN executors; static-peak: as many as the trace's peak needs at the target utilisation;
+- reactive: today's KEDA trigger, ceil(queued requests / 32) executors;
+- predictive: what `batchline up --autoscale` does, by the same code: the leader's forecast and need
+  (batchline.planning.forecast, batchline.planning.capacity) and the supervisor's policy
+  (batchline.autoscale.ScalePolicy).
+
+The mesh is a fluid model of the planning model's numbers, in ticks of DT (20 ms): one executor serves
+`executor_capacity` requests/s within the budget (the shared planning model's play of a steady stream
+on a profile of 4 ms + 0.5 ms a row, max_batch_size 32); a request is admitted when the queue ahead
+of it, at the serving executors' capacity, plus a batch's run finishes within 0.85 of its budget
+(admission's headroom), else refused at once; an admitted one still waiting at its deadline times
+out. A started executor serves after --start-s. Ticks of DT: a request is answered on average
+halfway through the tick it is served in. Not simulated: batching dynamics within a second,
+the gateways' and the scheduler's CPU, and retries of refused requests (a refusal counts once).
+
+--mode real plays each trace, compressed into --real-seconds at --base-rate for BASE, with an
+open-loop client against a local mesh serving mlp from a copy of the repository whose executors
+each run on one thread (instance_count 1, intra_op_threads 1), so that on a host with a few spare
+cores 1 to 3 executors matter (benchmarks/_autoscale_real.py); static-peak runs MAX there, and the
+start time is the one the mesh measured.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import random
+import shutil
+import tempfile
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from batchline.autoscale import ScalePolicy
+from batchline.planning import BatchingRule, FunctionCost
+from batchline.planning.capacity import executor_capacity, need
+from batchline.planning.forecast import ArrivalRate
+from batchline.protocol import internal_pb2 as pb
+
+BASE = 800.0
+SECONDS = 300
+DT = 0.02
+BUDGET_S = 0.2
+HEADROOM = 0.85
+UTILISATION = 0.7
+COST = FunctionCost(lambda units: 0.004 + 0.0005 * units)
+RULE = BatchingRule(32)
+KEDA_THRESHOLD = 32
+
+
+def diurnal(t: float, rng: random.Random) -> float:
+    return BASE * (1 + 7 * (1 - math.cos(2 * math.pi * t / SECONDS)) / 2)
+
+
+def bursts(t: float, rng: random.Random) -> float:
+    return 3 * BASE if t % 60 >= 50 else BASE
+
+
+def step(t: float, rng: random.Random) -> float:
+    return 3 * BASE if t >= 100 else BASE
+
+
+def flash(t: float, rng: random.Random) -> float:
+    return 10 * BASE if 100 <= t < 120 else BASE
+
+
+class Mmpp:
+    def __init__(self) -> None:
+        self.high, self.second = False, -1
+
+    def __call__(self, t: float, rng: random.Random) -> float:
+        if int(t) != self.second:
+            self.second = int(t)
+            if rng.random() < 0.05:
+                self.high = not self.high
+        return 4 * BASE if self.high else BASE
+
+
+TRACES: dict[str, Callable[[], Callable[[float, random.Random], float]]] = {
+    "diurnal": lambda: diurnal, "bursts": lambda: bursts, "step": lambda: step, "flash": lambda: flash, "mmpp": Mmpp}
+PEAKS = {"diurnal": 8 * BASE, "bursts": 3 * BASE, "step": 3 * BASE, "flash": 10 * BASE, "mmpp": 4 * BASE}
+
+
+@dataclass
+class Result:
+    answered: float = 0.0
+    in_budget: float = 0.0
+    refused: float = 0.0
+    timed_out: float = 0.0
+    executor_s: float = 0.0
+    scale_events: int = 0
+    latencies: list = field(default_factory=list)   # (seconds, requests)
+    timeline: list = field(default_factory=list)    # (t, arrivals/s, executors, in-budget share of the tick)
+
+    @property
+    def total(self) -> float:
+        return self.answered + self.refused + self.timed_out
+
+    def p99_ms(self) -> float:
+        total, seen = sum(n for _, n in self.latencies), 0.0
+        for latency, n in sorted(self.latencies):
+            seen += n
+            if seen >= 0.99 * total:
+                return latency * 1000
+        return 0.0
+
+
+class Reactive:
+    """Today's KEDA trigger: ceil(queued / threshold), up at once, down after the cool-down."""
+
+    def __init__(self, low: int, high: int, cool_down_s: float) -> None:
+        self.low, self.high, self.cool_down_s = low, high, cool_down_s
+        self.recent: deque = deque()
+
+    def target(self, now: float, queued: float, running: int) -> int:
+        desired = min(self.high, max(self.low, math.ceil(queued / KEDA_THRESHOLD)))
+        self.recent.append((now, desired))
+        while self.recent and now - self.recent[0][0] > self.cool_down_s:
+            self.recent.popleft()
+        return desired if desired > running else max(d for _, d in self.recent)
+
+
+def simulate(trace: Callable[[float, random.Random], float], policy: str, seed: int, start_s: float, low: int,
+             high: int, cool_down_s: float, peak_need: int) -> Result:
+    rng = random.Random(seed)
+    capacity = executor_capacity(RULE, COST, BUDGET_S)
+    service_s = COST.predict(RULE.max_batch_size)
+    r = Result()
+    initial = peak_need if policy == "static-peak" else low
+    ready = [0.0] * initial                  # when each executor serves
+    queue: deque = deque()                   # [arrival time, requests]
+    queued = 0.0
+    arrived = 0
+    rate = ArrivalRate()
+    scaler = ScalePolicy(low, high, cool_down_s)
+    reactive = Reactive(low, high, cool_down_s)
+    for tick in range(int(SECONDS / DT)):
+        t = tick * DT
+        n = _poisson(rng, trace(t, rng) * DT)
+        arrived += n
+        serving = sum(1 for x in ready if x <= t)
+        room = max(0.0, (HEADROOM * BUDGET_S - service_s - DT) * serving * capacity - queued) if serving else 0.0
+        admitted = min(n, math.floor(room))
+        r.refused += n - admitted
+        if admitted:
+            queue.append([t, float(admitted)])
+            queued += admitted
+        while queue and t + DT / 2 - queue[0][0] + service_s > BUDGET_S:
+            r.timed_out += queue[0][1]  # it cannot finish in time any more: shed, DEADLINE_EXCEEDED
+            queued -= queue.popleft()[1]
+        good = 0.0
+        budget = serving * capacity * DT
+        while queue and budget > 0:
+            chunk = queue[0]
+            take = min(chunk[1], budget)
+            latency = t + DT / 2 - chunk[0] + service_s
+            r.answered += take
+            r.latencies.append((latency, take))
+            if latency <= BUDGET_S:
+                r.in_budget += take
+                good += take
+            chunk[1] -= take
+            budget -= take
+            queued -= take
+            if chunk[1] <= 1e-9:
+                queue.popleft()
+        while queue and t + DT / 2 - queue[0][0] + service_s > BUDGET_S:
+            r.timed_out += queue[0][1]
+            queued -= queue.popleft()[1]
+        r.executor_s += len(ready) * DT
+        r.timeline.append((t, n / DT, len(ready), good / n if n else 1.0))
+        if tick % round(1 / DT):  # not a whole second
+            continue
+        # Once a second, as the leader steps its demand and `batchline up` reads it.
+        target = len(ready)
+        if policy == "predictive":
+            rate.observe(t, arrived)
+            forecast = max(rate.forecast(start_s), rate.forecast(0))
+            n_need = need(forecast, capacity, UTILISATION, round(queued), BUDGET_S)
+            demand = pb.MeshDemand(models=[pb.MeshDemand.Model(name="m", version="1", forecast_rate=forecast,
+                                                               capacity=capacity, by_forecast=n_need.by_forecast,
+                                                               by_backlog=n_need.by_backlog)])
+            decision = scaler.decide(t, len(ready), demand)
+            target = decision.target if decision else target
+        elif policy == "reactive":
+            target = reactive.target(t, queued, len(ready))
+        if target > len(ready):
+            ready += [t + start_s] * (target - len(ready))
+            r.scale_events += 1
+        elif target < len(ready):
+            ready = sorted(ready)[:target]
+            r.scale_events += 1
+    return r
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    if mean > 30:
+        return max(0, round(rng.gauss(mean, math.sqrt(mean))))
+    limit, k, p = math.exp(-mean), 0, 1.0
+    while p > limit:
+        k, p = k + 1, p * rng.random()
+    return k - 1
+
+
+POLICIES = ("static-min", "static-peak", "reactive", "predictive")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", default="1,2,3", help="one run per seed; the table shows the median (default: 1,2,3)")
+    p.add_argument("--start-s", type=float, default=5.0, help="an executor's start-to-serving time (default: 5)")
+    p.add_argument("--bounds", default="1:64", help="MIN:MAX executors (default: 1:64)")
+    p.add_argument("--cool-down-s", type=float, default=30.0, help="scale-down cool-down (default: 30)")
+    p.add_argument("--traces", default=",".join(TRACES), help=f"comma-separated, of {', '.join(TRACES)}")
+    p.add_argument("--plot", default="", help="write a PNG per trace into this directory")
+    p.add_argument("--mode", choices=("sim", "real"), default="sim", help="simulated, or against a local mesh")
+    p.add_argument("--model-repository", default="", help="real: the repository holding mlp (default: the demo's)")
+    p.add_argument("--model", default="mlp", help="real: the model to load (default: mlp)")
+    p.add_argument("--base-rate", type=float, default=40.0, help="real: requests/s for BASE (default: 40)")
+    p.add_argument("--real-seconds", type=float, default=120.0,
+                   help="real: each trace compressed into this (default: 120)")
+    p.add_argument("--budget-ms", type=float, default=BUDGET_S * 1000,
+                   help="real: each request's budget (default: 200)")
+    p.add_argument("--keda-threshold", type=int, default=KEDA_THRESHOLD,
+                   help="real: reactive's queued requests per executor")
+    a = p.parse_args()
+    if a.mode == "real":
+        return real(a)
+    low, high = (int(x) for x in a.bounds.split(":"))
+    seeds = [int(s) for s in a.seeds.split(",")]
+    capacity = executor_capacity(RULE, COST, BUDGET_S)
+    print(f"one executor: {capacity:.0f} requests/s within {BUDGET_S * 1000:.0f} ms; start {a.start_s:g} s, "
+          f"cool-down {a.cool_down_s:g} s, executors {low}..{high}; median of seeds {a.seeds}")
+    for name in a.traces.split(","):
+        peak = PEAKS[name]
+        peak_need = min(high, math.ceil(peak / (capacity * UTILISATION)))
+        print(f"\n{name} (peak {peak:.0f}/s; static-peak runs {peak_need})")
+        print(f"  {'policy':12} {'in budget':>10} {'refused':>8} {'timed out':>10} {'p99 ms':>7} "
+              f"{'executor-s':>11} {'scale events':>13}")
+        runs = {policy: [simulate(TRACES[name](), policy, s, a.start_s, low, high, a.cool_down_s, peak_need)
+                         for s in seeds] for policy in POLICIES}
+        for policy, results in runs.items():
+            med = lambda f: statistics.median(f(r) for r in results)  # noqa: E731
+            print(f"  {policy:12} {med(lambda r: r.in_budget / r.total):10.2%} "
+                  f"{med(lambda r: r.refused / r.total):8.2%} "
+                  f"{med(lambda r: r.timed_out / r.total):10.2%} {med(Result.p99_ms):7.0f} "
+                  f"{med(lambda r: r.executor_s):11.0f} {med(lambda r: r.scale_events):13.0f}")
+        if a.plot:
+            _plot(pathlib.Path(a.plot) / f"autoscale-{name}.png", name, {k: v[0] for k, v in runs.items()})
+
+
+def real(a: argparse.Namespace) -> None:
+    from _autoscale_real import run_real
+    from _common import ensure_repository
+
+    from batchline.tune.layouts import set_config
+
+    a.trace_seconds, a.sim_base = SECONDS, BASE
+    high = int(a.bounds.split(":")[1])
+    source = ensure_repository(a.model_repository
+                               or pathlib.Path(__file__).resolve().parent.parent / "model_repository")
+    with tempfile.TemporaryDirectory(prefix="batchline-autoscale-") as tmp:
+        repo = pathlib.Path(tmp)
+        shutil.copytree(source / a.model, repo / a.model, ignore=shutil.ignore_patterns("trt_cache"))
+        config = repo / a.model / "config.toml"
+        text = config.read_text()
+        for key, value in (("instance_count", "1"), ("intra_op_threads", "1")):
+            text = set_config(text, key, value)
+        config.write_text(text)
+        print(f"real: {a.model}, one thread per executor, executors {a.bounds}, BASE = {a.base_rate:g}/s, each trace "
+              f"in {a.real_seconds:g} s, budget {a.budget_ms:g} ms; median of seeds {a.seeds}")
+        for name in a.traces.split(","):
+            print(f"\n{name} (static-peak runs {high})")
+            print(f"  {'policy':12} {'in budget':>10} {'refused':>8} {'timed out':>10} {'p99 ms':>7} "
+                  f"{'executor-s':>11} {'scale events':>13} {'start s':>8}")
+            for policy in POLICIES:
+                runs = [run_real(TRACES[name](), policy, int(s), a, str(repo), high, Result)
+                        for s in a.seeds.split(",")]
+                results = [r for r, _ in runs]
+                med = lambda f: statistics.median(f(r) for r in results)  # noqa: E731
+                print(f"  {policy:12} {med(lambda r: r.in_budget / max(1, r.total)):10.2%} "
+                      f"{med(lambda r: r.refused / max(1, r.total)):8.2%} "
+                      f"{med(lambda r: r.timed_out / max(1, r.total)):10.2%} "
+                      f"{med(Result.p99_ms):7.0f} {med(lambda r: r.executor_s):11.0f} "
+                      f"{med(lambda r: r.scale_events):13.0f} "
+                      f"{statistics.median(st for _, st in runs):8.1f}", flush=True)
+
+
+def _plot(path: pathlib.Path, name: str, runs: dict[str, Result]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    first = next(iter(runs.values())).timeline
+    axes[0].plot([x[0] for x in first], [x[1] for x in first], lw=0.6)
+    axes[0].set_ylabel("arrivals/s")
+    for policy, r in runs.items():
+        axes[1].plot([x[0] for x in r.timeline], [x[2] for x in r.timeline], label=policy)
+        share = [x[3] for x in r.timeline]
+        window = round(1 / DT)
+        smooth = [statistics.fmean(share[max(0, i - window + 1):i + 1]) for i in range(len(share))]
+        axes[2].plot([x[0] for x in r.timeline], smooth, label=policy)
+    axes[1].set_ylabel("executors")
+    axes[2].set_ylabel("in budget (1 s mean)")
+    axes[2].set_xlabel("seconds")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"{name}: first seed")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

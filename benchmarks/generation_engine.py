@@ -1,0 +1,110 @@
+"""The generation engine alone on the demo decoder: continuous batching against its alternatives.
+
+    python benchmarks/generation_engine.py [--sequences 128] [--rounds 3] [--threads 1]
+
+The same sequences (prompts of 1 to 150 tokens, most short; answers of a long-tailed length,
+geometric with mean 32, 4 to 128 tokens, greedy, end-of-text ignored) are generated three ways,
+closed loop with C in flight for C in 8 and 32:
+- continuous: one engine, a new sequence joins as soon as one ends (at the next step);
+- request-level: groups of C run as one batch to the longest answer of the group (each row keeps
+  computing until then, as a batch of whole requests does); the next group starts after;
+- one at a time: a single sequence in flight (C = 1 of either).
+Prints output tokens per second of wall time and of the process's CPU time (only the tokens each
+sequence asked for) and steps per mode and round, then the medians over rounds and their ratios. Builds the
+demo decoder into a temporary directory (a few seconds); nothing else runs.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import tempfile
+import time
+
+import _common
+import numpy as np
+
+from batchline.testing.decoder import build_gpt, mixed_prompts
+from executor.generation_engine import GenerationEngine
+from executor.generation_model import load_decoder
+from executor.generation_sampling import SamplingParams
+
+
+def answer_lengths(count: int, seed: int = 1) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.geometric(1 / 32, size=count), 4, 128).tolist()
+
+
+def continuous(decoder, prompts, lengths, in_flight: int) -> tuple[int, int]:
+    engine = GenerationEngine(decoder, in_flight * decoder.slot_bytes, in_flight)
+    queue, steps, tokens = list(range(len(prompts))), 0, 0
+    while queue or engine.has_work:
+        while queue and len(engine.running) + len(engine.waiting) < in_flight:
+            i = queue.pop(0)
+            engine.add(str(i), prompts[i], SamplingParams(max_tokens=lengths[i], temperature=0, ignore_eos=True))
+        tokens += sum(len(o.token_ids) for o in engine.step().outputs)
+        steps += 1
+    return tokens, steps
+
+
+def request_level(decoder, prompts, lengths, in_flight: int) -> tuple[int, int]:
+    engine = GenerationEngine(decoder, in_flight * decoder.slot_bytes, in_flight)
+    steps, tokens = 0, 0
+    for start in range(0, len(prompts), in_flight):
+        group = range(start, min(start + in_flight, len(prompts)))
+        longest = max(lengths[i] for i in group)
+        for i in group:
+            engine.add(str(i), prompts[i], SamplingParams(max_tokens=longest, temperature=0, ignore_eos=True))
+        made = dict.fromkeys(group, 0)
+        while engine.has_work:
+            for out in engine.step().outputs:
+                made[int(out.request_id)] += len(out.token_ids)
+            steps += 1
+        tokens += sum(min(made[i], lengths[i]) for i in group)
+    return tokens, steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sequences", type=int, default=128, help="sequences generated per mode and concurrency")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, the order of the modes alternating")
+    # One thread by default: on a host whose cores other processes share, a run spread over two
+    # threads stalls at every operator's barrier when one is preempted (several times slower here).
+    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (0: its default)")
+    args = parser.parse_args()
+    print(f"host: {_common.machine()}; ONNX Runtime on {args.threads or 'its default'} intra-op thread(s)")
+    modes = [("one at a time", 1, continuous)]
+    for in_flight in (8, 32):
+        modes += [(f"continuous C={in_flight}", in_flight, continuous),
+                  (f"request-level C={in_flight}", in_flight, request_level)]
+    rates: dict[str, list[float]] = {name: [] for name, _, _ in modes}
+    cpu_rates: dict[str, list[float]] = {name: [] for name, _, _ in modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        decoder = load_decoder(build_gpt(pathlib.Path(tmp)), intra_op_threads=args.threads)
+        prompts = mixed_prompts(args.sequences, seed=7)
+        lengths = answer_lengths(args.sequences)
+        print(f"{args.sequences} sequences: prompts {sum(map(len, prompts))} tokens, answers {sum(lengths)} tokens")
+        for round_ in range(args.rounds):
+            for name, in_flight, run in modes if round_ % 2 == 0 else modes[::-1]:
+                start, cpu = time.perf_counter(), time.process_time()
+                tokens, steps = run(decoder, prompts, lengths, in_flight)
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+                rates[name].append(tokens / elapsed)
+                cpu_rates[name].append(tokens / cpu)
+                print(f"round {round_ + 1}  {name:<20} {tokens / elapsed:8.0f} tokens/s  {tokens / cpu:8.0f} "
+                      "tokens/CPU-s  "
+                      f"{steps:5d} steps  {elapsed:6.2f} s")
+    # Per CPU-second too: with one thread, the process's CPU time is its work, which other
+    # processes on a shared host disturb far less than its wall time.
+    for label, measured in (("tokens/s", rates), ("tokens/CPU-s", cpu_rates)):
+        median = {name: statistics.median(r) for name, r in measured.items()}
+        print(f"\nmedian {label}, and continuous against one at a time and against request-level:")
+        print(f"  one at a time        {median['one at a time']:8.0f}")
+        for in_flight in (8, 32):
+            cont, req = median[f"continuous C={in_flight}"], median[f"request-level C={in_flight}"]
+            print(f"  C={in_flight:<2} continuous {cont:8.0f}  request-level {req:8.0f}  "
+                  f"x{cont / median['one at a time']:.1f} one at a time  x{cont / req:.1f} request-level")
+
+
+if __name__ == "__main__":
+    main()

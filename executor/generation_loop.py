@@ -1,0 +1,98 @@
+"""The generation engine driven from an asyncio loop: steps in a worker thread, tokens to each request's stream.
+
+ONNX Runtime's runs block, so each `GenerationEngine.step` runs on one worker thread; the loop
+changes the engine (adds, cancels) only between steps, so the engine needs no lock. A request's
+outputs reach its caller through an asyncio queue as its steps finish.
+"""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable
+
+from executor.generation_engine import GenerationEngine, Output, StepReport
+from executor.generation_sampling import SamplingParams
+
+
+class GenerationLoop:
+    def __init__(self, engine: GenerationEngine, clock: Callable[[], float] | None = None) -> None:
+        self.engine = engine
+        self._clock = clock
+        self._streams: dict[str, asyncio.Queue[Output]] = {}
+        self._pending: list[tuple[str, list[int], SamplingParams, int, float]] = []
+        self._cancels: list[str] = []
+        self._wake = asyncio.Event()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation")
+        self._task: asyncio.Task[None] | None = None
+        self.steps = 0
+
+    async def __aenter__(self) -> "GenerationLoop":
+        self._task = asyncio.create_task(self._run(), name="generation-loop")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        self._thread.shutdown(wait=True)
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       priority: int = 1) -> AsyncIterator[Output]:
+        """The sequence's outputs as its steps make them, the last one finished. Leaving the iteration early
+        cancels the sequence, which frees its cache at the next step."""
+        if self._task is None or self._task.done():
+            raise RuntimeError("the generation loop is not running (use it as `async with`)")
+        queue: asyncio.Queue[Output] = asyncio.Queue()
+        self._streams[request_id] = queue
+        now = self._clock() if self._clock else asyncio.get_running_loop().time()
+        self._pending.append((request_id, prompt, params, priority, now))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._cancels.append(request_id)
+                self._wake.set()
+            self._streams.pop(request_id, None)
+
+    def _take_changes(self) -> None:
+        pending, self._pending = self._pending, []
+        for request_id, prompt, params, priority, arrival in pending:
+            try:
+                self.engine.add(request_id, prompt, params, priority, arrival)
+            except ValueError as exc:
+                if request_id in self._streams:
+                    self._streams[request_id].put_nowait(exc)  # type: ignore[arg-type]
+        for request_id in self._cancels:
+            self.engine.cancel(request_id)
+        self._cancels.clear()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._take_changes()
+            if not self.engine.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                report: StepReport = await loop.run_in_executor(self._thread, self.engine.step)
+            except Exception as exc:  # noqa: BLE001 - a failed run ends every sequence in it, not the loop
+                for queue in self._streams.values():
+                    queue.put_nowait(exc)  # type: ignore[arg-type]
+                self.engine.drop_all()
+                continue
+            self.steps += 1
+            for out in report.outputs:
+                queue = self._streams.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)

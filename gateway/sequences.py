@@ -1,0 +1,71 @@
+"""Sequence requests at the gateway: their flags checked against the model, and a sequence's
+requests queued one after another, each once the one before it is answered, so that they run in
+order (on whichever executor: the state is in Redis, executor/sequences.py)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+from batchline.errors import InvalidArgument
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import internal_pb2 as pb
+from batchline.sequences import SequenceFlags, sequence_flags
+
+
+def check_sequence(request: ipb.ModelInferRequest, model: pb.ModelInfo, rows: int) -> SequenceFlags | None:
+    """The request's sequence flags when `model` is a sequence model (None when it is not);
+    InvalidArgument for what Triton refuses, in its words."""
+    flags = sequence_flags(request)
+    if not model.HasField("sequence"):
+        if flags.given:
+            raise InvalidArgument(f"parameter 'sequence_id': model '{model.name}' has no sequence batching "
+                                  "(config.toml [sequence_batching]); send each request on its own")
+        return None
+    if not flags.given:
+        raise InvalidArgument(f"inference request to model '{model.name}' must specify a non-zero or non-empty "
+                              "correlation ID: it is a sequence model; set sequence_id (and sequence_start on a "
+                              "sequence's first request)")
+    if rows != 1:
+        raise InvalidArgument(f"a request of sequence {flags.id} to model '{model.name}' has {rows} rows; a "
+                              "sequence's requests carry one row each")
+    for c in model.sequence.controls:
+        if c.kind == "corrid" and isinstance(flags.id, str) and c.datatype != "BYTES":
+            raise InvalidArgument(f"model '{model.name}' takes integer sequence ids (its CORRID input '{c.name}' "
+                                  f"is {c.datatype}); got the string {flags.id!r}")
+    return flags
+
+
+class SequenceOrder:
+    """Each sequence's requests on this gateway, in arrival order: one waits for the one before it."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str, str], asyncio.Future] = {}  # (model, version, key) -> its newest request
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, model: str, version: str, flags: SequenceFlags) -> AsyncIterator[None]:
+        """Until the sequence's previous request here is over; then the caller's request runs."""
+        key = (model, version, flags.key)
+        before = self._last.get(key)
+        mine = asyncio.get_running_loop().create_future()
+        self._last[key] = mine
+        try:
+            if before is not None:
+                await asyncio.shield(before)  # (a cancelled wait must not cancel the request before)
+            yield
+        finally:
+            # The next one goes after this one and the one before it, even when this one gave up early.
+            if before is None or before.done():
+                _over(self._last, key, mine)
+            else:
+                before.add_done_callback(lambda _: _over(self._last, key, mine))
+
+
+def _over(last: dict, key: tuple, fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+    if last.get(key) is fut:
+        del last[key]

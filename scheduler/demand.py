@@ -1,0 +1,162 @@
+"""The leader's demand and capacity signals, per model: what the autoscalers size the mesh by.
+
+Every `forecast_step_s` the leader reads how many requests the gateways received per model
+(gateway/arrivals.py), turns the counts into per-second rates and forecasts them `horizon` ahead
+(batchline.planning.forecast); it takes one executor's capacity within the model's default budget
+from the learned profile by the shared planning model (batchline.planning.capacity), and so the
+executors each model needs, never fewer than finish its queue within one budget. The sum over the
+models, rounded up, is `executors wanted`: published in Redis (bl:demand, for `batchline up
+--autoscale`), as Prometheus gauges (for KEDA) and in `batchline status`, and logged when it changes.
+
+The horizon defaults to the executors' measured start-to-serving time (their registrations carry
+it): an executor asked for now serves that much later, so that is how far ahead demand must be seen.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+
+from batchline import metrics, telemetry
+from batchline.contract.keys import ModelKey
+from batchline.contract.scheduler_store import SchedulerStore
+from batchline.planning import BatchCost, BatchingRule
+from batchline.planning.capacity import Need, executor_capacity, need, wanted
+from batchline.planning.forecast import ArrivalRate, Holt
+from batchline.protocol import internal_pb2 as pb
+from batchline.registry import Registry
+
+log = logging.getLogger(__name__)
+
+# Before any executor reported its start-to-serving time, the forecast looks this far ahead.
+DEFAULT_HORIZON_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class DemandSettings:
+    step_s: float = 1.0                # how often rates are measured and forecast
+    horizon_s: float = 0.0             # how far ahead; 0: the measured executor start time
+    target_utilisation: float = 0.7    # the share of an executor's capacity the forecast may fill
+    season_s: float = 0.0              # a known period of the demand (0: none)
+
+
+def executor_start_s(registry: Registry) -> float:
+    """The median start-to-serving time the live executors reported (0: none did)."""
+    times = [info.start_s for info in registry.executors.values() if info.start_s > 0]
+    return statistics.median(times) if times else 0.0
+
+
+def lanes_per_executor(registry: Registry, holders: list[str]) -> int:
+    """Lanes of one executor process (instance_count): its ids are ID and ID#k."""
+    processes: dict[str, int] = {}
+    for eid in holders:
+        base = eid.split("#")[0]
+        processes[base] = processes.get(base, 0) + 1
+    return max(processes.values(), default=1)
+
+
+class Demand:
+    def __init__(self, store: SchedulerStore, scheduler_id: str, settings: DemandSettings) -> None:
+        self.store = store
+        self.scheduler_id = scheduler_id
+        self.settings = settings
+        self.rates: dict[ModelKey, ArrivalRate] = {}
+        self.stepped_at = 0.0
+        self.last: pb.MeshDemand | None = None
+        # The last capacity per model and what it was computed from: it is played again only when they change.
+        self._capacity: dict[ModelKey, tuple[tuple, float]] = {}
+
+    def due(self, now: float) -> bool:
+        return now - self.stepped_at >= self.settings.step_s
+
+    def _rate(self, key: ModelKey) -> ArrivalRate:
+        r = self.rates.get(key)
+        if r is None:
+            period = round(self.settings.season_s / self.settings.step_s)
+            r = self.rates[key] = ArrivalRate(self.settings.step_s, Holt.for_period(period))
+        return r
+
+    def capacity(self, key: ModelKey, rule: BatchingRule, cost: BatchCost, budget_s: float, lanes: int) -> float:
+        # To two significant digits: the profile moves a little with every report, and a play of the
+        # stream costs milliseconds of the scheduler's loop; a capacity 5% off moves nothing.
+        basis = (rule, *map(_rounded, (cost.per_unit_s, cost.fixed_s, cost.margin_s, *cost.margin_by_size_s,
+                                       cost.overhead_s)), budget_s, lanes)
+        known = self._capacity.get(key)
+        if known is None or known[0] != basis:
+            known = self._capacity[key] = (basis, executor_capacity(rule, cost, budget_s, lanes))
+        return known[1]
+
+    async def step(self, registry: Registry, plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str]]],
+                   depths: dict[ModelKey, int], now: float) -> pb.MeshDemand:
+        """Measure, forecast and publish. `plans`: per model served, its rule, its cost and its holders."""
+        self.stepped_at = now
+        models = sorted(plans)
+        totals = await self.store.arrival_counts(models)
+        start_s = executor_start_s(registry)
+        horizon = self.settings.horizon_s or start_s or DEFAULT_HORIZON_S
+        demand = pb.MeshDemand(horizon_s=horizon, executor_start_s=start_s, updated_us=int(now * 1e6),
+                               scheduler_id=self.scheduler_id)
+        needs: list[Need] = []
+        for key in [k for k in self.rates if k not in plans]:
+            del self.rates[key]  # no longer served
+            self._capacity.pop(key, None)
+        for key, total in zip(models, totals):
+            rule, cost, holders = plans[key]
+            rate = self._rate(key)
+            rate.observe(now, total)
+            # Executors started now serve from `horizon` on; those serving now must also serve now.
+            forecast = max(rate.forecast(horizon), rate.forecast(0))
+            budget_s = registry.models[key].default_timeout_ms / 1000
+            capacity = self.capacity(key, rule, cost, budget_s, lanes_per_executor(registry, holders))
+            n = need(forecast, capacity, self.settings.target_utilisation, depths.get(key, 0), budget_s)
+            needs.append(n)
+            demand.models.append(pb.MeshDemand.Model(
+                name=key[0], version=key[1], arrival_rate=rate.rate, forecast_rate=forecast, capacity=capacity,
+                budget_s=budget_s, backlog=depths.get(key, 0), by_forecast=n.by_forecast, by_backlog=n.by_backlog))
+            metrics.ARRIVAL_RATE_FORECAST.labels(*key).set(forecast)
+            metrics.EXECUTOR_CAPACITY.labels(*key).set(capacity)
+        demand.executors_wanted = wanted(needs)
+        metrics.EXECUTORS_WANTED.set(demand.executors_wanted)
+        metrics.EXECUTOR_START.set(start_s)
+        self._trace(demand)
+        await self.store.publish_demand(demand.SerializeToString())
+        self.last = demand
+        return demand
+
+    def _trace(self, demand: pb.MeshDemand) -> None:
+        changed = self.last is None or self.last.executors_wanted != demand.executors_wanted
+        if changed:
+            log.info("executors wanted: %d (%s; horizon %.1f s)", demand.executors_wanted, explain(demand),
+                     demand.horizon_s)
+        if telemetry.enabled():
+            with telemetry.tracer("batchline.scheduler").start_as_current_span("demand") as span:
+                span.set_attribute("batchline.executors_wanted", demand.executors_wanted)
+                span.set_attribute("batchline.horizon_s", demand.horizon_s)
+                span.set_attribute("batchline.demand", explain(demand))
+
+    def forget(self) -> None:
+        """Another scheduler led meanwhile: measure again from the next reads."""
+        self.rates.clear()
+        self.last = None
+
+    def forget_gauges(self) -> None:
+        """The lease is lost: a standby wants nothing, so that max() over the schedulers is the leader's."""
+        metrics.EXECUTORS_WANTED.set(0)
+        for key in self._capacity:
+            for gauge in (metrics.ARRIVAL_RATE_FORECAST, metrics.EXECUTOR_CAPACITY):
+                try:
+                    gauge.remove(*key)
+                except KeyError:
+                    pass
+
+
+def _rounded(x: float) -> float:
+    return float(f"{x:.2g}")
+
+
+def explain(demand: pb.MeshDemand) -> str:
+    """The numbers behind a decision, one model after another."""
+    return "; ".join(
+        f"{m.name}:{m.version} {m.arrival_rate:.1f}/s now, {m.forecast_rate:.1f}/s forecast, "
+        f"{m.capacity:.1f}/s per executor within {m.budget_s * 1000:.0f} ms, {m.backlog} queued: "
+        f"{max(m.by_forecast, m.by_backlog):.2f} executors" for m in demand.models) or "nothing served"

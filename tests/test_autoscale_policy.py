@@ -1,0 +1,69 @@
+"""The autoscaler's policy (batchline/autoscale.py): pure, with explicit times and demands."""
+from __future__ import annotations
+
+import pytest
+
+from batchline.autoscale import ScalePolicy, parse_bounds
+from batchline.protocol import internal_pb2 as pb
+
+
+def demand(by_forecast: float, by_backlog: float = 0.0) -> pb.MeshDemand:
+    return pb.MeshDemand(models=[pb.MeshDemand.Model(name="m", version="1", by_forecast=by_forecast,
+                                                     by_backlog=by_backlog, forecast_rate=10, capacity=5)])
+
+
+def test_bounds_parse_and_say_what_is_wrong():
+    assert parse_bounds("1:4") == (1, 4)
+    assert parse_bounds("3") == (3, 3)
+    for bad in ("0:2", "3:2", "a:b", ""):
+        with pytest.raises(ValueError, match="--autoscale"):
+            parse_bounds(bad)
+
+
+def test_more_wanted_starts_executors_at_once_up_to_max():
+    p = ScalePolicy(1, 4)
+    d = p.decide(0.0, 1, demand(2.3))
+    assert (d.target, d.direction, d.reason) == (3, "up", "forecast")
+    assert "2.30 executors wanted" in d.why
+    assert p.decide(0.0, 1, demand(9.0)).target == 4
+
+
+def test_the_backlog_names_itself_as_the_reason():
+    assert ScalePolicy(1, 4).decide(0.0, 1, demand(0.5, by_backlog=2.5)).reason == "backlog"
+
+
+def test_fewer_wanted_stops_only_after_a_whole_cool_down():
+    p = ScalePolicy(1, 4, cool_down_s=30)
+    assert p.decide(0.0, 3, demand(0.5)) is None
+    assert p.decide(29.0, 3, demand(0.5)) is None
+    d = p.decide(30.0, 3, demand(0.5))
+    assert (d.target, d.direction, d.reason) == (1, "down", "cool_down")
+
+
+def test_a_rise_during_the_cool_down_restarts_it():
+    p = ScalePolicy(1, 4, cool_down_s=30)
+    p.decide(0.0, 3, demand(0.5))
+    assert p.decide(20.0, 3, demand(2.9)) is None  # 3 are needed again
+    assert p.decide(40.0, 3, demand(0.5)) is None  # a new cool-down began at 40
+    assert p.decide(70.0, 3, demand(0.5)).target == 1
+
+
+def test_it_stops_no_more_than_the_cool_downs_peak_leaves_spare():
+    p = ScalePolicy(1, 4, cool_down_s=30)
+    p.decide(0.0, 4, demand(0.5))
+    p.decide(10.0, 4, demand(2.5))  # 2.5 + the hysteresis fits 3, not 4: still cooling down
+    assert p.decide(30.0, 4, demand(0.5)).target == 3
+
+
+def test_hysteresis_keeps_an_executor_a_demand_at_the_boundary_needs():
+    p = ScalePolicy(1, 4, cool_down_s=0)
+    assert p.decide(0.0, 2, demand(0.9)) is None  # 0.9 + 0.2 does not fit in one
+    assert p.decide(1.0, 2, demand(0.7)).target == 1
+
+
+def test_no_published_demand_keeps_what_runs_within_the_bounds():
+    p = ScalePolicy(2, 4)
+    assert p.decide(0.0, 3, None) is None
+    d = p.decide(0.0, 1, None)
+    assert (d.target, d.direction, d.reason) == (2, "up", "bounds")
+    assert p.decide(0.0, 5, demand(9)).target == 4

@@ -1,0 +1,57 @@
+"""One executor's capacity within a budget, and the executors a demand wants
+(batchline/planning/capacity.py): pure, with costs given as functions."""
+from __future__ import annotations
+
+import pytest
+
+from batchline.planning import BatchingRule, FunctionCost, Pending, play
+from batchline.planning.capacity import executor_capacity, need, wanted
+
+COST = FunctionCost(lambda units: 0.004 + 0.001 * units)  # 4 ms a batch plus 1 ms a row
+
+
+def served_in_time(rule: BatchingRule, budget_s: float, rate: float, n: int = 400) -> bool:
+    stream = [Pending(str(i), 1, 1, i / rate + budget_s, i / rate) for i in range(n)]
+    played = play(stream, [0.0], rule, COST)
+    return not played.shed and all(b.finish <= min(m.deadline for m in b.members) for b in played.batches)
+
+
+@pytest.mark.parametrize("budget_s", [0.02, 0.05])
+def test_capacity_is_the_highest_rate_the_play_serves_in_time(budget_s):
+    rule = BatchingRule(32)
+    capacity = executor_capacity(rule, COST, budget_s)
+    assert served_in_time(rule, budget_s, capacity * 0.98)
+    assert not served_in_time(rule, budget_s, capacity * 1.1)
+
+
+def test_a_loose_budget_reaches_the_saturation_of_full_batches():
+    assert executor_capacity(BatchingRule(32), COST, 10.0) == pytest.approx(32 / 0.036)
+
+
+def test_capacity_follows_the_batching_rule_and_the_lanes():
+    assert executor_capacity(BatchingRule(0), COST, 1.0) == pytest.approx(1 / 0.005)  # one request a batch
+    one = executor_capacity(BatchingRule(8), COST, 1.0)
+    assert executor_capacity(BatchingRule(8), COST, 1.0, lanes=2) == pytest.approx(2 * one)
+
+
+def test_a_budget_no_request_fits_gives_no_capacity():
+    assert executor_capacity(BatchingRule(8), COST, 0.004) == 0.0
+
+
+def test_the_forecast_is_met_at_the_target_utilisation():
+    n = need(forecast_rate=140.0, capacity=100.0, target_utilisation=0.7, backlog=0, budget_s=0.1)
+    assert n.by_forecast == pytest.approx(2.0)
+    assert n.wanted == 2
+
+
+def test_the_backlog_is_a_floor_the_forecast_cannot_lower():
+    n = need(forecast_rate=0.0, capacity=100.0, target_utilisation=0.7, backlog=45, budget_s=0.1)
+    assert n.by_backlog == pytest.approx(4.5)
+    assert n.wanted == 5
+
+
+def test_the_mesh_adds_the_models_fractional_needs():
+    a = need(35.0, 100.0, 0.7, 0, 0.1)  # half an executor
+    b = need(35.0, 100.0, 0.7, 0, 0.1)
+    assert wanted([a, b]) == 1
+    assert wanted([]) == 0

@@ -1,0 +1,73 @@
+"""The leader's demand step (scheduler/demand.py) with explicit times, on the in-memory store: how
+the horizon, the rates, the backlog and the published demand follow what it is given."""
+from __future__ import annotations
+
+import asyncio
+
+import prometheus_client
+import pytest
+
+from batchline.contract.memory import MemorySchedulerStore, MemoryState
+from batchline.planning import BatchCost, BatchingRule
+from batchline.protocol import internal_pb2 as pb
+from batchline.registry import Registry
+from scheduler.demand import DEFAULT_HORIZON_S, Demand, DemandSettings
+
+MODEL = ("m", "1")
+COST = BatchCost(per_unit_s=0.001, fixed_s=0.004)  # 36 ms for 32 rows: 888/s at most
+
+
+def registry(*executors: tuple[str, float]) -> Registry:
+    r = Registry()
+    for eid, start_s in executors:
+        r.add(pb.ExecutorInfo(executor_id=eid, start_s=start_s, models=[pb.ModelInfo(
+            name="m", version="1", max_batch_size=32, default_timeout_ms=1000)]))
+    return r
+
+
+def step(demand: Demand, reg: Registry, now: float, depth: int = 0) -> pb.MeshDemand:
+    plans = {MODEL: (BatchingRule(32), COST, sorted(reg.executors))}
+    return asyncio.run(demand.step(reg, plans, {MODEL: depth}, now))
+
+
+def test_the_horizon_is_the_median_start_time_until_one_is_configured():
+    state = MemoryState()
+    demand = Demand(MemorySchedulerStore(state), "s", DemandSettings())
+    assert step(demand, registry(("e0", 0.0)), 0.0).horizon_s == DEFAULT_HORIZON_S
+    d = step(demand, registry(("e0", 2.0), ("e1", 4.0), ("e2", 9.0)), 1.0)
+    assert (d.horizon_s, d.executor_start_s) == (4.0, 4.0)
+    fixed = Demand(MemorySchedulerStore(state), "s", DemandSettings(horizon_s=30.0))
+    assert step(fixed, registry(("e0", 2.0)), 0.0).horizon_s == 30.0
+
+
+def test_arrivals_become_a_forecast_and_executors_wanted():
+    state = MemoryState()
+    demand = Demand(MemorySchedulerStore(state), "s", DemandSettings(target_utilisation=0.5))
+    reg = registry(("e0", 3.0))
+    for t in range(10):
+        state.arrivals[MODEL] = 1000 * t  # 1000/s
+        d = step(demand, reg, float(t))
+    (m,) = d.models
+    assert m.arrival_rate == pytest.approx(1000.0)
+    assert m.forecast_rate == pytest.approx(1000.0, rel=0.01)
+    assert m.capacity == pytest.approx(32 / 0.036)  # a 1 s budget: full batches back to back
+    assert d.executors_wanted == 3  # 1000 / (888 x 0.5) = 2.25
+    assert pb.MeshDemand.FromString(state.demand).executors_wanted == 3
+    assert prometheus_client.REGISTRY.get_sample_value("batchline_executors_wanted") == 3
+
+
+def test_a_backlog_wants_executors_no_arrival_rate_asked_for():
+    demand = Demand(MemorySchedulerStore(MemoryState()), "s", DemandSettings())
+    d = step(demand, registry(("e0", 3.0)), 0.0, depth=2000)
+    assert d.models[0].by_forecast == 0.0
+    assert d.executors_wanted == 3  # 2000 queued / (888/s x 1 s budget)
+
+
+def test_a_standby_wants_nothing():
+    state = MemoryState()
+    demand = Demand(MemorySchedulerStore(state), "s", DemandSettings())
+    step(demand, registry(("e0", 3.0)), 0.0, depth=2000)
+    demand.forget_gauges()
+    assert prometheus_client.REGISTRY.get_sample_value("batchline_executors_wanted") == 0
+    assert prometheus_client.REGISTRY.get_sample_value("batchline_executor_capacity",
+                                                       {"model": "m", "version": "1"}) is None

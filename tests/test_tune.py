@@ -1,0 +1,128 @@
+"""`batchline tune`: the layouts it tries, how it chooses and writes one (with measurements given,
+a pure unit), a model's own intra_op_threads, and one real run through a mesh."""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from batchline.tune.layouts import Layout, candidates, refine, set_config, splits
+from batchline.tune.run import REPORT, Measured, Options, TuneError, table, tune
+from executor.repository import load_model, read_config
+
+
+def test_splits_use_every_core_once():
+    assert splits(1) == [(1, 1)]
+    assert splits(2) == [(1, 2), (2, 1)]
+    assert splits(8) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert splits(6) == [(1, 6), (2, 3), (4, 1), (6, 1)]
+
+
+def test_candidates_start_with_the_current_layout_and_skip_its_twins():
+    current = Layout("1", 1, 0, 64, 10.0)  # 0 threads: all the cores
+    found = candidates(current, ["1", "2"], cores=2)
+    assert found[0] == current
+    assert Layout("1", 1, 2, 64, 10.0) not in found  # runs as the current one does
+    assert Layout("1", 2, 1, 64, 10.0) in found
+    assert {Layout("2", 1, 2, 64, 10.0), Layout("2", 2, 1, 64, 10.0)} <= set(found)
+
+
+def test_refine_halves_and_doubles_the_batch_of_a_batched_model_only():
+    best = Layout("1", 2, 1, 32, 5.0)
+    assert refine(best, [best]) == [Layout("1", 2, 1, 16, 5.0), Layout("1", 2, 1, 64, 5.0)]
+    assert refine(Layout("1", 1, 0, 0, 5.0), []) == []
+
+
+def test_set_config_keeps_comments_and_tables():
+    text = "# a model\nmax_batch_size = 8\n# the padding\n[padding]\nx = 0\n"
+    out = set_config(set_config(text, "max_batch_size", "16"), "instance_count", "2")
+    assert out == "# a model\nmax_batch_size = 16\ninstance_count = 2\n# the padding\n[padding]\nx = 0\n"
+
+
+@pytest.fixture
+def mlp(model_repository, tmp_path) -> pathlib.Path:
+    repo = tmp_path / "repository"
+    shutil.copytree(model_repository / "mlp", repo / "mlp")
+    return repo
+
+
+def by_table(goodputs: dict[tuple[int, int, int], float]):
+    """A measurement from a table of (instances, threads, batch) -> goodput: a pure unit's stand-in."""
+    def measure(o, model_dir, layout, budget_ms):
+        assert budget_ms == 5000.0
+        threads = layout.intra_op_threads or 2
+        return Measured(layout, goodputs.get((layout.instance_count, threads, layout.max_batch_size), 1.0))
+    return measure
+
+
+def test_a_better_layout_is_written_with_its_report(mlp):
+    report = tune(Options("mlp", mlp, cores=2, progress=False), by_table({(1, 2, 64): 100.0, (2, 1, 64): 150.0,
+                                                                          (2, 1, 32): 130.0, (2, 1, 128): 90.0}))
+    assert report.written and report.chosen.layout == Layout("1", 2, 1, 64, 10.0)
+    assert report.chosen.runs == report.current.runs == 2  # both measured again
+    config = read_config(mlp / "mlp")
+    assert (config["instance_count"], config["intra_op_threads"], config["max_batch_size"]) == (2, 1, 64)
+    assert "small tabular classifier" in (mlp / "mlp" / "config.toml").read_text()  # its comments kept
+    saved = json.loads((mlp / "mlp" / REPORT).read_text())
+    assert saved["chosen"]["goodput_rps"] == 150.0 and "1.50x" in saved["why"]
+    assert "wrote config.toml: 1.50x" in table(report)
+
+
+def test_the_current_layout_when_best_leaves_the_repository_unchanged(mlp):
+    before = sorted((p.relative_to(mlp), p.read_bytes()) for p in mlp.rglob("*") if p.is_file())
+    report = tune(Options("mlp", mlp, cores=2, progress=False), by_table({(1, 2, 64): 200.0}))
+    assert not report.written and report.chosen is report.current
+    assert "left config.toml unchanged: the current layout serves the most" in table(report)
+    assert sorted((p.relative_to(mlp), p.read_bytes()) for p in mlp.rglob("*") if p.is_file()) == before
+
+
+def test_a_gain_within_the_noise_or_a_dry_run_writes_nothing(mlp):
+    text = (mlp / "mlp" / "config.toml").read_text()
+    small = tune(Options("mlp", mlp, cores=2, progress=False), by_table({(1, 2, 64): 100.0, (2, 1, 64): 103.0}))
+    assert not small.written and "under --min-gain 1.05" in small.why
+    dry = tune(Options("mlp", mlp, cores=2, progress=False, dry_run=True), by_table({(2, 1, 64): 300.0}))
+    assert not dry.written and "--dry-run" in dry.why
+    assert "best: instance_count = 2, intra_op_threads = 1" in table(dry)
+    assert (mlp / "mlp" / "config.toml").read_text() == text and not (mlp / "mlp" / REPORT).exists()
+
+
+def test_an_older_version_that_serves_best_is_pinned(mlp):
+    shutil.copytree(mlp / "mlp" / "1", mlp / "mlp" / "2")
+
+    def measure(o, model_dir, layout, budget_ms):
+        return Measured(layout, 500.0 if layout.version == "1" else 100.0)
+
+    report = tune(Options("mlp", mlp, cores=2, progress=False), measure)
+    assert report.written and report.chosen.layout.version == "1"
+    assert read_config(mlp / "mlp")["version_policy"] == {"specific": [1]}
+
+
+def test_an_unknown_model_says_where_it_looked(tmp_path):
+    with pytest.raises(TuneError, match="no model 'nope'"):
+        tune(Options("nope", tmp_path, progress=False), by_table({}))
+
+
+def test_a_models_own_intra_op_threads_win(mlp):
+    config = read_config(mlp / "mlp")
+    config["intra_op_threads"] = 1
+    model = load_model(mlp / "mlp", mlp / "mlp" / "1", config, ["CPUExecutionProvider"], "", intra_op_threads=3)
+    assert model.session.get_session_options().intra_op_num_threads == 1
+
+
+def test_tune_through_a_real_mesh(mlp):
+    """The command end to end, briefly: every layout served and measured, the table printed, and
+    with --dry-run the repository left as it was."""
+    text = (mlp / "mlp" / "config.toml").read_text()
+    out = subprocess.run([sys.executable, "-m", "batchline.cli", "tune", "mlp", "--repository", str(mlp), "--dry-run",
+                          "--duration", "1", "--concurrency", "4", "--no-progress"],
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line for line in out.stdout.splitlines() if line[2:4] == "v1"]
+    assert len(rows) >= 3 and "(now)" in rows[0], out.stdout
+    assert all("failed" not in r for r in rows), out.stdout
+    assert float(rows[0].split()[-6]) > 0, out.stdout  # the current layout answered within the budget
+    assert (mlp / "mlp" / "config.toml").read_text() == text
