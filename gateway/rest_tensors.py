@@ -153,7 +153,13 @@ def infer_request(body: bytes, header_length: int | None, model: str,
             choice.default = _flag(value, f"parameter '{_BINARY_OUTPUT}'")
         else:
             set_parameter(request.parameters, key, value)
-    inputs = header.get("inputs")
+    _inputs(request, header.get("inputs"), binary)
+    _outputs(request, header.get("outputs") or [], choice)
+    return request, choice
+
+
+def _inputs(request: ipb.ModelInferRequest, inputs, binary) -> None:
+    """The header's `inputs` onto `request`, each one's data from JSON or from its slice of `binary`."""
     if not isinstance(inputs, list) or not all(isinstance(t, dict) for t in inputs):
         raise InvalidArgument("the request's JSON header needs `inputs`: an array of tensors")
     offset = 0
@@ -190,7 +196,10 @@ def infer_request(body: bytes, header_length: int | None, model: str,
     if offset != len(binary):
         raise InvalidArgument(f"the body has {len(binary)} bytes after the JSON header, but the inputs' "
                               f"`binary_data_size` add up to {offset} (is Inference-Header-Content-Length right?)")
-    outputs = header.get("outputs") or []
+
+
+def _outputs(request: ipb.ModelInferRequest, outputs, choice: OutputChoice) -> None:
+    """The header's `outputs` onto `request`, and which of them go back binary into `choice`."""
     if not isinstance(outputs, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
                                                 for t in outputs):
         raise InvalidArgument("`outputs` must be an array of objects, each with a `name`")
@@ -204,7 +213,6 @@ def infer_request(body: bytes, header_length: int | None, model: str,
                 choice.by_name[entry.name] = _flag(value, f"output '{entry.name}': parameter '{_BINARY}'")
             else:
                 set_parameter(entry.parameters, key, value)
-    return request, choice
 
 
 def _json_values(raw: bytes, datatype: str, name: str) -> list:
