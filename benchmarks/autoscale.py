@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from batchline.autoscale import ScalePolicy
+from forecasters import poisson  # benchmarks/forecasters.py: one Poisson draw for both scripts
 from batchline.planning import BatchingRule, FunctionCost
 from batchline.planning.capacity import executor_capacity, need
 from batchline.planning.forecast import ArrivalRate
@@ -151,7 +152,7 @@ def simulate(trace: Callable[[float, random.Random], float], policy: str, seed: 
     reactive = Reactive(low, high, cool_down_s)
     for tick in range(int(SECONDS / DT)):
         t = tick * DT
-        n = _poisson(rng, trace(t, rng) * DT)
+        n = poisson(rng, trace(t, rng) * DT)
         arrived += n
         serving = sum(1 for x in ready if x <= t)
         room = max(0.0, (HEADROOM * BUDGET_S - service_s - DT) * serving * capacity - queued) if serving else 0.0
@@ -206,15 +207,6 @@ def simulate(trace: Callable[[float, random.Random], float], policy: str, seed: 
             ready = sorted(ready)[:target]
             r.scale_events += 1
     return r
-
-
-def _poisson(rng: random.Random, mean: float) -> int:
-    if mean > 30:
-        return max(0, round(rng.gauss(mean, math.sqrt(mean))))
-    limit, k, p = math.exp(-mean), 0, 1.0
-    while p > limit:
-        k, p = k + 1, p * rng.random()
-    return k - 1
 
 
 POLICIES = ("static-min", "static-peak", "reactive", "predictive")
