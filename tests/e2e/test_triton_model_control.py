@@ -20,16 +20,16 @@ from batchline.testing.checkout import TRITON_EXAMPLES as EXAMPLES
 @pytest.fixture
 def explicit_mesh(tmp_path):
     repo = triton_models.build_repository(tmp_path / "repository")
-    mesh = ProcessMesh(repo, tmp_path / "logs", models=())
-    mesh.start_redis()
-    mesh.add_executor(flags=["--model-control-mode", "explicit", "--load-model", "simple"])
-    mesh.add_scheduler()
-    # A small cap on a load's files, to see it refused past it.
-    mesh.add_gateway(flags=["--model-control-mode", "explicit", "--load-files-max-bytes", "100000",
-                            "--http-port", "-1"])
-    mesh.probe.wait_for_executors(1)
-    mesh.probe.wait_ready()
-    with mesh:
+    # Stopped however the start goes: a gateway that fails to start must not leave the others running.
+    with ProcessMesh(repo, tmp_path / "logs", models=()) as mesh:
+        mesh.start_redis()
+        mesh.add_executor(flags=["--model-control-mode", "explicit", "--load-model", "simple"])
+        mesh.add_scheduler()
+        # A small cap on a load's files, to see it refused past it.
+        mesh.add_gateway(flags=["--model-control-mode", "explicit", "--load-files-max-bytes", "100000",
+                                "--http-port", "-1"])
+        mesh.probe.wait_for_executors(1)
+        mesh.probe.wait_ready()
         yield mesh
 
 
@@ -91,12 +91,11 @@ def test_simple_http_model_control(tmp_path):
     assert len(names) == 7 and "simple" in names
     repo = triton_models.build_repository(tmp_path / "repository", names)
     http_port = free_port()
-    mesh = ProcessMesh(repo, tmp_path / "logs", models=())
-    mesh.start_redis()
-    mesh.add_executor(flags=["--model-control-mode", "explicit", "--load-model", "simple"])
-    mesh.add_scheduler()
-    mesh.add_gateway(flags=["--model-control-mode", "explicit", "--http-port", str(http_port)])
-    with mesh:
+    with ProcessMesh(repo, tmp_path / "logs", models=()) as mesh:
+        mesh.start_redis()
+        mesh.add_executor(flags=["--model-control-mode", "explicit", "--load-model", "simple"])
+        mesh.add_scheduler()
+        mesh.add_gateway(flags=["--model-control-mode", "explicit", "--http-port", str(http_port)])
         mesh.probe.wait_for_executors(1)
         mesh.probe.wait_ready()
         done = subprocess.run([sys.executable, str(EXAMPLES / "simple_http_model_control.py"), "-u",
