@@ -41,6 +41,8 @@ def set_parameter(parameters, name: str, value) -> None:
     if isinstance(value, bool):
         param.bool_param = value
     elif isinstance(value, int):
+        if not -2**63 <= value < 2**63:
+            raise InvalidArgument(f"parameter '{name}': {value} does not fit a 64-bit signed integer")
         param.int64_param = value
     elif isinstance(value, float):
         param.double_param = value

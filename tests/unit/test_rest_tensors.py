@@ -77,6 +77,13 @@ def test_parameters_that_are_no_object_or_value_are_invalid_argument(header):
         infer_request(json.dumps(header).encode(), None, "m", "")
 
 
+@pytest.mark.parametrize("value", [2**63, -2**63 - 1])
+def test_an_integer_parameter_past_64_bits_is_invalid_argument(value):
+    with pytest.raises(InvalidArgument, match=f"'timeout': {value} does not fit a 64-bit signed integer"):
+        infer_request(json.dumps({"inputs": [], "parameters": {"timeout": value}}).encode(), None, "m", "")
+    infer_request(json.dumps({"inputs": [], "parameters": {"timeout": value // 2}}).encode(), None, "m", "")
+
+
 def test_deep_nesting_is_invalid_argument():
     with pytest.raises(InvalidArgument, match="not valid JSON"):
         infer_request(b"[" * 100_000, None, "m", "")
