@@ -2,7 +2,8 @@
 # One entry point for a fresh machine:
 #   ./dev.sh up [batchline up flags]   install, build the demo models, run the whole mesh
 #   ./dev.sh test [pytest args]        install, run the test suite
-#   ./dev.sh lint                      install, run ruff and mypy (pyproject.toml says on what)
+#   ./dev.sh lint                      install, run ruff and mypy (pyproject.toml says on what),
+#                                      and check the commit subjects (scripts/check_commits.py)
 # Installs into ./.venv (Python >= 3.11; set PYTHON to choose the interpreter).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -41,7 +42,8 @@ case "$cmd" in
   lint)
     install
     "$VENV/bin/ruff" check .
-    exec "$VENV/bin/mypy"
+    "$VENV/bin/mypy"
+    exec "$VENV/bin/python" scripts/check_commits.py
     ;;
   *)
     echo "usage: ./dev.sh up [batchline up flags] | ./dev.sh test [pytest args] | ./dev.sh lint" >&2

@@ -52,7 +52,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         address = mesh.start()
         if phase == "starting":
             phase = "up"
-        restarts = f"restarts counted at http://{args.host}:{mesh.metrics_port}/metrics; " if mesh.metrics_port > 0 else ""
+        restarts = (f"restarts counted at http://{args.host}:{mesh.metrics_port}/metrics; "
+                    if mesh.metrics_port > 0 else "")
         rest = f"REST (KServe v2 HTTP) on {args.host}:{mesh.http_port}; " if mesh.http_port > 0 else ""
         say(args, f"batchline: up. Gateway (KServe v2 gRPC) listening on {address}; {rest}"
             f"Redis at {mask(mesh.redis.url if mesh.redis else mesh.redis_url)}; {restarts}Press Ctrl-C to stop.")
@@ -84,7 +85,8 @@ def _output_kinds(given: list[str], known: tuple[str, ...]) -> dict[str, str]:
     for item in given:
         name, _, kind = item.partition("=")
         if not name or kind not in known:
-            raise SystemExit(f"batchline optimize: --output {item!r} must read NAME=KIND, KIND one of {', '.join(known)}")
+            raise SystemExit(f"batchline optimize: --output {item!r} must read NAME=KIND, "
+                             f"KIND one of {', '.join(known)}")
         kinds[name] = kind
     return kinds
 
@@ -100,8 +102,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         calibration=pathlib.Path(args.calibration) if args.calibration else None,
         texts=pathlib.Path(args.texts) if args.texts else None,
         thresholds=gate.Thresholds(args.min_mean_cosine, args.min_p1_cosine, args.min_neighbour_overlap,
-                                       max_abs_error=args.max_abs_error, min_argmax_agreement=args.min_argmax_agreement),
-        int8=variants.Int8Options(tuple(t for t in args.int8_ops.split(",") if t), not args.per_tensor, args.weight_type),
+                                       max_abs_error=args.max_abs_error,
+                                       min_argmax_agreement=args.min_argmax_agreement),
+        int8=variants.Int8Options(tuple(t for t in args.int8_ops.split(",") if t), not args.per_tensor,
+                                  args.weight_type),
         scratch=pathlib.Path(args.scratch) if args.scratch else None,
         min_gain=args.min_gain,
         outputs=_output_kinds(args.output, gate.KINDS),
@@ -162,13 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         help="run Redis, executors, the scheduler and the gateway locally",
         description="Start a local mesh: a private Redis (unless --redis-url), N executors, the scheduler "
         "and the gateway. Builds the demo model repository (minilm, mlp, and gpt, a generative model that "
-        "executors leave out) first if the repository path does not exist. A service that exits is restarted (with a growing backoff; --max-restarts "
+        "executors leave out) first if the repository path does not exist. A service that exits is restarted "
+        "(with a growing backoff; --max-restarts "
         "bounds a crash loop), the embedded Redis too (one that cannot start again stops the mesh). Ctrl-C "
         "stops every process it started: the gateways first (they answer the requests they hold), then the "
         "scheduler, then the executors, Redis last; a second Ctrl-C kills what is left.",
     )
     up.add_argument("--model-repository", default=DEFAULT_REPOSITORY,
-                    help=f"model repository to serve; the demo models are built there if it does not exist (default: {DEFAULT_REPOSITORY})")
+                    help="model repository to serve; the demo models are built there if it does not exist (default: "
+                         f"{DEFAULT_REPOSITORY})")
     up.add_argument("--model-control-mode", choices=("none", "poll", "explicit"), default="none",
                     help="none: serve what the repository holds at start; poll: re-scan it every --repository-poll-s "
                     "and load new versions / release removed ones while serving; explicit: serve the --load-model "
@@ -191,23 +197,28 @@ def main(argv: list[str] | None = None) -> int:
                     "--scale-down-cool-down-s; a stopping executor drains. Starts with --executors, within the "
                     "bounds (default: off, --executors run)")
     up.add_argument("--scale-down-cool-down-s", type=float, default=COOL_DOWN_S,
-                    help=f"--autoscale: how long fewer executors must be wanted before some stop (default: {COOL_DOWN_S:g})")
+                    help="--autoscale: how long fewer executors must be wanted before some stop (default: "
+                         f"{COOL_DOWN_S:g})")
     up.add_argument("--gateways", type=int, default=1,
                     help="number of gateway processes, all on the gateway port (SO_REUSEPORT: the kernel spreads "
                     "connections over them); one gateway process uses about one core (default: 1)")
     up.add_argument("--max-restarts", type=int, default=5,
                     help="a service that crashes more often than this within 60 s is in a crash loop: the mesh "
                     "stops and names it; below that, crashed services are restarted (default: 5)")
-    up.add_argument("--gateway-port", type=int, default=8001, help="gateway gRPC port; 0 = any free port (default: 8001)")
+    up.add_argument("--gateway-port", type=int, default=8001,
+                    help="gateway gRPC port; 0 = any free port (default: 8001)")
     up.add_argument("--http-port", type=int, default=8000,
-                    help="gateway KServe v2 HTTP/REST port, beside gRPC's; 0 = any free port, -1 = none (default: 8000)")
+                    help="gateway KServe v2 HTTP/REST port, beside gRPC's; 0 = any free port, -1 = none "
+                    "(default: 8000)")
     up.add_argument("--host", default="127.0.0.1", help="interface the services bind to (default: 127.0.0.1)")
     up.add_argument("--metrics-port", type=int, default=8002,
                     help="Prometheus endpoints on consecutive ports from this one: gateway-0, gateway-1, ..., the "
-                    "scheduler, executor-0, executor-1, ... (as many as --executors, or MAX with --autoscale), then `batchline up` "
+                    "scheduler, executor-0, executor-1, ... (as many as --executors, or MAX with --autoscale), "
+                    "then `batchline up` "
                     "itself (batchline_restarts_total, batchline_scale_events_total); "
                     "0 = any free ports, -1 = none (default: 8002)")
-    up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"), help="log level of the services (default: $BATCHLINE_LOG_LEVEL, else INFO)")
+    up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"),
+                    help="log level of the services (default: $BATCHLINE_LOG_LEVEL, else INFO)")
     up.add_argument("--auth-file", default="",
                     help="TOML file of the tokens that may call the gateways, with their tenants and model scopes "
                     "(docs/guides/security.md) (default: none, unauthenticated)")
@@ -220,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="text, or json: one JSON object a line, from every service and from `batchline up` itself, "
                     "with the service and, when there is one, the request id, the batch id and the trace id "
                     "(default: text)")
-    up.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the mesh to come up (default: 120)")
+    up.add_argument("--startup-timeout", type=float, default=120.0,
+                    help="seconds to wait for the mesh to come up (default: 120)")
     up.set_defaults(func=cmd_up)
 
     st = sub.add_parser(
@@ -243,9 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         "report (optimize.json). A variant that fails the gate is never written: it stays in the scratch "
         "directory for inspection. Needs the [optimize] extra.")
     opt.add_argument("model", help="the model's name (its directory in the repository)")
-    opt.add_argument("--repository", default=DEFAULT_REPOSITORY, help=f"model repository (default: {DEFAULT_REPOSITORY})")
+    opt.add_argument("--repository", default=DEFAULT_REPOSITORY,
+                     help=f"model repository (default: {DEFAULT_REPOSITORY})")
     opt.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                     help=f"comma-separated, from {', '.join(VARIANTS)} (default: all; int8-static and tensorrt-int8 only with inputs)")
+                     help=f"comma-separated, from {', '.join(VARIANTS)} (default: all; "
+                          "int8-static and tensorrt-int8 only with inputs)")
     opt.add_argument("--calibration", default="", help=".npz with one array per model input (rows first): judges "
                      "the variants and calibrates int8-static and tensorrt-int8")
     opt.add_argument("--texts", default="", help="text file, one sentence a line, tokenized as the model's "
@@ -254,14 +268,19 @@ def main(argv: list[str] | None = None) -> int:
                      help="judge output NAME as KIND: embedding (cosines, nearest neighbours), classes (argmax "
                      "agreement) or values (absolute error); repeatable; over config.toml's [optimize] outputs "
                      "(default: by the output's name and values, docs/guides/optimize.md)")
-    opt.add_argument("--min-mean-cosine", type=float, default=0.99, help="embeddings: mean cosine to FP32 (default: 0.99)")
-    opt.add_argument("--min-p1-cosine", type=float, default=0.98, help="embeddings: 1st percentile cosine (default: 0.98)")
+    opt.add_argument("--min-mean-cosine", type=float, default=0.99,
+                     help="embeddings: mean cosine to FP32 (default: 0.99)")
+    opt.add_argument("--min-p1-cosine", type=float, default=0.98,
+                     help="embeddings: 1st percentile cosine (default: 0.98)")
     opt.add_argument("--min-neighbour-overlap", type=float, default=0.9,
                      help="embeddings: share of each one's top-10 neighbours kept (default: 0.9)")
-    opt.add_argument("--max-abs-error", type=float, default=0.05, help="other outputs: largest absolute error (default: 0.05)")
+    opt.add_argument("--max-abs-error", type=float, default=0.05,
+                     help="other outputs: largest absolute error (default: 0.05)")
     opt.add_argument("--min-argmax-agreement", type=float, default=0.99,
-                     help="classes outputs with more than one column: share of rows whose argmax is kept (default: 0.99)")
-    opt.add_argument("--int8-ops", default="MatMul", help="op types INT8 quantizes, comma-separated; empty = all (default: MatMul)")
+                     help="classes outputs with more than one column: share of rows whose argmax is kept "
+                          "(default: 0.99)")
+    opt.add_argument("--int8-ops", default="MatMul",
+                     help="op types INT8 quantizes, comma-separated; empty = all (default: MatMul)")
     opt.add_argument("--per-tensor", action="store_true", help="quantize weights per tensor, not per channel")
     opt.add_argument("--weight-type", choices=("auto", "QInt8", "QUInt8"), default="auto",
                      help="INT8 weight type (default: auto: QInt8 on a CPU with VNNI or AMX, whose 8-bit products are "
@@ -269,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     opt.add_argument("--min-gain", type=float, default=MIN_GAIN,
                      help="write the fastest variant that passed the gate only if it serves at least this many times "
                      f"FP32's throughput here (default: {MIN_GAIN}; 0 writes it whatever its speed)")
-    opt.add_argument("--scratch", default="", help="where the variants are written (default: a new temporary directory, kept)")
+    opt.add_argument("--scratch", default="",
+                     help="where the variants are written (default: a new temporary directory, kept)")
     opt.set_defaults(func=cmd_optimize)
 
     tn = sub.add_parser(
@@ -283,27 +303,33 @@ def main(argv: list[str] | None = None) -> int:
         "than --min-gain. Prints the table either way. Measure on the host that will serve, as quiet as it can be.",
     )
     tn.add_argument("model", help="the model's name (its directory in the repository)")
-    tn.add_argument("--repository", default=DEFAULT_REPOSITORY, help=f"model repository (default: {DEFAULT_REPOSITORY})")
+    tn.add_argument("--repository", default=DEFAULT_REPOSITORY,
+                    help=f"model repository (default: {DEFAULT_REPOSITORY})")
     tn.add_argument("--budget-ms", type=float, default=0.0,
                     help="each request's latency budget (default: the model's default_timeout_ms)")
     tn.add_argument("--concurrency", type=int, default=tuning.CONCURRENCY,
                     help=f"requests kept in flight while a layout is measured (default: {tuning.CONCURRENCY})")
     tn.add_argument("--duration", type=float, default=tuning.MEASURE_S,
-                    help=f"measured seconds per layout, after {tuning.WARMUP_S:g} s of warm-up (default: {tuning.MEASURE_S:g})")
+                    help=f"measured seconds per layout, after {tuning.WARMUP_S:g} s of warm-up (default: "
+                         f"{tuning.MEASURE_S:g})")
     tn.add_argument("--seq-len", type=int, default=None, help="tokens per request for a model with token inputs "
                     "(default: the load generator's)")
     tn.add_argument("--min-gain", type=float, default=tuning.MIN_GAIN,
-                    help=f"write the best layout only if it serves this many times the current one (default: {tuning.MIN_GAIN:g})")
+                    help="write the best layout only if it serves this many times the current one (default: "
+                         f"{tuning.MIN_GAIN:g})")
     tn.add_argument("--dry-run", action="store_true", help="measure and print the table; write nothing")
     tn.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     tn.set_defaults(func=cmd_tune)
 
     build = sub.add_parser("build-models", help="build the demo model repository",
-                           description="Export the demo models (minilm, mlp, gpt) to ONNX into PATH (needs the [demo] extra).")
-    build.add_argument("path", nargs="?", default=DEFAULT_REPOSITORY, help=f"repository path (default: {DEFAULT_REPOSITORY})")
+                           description="Export the demo models (minilm, mlp, gpt) to ONNX into PATH "
+                                       "(needs the [demo] extra).")
+    build.add_argument("path", nargs="?", default=DEFAULT_REPOSITORY,
+                       help=f"repository path (default: {DEFAULT_REPOSITORY})")
     build.add_argument("--int8", action="store_true",
-                       help=f"also write minilm version 2, INT8, with `batchline optimize` judged on {DEMO_SENTENCES} sentences of "
-                       "Python's reference manual (needs the [optimize] extra; nothing is downloaded); exits 1 if "
+                       help=f"also write minilm version 2, INT8, with `batchline optimize` judged on {DEMO_SENTENCES} "
+                       "sentences of Python's reference manual (needs the [optimize] extra; nothing is downloaded); "
+                       "exits 1 if "
                        "no variant passes the gate and is faster here")
     build.set_defaults(func=cmd_build_models)
 

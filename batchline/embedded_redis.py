@@ -133,7 +133,8 @@ class EmbeddedRedis:
         ]
         try:
             self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                         start_new_session=True, preexec_fn=die_with_parent if self.die_with_parent else None)
+                                         start_new_session=True,
+                                         preexec_fn=die_with_parent if self.die_with_parent else None)
         except OSError as exc:
             self.close()
             raise RedisStartError(f"cannot run {self.binary}: {exc}") from None

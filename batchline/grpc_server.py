@@ -42,7 +42,8 @@ DOWN_INTERVAL_S = 0.1
 
 
 class ServerHandle:
-    def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer, services: list[str]):
+    def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer,
+                 services: list[str]):
         self.server = server
         self.port = port
         self.health = health_servicer
@@ -64,8 +65,8 @@ class ServerHandle:
         """Report NOT_SERVING while Redis does not answer (a service without Redis can do nothing useful).
 
         Run as a task for the service's lifetime; `on_change(up)` is told of each
-        transition after the first check (whose verdict is no change), `on_restart()` when Redis came back as a new process (its
-        run_id changed: whatever it held is gone), even if no check saw it down.
+        transition after the first check (whose verdict is no change), `on_restart()` when Redis came back as a new
+        process (its run_id changed: whatever it held is gone), even if no check saw it down.
         """
         up: bool | None = None
         run_id = None

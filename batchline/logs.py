@@ -40,7 +40,8 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = {
-            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(timespec="milliseconds"),
+            "time": datetime.datetime.fromtimestamp(
+                record.created, datetime.timezone.utc).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "service": self.service,
             "logger": record.name,

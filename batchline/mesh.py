@@ -77,7 +77,8 @@ class Mesh:
             self.policy.cool_down_s = getattr(args, "scale_down_cool_down_s", self.policy.cool_down_s)
         # Executor slots: each has a fixed id (executor-K) and metrics port; autoscaling uses up to MAX of them.
         self.slots = self.policy.high if self.policy else args.executors
-        self.initial_executors = min(self.slots, max(self.policy.low, args.executors)) if self.policy else args.executors
+        self.initial_executors = min(self.slots,
+                                     max(self.policy.low, args.executors)) if self.policy else args.executors
         self._read_at = 0.0
         self._flags: list[str] = []  # what every executor is started with, besides its id and port
 
@@ -93,7 +94,8 @@ class Mesh:
     def start(self) -> str:
         a = self.args
         if a.gateway_port and ports.in_use(a.host, a.gateway_port):
-            raise SystemExit(f"batchline: {ports.PortInUse(a.gateway_port, 'stop it, or choose another --gateway-port')}")
+            raise SystemExit("batchline: "
+                             f"{ports.PortInUse(a.gateway_port, 'stop it, or choose another --gateway-port')}")
         self.http_port = getattr(a, "http_port", -1)
         if self.http_port > 0 and ports.in_use(a.host, self.http_port):
             raise SystemExit(f"batchline: {ports.PortInUse(self.http_port, 'stop it, or choose another --http-port')}")
@@ -135,7 +137,8 @@ class Mesh:
         self.supervisor.spawn("scheduler", "scheduler", "--metrics-port", metrics_port(gateways))
         port = a.gateway_port
         tls: list[str] = []  # and the auth file: what secures the gateways' port
-        for flag, path in (("--tls-cert-file", getattr(a, "tls_cert", "")), ("--tls-key-file", getattr(a, "tls_key", "")),
+        for flag, path in (("--tls-cert-file", getattr(a, "tls_cert", "")),
+                           ("--tls-key-file", getattr(a, "tls_key", "")),
                            ("--tls-client-ca-file", getattr(a, "tls_client_ca", "")),
                            ("--auth-file", getattr(a, "auth_file", ""))):
             if path:
@@ -207,7 +210,8 @@ class Mesh:
             # written once its port serves, stands for its answer.
             tls = bool(getattr(self.args, "tls_cert", ""))
             # Explicit mode with nothing to load at start: ready to be asked for a load, serving no model yet.
-            empty = getattr(self.args, "model_control_mode", "none") == "explicit" and not getattr(self.args, "load_model", [])
+            empty = getattr(self.args, "model_control_mode", "none") == "explicit" and not getattr(self.args,
+                                                                                                   "load_model", [])
             if address and executors_up(live, self.initial_executors) and (tls or empty or _server_ready(address)):
                 return address
             time.sleep(READY_POLL_S)

@@ -54,7 +54,8 @@ REQUEST_DURATION = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 REJECTED = Counter(
-    "batchline_rejected", "Requests refused before they were queued (reason: queue_full, overload, deadline; rate: the tenant's max_rate).",
+    "batchline_rejected",
+    "Requests refused before they were queued (reason: queue_full, overload, deadline; rate: the tenant's max_rate).",
     _MV + ("reason",),
 )
 REFUSALS_REUSED = Counter(
@@ -64,15 +65,18 @@ REFUSALS_REUSED = Counter(
 )
 TENANT_REQUESTS = Counter(
     "batchline_tenant_requests", "Inference requests of each tenant (the tenant of the caller's token; counted when "
-    "the gateway has an auth file), by lower-case gRPC status name (ok, resource_exhausted, ...).", ("model", "tenant", "status"),
+    "the gateway has an auth file), by lower-case gRPC status name (ok, resource_exhausted, ...).",
+    ("model", "tenant", "status"),
 )
 TENANT_OVER_SHARE = Counter(
-    "batchline_tenant_over_share", "Requests queued below the priority they asked for because their tenant was over its "
+    "batchline_tenant_over_share",
+    "Requests queued below the priority they asked for because their tenant was over its "
     "weighted share of the model (gateway/fairness.py).", ("model", "tenant"),
 )
 ADMISSION_HEADROOM = Gauge(
     "batchline_admission_headroom",
-    "Share of a request's budget its predicted finish may fill to be admitted (learned from answers: admission_target).",
+    "Share of a request's budget its predicted finish may fill to be admitted "
+    "(learned from answers: admission_target).",
     _MV,
 )
 STAGE_ENQUEUE = Histogram(
@@ -97,7 +101,8 @@ PENDING_REQUESTS = Gauge(
     _MV + ("priority",),
 )
 BATCHES_DISPATCHED = Counter(
-    "batchline_batches_dispatched", "Batches dispatched, by why they left (full, preferred, deadline, delay, no_company).",
+    "batchline_batches_dispatched",
+    "Batches dispatched, by why they left (full, preferred, deadline, delay, no_company).",
     _MV + ("reason",),
 )
 BATCH_SIZE = Histogram("batchline_batch_size", "Rows per dispatched batch, as planned (members that left the queue "
@@ -117,7 +122,8 @@ SHED = Counter(
 )
 REDISPATCHED = Counter("batchline_redispatched", "Requests requeued because their executor was lost.", _MV)
 EXECUTORS_WANTED = Gauge(
-    "batchline_executors_wanted", "Executors the mesh wants, by the leader's forecast of each model's arrivals over the "
+    "batchline_executors_wanted",
+    "Executors the mesh wants, by the leader's forecast of each model's arrivals over the "
     "horizon at the target utilisation, never below what finishes the queues within their budgets "
     "(scheduler/demand.py): what `batchline up --autoscale` and KEDA scale executors on.",
 )
@@ -171,7 +177,8 @@ COMPUTE_OUTPUT_DURATION = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 RESTARTS = Counter(
-    "batchline_restarts", "Services `batchline up` restarted after they exited (redis: the embedded Redis).", ("service",)
+    "batchline_restarts", "Services `batchline up` restarted after they exited (redis: the embedded Redis).",
+    ("service",)
 )
 SCALE_EVENTS = Counter(
     "batchline_scale_events", "Decisions of `batchline up --autoscale` to start executors (direction up) or stop them "
@@ -183,7 +190,8 @@ EXECUTOR_BUSY = Counter(
 )
 GENERATION_TTFT = Histogram(
     "batchline_generation_time_to_first_token_seconds", "A generation request's time from its enqueue at the gateway "
-    "to its first token's sampling on the executor (a request continued after a failure is not counted again).", _MV, buckets=LATENCY_BUCKETS,
+    "to its first token's sampling on the executor (a request continued after a failure is not counted again).", _MV,
+    buckets=LATENCY_BUCKETS,
 )
 GENERATION_TPOT = Histogram(
     "batchline_generation_time_per_output_token_seconds", "A generation request's time per output token after the "
@@ -283,7 +291,8 @@ class redis_rtt:
         self._start = time.perf_counter()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self._child.observe(time.perf_counter() - self._start)
 
     async def __aenter__(self) -> "redis_rtt":

@@ -67,7 +67,8 @@ async def check_access(url: str, timeout: float) -> None:
                 raise RedisAccessError(f"the sentinels of {mask(url)} refuse the credentials: {exc}") from None
             raise
         except REDIS_ERRORS as exc:
-            raise RedisAccessError(f"cannot verify the TLS certificate of the sentinels of {mask(url)}: {exc}") from None
+            raise RedisAccessError(f"cannot verify the TLS certificate of the sentinels of {mask(url)}: "
+                                   f"{exc}") from None
         if answered and not known:
             target = sentinel.parse(url)
             raise RedisAccessError(f"no sentinel of {mask(url)} monitors a master named {target.master!r}: "

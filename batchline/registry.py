@@ -78,7 +78,8 @@ class Registry:
                     best[(e.name, e.version)] = e
         versioned = {n for n, v in best if v}
         # A model that some executor has a version of is shown by its versions only.
-        return [best[k] for k in sorted(best, key=lambda k: (k[0], _version_key(k[1]))) if k[1] or k[0] not in versioned]
+        return [best[k] for k in sorted(best, key=lambda k: (k[0], _version_key(k[1]))) if k[1]
+                or k[0] not in versioned]
 
     def resolve(self, name: str, version: str = "") -> pb.ModelInfo:
         """The served ModelInfo for name/version ('' = the latest version)."""
@@ -87,7 +88,8 @@ class Registry:
             # (Why a model serves no version, when the repository says, is gateway/repository.py's absent.)
             served = ", ".join(self.model_names()) or "none"
             # Triton's wording up to the colon: its example clients look for it.
-            raise NotFound(f"Request for unknown model: '{name}' is not served by any live executor (served models: {served})")
+            raise NotFound(f"Request for unknown model: '{name}' is not served by any live executor (served models: "
+                           f"{served})")
         if not version:
             version = versions[-1]
         if not version.isdigit():

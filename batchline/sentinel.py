@@ -111,7 +111,8 @@ def connect(url: str, timeout: float, max_connections: int, blocking_reads: bool
     """An asyncio client of the primary behind the sentinels of `url`. With `blocking_reads` its
     reads have no timeout (BLMPOP-style waits); a connection still waits at most `timeout`."""
     target = parse(url)
-    sentinel = aiosentinel.Sentinel(target.sentinels, sentinel_kwargs={**target.sentinel_kwargs, **_socket(timeout, timeout)})
+    sentinel = aiosentinel.Sentinel(target.sentinels,
+                                    sentinel_kwargs={**target.sentinel_kwargs, **_socket(timeout, timeout)})
     options = {**target.master_kwargs, **_socket(None if blocking_reads else timeout, timeout)}
     if blocking_reads:
         return sentinel.master_for(target.master, connection_pool_class=_FollowingPool,
@@ -123,7 +124,8 @@ def connect(url: str, timeout: float, max_connections: int, blocking_reads: bool
 def connect_sync(url: str, timeout: float) -> redis.Redis:
     """A synchronous client of the primary (command-line tools, tests)."""
     target = parse(url)
-    sentinel = redis.sentinel.Sentinel(target.sentinels, sentinel_kwargs={**target.sentinel_kwargs, **_socket(timeout, timeout)})
+    sentinel = redis.sentinel.Sentinel(target.sentinels,
+                                       sentinel_kwargs={**target.sentinel_kwargs, **_socket(timeout, timeout)})
     return sentinel.master_for(target.master, **target.master_kwargs, **_socket(timeout, timeout))
 
 

@@ -54,7 +54,8 @@ def parse_settings(cls: type[S], argv: Sequence[str] | None, prog: str, descript
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
-        epilog=f"Every flag can also be set as an environment variable {env_prefix}<NAME> (e.g. {env_prefix}REDIS_URL).",
+        epilog=f"Every flag can also be set as an environment variable {env_prefix}<NAME> "
+               f"(e.g. {env_prefix}REDIS_URL).",
     )
     for name, info in cls.model_fields.items():
         annotation = info.annotation

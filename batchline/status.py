@@ -4,7 +4,8 @@ The leader scheduler; each executor with its models, the execution provider each
 its busy share and heartbeat age; each gateway; queue depth per model and priority level, for every
 model served and every queue that holds requests, served or not (with every executor gone, the
 queues are what is left to see); the executors the leader wants, and per model the arrival rate,
-its forecast and one executor's capacity behind that (scheduler/demand.py). `--json` gives the same as one object, for scripts. Errors go to
+its forecast and one executor's capacity behind that (scheduler/demand.py). `--json` gives the same as one object, for
+scripts. Errors go to
 stderr, with exit code 1.
 """
 from __future__ import annotations
@@ -75,7 +76,8 @@ def render(status: dict) -> str:
     if not status["executors"]:
         lines.append("  (none registered)")
     for e in status["executors"]:
-        models = ", ".join(f"{m['name']}:{m['version']} on {m['provider'] or '?'}" + (" (unloading)" if m["unloading"] else "")
+        models = ", ".join(f"{m['name']}:{m['version']} on {m['provider'] or '?'}"
+                           + (" (unloading)" if m["unloading"] else "")
                            for m in e["models"])
         state = " draining" if e["draining"] else ""
         lines.append(f"  {e['id']}{state}: busy {e['busy_share']:.0%}, {e['busy_batches']} batches now, "

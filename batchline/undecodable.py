@@ -43,7 +43,7 @@ def _reader(method: str, deserialize: Callable[[bytes], Any]) -> Callable[[bytes
     def read(data: bytes) -> Any:
         try:
             return deserialize(data)
-        except Exception as exc:  # DecodeError, or whatever a custom deserializer raises
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever a custom deserializer raises
             return Undecodable(method, message_type, exc)
 
     return read
@@ -93,7 +93,8 @@ def _streaming(behavior: Callable) -> Callable:
 def _guarded(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
     if handler is None or handler.request_deserializer is None:
         return handler
-    kind = ("stream_" if handler.request_streaming else "unary_") + ("stream" if handler.response_streaming else "unary")
+    kind = (("stream_" if handler.request_streaming else "unary_")
+            + ("stream" if handler.response_streaming else "unary"))
     behavior = getattr(handler, kind)
     if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
         return handler  # a synchronous handler runs on a thread: none is registered on the services

@@ -47,7 +47,8 @@ def step_args(p: argparse.ArgumentParser, duration: float = 10.0, rounds: int = 
     """--duration and --warmup of each measured step, and --rounds when the script alternates."""
     if rounds:
         p.add_argument("--rounds", type=int, default=rounds, help=f"{rounds_help} (default: {rounds})")
-    p.add_argument("--duration", type=float, default=duration, help=f"measured seconds per step (default: {duration:g})")
+    p.add_argument("--duration", type=float, default=duration,
+                   help=f"measured seconds per step (default: {duration:g})")
     p.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per step (default: 3)")
 
 

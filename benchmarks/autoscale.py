@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from batchline.autoscale import ScalePolicy
+from forecasters import poisson  # benchmarks/forecasters.py: one Poisson draw for both scripts
 from batchline.planning import BatchingRule, FunctionCost
 from batchline.planning.capacity import executor_capacity, need
 from batchline.planning.forecast import ArrivalRate
@@ -151,7 +152,7 @@ def simulate(trace: Callable[[float, random.Random], float], policy: str, seed: 
     reactive = Reactive(low, high, cool_down_s)
     for tick in range(int(SECONDS / DT)):
         t = tick * DT
-        n = _poisson(rng, trace(t, rng) * DT)
+        n = poisson(rng, trace(t, rng) * DT)
         arrived += n
         serving = sum(1 for x in ready if x <= t)
         room = max(0.0, (HEADROOM * BUDGET_S - service_s - DT) * serving * capacity - queued) if serving else 0.0
@@ -208,15 +209,6 @@ def simulate(trace: Callable[[float, random.Random], float], policy: str, seed: 
     return r
 
 
-def _poisson(rng: random.Random, mean: float) -> int:
-    if mean > 30:
-        return max(0, round(rng.gauss(mean, math.sqrt(mean))))
-    limit, k, p = math.exp(-mean), 0, 1.0
-    while p > limit:
-        k, p = k + 1, p * rng.random()
-    return k - 1
-
-
 POLICIES = ("static-min", "static-peak", "reactive", "predictive")
 
 
@@ -232,9 +224,12 @@ def main() -> None:
     p.add_argument("--model-repository", default="", help="real: the repository holding mlp (default: the demo's)")
     p.add_argument("--model", default="mlp", help="real: the model to load (default: mlp)")
     p.add_argument("--base-rate", type=float, default=40.0, help="real: requests/s for BASE (default: 40)")
-    p.add_argument("--real-seconds", type=float, default=120.0, help="real: each trace compressed into this (default: 120)")
-    p.add_argument("--budget-ms", type=float, default=BUDGET_S * 1000, help="real: each request's budget (default: 200)")
-    p.add_argument("--keda-threshold", type=int, default=KEDA_THRESHOLD, help="real: reactive's queued requests per executor")
+    p.add_argument("--real-seconds", type=float, default=120.0,
+                   help="real: each trace compressed into this (default: 120)")
+    p.add_argument("--budget-ms", type=float, default=BUDGET_S * 1000,
+                   help="real: each request's budget (default: 200)")
+    p.add_argument("--keda-threshold", type=int, default=KEDA_THRESHOLD,
+                   help="real: reactive's queued requests per executor")
     a = p.parse_args()
     if a.mode == "real":
         return real(a)
@@ -253,7 +248,8 @@ def main() -> None:
                          for s in seeds] for policy in POLICIES}
         for policy, results in runs.items():
             med = lambda f: statistics.median(f(r) for r in results)  # noqa: E731
-            print(f"  {policy:12} {med(lambda r: r.in_budget / r.total):10.2%} {med(lambda r: r.refused / r.total):8.2%} "
+            print(f"  {policy:12} {med(lambda r: r.in_budget / r.total):10.2%} "
+                  f"{med(lambda r: r.refused / r.total):8.2%} "
                   f"{med(lambda r: r.timed_out / r.total):10.2%} {med(Result.p99_ms):7.0f} "
                   f"{med(lambda r: r.executor_s):11.0f} {med(lambda r: r.scale_events):13.0f}")
         if a.plot:
@@ -268,7 +264,8 @@ def real(a: argparse.Namespace) -> None:
 
     a.trace_seconds, a.sim_base = SECONDS, BASE
     high = int(a.bounds.split(":")[1])
-    source = ensure_repository(a.model_repository or pathlib.Path(__file__).resolve().parent.parent / "model_repository")
+    source = ensure_repository(a.model_repository
+                               or pathlib.Path(__file__).resolve().parent.parent / "model_repository")
     with tempfile.TemporaryDirectory(prefix="batchline-autoscale-") as tmp:
         repo = pathlib.Path(tmp)
         shutil.copytree(source / a.model, repo / a.model, ignore=shutil.ignore_patterns("trt_cache"))
@@ -284,12 +281,15 @@ def real(a: argparse.Namespace) -> None:
             print(f"  {'policy':12} {'in budget':>10} {'refused':>8} {'timed out':>10} {'p99 ms':>7} "
                   f"{'executor-s':>11} {'scale events':>13} {'start s':>8}")
             for policy in POLICIES:
-                runs = [run_real(TRACES[name](), policy, int(s), a, str(repo), high, Result) for s in a.seeds.split(",")]
+                runs = [run_real(TRACES[name](), policy, int(s), a, str(repo), high, Result)
+                        for s in a.seeds.split(",")]
                 results = [r for r, _ in runs]
                 med = lambda f: statistics.median(f(r) for r in results)  # noqa: E731
                 print(f"  {policy:12} {med(lambda r: r.in_budget / max(1, r.total)):10.2%} "
-                      f"{med(lambda r: r.refused / max(1, r.total)):8.2%} {med(lambda r: r.timed_out / max(1, r.total)):10.2%} "
-                      f"{med(Result.p99_ms):7.0f} {med(lambda r: r.executor_s):11.0f} {med(lambda r: r.scale_events):13.0f} "
+                      f"{med(lambda r: r.refused / max(1, r.total)):8.2%} "
+                      f"{med(lambda r: r.timed_out / max(1, r.total)):10.2%} "
+                      f"{med(Result.p99_ms):7.0f} {med(lambda r: r.executor_s):11.0f} "
+                      f"{med(lambda r: r.scale_events):13.0f} "
                       f"{statistics.median(st for _, st in runs):8.1f}", flush=True)
 
 

@@ -150,7 +150,8 @@ def main() -> int:
             after = sustained[seq].rate(args.duration)
             paired = (before + after) / 2
             measured.append((seq, conc, s, paired))
-            print(f"mesh minilm {seq} tokens, {conc} in flight{' (stream)' if streaming else ''}: {s.throughput_rps:.0f} seq/s, "
+            print(f"mesh minilm {seq} tokens, {conc} in flight{' (stream)' if streaming else ''}: "
+                  f"{s.throughput_rps:.0f} seq/s, "
                   f"p99 {_common.f((s.latency_ms or {}).get('p99'))} ms, batch {_common.f(s.mean_batch_size, '.1f')}, "
                   f"{s.status_counts}; ONNX Runtime alone before / after: {before:.0f} / {after:.0f} seq/s", flush=True)
 
@@ -164,7 +165,8 @@ def main() -> int:
             best[seq, calls] = (s.throughput_rps, paired)
         rows.append([str(seq), str(conc), calls, f"{s.throughput_rps:.0f}", f"{ceiling:.0f} ({at})",
                      f"{s.throughput_rps / ceiling:.2f}", f"{paired:.0f}", f"{s.throughput_rps / paired:.2f}",
-                     f"{cap(seq, 'stream' if s.streaming else 'unary'):.2f}", _common.f(s.mean_batch_size), _common.f((s.latency_ms or {}).get("p99"))])
+                     f"{cap(seq, 'stream' if s.streaming else 'unary'):.2f}", _common.f(s.mean_batch_size),
+                     _common.f((s.latency_ms or {}).get("p99"))])
     print()
     print(_common.table(rows))
     for (seq, calls), (rps, paired) in best.items():

@@ -2,7 +2,7 @@
 
     python benchmarks/failover.py --rounds 5
 
-The tests (tests/test_sentinel.py, tests/test_cluster.py) assert what must hold whatever the host's
+The tests (tests/faults/test_sentinel.py, tests/faults/test_cluster.py) assert what must hold whatever the host's
 load: no request lost, every call answered before its deadline, the calls outside the failover
 window served. How long the failover and the recovery took is a timing, which a loaded CI host
 stretches, so it is measured here: each round runs the kill tests once and reads the figures they
@@ -23,9 +23,9 @@ import sys
 from _common import ROOT, f, machine, table
 
 TESTS = [
-    "tests/test_sentinel.py::test_primary_killed_under_load",
-    "tests/test_sentinel.py::test_a_failover_fails_at_once_only_what_the_new_primary_lacks",
-    "tests/test_cluster.py::test_a_shard_s_primary_killed_under_load_fails_over_to_its_replica",
+    "tests/faults/test_sentinel.py::test_primary_killed_under_load",
+    "tests/faults/test_sentinel.py::test_a_failover_fails_at_once_only_what_the_new_primary_lacks",
+    "tests/faults/test_cluster.py::test_a_shard_s_primary_killed_under_load_fails_over_to_its_replica",
 ]
 FIGURES = {
     "Sentinel: kill to promotion (s)": r"failover ([\d.]+) s \(kill to promotion\)",

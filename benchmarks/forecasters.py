@@ -106,7 +106,8 @@ def poisson(rng: random.Random, mean: float) -> int:
     return k - 1
 
 
-def score(trace: Callable[[int], float], make: Callable[[], object], horizon: int, seed: int) -> tuple[float, float, float | None]:
+def score(trace: Callable[[int], float], make: Callable[[], object], horizon: int,
+          seed: int) -> tuple[float, float, float | None]:
     rng = random.Random(seed)
     f = make()
     errors, shortfalls, warned = [], [], None

@@ -40,7 +40,8 @@ def main() -> int:
     ratios = [two.throughput_rps / one.throughput_rps for one, two in zip(runs[1], runs[2]) if one.throughput_rps]
     p99 = {n: statistics.median((s.latency_ms or {}).get("p99", float("nan")) for s in runs[n]) for n in (1, 2)}
     print()
-    print(f"mlp unary, {args.concurrency} in flight: 1 gateway {statistics.median(s.throughput_rps for s in runs[1]):.0f} "
+    print(f"mlp unary, {args.concurrency} in flight: "
+          f"1 gateway {statistics.median(s.throughput_rps for s in runs[1]):.0f} "
           f"req/s (p99 {p99[1]:.1f} ms), 2 gateways {statistics.median(s.throughput_rps for s in runs[2]):.0f} req/s "
           f"(p99 {p99[2]:.1f} ms); two/one {statistics.median(ratios):.2f}x (median of {len(ratios)} rounds)")
     return 0

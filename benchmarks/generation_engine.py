@@ -1,6 +1,7 @@
 """The generation engine alone on the demo decoder: continuous batching against its alternatives.
 
-    python benchmarks/generation_engine.py [--sequences 128] [--rounds 3] [--threads 1]
+    python benchmarks/generation_engine.py [--sequences 128] [--rounds 3] [--threads 1] [--in-flight 8,32]
+        [--provider cpu|cuda] [--model DIR] [--check N]
 
 The same sequences (prompts of 1 to 150 tokens, most short; answers of a long-tailed length,
 geometric with mean 32, 4 to 128 tokens, greedy, end-of-text ignored) are generated three ways,
@@ -11,7 +12,9 @@ closed loop with C in flight for C in 8 and 32:
 - one at a time: a single sequence in flight (C = 1 of either).
 Prints output tokens per second of wall time and of the process's CPU time (only the tokens each
 sequence asked for) and steps per mode and round, then the medians over rounds and their ratios. Builds the
-demo decoder into a temporary directory (a few seconds); nothing else runs.
+demo decoder into a temporary directory (a few seconds; `--model` names one built already, for a host
+without transformers); nothing else runs. `--provider cuda` runs the engine on ONNX Runtime's CUDA
+provider, and `--check N` first compares N greedy answers on it with the CPU's, token for token.
 """
 from __future__ import annotations
 
@@ -64,6 +67,32 @@ def request_level(decoder, prompts, lengths, in_flight: int) -> tuple[int, int]:
     return tokens, steps
 
 
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+def check(model_dir: pathlib.Path, provider: str, count: int) -> None:
+    """Greedy answers on `provider` against the CPU's for `count` prompts, generated together."""
+    prompts = mixed_prompts(count, seed=11)
+    answers = {}
+    for name in (provider, "cpu"):
+        decoder = load_decoder(model_dir, providers=PROVIDERS[name])
+        engine = GenerationEngine(decoder, count * decoder.slot_bytes, count)
+        for i, prompt in enumerate(prompts):
+            engine.add(str(i), prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(count)}
+        while engine.has_work:
+            for out in engine.step().outputs:
+                tokens[out.request_id] += out.token_ids
+        answers[name] = tokens
+        print(f"{name}: the session runs on {decoder.session.get_providers()[0]}")
+    same = sum(answers[provider][k] == answers["cpu"][k] for k in answers["cpu"])
+    first = [next((j for j, (a, b) in enumerate(zip(answers[provider][k], answers["cpu"][k])) if a != b), None)
+             for k in answers["cpu"]]
+    diverged = sorted(j for j in first if j is not None)
+    print(f"greedy on {provider} against the CPU: {same} of {count} answers equal token for token"
+          + (f"; the others part at output tokens {diverged}" if diverged else ""))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sequences", type=int, default=128, help="sequences generated per mode and concurrency")
@@ -71,16 +100,25 @@ def main() -> None:
     # One thread by default: on a host whose cores other processes share, a run spread over two
     # threads stalls at every operator's barrier when one is preempted (several times slower here).
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (0: its default)")
+    parser.add_argument("--in-flight", default="8,32", help="the concurrencies C, comma-separated (default 8,32)")
+    parser.add_argument("--provider", choices=sorted(PROVIDERS), default="cpu", help="ONNX Runtime's provider")
+    parser.add_argument("--model", default="", help="a built demo decoder directory (default: build one)")
+    parser.add_argument("--check", type=int, default=0, help="first compare N greedy answers with the CPU's")
     args = parser.parse_args()
-    print(f"host: {_common.machine()}; ONNX Runtime on {args.threads or 'its default'} intra-op thread(s)")
+    concurrencies = [int(c) for c in args.in_flight.split(",") if c]
+    print(f"host: {_common.machine()}; ONNX Runtime on {args.provider}, {args.threads or 'its default'} intra-op "
+          "thread(s)")
     modes = [("one at a time", 1, continuous)]
-    for in_flight in (8, 32):
+    for in_flight in concurrencies:
         modes += [(f"continuous C={in_flight}", in_flight, continuous),
                   (f"request-level C={in_flight}", in_flight, request_level)]
     rates: dict[str, list[float]] = {name: [] for name, _, _ in modes}
     cpu_rates: dict[str, list[float]] = {name: [] for name, _, _ in modes}
     with tempfile.TemporaryDirectory() as tmp:
-        decoder = load_decoder(build_gpt(pathlib.Path(tmp)), intra_op_threads=args.threads)
+        model_dir = pathlib.Path(args.model) if args.model else build_gpt(pathlib.Path(tmp))
+        if args.check:
+            check(model_dir, args.provider, args.check)
+        decoder = load_decoder(model_dir, providers=PROVIDERS[args.provider], intra_op_threads=args.threads)
         prompts = mixed_prompts(args.sequences, seed=7)
         lengths = answer_lengths(args.sequences)
         print(f"{args.sequences} sequences: prompts {sum(map(len, prompts))} tokens, answers {sum(lengths)} tokens")
@@ -91,7 +129,8 @@ def main() -> None:
                 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
                 rates[name].append(tokens / elapsed)
                 cpu_rates[name].append(tokens / cpu)
-                print(f"round {round_ + 1}  {name:<20} {tokens / elapsed:8.0f} tokens/s  {tokens / cpu:8.0f} tokens/CPU-s  "
+                print(f"round {round_ + 1}  {name:<20} {tokens / elapsed:8.0f} tokens/s  {tokens / cpu:8.0f} "
+                      "tokens/CPU-s  "
                       f"{steps:5d} steps  {elapsed:6.2f} s")
     # Per CPU-second too: with one thread, the process's CPU time is its work, which other
     # processes on a shared host disturb far less than its wall time.
@@ -99,7 +138,7 @@ def main() -> None:
         median = {name: statistics.median(r) for name, r in measured.items()}
         print(f"\nmedian {label}, and continuous against one at a time and against request-level:")
         print(f"  one at a time        {median['one at a time']:8.0f}")
-        for in_flight in (8, 32):
+        for in_flight in concurrencies:
             cont, req = median[f"continuous C={in_flight}"], median[f"request-level C={in_flight}"]
             print(f"  C={in_flight:<2} continuous {cont:8.0f}  request-level {req:8.0f}  "
                   f"x{cont / median['one at a time']:.1f} one at a time  x{cont / req:.1f} request-level")

@@ -40,7 +40,8 @@ def _client_main(conn, barrier, cores: list[int] | None) -> None:
             continue  # not in this step
         try:
             step = run_closed(job["address"], job["model"], job["concurrency"], job["duration"],
-                              warmup=job["warmup"], version=job.get("version", ""), streaming=job.get("streaming", False),
+                              warmup=job["warmup"], version=job.get("version", ""),
+                              streaming=job.get("streaming", False),
                               budget_ms=_common.CAPACITY_BUDGET_MS,
                               inputs=_inputs(job.get("seq_len"), job.get("rows", 1)))
             conn.send(asdict(step))

@@ -139,5 +139,6 @@ def render(results: dict) -> str:
         lines += ["", f"gpu tests: {results['tests']}"]
     for key in ("skipped", "errors"):
         for name, why in results.get(key, {}).items():
-            lines.append(f"{key[:-1] if key == 'errors' else 'skipped'} {name}: {why.strip().splitlines()[-1] if why else ''}")
+            lines.append(f"{key[:-1] if key == 'errors' else 'skipped'} {name}: "
+                         f"{why.strip().splitlines()[-1] if why else ''}")
     return "\n".join(lines)

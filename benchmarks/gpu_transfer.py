@@ -249,7 +249,8 @@ def _follow(entry: dict, extras: set[str], queue: list, cache: pathlib.Path | No
     for spec in _requires(entry["name"], entry["version"], cache):
         req = Requirement(spec)
         for extra in envs:
-            if req.marker is None and extra == "" or req.marker is not None and req.marker.evaluate(dict(TARGET_MARKERS, extra=extra)):
+            if (req.marker is None and extra == ""
+                    or req.marker is not None and req.marker.evaluate(dict(TARGET_MARKERS, extra=extra))):
                 stripped = req.name + (f"[{','.join(sorted(req.extras))}]" if req.extras else "") + str(req.specifier)
                 queue.append((stripped, label + (f"[{extra}]" if extra else "")))
                 break
@@ -521,7 +522,8 @@ def receive(src: str) -> int:
         f = folder / p["name"]
         digest = sha256_file(f)
         if digest != p["sha256"] or f.stat().st_size != p["size"]:
-            raise TransferError(f"part {p['folder']} ({f}) is corrupt: sha256 {digest}, expected {p['sha256']}; send it again")
+            raise TransferError(f"part {p['folder']} ({f}) is corrupt: sha256 {digest}, expected {p['sha256']}; "
+                                "send it again")
         shutil.move(str(f), parts / p["name"])
     tmp = parts / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")

@@ -54,7 +54,8 @@ def serve() -> None:
     async def main() -> None:
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-            "ModelInfer": grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=ipb.ModelInferRequest.FromString),
+            "ModelInfer": grpc.unary_unary_rpc_method_handler(
+                refuse, request_deserializer=ipb.ModelInferRequest.FromString),
             "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
                 refuse_each, request_deserializer=ipb.ModelInferRequest.FromString,
                 response_serializer=ipb.ModelStreamInferResponse.SerializeToString),
@@ -81,7 +82,8 @@ def payload(timeout_us: int) -> bytes:
     return request.SerializeToString()
 
 
-async def drive(address: str, server_pid: int, rate: float, duration: float, streaming: bool) -> tuple[float, float, dict]:
+async def drive(address: str, server_pid: int, rate: float, duration: float,
+                streaming: bool) -> tuple[float, float, dict]:
     """Poisson arrivals for `duration` s; (server CPU ms, client CPU ms) per request, and the statuses."""
     blob = payload(1000)
     codes: dict[str, int] = {}

@@ -68,7 +68,8 @@ def main() -> int:
         address, metrics = {}, {}
         for mode, env in modes.items():
             base = _common.free_base()
-            address[mode] = stack.enter_context(_common.mesh(repo, env=env, log_level=args.log_level, metrics_port=base))
+            address[mode] = stack.enter_context(_common.mesh(repo, env=env, log_level=args.log_level,
+                                                             metrics_port=base))
             metrics[mode] = base + 2  # gateway, scheduler, then the executor
         runs: dict[str, list] = {m: [] for m in modes}
         for r in range(args.rounds):
@@ -80,7 +81,8 @@ def main() -> int:
                 efficiency = (after[0] - before[0]) / max(1.0, after[1] - before[1])
                 runs[mode].append((step, efficiency))
                 print(f"round {r + 1}, {mode}: {step.throughput_rps:.1f} seq/s, p99 "
-                      f"{_common.f((step.latency_ms or {}).get('p99'))} ms, mean batch {_common.f(step.mean_batch_size)}, "
+                      f"{_common.f((step.latency_ms or {}).get('p99'))} ms, "
+                      f"mean batch {_common.f(step.mean_batch_size)}, "
                       f"padding efficiency {efficiency:.2f}", flush=True)
     aware, plain = runs["length-aware"], runs["arrival order"]
     ratios = [a.throughput_rps / b.throughput_rps for (a, _), (b, _) in zip(aware, plain) if b.throughput_rps]
@@ -89,7 +91,8 @@ def main() -> int:
         print(f"{mode}: {statistics.median(s.throughput_rps for s, _ in rs):.1f} seq/s, p99 "
               f"{statistics.median((s.latency_ms or {}).get('p99', float('nan')) for s, _ in rs):.0f} ms, padding "
               f"efficiency {statistics.median(e for _, e in rs):.2f}")
-    print(f"length-aware / arrival order: {statistics.median(ratios):.2f}x (median of {len(ratios)} rounds; target >= 1.3)")
+    print(f"length-aware / arrival order: {statistics.median(ratios):.2f}x (median of {len(ratios)} rounds; "
+          "target >= 1.3)")
     return 0
 
 

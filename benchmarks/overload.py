@@ -106,10 +106,12 @@ def main() -> int:
     p = _common.arg_parser(__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=32, help="minilm tokens per request (default: 32)")
     p.add_argument("--concurrency", type=int, default=64,
-                   help="closed-loop concurrency for the throughput without a deadline, and the most the capacity sweep goes to "
+                   help="closed-loop concurrency for the throughput without a deadline, "
+                        "and the most the capacity sweep goes to "
                         "(default: 64)")
     p.add_argument("--concurrency-sweep", default="2,4,8,12,16",
-                   help="closed-loop concurrencies tried with --budget-ms budgets for the capacity, extended while the last "
+                   help="closed-loop concurrencies tried with --budget-ms budgets for the capacity, "
+                        "extended while the last "
                         "still meets the budget and gains goodput (default: 2,4,8,12,16)")
     p.add_argument("--factor", type=float, default=2.0, help="offered load / capacity (default: 2)")
     p.add_argument("--budget-ms", type=float, default=200.0, help="per-request budget (default: 200)")
@@ -153,7 +155,8 @@ def main() -> int:
           f"in flight, 60 s budgets, mean batch {_common.f(unbounded.mean_batch_size)})")
     for c, st in zip(sweep, steps):
         print(f"  {c} in flight, {args.budget_ms:g} ms budgets: goodput {st.goodput_rps:.0f}/s, "
-              f"{100 * in_budget(st):.1f}% OK within budget, mean batch {_common.f(st.mean_batch_size)}, {st.status_counts}")
+              f"{100 * in_budget(st):.1f}% OK within budget, mean batch {_common.f(st.mean_batch_size)}, "
+              f"{st.status_counts}")
     cap, admitted_cap = capacity_of(steps)
     if cap is None:
         print(f"no concurrency in {sweep} answered 99% within {args.budget_ms:g} ms: lower --concurrency-sweep")
@@ -178,7 +181,8 @@ def main() -> int:
         cpu[policy or "(no policy setting)"] = (per_request, cores)
         print(f"  {policy or 'as is'}: goodput {s.goodput_rps:.0f}/s, {s.status_counts}", flush=True)
 
-    rows = [["policy", "offered/s", "goodput/s", "goodput/capacity", "goodput/capacity over admitted", "admitted OK in budget",
+    rows = [["policy", "offered/s", "goodput/s", "goodput/capacity", "goodput/capacity over admitted",
+             "admitted OK in budget",
              "p99 admitted ms", "p99 OK ms", "rejected (RESOURCE_EXHAUSTED)", "DEADLINE_EXCEEDED", "other",
              "client lag p99 ms"]]
     for name, s in results.items():

@@ -131,7 +131,8 @@ def one_mesh(args, counting: bool) -> dict:
         "cpu_ms": {k: (after_cpu[k] - cpu0[k]) * 1e3 for k in after_cpu},
     }
     if counting:
-        out["trips"] = {s: dict(Counter(snap1["trips"][s]) - Counter(snap0["trips"].get(s, {}))) for s in snap1["trips"]}
+        out["trips"] = {s: dict(Counter(snap1["trips"][s]) - Counter(snap0["trips"].get(s, {})))
+                        for s in snap1["trips"]}
         out["commands"] = {s: dict(Counter(snap1["commands"][s]) - Counter(snap0["commands"].get(s, {})))
                            for s in snap1["commands"]}
         redis_cmds = Counter(snap1["redis"]) - Counter(snap0["redis"])
@@ -173,7 +174,8 @@ def summary(runs: list[dict], counted: dict | None) -> str:
         rows = [["round", "req/s", "mean batch", *(f"{p} CPU ms/req" for p in procs), "total"]]
         for i, r in enumerate(runs):
             per = [r["cpu_ms"].get(p, 0) / r["requests"] for p in procs]
-            rows.append([str(i + 1), f"{r['requests'] / r['seconds']:.0f}", f"{r['inferences'] / max(1, r['batches']):.2f}",
+            rows.append([str(i + 1), f"{r['requests'] / r['seconds']:.0f}",
+                         f"{r['inferences'] / max(1, r['batches']):.2f}",
                          *(f"{x:.3f}" for x in per), f"{sum(per):.3f}"])
         med = [statistics.median(r["cpu_ms"].get(p, 0) / r["requests"] for r in runs) for p in procs]
         rows.append(["median", f"{statistics.median(r['requests'] / r['seconds'] for r in runs):.0f}",
@@ -199,7 +201,8 @@ def main() -> int:
     counted = None if args.no_count else one_mesh(args, counting=True)
     runs = [one_mesh(args, counting=False) for _ in range(args.rounds)]
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"code": str(CODE_ROOT), "counted": counted, "runs": runs}, indent=1))
+        pathlib.Path(args.json).write_text(json.dumps({"code": str(CODE_ROOT), "counted": counted, "runs": runs},
+                                                      indent=1))
     print(summary(runs, counted))
     return 0
 

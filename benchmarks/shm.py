@@ -20,9 +20,9 @@ import psutil
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import _common  # noqa: E402
-from batchline.testing import triton_models  # noqa: E402
-from batchline.testing.processes import ProcessMesh  # noqa: E402
+import _common
+from batchline.testing import triton_models
+from batchline.testing.processes import ProcessMesh
 
 
 def _cpu_s(proc: psutil.Process) -> float:

@@ -34,7 +34,8 @@ import time
 from collections import Counter
 
 from batchline.testing.load import LoadClient, Record, summarize
-from batchline.testing.processes import MeshError, ProcessMesh
+from batchline.testing.polling import MeshError
+from batchline.testing.processes import ProcessMesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -44,12 +45,15 @@ MB = 1024 * 1024
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--minutes", type=float, default=10.0, help="length of the soak, after the capacity run (default: 10)")
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="length of the soak, after the capacity run (default: 10)")
     p.add_argument("--rate", type=float, default=0.0,
                    help="requests per second, open loop (default: --load-fraction of the measured capacity)")
     p.add_argument("--load-fraction", type=float, default=0.7, help="share of the capacity to send (default: 0.7)")
-    p.add_argument("--capacity-s", type=float, default=15.0, help="length of the closed-loop capacity run (default: 15)")
-    p.add_argument("--capacity-concurrency", type=int, default=16, help="requests in flight while measuring (default: 16)")
+    p.add_argument("--capacity-s", type=float, default=15.0,
+                   help="length of the closed-loop capacity run (default: 15)")
+    p.add_argument("--capacity-concurrency", type=int, default=16,
+                   help="requests in flight while measuring (default: 16)")
     p.add_argument("--executors", type=int, default=3, help="executor processes (default: 3)")
     p.add_argument("--budget-s", type=float, default=10.0, help="latency budget of each request (default: 10)")
     p.add_argument("--fault-interval-s", type=float, default=0.0,
@@ -57,7 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sample-s", type=float, default=10.0, help="seconds between samples (default: 10)")
     p.add_argument("--warmup-s", type=float, default=0.0,
                    help="samples before this are not baselines (default: a quarter of the run, at most 60 s)")
-    p.add_argument("--flat-factor", type=float, default=1.2, help="flat means end <= this x warm-up value (default: 1.2)")
+    p.add_argument("--flat-factor", type=float, default=1.2,
+                   help="flat means end <= this x warm-up value (default: 1.2)")
     p.add_argument("--model-repository", default="",
                    help="demo model repository (default: model_repository/ or .cache/model_repository/ at the "
                         "project root, built if neither exists)")
@@ -115,12 +120,12 @@ class Faults(threading.Thread):
         names = self.mesh.executors
         victim = names[self._victims % len(names)]
         self._victims += 1
-        held = self.mesh.held_batches(victim)
+        held = self.mesh.probe.held_batches(victim)
         self.mesh.kill(victim, signal.SIGKILL)
         self.mesh.wait_exit(victim, 10)
-        self.mesh.wait_executor_gone(victim)
+        self.mesh.probe.wait_executor_gone(victim)
         self.mesh.restart(victim)
-        self.mesh.wait_for_executors(len(names), 60)
+        self.mesh.probe.wait_for_executors(len(names), 60)
         return f"SIGKILLed {victim} (holding {held} batches), restarted"
 
     def _kill_scheduler(self) -> str:
@@ -132,7 +137,7 @@ class Faults(threading.Thread):
 
     def _restart_redis(self) -> str:
         self.mesh.restart_redis()
-        self.mesh.wait_for_executors(len(self.mesh.executors), 60)
+        self.mesh.probe.wait_for_executors(len(self.mesh.executors), 60)
         return "SIGKILLed Redis, started it again (empty); executors registered again"
 
 
@@ -140,7 +145,8 @@ def fault_schedule(duration: float, interval: float) -> list[tuple[float, str]]:
     """An executor kill every `interval`, the scheduler kill after the first and the Redis
     restart after the second, all at least half an interval before the end."""
     last = duration - interval / 2
-    schedule = [(k * interval, "kill_executor") for k in range(1, int(duration // interval) + 1) if k * interval <= last]
+    schedule = [(k * interval, "kill_executor") for k in range(1, int(duration // interval) + 1)
+                if k * interval <= last]
     for at, kind in ((1.5 * interval, "kill_scheduler"), (2.5 * interval, "restart_redis")):
         if at <= last:
             schedule.append((at, kind))
@@ -156,8 +162,8 @@ def sample(mesh: ProcessMesh, load: LoadClient, t0: float, since: float) -> dict
     s = summarize(recent)
     redis_info = {"keys": None, "used_memory": None}
     try:
-        redis_info["keys"] = mesh.redis.dbsize()
-        redis_info["used_memory"] = int(mesh.redis.info("memory")["used_memory"])
+        redis_info["keys"] = mesh.probe.redis.dbsize()
+        redis_info["used_memory"] = int(mesh.probe.redis.info("memory")["used_memory"])
     except Exception:  # noqa: BLE001 - Redis may be restarting right now
         pass
     pids = mesh.pids()
@@ -178,7 +184,8 @@ def sample(mesh: ProcessMesh, load: LoadClient, t0: float, since: float) -> dict
 
 def print_header(services: list[str]) -> None:
     cols = "".join(f"{n[:10]:>11}" for n in services)
-    print(f"{'t(s)':>7}{'req/s':>8}{'ok':>7}{'failed':>7}{'p99ms':>8}{'inflt':>6}{cols}{'keys':>8}{'redisMB':>9}", flush=True)
+    print(f"{'t(s)':>7}{'req/s':>8}{'ok':>7}{'failed':>7}{'p99ms':>8}{'inflt':>6}{cols}{'keys':>8}{'redisMB':>9}",
+          flush=True)
 
 
 def print_row(row: dict, services: list[str]) -> None:
@@ -209,7 +216,8 @@ def flatness(samples: list[dict], warmup_s: float, factor: float, services: list
         if base is None or base[0] == t_end:
             return {"end": end, "verdict": "n/a (restarted too late to judge)"}
         flat = end <= factor * base[1]
-        return {"baseline_t": base[0], "baseline": base[1], "end": end, "ratio": round(end / base[1], 3) if base[1] else None,
+        return {"baseline_t": base[0], "baseline": base[1], "end": end,
+                "ratio": round(end / base[1], 3) if base[1] else None,
                 "flat": flat, "verdict": "flat" if flat else "GREW"}
 
     out = {}
@@ -256,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: logs in {log_dir}", flush=True)
     try:
         mesh.start(executors=args.executors)
-        address = mesh.gateway_address()
+        address = mesh.probe.gateway_address()
         services = list(mesh.services)
         print(f"soak: mesh up at {address}: {', '.join(f'{n}={p}' for n, p in mesh.pids().items())}", flush=True)
 
@@ -273,11 +281,12 @@ def main(argv: list[str] | None = None) -> int:
             measure_capacity(address, model, 0.5, args.capacity_concurrency, args.budget_s)
 
         schedule = fault_schedule(duration, interval)
-        print(f"soak: {args.minutes:g} min at {rate:.1f} req/s open loop, budget {args.budget_s:g} s; warm-up {warmup_s:g} s; "
+        print(f"soak: {args.minutes:g} min at {rate:.1f} req/s open loop, budget {args.budget_s:g} s; "
+              f"warm-up {warmup_s:g} s; "
               f"faults at {', '.join(f'{at:g}s {kind}' for at, kind in schedule) or 'none'}", flush=True)
         load = LoadClient(address, model, rate=rate, budget_s=args.budget_s, seed=2)
         samples: list[dict] = []
-        keys_before = mesh.redis.dbsize()  # at rest: what the mesh keeps (registrations, lease, profiles)
+        keys_before = mesh.probe.redis.dbsize()  # at rest: what the mesh keeps (registrations, lease, profiles)
         t0 = time.monotonic()
         load.start()
         faults = Faults(mesh, schedule, t0)
@@ -299,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
             records: list[Record] = load.stop()
             faults.join(60)
         final = sample(mesh, load, t0, t0 + duration)  # after the last calls ended: RSS and keys at rest
-        samples.append({**final, "rate": None, "ok": 0, "failed": 0, "by_status": {}, "ok_p99_ms": None, "after_load": True})
+        samples.append({**final, "rate": None, "ok": 0, "failed": 0, "by_status": {}, "ok_p99_ms": None,
+                        "after_load": True})
 
         totals = summarize(records)
         hung = [r for r in records if r.latency > args.budget_s + 2.0]

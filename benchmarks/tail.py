@@ -110,7 +110,8 @@ def report(name: str, rows: list[dict]) -> str:
 
     lines = [f"{name}: {med('req/s'):.0f} req/s, mean batch {_common.f(med('batch'))}, client p50 "
              f"{_common.f(med('client p50'))} ms, p99 {_common.f(med('client p99'))} ms "
-             f"(rounds: {spread('client p99')}), p99/p50 {_common.f(_ratio(med('client p99'), med('client p50')), '.2f')}"]
+             f"(rounds: {spread('client p99')}), "
+             f"p99/p50 {_common.f(_ratio(med('client p99'), med('client p50')), '.2f')}"]
     table = [["stage (ms, median of rounds)", "mean", "p50", "p90", "p99", "p99/p50", "p99 rounds"]]
     for stage in (*STAGES, "request_duration"):
         p50, p90, p99 = (med(f"{stage} p{q}") for q in (50, 90, 99))

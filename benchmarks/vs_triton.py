@@ -73,7 +73,8 @@ WORKLOADS = [
     Workload("mlp streams, 32 in flight", "mlp", 32, streaming=True),
     Workload("minilm 16 tokens, 32 in flight", "minilm", 32, seq_len=16),
     Workload("minilm 128 tokens, 32 in flight", "minilm", 32, seq_len=128),
-    Workload("minilm text of real lengths, 32 in flight (Triton: padded to 128)", "minilm", 32, seq_len=128, texts=True),
+    Workload("minilm text of real lengths, 32 in flight (Triton: padded to 128)", "minilm", 32, seq_len=128,
+             texts=True),
 ]
 
 
@@ -123,7 +124,8 @@ class Triton:
     def start(self) -> "Triton":
         env = dict(os.environ)
         # pytriton's Triton binary links against libpython from the interpreter's LIBDIR.
-        env["LD_LIBRARY_PATH"] = ":".join(filter(None, [sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH")]))
+        env["LD_LIBRARY_PATH"] = ":".join(filter(None,
+                                                 [sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH")]))
         self.proc = subprocess.Popen([self.peer_python, str(PEER_SERVER), "--model-repository", str(self.repository),
                                       *self.flags],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -362,7 +364,8 @@ def main() -> int:
         print(_common.table(rows))
     for w, side in best.items():
         print(f"Triton at its best for '{w.name}': "
-              + (sweeps[w][0].name if side == SIDES[1] else "as config.toml says (it served more than the sweep's pick)"))
+              + (sweeps[w][0].name if side == SIDES[1]
+                 else "as config.toml says (it served more than the sweep's pick)"))
     print("\nCPU per request, ms (median over rounds; the warm-up's requests included; Triton at its best):")
     print(cpu_table({w: (by["batchline"], by[best[w]]) for w, by in results.items()}))
     if peer.crashes:

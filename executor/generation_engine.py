@@ -196,7 +196,8 @@ class GenerationEngine:
 
     # ------------------------------------------------------------------ runs
 
-    def _run(self, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, past: list[np.ndarray]) -> list[np.ndarray]:
+    def _run(self, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray,
+             past: list[np.ndarray]) -> list[np.ndarray]:
         feeds = {self.config.ids_input: ids, self.config.positions_input: positions, self.config.mask_input: mask}
         feeds.update((c.past, p) for c, p in zip(self.decoder.cache, past))
         return self.decoder.session.run(self._outputs, feeds)

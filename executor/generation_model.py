@@ -57,10 +57,11 @@ def _cache_tensors(where: str, gen: GenerationConfig, session: ort.InferenceSess
     plain_inputs = [gen.ids_input, gen.positions_input, gen.mask_input]
     for key, name in zip(("ids_input", "positions_input", "mask_input"), plain_inputs):
         if name not in inputs:
-            raise RepositoryError(f"{where}: {key} {name!r} is not an input of the graph; its inputs are {sorted(inputs)}")
+            raise RepositoryError(f"{where}: {key} {name!r} is not an input of the graph; "
+                                  f"its inputs are {sorted(inputs)}")
     if gen.logits_output not in outputs:
-        raise RepositoryError(f"{where}: logits_output {gen.logits_output!r} is not an output of the graph; its outputs "
-                              f"are {sorted(outputs)}")
+        raise RepositoryError(f"{where}: logits_output {gen.logits_output!r} is not an output of the graph; "
+                              f"its outputs are {sorted(outputs)}")
     unfed = set(inputs) - set(plain_inputs) - set(gen.cache_inputs)
     if unfed:
         raise RepositoryError(f"{where}: the graph's inputs {sorted(unfed)} are neither cache_inputs nor the ids, "

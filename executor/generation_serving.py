@@ -2,10 +2,10 @@
 
 A generative model is served as a decoupled model of two inputs, of which a request sends one,
 and two outputs (docs/design/generation.md#through-the-mesh): the prompt as text in `text_input`
-(BYTES [1]) or as token ids in `input_ids` (INT64 [n]); each response one output token, as `text_output` (BYTES [1], the text it adds) and `token_ids`
-(INT64 [1]). Its ModelInfo has no batch dimension, so that the scheduler sends each request
-alone: a request joins the engine's running batch at its next step, not with the requests it
-queued beside.
+(BYTES [1]) or as token ids in `input_ids` (INT64 [n]); each response one output token, as
+`text_output` (BYTES [1], the text it adds) and `token_ids` (INT64 [1]). Its ModelInfo has no
+batch dimension, so that the scheduler sends each request alone: a request joins the engine's
+running batch at its next step, not with the requests it queued beside.
 """
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ class LiveRepository:
                 await self.release_finished()
             except REDIS_ERRORS as exc:
                 log.warning("model repository: Redis failed (%s); trying again", exc)
-            except Exception:  # noqa: BLE001 - the repository loop must outlive one bad scan
+            except Exception:  # the repository loop must outlive one bad scan
                 log.exception("model repository: a scan failed")
 
     # -- changes ------------------------------------------------------------

@@ -38,7 +38,8 @@ def _version_policy(policy: dict[str, Any]) -> dict[str, Any]:
     if "all" in policy:
         return {"all": True}
     if "specific" in policy:
-        return {"specific": [_int(v, "version_policy.specific.versions") for v in policy["specific"].get("versions", [])]}
+        return {"specific": [_int(v, "version_policy.specific.versions")
+                             for v in policy["specific"].get("versions", [])]}
     raise ConfigError(f"version_policy must hold latest, all or specific (got {sorted(policy)})")
 
 
@@ -59,7 +60,8 @@ def config_keys(triton: dict[str, Any]) -> dict[str, Any]:
     if "preferred_batch_size" in batching:
         keys["preferred_batch_sizes"] = [_int(v, "preferred_batch_size") for v in batching["preferred_batch_size"]]
     if "max_queue_delay_microseconds" in batching:
-        keys["max_queue_delay_ms"] = _int(batching["max_queue_delay_microseconds"], "max_queue_delay_microseconds") / 1000
+        keys["max_queue_delay_ms"] = _int(batching["max_queue_delay_microseconds"],
+                                          "max_queue_delay_microseconds") / 1000
     if "priority_levels" in batching:
         keys["priority_levels"] = _int(batching["priority_levels"], "priority_levels")
     if "default_priority_level" in batching:
@@ -76,7 +78,8 @@ def config_keys(triton: dict[str, Any]) -> dict[str, Any]:
     formats = {t["name"]: t["format"] for t in triton.get("input", []) if t.get("format") and "name" in t}
     if formats:
         keys["input_format"] = formats
-    labels = {t["name"]: t["label_filename"] for t in triton.get("output", []) if t.get("label_filename") and "name" in t}
+    labels = {t["name"]: t["label_filename"] for t in triton.get("output", []) if t.get("label_filename")
+              and "name" in t}
     if labels:
         keys["label_filename"] = labels
     return keys

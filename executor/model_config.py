@@ -31,7 +31,8 @@ class TokenizerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(description="Directory holding tokenizer.json (Hugging Face `tokenizers`), relative to the model's.")
+    path: str = Field(description="Directory holding tokenizer.json (Hugging Face `tokenizers`), "
+                                  "relative to the model's.")
     max_length: int = Field(512, ge=1, description="Most tokens of one text, special tokens included.")
     truncate: bool = Field(True, description="Cut longer texts to max_length (false: refuse them, INVALID_ARGUMENT).")
     input: str = Field("text", description="Name of the BYTES input the model exposes for text.")
@@ -135,7 +136,8 @@ class ModelConfig(BaseModel):
         "(the deadline policy waits only while another arrival is expected within it).",
     )
     default_timeout_ms: float = Field(
-        10_000.0, description="Latency budget of a request that sets neither a gRPC deadline nor a `timeout` parameter.",
+        10_000.0,
+        description="Latency budget of a request that sets neither a gRPC deadline nor a `timeout` parameter.",
     )
     preferred_batch_sizes: list[int] = Field(
         default_factory=list,
@@ -194,7 +196,8 @@ class ModelConfig(BaseModel):
         "refuses longer texts), `input`, `ids_input`, `mask_input`, `type_ids_input`.",
     )
     generation: GenerationConfig | None = Field(
-        None, description="A `[generation]` table: the model is a decoder with a key/value cache, run by the generation "
+        None,
+        description="A `[generation]` table: the model is a decoder with a key/value cache, run by the generation "
         "engine (docs/design/generation.md) rather than in batches of whole requests. Keys: `cache_inputs` and "
         "`cache_outputs` (required, paired in order), `eos_token_ids`, `max_context` (required), `tokenizer` "
         "(required: the directory of tokenizer.json), `ids_input`, `positions_input`, `mask_input`, `logits_output`, "
@@ -220,7 +223,8 @@ class ModelConfig(BaseModel):
         default_factory=lambda: {"latest": 1},
         description="Which of the model's version directories are served (Triton's version_policy): "
         "`{ latest = N }` the N highest numbers, `{ all = true }` every one, `{ specific = [1, 3] }` those. "
-        "When the policy stops selecting a served version (a newer one arrived), it finishes what is queued for it and is released.",
+        "When the policy stops selecting a served version (a newer one arrived), "
+        "it finishes what is queued for it and is released.",
     )
 
     @field_validator("version_policy")

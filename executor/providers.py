@@ -15,7 +15,7 @@ import threading
 
 import onnxruntime as ort
 
-from batchline.optimize.providers import CPU, CUDA, GPU, TENSORRT  # noqa: F401 (the executor's names for them)
+from batchline.optimize.providers import CPU, CUDA, GPU, TENSORRT  # the executor's names for them
 
 log = logging.getLogger(__name__)
 

@@ -141,7 +141,7 @@ def create_session(
             # ORT's own fallback would retry without any provider's options, and print why to stdout.
             session = ort.InferenceSession(str(path), sess_options=options(), providers=remaining, enable_fallback=0)
             break
-        except Exception as exc:  # noqa: BLE001 - GPU provider libraries missing or broken
+        except Exception as exc:  # GPU provider libraries missing or broken
             if [p for p, _ in remaining] == [gpu.CPU]:
                 raise
             errors[remaining[0][0]] = " ".join(str(exc).split())
@@ -173,7 +173,8 @@ def _triton_fields(model_dir: pathlib.Path, config: dict[str, Any], inputs: list
         by_name = {s.name: s for s in specs}
         unknown = sorted(set(config[key]) - set(by_name))
         if unknown:
-            raise RepositoryError(f"{where}: [{key}] names unknown tensors {unknown}; the model's are {sorted(by_name)}")
+            raise RepositoryError(f"{where}: [{key}] names unknown tensors {unknown}; "
+                                  f"the model's are {sorted(by_name)}")
     for name, fmt in config["input_format"].items():
         {s.name: s for s in inputs}[name].format = "" if fmt == "FORMAT_NONE" else fmt
     for name, filename in config["label_filename"].items():
@@ -268,7 +269,8 @@ def _text_input(model_dir: pathlib.Path, tok: dict[str, Any], info: pb.ModelInfo
     names = {s.name: s for s in info.inputs}
     for key in ("ids_input", "mask_input", "type_ids_input"):
         if tok[key] and tok[key] not in names:
-            raise RepositoryError(f"{where}: {key} {tok[key]!r} is not an input of the graph; its inputs are {sorted(names)}")
+            raise RepositoryError(f"{where}: {key} {tok[key]!r} is not an input of the graph; "
+                                  f"its inputs are {sorted(names)}")
     if tok["input"] in names:
         raise RepositoryError(f"{where}: input {tok['input']!r} is already the name of one of the graph's inputs")
     expected = set(filter(None, (tok["ids_input"], tok["mask_input"], tok["type_ids_input"])))
@@ -318,7 +320,8 @@ def model_names(root: pathlib.Path, only: list[str] | None = None) -> list[str]:
                   and (not only or p.name in only) and not declares_generation(p))
 
 
-def scan_model(model_dir: pathlib.Path, config: dict[str, Any] | None = None, config_file: str = "config.toml") -> ModelDir:
+def scan_model(model_dir: pathlib.Path, config: dict[str, Any] | None = None,
+               config_file: str = "config.toml") -> ModelDir:
     """The model's config and selected versions; RepositoryError when its config cannot be served.
 
     `config`: the model's config.toml keys given (a load call's override), with the file in the

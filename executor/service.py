@@ -152,7 +152,8 @@ class Executor:
             await self.register()  # the scheduler stops sending us batches
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                if self.busy_batches == 0 and not self._generating and not await self.store.waiting_work(self.executor_id):
+                idle = self.busy_batches == 0 and not self._generating
+                if idle and not await self.store.waiting_work(self.executor_id):
                     break
                 await asyncio.sleep(_DRAIN_POLL_S)
         except REDIS_ERRORS as exc:
@@ -183,7 +184,7 @@ class Executor:
                     await self._sweep_orphans()
             except REDIS_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)
-            except Exception:  # noqa: BLE001 - e.g. Redis out of memory: an executor that stopped
+            except Exception:  # e.g. Redis out of memory: an executor that stopped
                 log.exception("heartbeat failed")  # beating would drop out of the registry for good
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
@@ -208,7 +209,7 @@ class Executor:
                 continue
             try:
                 batch = pb.Batch.FromString(item)
-            except Exception:  # noqa: BLE001 - one unreadable batch must not stop the worker
+            except Exception:  # one unreadable batch must not stop the worker
                 log.exception("an unreadable batch (%d bytes) was dropped", len(item))
                 continue
             generator = self.generators.get((batch.model_name, batch.model_version))
@@ -235,7 +236,7 @@ class Executor:
                             log.warning("batch %s: Redis failed while processing (attempt %d): %s",
                                         batch.batch_id, attempt, exc)
                         await asyncio.sleep(WAIT_RETRY_S)
-            except Exception:  # noqa: BLE001 - one bad batch must not kill the worker
+            except Exception:  # one bad batch must not kill the worker
                 log.exception("batch %s failed", batch.batch_id)
             finally:
                 self._in_progress.discard(batch.batch_id)
@@ -247,7 +248,7 @@ class Executor:
         async def run() -> None:
             try:
                 await generation_batches.run_batch(self.store, self.executor_id, batch, model, self.written)
-            except Exception:  # noqa: BLE001 - left to recovery (the orphan sweep hands it back)
+            except Exception:  # left to recovery: the orphan sweep hands the batch back
                 log.exception("generation batch %s failed", batch.batch_id)
             finally:
                 self._in_progress.discard(batch.batch_id)
@@ -274,7 +275,8 @@ class Executor:
 
     async def _process(self, batch: pb.Batch) -> None:
         model = self.models.get((batch.model_name, batch.model_version))
-        if model is None and time.monotonic() - self.released.get((batch.model_name, batch.model_version), -1e9) < _HAND_BACK_S:
+        released_at = self.released.get((batch.model_name, batch.model_version), -1e9)
+        if model is None and time.monotonic() - released_at < _HAND_BACK_S:
             n = await self.store.hand_back(self.executor_id, batch)
             log.info("batch %s: %s version %s was released here; %d requests went back to its queue",
                      batch.batch_id, batch.model_name, batch.model_version, n)
@@ -369,7 +371,8 @@ class Executor:
                 telemetry.record_span(_tracer, "execute", taken.start_us, now_us(),
                                       context=telemetry.extract(e.traceparent, e.tracestate),
                                       attributes={"batchline.batch_id": batch.batch_id, "batchline.batch_size": rows,
-                                                  "batchline.executor_id": self.executor_id, "batchline.provider": provider})
+                                                  "batchline.executor_id": self.executor_id,
+                                                  "batchline.provider": provider})
 
 
 @dataclass(slots=True)

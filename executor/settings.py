@@ -13,7 +13,8 @@ class ExecutorSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="BATCHLINE_EXECUTOR_")
 
     model_repository: str = Field(
-        "model_repository", description="Model repository: <repo>/<model>/<version>/model.onnx plus <repo>/<model>/config.toml."
+        "model_repository",
+        description="Model repository: <repo>/<model>/<version>/model.onnx plus <repo>/<model>/config.toml."
     )
     models: list[str] = Field(
         default_factory=list, description="Only load these models (default: every model in the repository)."
@@ -57,11 +58,12 @@ class ExecutorSettings(CommonSettings):
     allow_spinning: bool = Field(
         False,
         description="Let ONNX Runtime's worker threads busy-wait for work between runs (its own default). Off here: "
-        "spinning takes cores from the gateway and scheduler on a shared host; turn it on for a dedicated executor host.",
+        "spinning takes cores from the gateway and scheduler on a shared host; "
+        "turn it on for a dedicated executor host.",
     )
     concurrent_batches: int = Field(
-        2, description="Batches in progress at once on each lane (a model instance): one computes while the next is fetched "
-        "and the last is answered."
+        2, description="Batches in progress at once on each lane (a model instance): one computes while the next "
+        "is fetched and the last is answered."
     )
     nice: int = Field(
         0,
@@ -82,13 +84,15 @@ class ExecutorSettings(CommonSettings):
         description="On SIGTERM: seconds to finish the batches already sent to this executor before handing the "
         "rest back to their queues.",
     )
-    warmup: bool = Field(True, description="Run each model at load (once, then timed at batch sizes 1, 2, 4, ... up to its maximum) so the "
-        "first request does not pay for it and the scheduler's latency profile starts from measurements.")
+    warmup: bool = Field(True, description="Run each model at load (once, then timed at batch sizes 1, 2, 4, ... "
+        "up to its maximum) so the first request does not pay for it and the scheduler's latency profile starts "
+        "from measurements.")
 
     @field_validator("executor_id")
     @classmethod
     def _no_lane_separator(cls, value: str) -> str:
         # Executor "a" with two lanes registers "a" and "a#1": an executor named "a#1" would share its work list.
         if "#" in value:
-            raise ValueError(f"executor_id {value!r} contains '#', which separates an executor's id from its lane number")
+            raise ValueError(f"executor_id {value!r} contains '#', which separates an executor's id "
+                             "from its lane number")
         return value

@@ -165,7 +165,8 @@ class Overloaded:
         return ResourceExhausted(
             f"model '{model.name}' is overloaded: with {self.queued} rows queued ahead at priority <= "
             f"{request.priority}, this request would finish in about {(self.finish_at_s - now_s) * 1e3:.0f} ms, past "
-            f"its {_stated(request)}; retry in {math.ceil(wait * 1e3)} ms, with a larger timeout, or at a higher priority",
+            f"its {_stated(request)}; retry in {math.ceil(wait * 1e3)} ms, with a larger timeout, "
+            "or at a higher priority",
             retry_after_s=wait,
         )
 

@@ -46,7 +46,8 @@ class GatewayApp:
         s = self.settings
 
         def register(server):
-            inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.gateway, tokens), server)
+            inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.gateway, tokens),
+                                                                          server)
             return [inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name]
 
         options = [

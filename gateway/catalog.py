@@ -54,7 +54,8 @@ class Catalog:
                     raise why from None
                 if name in self._served and not self.registry.versions(name):
                     # Served before: its executors are restarting or re-registering (e.g. Redis restarted).
-                    raise Unavailable(f"no live executor serves model '{name}' right now (it was served before): retry") from None
+                    raise Unavailable(f"no live executor serves model '{name}' right now "
+                                      "(it was served before): retry") from None
                 raise
 
     async def ready(self) -> bool:

@@ -24,7 +24,8 @@ def requested(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> dict[str, 
         kind = param.WhichOneof("parameter_choice")
         count = getattr(param, kind) if kind in ("int64_param", "uint64_param") else 0
         if count < 1:
-            raise InvalidArgument(f"output '{out.name}': parameter '{PARAMETER}' must be an integer >= 1 (classes to return)")
+            raise InvalidArgument(f"output '{out.name}': parameter '{PARAMETER}' must be an integer >= 1 "
+                                  "(classes to return)")
         spec = specs.get(out.name)
         if spec is not None and (spec.datatype == "BYTES" or spec.datatype not in DATATYPES):
             raise InvalidArgument(f"output '{out.name}' of model '{model.name}' is {spec.datatype}: only a numeric "

@@ -1,4 +1,5 @@
-"""Protobuf answers built from the registry's ModelInfo and Redis's statistics: Triton's ModelStatistics and ModelConfig."""
+"""Protobuf answers built from the registry's ModelInfo and Redis's statistics: Triton's ModelStatistics and
+ModelConfig."""
 from __future__ import annotations
 
 from batchline import contract

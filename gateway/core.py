@@ -140,7 +140,7 @@ class Gateway:
                 await self.catalog.refresh()
             except REDIS_ERRORS as exc:
                 log.warning("registry refresh failed: %s", exc)
-            except Exception:  # noqa: BLE001 - a background loop must outlive what Redis answers
+            except Exception:  # a background loop must outlive what Redis answers
                 log.exception("registry refresh failed")
 
     async def _heartbeat(self) -> None:
@@ -149,7 +149,7 @@ class Gateway:
                 self.gateways = await self.store.beat(self.gateway_id, self.address, self._heartbeat_ttl_ms)
             except REDIS_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)
-            except Exception:  # noqa: BLE001 - e.g. Redis out of memory: beat again later
+            except Exception:  # e.g. Redis out of memory: beat again later
                 log.exception("heartbeat failed")
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
@@ -209,45 +209,11 @@ class Gateway:
         if model.generation and on_partial is None:
             collected = []  # a generative model's tokens, answered joined
             on_partial = collected.append
-        if model.decoupled and on_partial is None:
-            raise InvalidArgument(f"ModelInfer RPC doesn't support models with decoupled transaction policy: model "
-                                  f"'{model.name}' answers with any number of responses; call ModelStreamInfer")
-        if model.text.name:
-            request = await self.tokenizers.convert(request, model)
-        # Triton's extensions that change a request's tensors on their way in and out.
-        targets = self.shared_memory.output_targets(request, tenant)
-        classes = classification.requested(request, model)
-        if model.decoupled and (targets or classes):
-            # Its responses go to the stream as they come, past the answer these would rewrite.
-            raise InvalidArgument(f"model '{model.name}' is decoupled: its outputs cannot be asked for in shared "
-                                  f"memory or as classifications; ask for them in the responses")
-        request, payload = self.shared_memory.read_inputs(request, tenant)
-        call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000, payload)
-        if model.generation:
-            generation.admit(call.request, model, self._placed(model))
-        self.arrivals.count(call.key)
+        call, targets, classes = await self._parse(request, model, grpc_remaining, tenant, on_partial is not None)
         if self.draining:
             raise Unavailable("this gateway is shutting down: retry on another instance")
         arrived_us = now_us()
-        asked = call.priority
-        if tenant:
-            call = replace(call, priority=self.fair.level(call.key, tenant, weight, asked, call.rows, arrived_us / 1e6))
-            if call.priority != asked:
-                metrics.TENANT_OVER_SHARE.labels(model.name, tenant).inc()
-            if telemetry.enabled():
-                telemetry.current_span().set_attribute("batchline.tenant", tenant)
-        ticket = None
-        load = self.views.get(call.key, call.budget_s) if self.settings.admission_control else None
-        if usable(load, arrived_us):
-            try:
-                ticket = self.ledger.check(load, call, arrived_us, self.gateways)
-            except ResourceExhausted as exc:
-                if call.priority == asked:
-                    raise
-                raise ResourceExhausted(f"tenant '{tenant}' is over its weighted share of model '{model.name}', and {exc}",
-                                        retry_after_s=exc.retry_after_s) from None
-        if tenant:
-            self.fair.admitted(call.key, tenant, call.rows, arrived_us / 1e6)
+        call, ticket = self._admit(call, model, tenant, weight, arrived_us)
         flags = sequence_flags(call.request) if model.HasField("sequence") else None
         try:
             if flags is None:
@@ -280,6 +246,55 @@ class Gateway:
         registry = self.catalog.registry
         return [m for e in registry.holders.get((model.name, model.version), [])
                 for m in registry.executors[e].models if (m.name, m.version) == (model.name, model.version)]
+
+    async def _parse(self, request: ipb.ModelInferRequest, model: pb.ModelInfo, grpc_remaining: float | None,
+                     tenant: str, streamed: bool) -> tuple[Call, dict, dict]:
+        """The request checked and converted for the queue (text tokenized, inputs read from shared
+        memory), counted as an arrival; with the outputs it wants in shared memory and as classes."""
+        if model.decoupled and not streamed:
+            raise InvalidArgument(f"ModelInfer RPC doesn't support models with decoupled transaction policy: model "
+                                  f"'{model.name}' answers with any number of responses; call ModelStreamInfer")
+        if model.text.name:
+            request = await self.tokenizers.convert(request, model)
+        # Triton's extensions that change a request's tensors on their way in and out.
+        targets = self.shared_memory.output_targets(request, tenant)
+        classes = classification.requested(request, model)
+        if model.decoupled and (targets or classes):
+            # Its responses go to the stream as they come, past the answer these would rewrite.
+            raise InvalidArgument(f"model '{model.name}' is decoupled: its outputs cannot be asked for in shared "
+                                  f"memory or as classifications; ask for them in the responses")
+        request, payload = self.shared_memory.read_inputs(request, tenant)
+        call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000, payload)
+        if model.generation:
+            generation.admit(call.request, model, self._placed(model))
+        self.arrivals.count(call.key)
+        return call, targets, classes
+
+    def _admit(self, call: Call, model: pb.ModelInfo, tenant: str, weight: float,
+               arrived_us: int) -> tuple[Call, Ticket | None]:
+        """The call at its tenant's fair priority, and admission's ticket (None: admission did not
+        judge it); raises ResourceExhausted for a call that cannot be served within its budget."""
+        asked = call.priority
+        if tenant:
+            call = replace(call, priority=self.fair.level(call.key, tenant, weight, asked, call.rows, arrived_us / 1e6))
+            if call.priority != asked:
+                metrics.TENANT_OVER_SHARE.labels(model.name, tenant).inc()
+            if telemetry.enabled():
+                telemetry.current_span().set_attribute("batchline.tenant", tenant)
+        ticket = None
+        load = self.views.get(call.key, call.budget_s) if self.settings.admission_control else None
+        if usable(load, arrived_us):
+            try:
+                ticket = self.ledger.check(load, call, arrived_us, self.gateways)
+            except ResourceExhausted as exc:
+                if call.priority == asked:
+                    raise
+                raise ResourceExhausted(f"tenant '{tenant}' is over its weighted share of model '{model.name}', "
+                                        f"and {exc}",
+                                        retry_after_s=exc.retry_after_s) from None
+        if tenant:
+            self.fair.admitted(call.key, tenant, call.rows, arrived_us / 1e6)
+        return call, ticket
 
     async def _queue_and_wait(self, call: Call, ticket: Ticket | None, traceparent: str, tracestate: str,
                               started: float, on_partial: PartialSink | None = None) -> pb.Reply:

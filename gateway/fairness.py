@@ -53,7 +53,8 @@ class FairShares:
     _weights: dict[str, float] = field(default_factory=dict)
 
     def level(self, model: ModelKey, tenant: str, weight: float, priority: int, rows: int, now: float) -> int:
-        """The level to queue a request of `tenant` at (its `priority`, or OVER_SHARE below it); counts it as offered."""
+        """The level to queue a request of `tenant` at (its `priority`, or OVER_SHARE below it); counts it as
+        offered."""
         tenants = self._models.setdefault(model, {})
         self._weights[tenant] = weight
         mine = tenants.setdefault(tenant, _Counts(at=now))

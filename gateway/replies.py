@@ -113,7 +113,7 @@ class Replies:
     def _answer(self, blob: bytes) -> None:
         try:
             reply = pb.Reply.FromString(blob)
-        except Exception:  # noqa: BLE001 - one unreadable reply must not stop the reader
+        except Exception:  # one unreadable reply must not stop the reader
             log.exception("an unreadable reply (%d bytes) was dropped", len(blob))
             return
         if reply.partial:
@@ -135,5 +135,5 @@ class Replies:
         self.partial[reply.request_id] = (sink, reply.index + 1)
         try:
             sink(reply.response)
-        except Exception:  # noqa: BLE001 - one client's sink must not stop the reader
+        except Exception:  # one client's sink must not stop the reader
             log.exception("forwarding a response of request %s failed", reply.request_id)

@@ -102,7 +102,8 @@ class RepositoryControl:
             registry = await self._registry()
             explicit = [i for i in registry.executors.values() if i.model_control_mode == "explicit"]
             if not explicit:
-                raise Unavailable(f"no live executor runs with --model-control-mode explicit: none would {what} '{name}'")
+                raise Unavailable("no live executor runs with --model-control-mode explicit: "
+                                  f"none would {what} '{name}'")
             applied = [i for i in explicit if i.control_applied.get(name, 0) >= seq]
             if served is not None and any(served(i) for i in applied):
                 return
@@ -114,7 +115,8 @@ class RepositoryControl:
                     return
                 reasons = sorted({f"version {e.version}: {e.reason}" if e.version else e.reason
                                   for e in listed if e.reason})
-                raise InvalidArgument(f"failed to load '{name}': {'; '.join(reasons) or 'no version directory to load'}")
+                why = "; ".join(reasons) or "no version directory to load"
+                raise InvalidArgument(f"failed to load '{name}': {why}")
             if time.monotonic() >= deadline:
                 raise Unavailable(f"the {what} of '{name}' was asked for, but {len(explicit) - len(applied)} of "
                                   f"{len(explicit)} executors have not finished it yet: see RepositoryIndex")

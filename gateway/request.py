@@ -56,7 +56,8 @@ def parse(request: ipb.ModelInferRequest, model: pb.ModelInfo, grpc_remaining: f
     rows = validate(request, model)
     budget = budget_s(request, model, grpc_remaining)
     if budget <= 0:
-        raise DeadlineExceeded(f"the request's deadline had passed {duration_text(-budget)} before it reached the gateway")
+        raise DeadlineExceeded(f"the request's deadline had passed {duration_text(-budget)} "
+                               "before it reached the gateway")
     return Call(request, model, rows, row_length(model, {t.name: t.shape for t in request.inputs}),
                 request_priority(request, model), budget, budget - min(answer_margin_s, budget / 2), payload)
 

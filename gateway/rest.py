@@ -97,7 +97,8 @@ class RestApp:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > cap:
-                raise InvalidArgument(f"the request body is over the gateway's limit of {cap} bytes (max_message_bytes)")
+                raise InvalidArgument(f"the request body is over the gateway's limit of {cap} bytes "
+                                      "(max_message_bytes)")
             chunks.append(chunk)
             if not message.get("more_body"):
                 body = chunks[0] if len(chunks) == 1 else b"".join(chunks)

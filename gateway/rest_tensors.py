@@ -41,6 +41,8 @@ def set_parameter(parameters, name: str, value) -> None:
     if isinstance(value, bool):
         param.bool_param = value
     elif isinstance(value, int):
+        if not -2**63 <= value < 2**63:
+            raise InvalidArgument(f"parameter '{name}': {value} does not fit a 64-bit signed integer")
         param.int64_param = value
     elif isinstance(value, float):
         param.double_param = value
@@ -81,7 +83,8 @@ def _bytes_elements(values: list, name: str) -> bytes:
     out = bytearray()
     for v in values:
         if not isinstance(v, str):
-            raise InvalidArgument(f"input '{name}' is BYTES: each element of `data` must be a string, got {json.dumps(v)}")
+            raise InvalidArgument(f"input '{name}' is BYTES: each element of `data` must be a string, "
+                                  f"got {json.dumps(v)}")
         b = v.encode("utf-8", "surrogatepass")
         out += struct.pack("<I", len(b)) + b
     return bytes(out)
@@ -133,7 +136,8 @@ def _shape(tensor: dict, name: str) -> list[int]:
     return shape
 
 
-def infer_request(body: bytes, header_length: int | None, model: str, version: str) -> tuple[ipb.ModelInferRequest, OutputChoice]:
+def infer_request(body: bytes, header_length: int | None, model: str,
+                  version: str) -> tuple[ipb.ModelInferRequest, OutputChoice]:
     """The ModelInferRequest of a REST infer body (InvalidArgument naming what is wrong), and
     which outputs go back binary."""
     header, binary = _json_header(body, header_length)
@@ -151,7 +155,13 @@ def infer_request(body: bytes, header_length: int | None, model: str, version: s
             choice.default = _flag(value, f"parameter '{_BINARY_OUTPUT}'")
         else:
             set_parameter(request.parameters, key, value)
-    inputs = header.get("inputs")
+    _inputs(request, header.get("inputs"), binary)
+    _outputs(request, header.get("outputs") or [], choice)
+    return request, choice
+
+
+def _inputs(request: ipb.ModelInferRequest, inputs, binary) -> None:
+    """The header's `inputs` onto `request`, each one's data from JSON or from its slice of `binary`."""
     if not isinstance(inputs, list) or not all(isinstance(t, dict) for t in inputs):
         raise InvalidArgument("the request's JSON header needs `inputs`: an array of tensors")
     offset = 0
@@ -161,7 +171,8 @@ def infer_request(body: bytes, header_length: int | None, model: str, version: s
             raise InvalidArgument("every input needs a `name` (a string)")
         datatype = tensor.get("datatype")
         if datatype not in DATATYPES:
-            raise InvalidArgument(f"input '{name}': `datatype` must be one of {sorted(DATATYPES)}, got {json.dumps(datatype)}")
+            raise InvalidArgument(f"input '{name}': `datatype` must be one of {sorted(DATATYPES)}, "
+                                  f"got {json.dumps(datatype)}")
         shape = _shape(tensor, name)
         entry = request.inputs.add(name=name, datatype=datatype, shape=shape)
         tensor_parameters = tensor.get("parameters") or {}
@@ -187,8 +198,12 @@ def infer_request(body: bytes, header_length: int | None, model: str, version: s
     if offset != len(binary):
         raise InvalidArgument(f"the body has {len(binary)} bytes after the JSON header, but the inputs' "
                               f"`binary_data_size` add up to {offset} (is Inference-Header-Content-Length right?)")
-    outputs = header.get("outputs") or []
-    if not isinstance(outputs, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in outputs):
+
+
+def _outputs(request: ipb.ModelInferRequest, outputs, choice: OutputChoice) -> None:
+    """The header's `outputs` onto `request`, and which of them go back binary into `choice`."""
+    if not isinstance(outputs, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                                for t in outputs):
         raise InvalidArgument("`outputs` must be an array of objects, each with a `name`")
     for tensor in outputs:
         entry = request.outputs.add(name=tensor["name"])
@@ -200,7 +215,6 @@ def infer_request(body: bytes, header_length: int | None, model: str, version: s
                 choice.by_name[entry.name] = _flag(value, f"output '{entry.name}': parameter '{_BINARY}'")
             else:
                 set_parameter(entry.parameters, key, value)
-    return request, choice
 
 
 def _json_values(raw: bytes, datatype: str, name: str) -> list:

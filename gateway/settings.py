@@ -15,23 +15,26 @@ class GatewaySettings(CommonSettings):
     metrics_port: int = Field(
         8002, description="Port of the Prometheus endpoint (http://HOST:PORT/metrics); 0 = any free port, -1 = none."
     )
-    port: int = Field(8001, description="Port of the KServe v2 gRPC endpoint (8001 is where Triton clients look; 0 = any free port).")
+    port: int = Field(8001, description="Port of the KServe v2 gRPC endpoint (8001 is where Triton clients look; "
+                                        "0 = any free port).")
     http_port: int = Field(
         8000, description="Port of the KServe v2 HTTP/REST endpoint, with Triton's binary tensor data extension "
         "(8000 is where Triton's HTTP clients look; 0 = any free port, -1 = none). It shares the gRPC port's "
         "admission, tokens (auth_file) and TLS files.")
     share_port: bool = Field(
         False, description="Let the other gateways of this mesh (the same Redis) serve the same ports (gRPC and "
-        "REST), the kernel spreading connections over them (SO_REUSEPORT; `batchline up --gateways N` sets it). A port already "
-        "served by anything else fails the start, with or without it.")
-    gateway_id: str = Field("", description="Id of this gateway, the address of its reply list (default: a random one per process).")
+        "REST), the kernel spreading connections over them (SO_REUSEPORT; `batchline up --gateways N` sets it). "
+        "A port already served by anything else fails the start, with or without it.")
+    gateway_id: str = Field("", description="Id of this gateway, the address of its reply list (default: "
+                                            "a random one per process).")
     max_message_bytes: int = Field(
         64 * 1024 * 1024,
         description="Largest gRPC message accepted or sent; a larger request is refused with RESOURCE_EXHAUSTED "
         "(on the REST port: a larger body, 400).",
     )
     model_control_mode: ModelControlMode = Field(
-        "none", description="The executors' model control mode. explicit: RepositoryModelLoad and RepositoryModelUnload "
+        "none",
+        description="The executors' model control mode. explicit: RepositoryModelLoad and RepositoryModelUnload "
         "are served (an admin's token, when auth_file is set); otherwise they are refused UNAVAILABLE, as Triton does. "
         "RepositoryIndex is served in every mode."
     )
@@ -40,7 +43,8 @@ class GatewaySettings(CommonSettings):
         description="Most bytes of RepositoryModelLoad's `config` and `file:` parameters together, which reach the "
         "executors through Redis; a larger load is refused with RESOURCE_EXHAUSTED.",
     )
-    registry_refresh_s: float = Field(0.5, description="Seconds between re-reads of the executor registry (served models).")
+    registry_refresh_s: float = Field(0.5,
+                                      description="Seconds between re-reads of the executor registry (served models).")
     heartbeat_interval_s: float = Field(1.0, description="Seconds between registrations of this gateway in Redis.")
     admission_control: bool = Field(
         True,
@@ -87,7 +91,8 @@ class GatewaySettings(CommonSettings):
         "it may call (docs/guides/security.md); re-read when it changes. Empty: anyone who reaches the port may "
         "call every model.")
     tls_cert_file: str = Field(
-        "", description="PEM certificate (chain) the gRPC and REST ports serve over TLS, with tls_key_file; re-read when "
+        "",
+        description="PEM certificate (chain) the gRPC and REST ports serve over TLS, with tls_key_file; re-read when "
         "the file changes (rotation without restart). Empty: plaintext.")
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file.")
     tls_client_ca_file: str = Field(

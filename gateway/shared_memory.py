@@ -109,7 +109,8 @@ class SharedMemory:
         try:
             size = os.fstat(fd).st_size
             if byte_size == 0 or offset + byte_size > size:
-                raise InvalidArgument(f"shared memory region '{name}': offset {offset} + byte size {byte_size} does not "
+                raise InvalidArgument(f"shared memory region '{name}': "
+                                      f"offset {offset} + byte size {byte_size} does not "
                                       f"fit key {key!r}, which holds {size} bytes")
             memory = mmap.mmap(fd, size)
         except BaseException:

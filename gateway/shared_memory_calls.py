@@ -45,7 +45,8 @@ class SharedMemoryCalls:
     async def CudaSharedMemoryStatus(self, request, context):
         await self._allow(context)
         if request.name:
-            await self._abort_with(context, Unimplemented(f"no CUDA shared memory region '{request.name}': {CUDA_REFUSAL}"))
+            await self._abort_with(context,
+                                   Unimplemented(f"no CUDA shared memory region '{request.name}': {CUDA_REFUSAL}"))
         return ipb.CudaSharedMemoryStatusResponse()
 
     async def CudaSharedMemoryRegister(self, request, context):

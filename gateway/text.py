@@ -72,7 +72,8 @@ def _strings(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> list[str]:
                               f"into {text.ids_input!r} and {text.mask_input!r}); the request also has {others}")
     tensor = request.inputs[0]
     if tensor.datatype != "BYTES":
-        raise InvalidArgument(f"input '{text.name}' of model '{model.name}' must be BYTES, got {tensor.datatype or 'no datatype'}")
+        raise InvalidArgument(f"input '{text.name}' of model '{model.name}' must be BYTES, "
+                              f"got {tensor.datatype or 'no datatype'}")
     shape = list(tensor.shape)
     if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)) or shape[0] < 1:
         raise InvalidArgument(f"input '{text.name}' must have shape ['batch'] or ['batch', 1], got {shape}")
@@ -86,7 +87,8 @@ def _strings(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> list[str]:
         try:
             s = bytes(item).decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise InvalidArgument(f"input '{text.name}': element {i} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+            raise InvalidArgument(f"input '{text.name}': element {i} is not valid UTF-8 "
+                                  f"({exc.reason} at byte {exc.start})") from None
         if not s.strip():
             raise InvalidArgument(f"input '{text.name}': element {i} is empty")
         strings.append(s)

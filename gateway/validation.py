@@ -76,17 +76,20 @@ def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
         spec = specs[tensor.name]
         if tensor.datatype != spec.datatype:
             raise InvalidArgument(
-                f"input '{tensor.name}' of model '{model.name}' must be {spec.datatype}, got {tensor.datatype or 'no datatype'}"
+                f"input '{tensor.name}' of model '{model.name}' must be {spec.datatype}, "
+                f"got {tensor.datatype or 'no datatype'}"
             )
         shape = list(tensor.shape)
         if len(shape) != len(spec.shape) or any(s != -1 and s != d for s, d in zip(spec.shape, shape)):
-            expected = ["batch" if (batched and i == 0) else (d if d != -1 else "any") for i, d in enumerate(spec.shape)]
+            expected = ["batch" if (batched and i == 0) else (d if d != -1 else "any")
+                        for i, d in enumerate(spec.shape)]
             raise InvalidArgument(f"input '{tensor.name}' must have shape {expected}, got {shape}")
         if batched:
             n = shape[0]
             if n < 1 or n > model.max_batch_size:
                 raise InvalidArgument(
-                    f"input '{tensor.name}': batch size {n} is outside 1..{model.max_batch_size} (max_batch_size of model '{model.name}')"
+                    f"input '{tensor.name}': batch size {n} is outside 1..{model.max_batch_size} "
+                    f"(max_batch_size of model '{model.name}')"
                 )
             if rows is not None and n != rows:
                 raise InvalidArgument(f"inputs disagree on the batch size: '{tensor.name}' has {n}, others {rows}")

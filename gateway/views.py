@@ -57,7 +57,7 @@ class LoadViews:
                     self.loads = {k: pb.ModelLoad.FromString(b) for k, b in zip(keys, blobs) if b}
                 except REDIS_ERRORS:
                     self.loads = {}
-                except Exception:  # noqa: BLE001 - admit without views rather than on stale ones forever
+                except Exception:  # admit without views rather than on stale ones forever
                     log.exception("reading the load views failed")
                     self.loads = {}
                 self._read_at = time.monotonic()

@@ -16,8 +16,9 @@ def main(argv: list[str] | None = None) -> None:
         argv,
         prog="python -m scheduler",
         description="batchline scheduler: watches the Redis queues, forms dynamic batches "
-        "(earliest deadline first within a priority, max_batch_size, max_queue_delay while company is expected, deadlines) "
-        "and dispatches them to the executor holding the model that is predicted free first (of idle ones, the one "
+        "(earliest deadline first within a priority, max_batch_size, max_queue_delay while company is expected, "
+        "deadlines) and dispatches them to the executor holding the model that is predicted free first "
+        "(of idle ones, the one "
         "idle longest).",
     )
     logs.configure(settings.log_level, "scheduler", settings.log_format)

@@ -83,7 +83,8 @@ def book(key: ModelKey, sent: Sent, taken: int, counts: Counter) -> bool:
             )
     if log.isEnabledFor(logging.DEBUG):
         with logs.context(batch_id=sent.batch_id):
-            log.debug("%s:%s batch of %d rows (%s) -> %s", key[0], key[1], planned.rows, planned.reason, sent.executor_id)
+            log.debug("%s:%s batch of %d rows (%s) -> %s", key[0], key[1], planned.rows, planned.reason,
+                      sent.executor_id)
     return True
 
 

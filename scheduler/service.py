@@ -123,7 +123,7 @@ class Scheduler:
                 self.fleet.heartbeats.redis_trouble()
                 wake_at = None
                 await asyncio.sleep(WAIT_RETRY_S)
-            except Exception:  # noqa: BLE001 - the loop must survive a bad step
+            except Exception:  # the loop must survive a bad step
                 log.exception("scheduling step failed")
                 wake_at = None
                 await asyncio.sleep(FAILED_STEP_RETRY_S)
@@ -232,7 +232,8 @@ class Scheduler:
                 return usable
         return []
 
-    async def _schedule(self, key: ModelKey, members: list[bytes], free_at: dict[str, float], now: float) -> float | None:
+    async def _schedule(self, key: ModelKey, members: list[bytes], free_at: dict[str, float],
+                        now: float) -> float | None:
         """Plan one model's queue and write what the plan says; when to look at it again."""
         info = self.registry.models[key]
         if info.generation:
@@ -265,7 +266,8 @@ class Scheduler:
                 sends.append((len(pipe), dispatch.send(pipe, key, eid, planned, entries)))
             # The view shows what is left after this step: a batch just sent must not
             # look joinable to a request admitted against it.
-            gone = {m.request_id for b in decision.batches for m in b.members} | {p.request_id for p in decision.expired}
+            gone = ({m.request_id for b in decision.batches for m in b.members}
+                    | {p.request_id for p in decision.expired})
             left = [p for p in queue if p.request_id not in gone] if gone else queue
             self.queues.left(key, now, len(left))
             if self.settings.policy != FIFO and self.views.due(key, now, changed=bool(gone)):
@@ -315,7 +317,8 @@ class Scheduler:
     def status(self) -> pb.SchedulerStatus:
         return pb.SchedulerStatus(
             scheduler_id=self.scheduler_id,
-            queues=[pb.SchedulerStatus.ModelQueue(model_name=f"{n}:{v}", depth=d) for (n, v), d in sorted(self.depths.items())],
+            queues=[pb.SchedulerStatus.ModelQueue(model_name=f"{n}:{v}", depth=d)
+                    for (n, v), d in sorted(self.depths.items())],
             executors=list(self.registry.executors.values()),
             dispatched_batches=self.counts["batches"],
             dispatched_requests=self.counts["requests"],

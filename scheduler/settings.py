@@ -57,7 +57,8 @@ class SchedulerSettings(CommonSettings):
     )
     margin_quantile: float = Field(
         0.99, gt=0, lt=1,
-        description="Quantile of the latency profile's residuals (per batch size class) added to its predictions for dispatch timing and the "
+        description="Quantile of the latency profile's residuals (per batch size class) added to its predictions for "
+                    "dispatch timing and the "
         "gateways' admission estimates (shedding, and refusing a request too slow even alone, go by the typical "
         "run): higher sends batches earlier and admits less, so fewer "
         "runs slowed by a busy host overrun their deadlines (0.9 let 5 to 20 in 100 admitted requests miss 200 ms "

@@ -74,7 +74,7 @@ class Wakeups:
                 log.warning("waiting for events failed: %s", exc)
                 await asyncio.sleep(WAIT_RETRY_S)
                 continue
-            except Exception:  # noqa: BLE001 - the wait must outlive what Redis answers
+            except Exception:  # the wait must outlive what Redis answers
                 log.exception("waiting for events failed")
                 await asyncio.sleep(WAIT_RETRY_S)
                 continue

@@ -2,15 +2,14 @@ from __future__ import annotations
 
 import os
 import pathlib
-import sys
 
 import pytest
 
 from batchline.demo_models import build_repository
 from batchline.embedded_redis import EmbeddedRedis
+from batchline.testing.processes import ProcessMesh
+from batchline.testing.checkout import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # tests/mesh.py
 
 
 @pytest.fixture(scope="session")
@@ -30,9 +29,9 @@ def model_repository() -> pathlib.Path:
 @pytest.fixture(scope="module")
 def mesh(redis_server, model_repository):
     """One gateway, one scheduler and one executor serving the demo models (shared by a test module)."""
-    from mesh import Mesh
+    from batchline.testing.in_process import InProcessMesh
 
-    with Mesh(redis_server.url, str(model_repository)) as m:
+    with InProcessMesh(redis_server.url, str(model_repository)) as m:
         yield m
 
 
@@ -40,15 +39,45 @@ def mesh(redis_server, model_repository):
 def mesh_factory(model_repository):
     """Start meshes with other shapes (more executors, scheduler or gateway overrides), each on a
     private Redis so it cannot disturb (or be served by) any other mesh; stopped after the test."""
-    from mesh import Mesh
+    from batchline.testing.in_process import InProcessMesh
 
     started = []
 
-    def make(**kwargs) -> "Mesh":
-        m = Mesh(None, str(model_repository), **kwargs).start()
+    def make(**kwargs) -> "InProcessMesh":
+        m = InProcessMesh(None, str(model_repository), **kwargs).start()
         started.append(m)
         return m
 
     yield make
     for m in started:
         m.stop()
+
+
+@pytest.fixture
+def process_mesh(request, model_repository, tmp_path):
+    """Makes ProcessMeshes whose logs go under this test's tmp dir; all are stopped after
+    the test, and their logs printed when it failed."""
+    meshes: list[ProcessMesh] = []
+    failed_before = request.session.testsfailed
+
+    def make(**kwargs) -> ProcessMesh:
+        m = ProcessMesh(model_repository, tmp_path / f"mesh-{len(meshes)}", **kwargs)
+        meshes.append(m)
+        return m
+
+    yield make
+    for m in meshes:
+        m.stop()
+    if request.session.testsfailed > failed_before:
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        for m in meshes:
+            text = f"\n===== service logs of {request.node.name} ({m.log_dir}) =====\n{m.logs(80)}\n"
+            if reporter is not None:
+                reporter.write_line(text)
+            else:  # pragma: no cover - -p no:terminal
+                print(text)
+
+
+@pytest.fixture(scope="module")
+def mlp_model(model_repository):
+    return model_repository / "mlp" / "1" / "model.onnx"

@@ -11,7 +11,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from batchline.testing.decoder import Reference, build_gpt, mixed_prompts
-from batchline.testing.processes import ProcessMesh, poll
+from batchline.testing.polling import poll
+from batchline.testing.processes import ProcessMesh
 
 STREAMS = 32
 MAX_TOKENS = 120
@@ -58,7 +59,7 @@ def test_streams_continue_on_another_executor_without_a_duplicate_or_a_gap(mesh,
         with lock:
             return sum(len(v) for v in got.values())
 
-    with grpcclient.InferenceServerClient(mesh.gateway_address()) as client:
+    with grpcclient.InferenceServerClient(mesh.probe.gateway_address()) as client:
         client.start_stream(callback=on_result)
         for i, prompt in enumerate(prompts):
             tensor = grpcclient.InferInput("text_input", [1], "BYTES")

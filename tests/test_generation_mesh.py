@@ -15,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 from batchline import demo_decoder
 from batchline.testing.decoder import Reference, build_gpt
-from batchline.testing.processes import poll
+from batchline.testing.polling import poll
 
 FINAL = "triton_final_response"
 PROMPTS = ["def main(", "The tuple", "import", "x = [1, 2, 3]\nfor i in x:", "é"]
@@ -30,9 +30,9 @@ def repo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(repo):
-    from mesh import Mesh
+    from batchline.testing.in_process import InProcessMesh
 
-    with Mesh(None, str(repo)) as m:
+    with InProcessMesh(None, str(repo)) as m:
         yield m
 
 
@@ -84,7 +84,8 @@ def test_a_unary_infer_returns_the_whole_greedy_text(served, reference, tokenize
         assert client.is_model_ready("gpt")
         assert [(m.name, m.state) for m in client.get_model_repository_index().models] == [("gpt", "READY")]
         config = client.get_model_config("gpt").config
-        assert config.model_transaction_policy.decoupled and [i.name for i in config.input] == ["text_input", "input_ids"]
+        assert config.model_transaction_policy.decoupled
+        assert [i.name for i in config.input] == ["text_input", "input_ids"]
         for prompt in PROMPTS[:3]:
             result = client.infer("gpt", text_input(prompt), parameters=greedy(12))
             want = expected(reference, tokenizer, prompt, 12)

@@ -92,9 +92,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     m.add_argument("--no-retry-after", dest="retry_after", action="store_false",
                    help="closed loop: resend a refused request at once, as perf_analyzer does (default: a worker "
                    "whose request was refused with a `retry-after-ms` hint, as batchline's admission control sends "
-                   "(trailing metadata of a unary call, a parameter of a stream's error answer), waits that long first)")
+                   "(trailing metadata of a unary call, a parameter of a stream's error answer), "
+                   "waits that long first)")
     m.add_argument("--max-outstanding", type=int, default=10_000,
-                   help="open loop: requests due while this many are outstanding are counted as NOT_SENT (default: 10000)")
+                   help="open loop: requests due while this many are outstanding are counted as NOT_SENT "
+                        "(default: 10000)")
     g = p.add_argument_group("inputs")
     g.add_argument("--shape", action="append", default=[], metavar="NAME=d0,d1,...",
                    help="full shape of an input incl. the batch dim, e.g. input_ids=1,128 (repeatable)")

@@ -96,7 +96,8 @@ def parse_seq_len_dist(text: str, seed: int = 0, n: int = 4096) -> list[int]:
             raise ValueError
         return lengths
     except ValueError:
-        raise InputError(f"--seq-len-dist {text!r}: expected L1,L2,... or lognormal:MEAN:MAX with values >= 1") from None
+        raise InputError(f"--seq-len-dist {text!r}: expected L1,L2,... or lognormal:MEAN:MAX "
+                         "with values >= 1") from None
 
 
 def parse_int_range(text: str) -> tuple[str, tuple[int, int]]:
@@ -180,7 +181,8 @@ def check_options(inputs: list[TensorInfo], opts: InputOptions) -> None:
     for flag, given in (("--shape", opts.shapes), ("--int-range", opts.int_ranges)):
         unknown = sorted(set(given) - names)
         if unknown:
-            raise InputError(f"{flag}: the model has no input {', '.join(unknown)} (inputs: {', '.join(sorted(names))})")
+            raise InputError(f"{flag}: the model has no input {', '.join(unknown)} "
+                             f"(inputs: {', '.join(sorted(names))})")
 
 
 def build_pool(

@@ -24,7 +24,7 @@ from batchline.contract.calls import (  # noqa: F401
     take_lease,
     take_token,
 )
-from batchline.contract.keys import *  # noqa: F401,F403
+from batchline.contract.keys import *  # noqa: F403
 from batchline.contract.slots import Rounds, get_many, on_cluster  # noqa: F401
 from batchline.contract.scripts import (  # noqa: F401
     ANNOUNCE_LUA,

@@ -50,7 +50,8 @@ def enqueue(client: Any, gateway_id: str, address: str, heartbeat_ttl_ms: int,
     return client.eval(scripts.ENQUEUE_LUA, len(keys), *keys, *args)
 
 
-def _enqueue_keys_args(writes: Sequence[QueueWrite], abandoned: Sequence[Abandoned], announce: bool) -> tuple[list, list]:
+def _enqueue_keys_args(writes: Sequence[QueueWrite], abandoned: Sequence[Abandoned],
+                       announce: bool) -> tuple[list, list]:
     keys: list = []
     args: list = [len(writes), len(abandoned), int(announce), "", 0, k.QUEUE_TTL]
     for w in writes:

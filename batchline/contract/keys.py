@@ -5,7 +5,8 @@ Keys (all under the ``bl:`` prefix; messages are protobufs from
 Redis Cluster, keys with the same tag live in one hash slot, which is what lets each script and
 each blocking wait name keys of one slot only (docs/design/redis-cluster.md). M is
 ``m:<model>:<version>``, X ``x:<executor_id>``, G ``g:<gateway_id>``; a tenant's bucket and a
-tokenizer and a load call's override have a tag of their own (``t:<tenant>``, ``k:<sha256>``, ``o:<model>``); S, the shared slot, holds
+tokenizer and a load call's override have a tag of their own (``t:<tenant>``, ``k:<sha256>``, ``o:<model>``); S, the
+shared slot, holds
 what is small and read by everyone (wake-ups, reports, registrations, the lease).
 
 =====================================  ===========  ==================================================
@@ -14,29 +15,38 @@ key                                    type         holds
 bl:q:{M}                               sorted set   QueueEntry, scored priority-major, deadline-minor
 bl:req:{M}:<request_id>                string       the ModelInferRequest (tensors); TTL = budget + grace
 bl:batch:{M}:<batch_id>                string       Batch while dispatched; TTL = latest deadline + grace
-bl:inflight:{M}:<executor_id>          set          ids of that model's batches dispatched to the executor, not yet answered
-bl:seq:{M}:<sequence id>               hash         a sequence's state: steps (count), state (SequenceState); TTL = its idle timeout
+bl:inflight:{M}:<executor_id>          set          ids of that model's batches dispatched to the executor, not yet
+                                                    answered
+bl:seq:{M}:<sequence id>               hash         a sequence's state: steps (count), state (SequenceState); TTL = its
+idle timeout
 bl:stats:{M}                           hash         Triton-style statistics counters
 bl:load:{M}                            string       ModelLoad, the scheduler's view for admission; short TTL
 bl:arrivals:{M}                        string       requests the gateways received for it, refused included (INCRBY)
 bl:profile-units:{M}:<kind>            string       latency-profile samples (units, seconds) as float32 pairs
 bl:work:{X}                            list         Batch messages waiting for that executor
-bl:served:{X}                          set          the models (M) batches were ever sent to it for: where its in-flight sets are
+bl:served:{X}                          set          the models (M) batches were ever sent to it for: where its in-flight
+                                                    sets are
 bl:reply:{G}                           list         Reply messages for that gateway's waiting clients
-bl:notify:{s}:<model>:<version>        list         a wake-up token for the scheduler: arrivals in that queue (one at most)
-bl:reports:{s}                         list         ExecutionReport messages for the scheduler (capped; rows 0: batches handed back)
-bl:scheduler:{s}:<scheduler_id>:wake   list         a scheduler's own wake list (it interrupts its blocking wait with it)
+bl:notify:{s}:<model>:<version>        list         a wake-up token for the scheduler: arrivals in that queue (one at
+                                                    most)
+bl:reports:{s}                         list         ExecutionReport messages for the scheduler (capped; rows 0: batches
+                                                    handed back)
+bl:scheduler:{s}:<scheduler_id>:wake   list         a scheduler's own wake list (it interrupts its blocking wait with
+                                                    it)
 bl:leader:{s}                          string       id of the scheduler holding the lease; TTL = lease
 bl:exec:{s}:<executor_id>              string       ExecutorInfo; TTL = heartbeat TTL (presence)
 bl:executors:{s}                       set          executor ids ever seen (members pruned when stale)
 bl:gateway:{s}:<gateway_id>            string       the gateway's address; TTL = heartbeat TTL
 bl:demand:{s}                          string       MeshDemand: the executors the mesh wants (leader scheduler); TTL
 bl:gateways:{s}                        sorted set   gateway ids scored by their last heartbeat (ms): how many are live
-bl:control:{s}:models                  hash         model name -> "load:<seq>" | "unload:<seq>": the latest repository call
+bl:control:{s}:models                  hash         model name -> "load:<seq>" | "unload:<seq>": the latest repository
+                                                    call
 bl:control:{s}:seq                     string       the sequence number of the latest repository call (INCR)
 bl:override:{o:<model>}               string       ModelOverride: a load call's config and files; TTL = CONTROL_TTL
-bl:rate:{t:<tenant>}                   hash         a tenant's token bucket (max_rate): tokens, as of (ms); TTL = refill time
-bl:tokenizer:{k:<sha256>}              string       a model's tokenizer.json, for the gateways to tokenize its text input
+bl:rate:{t:<tenant>}                   hash         a tenant's token bucket (max_rate): tokens, as of (ms); TTL = refill
+                                                    time
+bl:tokenizer:{k:<sha256>}              string       a model's tokenizer.json, for the gateways to tokenize its text
+                                                    input
 =====================================  ===========  ==================================================
 """
 from __future__ import annotations

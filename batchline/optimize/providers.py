@@ -70,7 +70,8 @@ def choose(results: list[dict], largest: str, min_gain: float, serves_on: str) -
     """The fastest variant at the largest batch size that passed the gate and was judged on the kind
     of device (CPU or GPU) of `serves_on`, the provider that serves the model, if it is faster
     enough than FP32 on its own provider."""
-    eligible = [r for r in results if "gate" in r and r["gate"]["passed"] and device(r["provider"]) == device(serves_on)]
+    eligible = [r for r in results if "gate" in r and r["gate"]["passed"]
+                and device(r["provider"]) == device(serves_on)]
     if not eligible:
         return None, (f"no variant for {device(serves_on)} executors passed the gate ({serves_on} serves the model "
                       "here)")

@@ -18,7 +18,8 @@ PROVIDER = "TensorrtExecutionProvider"
 TABLE = "calibration.flatbuffers"
 
 
-def write_table(source: pathlib.Path, batches: Callable[[], list[dict[str, np.ndarray]]], out: pathlib.Path) -> pathlib.Path:
+def write_table(source: pathlib.Path, batches: Callable[[], list[dict[str, np.ndarray]]],
+                out: pathlib.Path) -> pathlib.Path:
     """Calibrate the FP32 model at `source` on `batches` (MinMax) and write its TensorRT calibration
     table into the directory `out`; returns the table's path."""
     from onnxruntime.quantization.calibrate import CalibrationDataReader, create_calibrator

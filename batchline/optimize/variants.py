@@ -96,7 +96,8 @@ def build(name: str, source: pathlib.Path, out: pathlib.Path, int8: Int8Options,
                          weight_type=getattr(QuantType, weight_type), nodes_to_exclude=list(exclude),
                          extra_options={"MatMulConstBOnly": True})
         return Variant(name, path, notes=[f"op types {list(int8.op_types) or 'all'}, "
-                                          f"{'per channel' if int8.per_channel else 'per tensor'}, {weight_type} ({why})"])
+                                          f"{'per channel' if int8.per_channel else 'per tensor'}, {weight_type} "
+                                          f"({why})"])
     if name == "int8-static":
         if calibration is None:
             return None
@@ -110,11 +111,12 @@ def build(name: str, source: pathlib.Path, out: pathlib.Path, int8: Int8Options,
                 return next(self._feeds, None)
 
         # Unsigned activations: ONNX Runtime's CPU kernels take them with either weight type.
-        quantize_static(source, path, Reader(), quant_format=QuantFormat.QDQ, op_types_to_quantize=list(int8.op_types) or None,
+        quantize_static(source, path, Reader(), quant_format=QuantFormat.QDQ,
+                        op_types_to_quantize=list(int8.op_types) or None,
                         per_channel=int8.per_channel, activation_type=QuantType.QUInt8,
                         weight_type=getattr(QuantType, int8.resolved_weight_type()[0]))
-        return Variant(name, path, notes=[f"QDQ, activation ranges calibrated (MinMax) on the calibration inputs (at most "
-                                             f"{CALIBRATION_ROWS} rows, spread over them)"])
+        return Variant(name, path, notes=[f"QDQ, activation ranges calibrated (MinMax) on the calibration inputs "
+                                          f"(at most {CALIBRATION_ROWS} rows, spread over them)"])
     if name == "fp16":
         import onnx
         from onnxruntime.transformers.float16 import convert_float_to_float16

@@ -74,7 +74,8 @@ class Formed:
     """The batch `form_batch` makes of a queue's head."""
     send: list[Pending]   # to run
     late: list[Pending]   # to shed: late even on a typical run of this batch
-    window: int           # requests of the head it looked at: a batch that looked at the queue's end changes when more arrive
+    window: int           # requests of the head it looked at: a batch that looked at the queue's end
+                          # changes when more arrive
     preferred: bool       # cut to a preferred size
     shrunk: bool          # cut so that its members make their deadlines
     units: int            # what those sent cost, in the profile's units (batchline.sizing)

@@ -21,7 +21,7 @@ import onnxruntime as ort
 
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
-from batchline.testing.processes import MeshError, poll
+from batchline.testing.polling import MeshError, poll
 
 MLP_FEATURES = 32
 
@@ -145,7 +145,8 @@ class LoadClient:
 
     def start(self) -> "LoadClient":
         if self.rate:
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(256, self.concurrency), thread_name_prefix="load")
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(256, self.concurrency),
+                                                               thread_name_prefix="load")
             self._threads = [threading.Thread(target=self._open_driver, name="load-driver", daemon=True)]
         else:
             self._threads = [threading.Thread(target=self._closed_worker, args=(k,), name=f"load-{k}", daemon=True)

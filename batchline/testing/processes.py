@@ -1,12 +1,13 @@
 """The real services as subprocesses, for fault-injection tests and the soak benchmark.
 
-Unlike the test suite's tests/mesh.py (everything in one process), every gateway, scheduler
+Unlike batchline/testing/in_process.py (everything in one process), every gateway, scheduler
 and executor here is its own `python -m <service>` process, so it can be
 SIGKILLed, SIGTERMed, SIGSTOPped or restarted exactly as in production, and
 its RSS measured. Redis is a private EmbeddedRedis that can be killed and
 started again on the same port (it persists nothing: a restart is empty).
-The load such a mesh serves in the tests and benchmarks/soak.py is in
-batchline/testing/load.py.
+What the tests see of such a mesh (its Redis keys, its services' gRPC servers) is read
+through its probe (batchline/testing/probe.py); the load it serves in the tests and
+benchmarks/soak.py is in batchline/testing/load.py.
 """
 from __future__ import annotations
 
@@ -19,22 +20,15 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterable, TypeVar
+from typing import Iterable
 
-import grpc
 import psutil
-import redis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from batchline import contract
 from batchline.embedded_redis import EmbeddedRedis
-from batchline.protocol import inference_pb2 as ipb
-from batchline.protocol import inference_pb2_grpc, internal_pb2, internal_pb2_grpc
-from batchline.redis_client import connect_sync
+from batchline.testing.checkout import ROOT
+from batchline.testing.polling import MeshError, poll
+from batchline.testing.probe import MeshProbe
 
-T = TypeVar("T")
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]  # the checkout
 # Where `python -m <service>` runs, so the service code comes from there (the
 # modules of the working directory win over the installed ones). Point it at
 # another checkout to run these tests against that version of the services.
@@ -49,28 +43,6 @@ _LIVE: "weakref.WeakSet[ProcessMesh]" = weakref.WeakSet()
 def _kill_leftovers() -> None:
     for mesh in list(_LIVE):
         mesh.stop(graceful=False)
-
-
-class MeshError(AssertionError):
-    """The mesh did not reach a state in time, or a service died unexpectedly."""
-
-
-def poll(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.05,
-         check: Callable[[], None] | None = None) -> T:
-    """Wait until condition() is truthy and return it; MeshError after `timeout` seconds.
-
-    `check` runs on every round so that a crashed service fails the wait at once
-    instead of after the whole timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if check is not None:
-            check()
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise MeshError(f"timed out after {timeout:.1f} s waiting for {what} (last value: {value!r})")
-        time.sleep(interval)
 
 
 # -- one service ---------------------------------------------------------------------
@@ -135,8 +107,8 @@ class ProcessMesh:
     """Redis + executors + schedulers + gateways, each a real subprocess.
 
     Names are the services' ids (executor id, scheduler id, gateway id), so the
-    Redis keys of a service are found from its name. Fast heartbeats by default
-    (0.2 s, expiring after 1 s) so that deaths are noticed quickly in tests.
+    Redis keys of a service are found from its name (by `probe`). Fast heartbeats by
+    default (0.2 s, expiring after 1 s) so that deaths are noticed quickly in tests.
     """
 
     def __init__(
@@ -166,9 +138,7 @@ class ProcessMesh:
         # Anything with EmbeddedRedis's url, start, stop, restart, close and proc (testing/sentinel.py).
         self.redis_server = redis_server or EmbeddedRedis()
         self.services: dict[str, Service] = {}
-        self._addresses: dict[str, str] = {}
-        self._redis: redis.Redis | None = None
-        self._channels: dict[str, grpc.Channel] = {}
+        self.probe = MeshProbe(self)
         _LIVE.add(self)
 
     # -- Redis ---------------------------------------------------------------
@@ -176,13 +146,6 @@ class ProcessMesh:
     @property
     def redis_url(self) -> str:
         return self.redis_server.url
-
-    @property
-    def redis(self) -> redis.Redis:
-        """A synchronous client; commands fail (ConnectionError) while Redis is down."""
-        if self._redis is None:
-            self._redis = connect_sync(self.redis_url, 2)
-        return self._redis
 
     def start_redis(self) -> None:
         self.redis_server.start()
@@ -266,7 +229,8 @@ class ProcessMesh:
     def gateways(self) -> list[str]:
         return self.of_kind("gateway")
 
-    def start(self, executors: int = 1, schedulers: int = 1, gateway: bool = True, timeout: float = 60.0) -> "ProcessMesh":
+    def start(self, executors: int = 1, schedulers: int = 1, gateway: bool = True,
+              timeout: float = 60.0) -> "ProcessMesh":
         """Redis, then every service at once (they wait for each other through Redis); returns when serving."""
         self.start_redis()
         for _ in range(executors):
@@ -275,11 +239,11 @@ class ProcessMesh:
             self.add_scheduler()
         if gateway:
             self.add_gateway()
-        self.wait_for_executors(executors, timeout)
+        self.probe.wait_for_executors(executors, timeout)
         for name in self.schedulers:
-            poll(lambda: self.health(name) == "SERVING", timeout, f"{name} to serve", check=self.check_alive)
+            poll(lambda: self.probe.health(name) == "SERVING", timeout, f"{name} to serve", check=self.check_alive)
         if gateway:
-            self.wait_ready(timeout=timeout)
+            self.probe.wait_ready(timeout=timeout)
         return self
 
     # -- controlling services ---------------------------------------------------
@@ -297,8 +261,7 @@ class ProcessMesh:
             svc.signal(signal.SIGKILL)
         if svc.proc is not None:
             svc.wait(10)
-        self._addresses.pop(name, None)
-        self._channels.pop(name, None)
+        self.probe.forget(name)
         svc.start()
 
     def pids(self) -> dict[str, int]:
@@ -324,132 +287,6 @@ class ProcessMesh:
             if svc.proc is not None and not svc.expect_exit and svc.proc.poll() is not None:
                 raise MeshError(f"{svc.name} exited unexpectedly with code {svc.proc.returncode}:\n{svc.tail(30)}")
 
-    # -- observing ---------------------------------------------------------------
-
-    def _redis_or(self, default: T, fn: Callable[[redis.Redis], T]) -> T:
-        try:
-            return fn(self.redis)
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            return default
-
-    def live_executors(self) -> list[str]:
-        """Executors of this mesh registered by their current process (a key left by a
-        previous, killed run under the same id does not count)."""
-        names = self.executors
-        if not names:
-            return []
-        blobs = self._redis_or([], lambda r: r.mget([contract.executor(n) for n in names]))
-        live = []
-        for name, blob in zip(names, blobs):
-            if blob is not None and internal_pb2.ExecutorInfo.FromString(blob).started_us >= self.services[name].started_us:
-                live.append(name)
-        return live
-
-    def wait_for_executors(self, n: int, timeout: float = 60.0, names: Iterable[str] | None = None) -> list[str]:
-        """Until at least n executors (or all of `names`) are registered."""
-        want = set(names or ())
-
-        def ready():
-            live = self.live_executors()
-            ok = want.issubset(live) if want else len(live) >= n
-            return live if ok else None
-
-        what = f"executors {sorted(want)} to register" if want else f"{n} executor(s) to register"
-        return poll(ready, timeout, what, check=self.check_alive)
-
-    def wait_executor_gone(self, name: str, timeout: float | None = None) -> None:
-        """Until the heartbeat key of a dead executor has expired."""
-        timeout = timeout if timeout is not None else self.heartbeat_ttl_s + 5.0
-        poll(lambda: not self._redis_or(1, lambda r: r.exists(contract.executor(name))), timeout,
-             f"the heartbeat key of {name} to expire")
-
-    def held_batches(self, executor: str) -> int:
-        """Batches dispatched to `executor` and not answered yet (its in-flight sets, one per model)."""
-        def count(r) -> int:
-            models = [contract.parse_model_tag(t) for t in r.smembers(contract.served(executor))]
-            return sum(r.scard(contract.inflight(m, executor)) for m in models)
-        return int(self._redis_or(0, count))
-
-    def queued_work(self, executor: str) -> int:
-        return int(self._redis_or(0, lambda r: r.llen(contract.work(executor))))
-
-    def queue_depth(self, model: str = "mlp", version: str = "1") -> int:
-        return int(self._redis_or(0, lambda r: r.zcard(contract.queue((model, version)))))
-
-    def gateway_address(self, name: str = "gateway", timeout: float = 60.0) -> str:
-        """host:port of a gateway, from the key it keeps in Redis (cached: the port stays the same)."""
-        if name not in self._addresses:
-            def read():
-                value = self._redis_or(None, lambda r: r.get(contract.gateway(name)))
-                return value.decode() if value else None
-            self._addresses[name] = poll(read, timeout, f"{name} to register its address", check=self.check_alive)
-        return self._addresses[name]
-
-    def listening_ports(self, name: str) -> list[int]:
-        """TCP ports a service listens on (its gRPC port, and any metrics port), read from the OS."""
-        try:
-            conns = psutil.Process(self.services[name].pid).net_connections(kind="tcp")
-        except psutil.Error:
-            return []
-        return sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN})
-
-    def address(self, name: str, timeout: float = 30.0) -> str:
-        """host:port of a service's gRPC server. Schedulers and executors bind port 0 and publish
-        nothing a test can rely on, so the port is found from the OS: the one answering gRPC health."""
-        if self.services[name].kind == "gateway":
-            return self.gateway_address(name, timeout)
-
-        def find() -> str | None:
-            for port in self.listening_ports(name):
-                with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                    try:
-                        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-                    except grpc.RpcError as exc:
-                        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                          grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
-                            continue  # not gRPC (a metrics endpoint) or not up yet
-                    return f"127.0.0.1:{port}"
-            return None
-
-        if name not in self._addresses:
-            self._addresses[name] = poll(find, timeout, f"{name} to serve gRPC", check=self.check_alive)
-        return self._addresses[name]
-
-    def channel(self, name: str) -> grpc.Channel:
-        if name not in self._channels:
-            self._channels[name] = grpc.insecure_channel(self.address(name))
-        return self._channels[name]
-
-    def health(self, name: str, service: str = "") -> str:
-        """grpc.health.v1 Check of a service: SERVING / NOT_SERVING / ..., or the gRPC error code's name."""
-        try:
-            stub = health_pb2_grpc.HealthStub(self.channel(name))
-            response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
-        except grpc.RpcError as exc:
-            return exc.code().name
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-
-    def server_ready(self, name: str = "gateway") -> bool:
-        try:
-            stub = inference_pb2_grpc.GRPCInferenceServiceStub(self.channel(name))
-            return stub.ServerReady(ipb.ServerReadyRequest(), timeout=2).ready
-        except grpc.RpcError:
-            return False
-
-    def wait_ready(self, name: str = "gateway", timeout: float = 60.0) -> str:
-        address = self.gateway_address(name, timeout)
-        poll(lambda: self.server_ready(name), timeout, f"{name} to be ready", check=self.check_alive)
-        return address
-
-    def scheduler_status(self, name: str) -> internal_pb2.SchedulerStatus:
-        stub = internal_pb2_grpc.SchedulerStub(self.channel(name))
-        return stub.Status(internal_pb2.StatusRequest(), timeout=2)
-
-    def model_statistics(self, model: str = "mlp", gateway: str = "gateway") -> ipb.ModelStatistics:
-        stub = inference_pb2_grpc.GRPCInferenceServiceStub(self.channel(gateway))
-        response = stub.ModelStatistics(ipb.ModelStatisticsRequest(name=model), timeout=5)
-        return response.model_stats[0]
-
     def logs(self, lines: int = 60) -> str:
         parts = [f"----- {n} ({s.log_path}) -----\n{s.tail(lines)}" for n, s in self.services.items()]
         return "\n".join(parts)
@@ -459,9 +296,7 @@ class ProcessMesh:
     def stop(self, graceful: bool = True, timeout: float = 10.0) -> dict[str, int]:
         """Stop everything (gateways, then schedulers, then executors, then Redis); SIGKILL
         whatever does not exit in time. Returns the exit code of each service stopped here."""
-        for ch in self._channels.values():
-            ch.close()
-        self._channels.clear()
+        self.probe.close()
         order = [*self.gateways, *self.schedulers, *self.executors]
         codes: dict[str, int] = {}
         running = [self.services[n] for n in order if self.services[n].alive]
@@ -475,9 +310,6 @@ class ProcessMesh:
             except subprocess.TimeoutExpired:
                 svc.proc.kill()
                 codes[svc.name] = svc.proc.wait()
-        if self._redis is not None:
-            self._redis.close()
-            self._redis = None
         self.redis_server.stop(kill=True)
         self.redis_server.close()  # and its directory
         _LIVE.discard(self)

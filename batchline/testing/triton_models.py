@@ -1,6 +1,6 @@
 """The models Triton's client examples call (tritonclient's src/python/examples), built in code
 as small ONNX graphs with the examples' names and tensors, so that the examples run unmodified
-against a mesh (tests/test_triton_*.py) and benchmarks/shm.py has a model to send 1 MB to.
+against a mesh (tests/e2e/test_triton_*.py) and benchmarks/shm.py has a model to send 1 MB to.
 
 - simple, simple_int8, simple_int16, simple_fp32: INPUT0, INPUT1 [batch, 16] -> OUTPUT0 = sum,
   OUTPUT1 = difference (INT32, INT8, INT16, FP32).

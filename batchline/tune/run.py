@@ -235,7 +235,8 @@ def table(report: Report) -> str:
         ratio = f"{m.goodput_rps / base:.2f}x" if base else "-"
         p99 = f"{m.p99_ms:.1f}" if m.p99_ms is not None else "-"
         batch = f"{m.mean_batch:.1f}" if m.mean_batch is not None else "-"
-        lines.append(f"{mark} {name:48} {m.goodput_rps:10.1f} {ratio:>7} {p99:>8} {batch:>6} {m.refused:8d} {m.runs:5d}")
+        lines.append(f"{mark} {name:48} {m.goodput_rps:10.1f} {ratio:>7} {p99:>8} {batch:>6} {m.refused:8d} "
+                     f"{m.runs:5d}")
     verdict = "wrote config.toml" if report.written else "left config.toml unchanged"
     lines.append(f"{verdict}: {report.why} ({report.seconds:.0f} s)")
     if report.chosen is not None and report.chosen is not report.current:

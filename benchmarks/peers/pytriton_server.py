@@ -10,8 +10,9 @@ Triton model instance per `instance_count`, each an ONNX Runtime session on its 
 (the way batchline's executor splits them), with ONNX Runtime's thread spinning off. Those are
 batchline's settings, not Triton's best on a host: --max-queue-delay-ms, --instances, --threads and
 --spinning set Triton's own, for vs_triton.py's sweep; --max-queue-size (with the REJECT queue
-policy) and --queue-timeout-ms set its queue policy, for overload_vs_triton.py's. Requests are run by ONNX Runtime in pytriton's Python
-process, as a Triton user without a GPU would serve an ONNX file through pytriton. Inputs listed under
+policy) and --queue-timeout-ms set its queue policy, for overload_vs_triton.py's. Requests are run by
+ONNX Runtime in pytriton's Python process, as a Triton user without a GPU would serve an ONNX file
+through pytriton. Inputs listed under
 [padding] are padded to the batch's longest member, as batchline does; the benchmark sends
 equal-length requests, so nothing is padded in practice.
 
@@ -114,7 +115,8 @@ def bind(triton: Triton, model_dir: pathlib.Path, args: argparse.Namespace) -> s
         config=config,
         strict=False,
     )
-    return (f"{model_dir.name} ({instances} instance(s) x {threads} thread(s), spinning {'on' if args.spinning else 'off'}, "
+    return (f"{model_dir.name} ({instances} instance(s) x {threads} thread(s), "
+            f"spinning {'on' if args.spinning else 'off'}, "
             f"queue delay {delay_ms:g} ms, queue cap {args.max_queue_size or 'none'}, {path.parent.name})")
 
 
@@ -126,7 +128,8 @@ def main() -> int:
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--max-queue-delay-ms", type=float, default=None, help="default: each config.toml's")
     p.add_argument("--instances", type=int, default=0, help="model instances (default: each config.toml's)")
-    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads per instance (default: cores / instances)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="ONNX Runtime threads per instance (default: cores / instances)")
     p.add_argument("--spinning", action=argparse.BooleanOptionalAction, default=False,
                    help="ONNX Runtime's intra-op thread spinning (default: off, as batchline's executor)")
     p.add_argument("--max-queue-size", type=int, default=0,

@@ -1,0 +1,162 @@
+"""Decoupled models on ModelStreamInfer: zero, one or many responses per request, the last one
+flagged `triton_final_response`, as Triton sends them (a stock tritonclient reads them)."""
+from __future__ import annotations
+
+import asyncio
+import queue
+import uuid
+from functools import partial
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from batchline.contract.executor_store import ExecutorStore
+from batchline.contract.gateway_store import GatewayStore
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import internal_pb2 as pb
+from batchline.redis_client import connect, connect_blocking
+from executor.sequence_config import split_graph
+from gateway.replies import Replies
+from batchline.testing.stateful_models import save_repeat_int32
+
+FINAL = "triton_final_response"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from batchline.testing.in_process import InProcessMesh
+
+    repo = tmp_path_factory.mktemp("repo")
+    save_repeat_int32(repo)
+    with InProcessMesh(None, str(repo)) as m:
+        yield m
+
+
+def repeat_inputs(values: list[int]) -> list[grpcclient.InferInput]:
+    n = len(values)
+    inputs = [grpcclient.InferInput("IN", [n], "INT32"), grpcclient.InferInput("DELAY", [n], "UINT32"),
+              grpcclient.InferInput("WAIT", [1], "UINT32")]
+    inputs[0].set_data_from_numpy(np.array(values, np.int32))
+    inputs[1].set_data_from_numpy(np.zeros(n, np.uint32))
+    inputs[2].set_data_from_numpy(np.zeros(1, np.uint32))
+    return inputs
+
+
+def stream(address: str, requests: list[tuple[str, list[int]]], empty_final: bool) -> list:
+    """Send `requests` (id, IN) on one stream and close it: every result (or error) it carried,
+    in arrival order (closing waits for the stream's end, which comes after every answer)."""
+    got: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(address) as client:
+        client.start_stream(callback=partial(lambda q, result, error: q.put(error or result), got))
+        for request_id, values in requests:
+            client.async_stream_infer("repeat_int32", repeat_inputs(values), request_id=request_id,
+                                      enable_empty_final_response=empty_final)
+        client.stop_stream()
+    return [got.get_nowait() for _ in range(got.qsize())]
+
+
+def final(result) -> bool:
+    return result.get_response().parameters[FINAL].bool_param
+
+
+def test_each_row_is_a_response_in_order_and_the_end_comes_empty_when_asked(served):
+    results = stream(served.address, [("a", [5, 6, 7])], True)
+    assert [r.as_numpy("OUT").tolist() for r in results[:3]] == [[5], [6], [7]]
+    assert [r.as_numpy("IDX").tolist() for r in results[:3]] == [[0], [1], [2]]
+    assert [final(r) for r in results] == [False, False, False, True]
+    assert results[3].get_response().id == "a" and not results[3].get_response().outputs
+
+
+def test_zero_responses_end_with_the_empty_final_response_only(served):
+    results = stream(served.address, [("none", []), ("one", [9])], True)
+    by_id: dict[str, list] = {}
+    for r in results:
+        by_id.setdefault(r.get_response().id, []).append(r)
+    assert [final(r) for r in by_id["none"]] == [True] and not by_id["none"][0].get_response().outputs
+    assert [(r.as_numpy("OUT") is not None, final(r)) for r in by_id["one"]] == [(True, False), (False, True)]
+
+
+def test_without_asking_no_empty_final_response_is_sent(served):
+    results = stream(served.address, [("x", [1, 2]), ("y", [3]), ("z", [])], False)
+    assert all(not final(r) and r.get_response().outputs for r in results)
+    assert sorted(r.get_response().id for r in results) == ["x", "x", "y"]
+    assert [r.as_numpy("OUT").tolist() for r in results if r.get_response().id == "x"] == [[1], [2]]
+
+
+def test_model_infer_refuses_a_decoupled_model_in_tritons_words(served):
+    with grpcclient.InferenceServerClient(served.address) as client:
+        with pytest.raises(InferenceServerException) as err:
+            client.infer("repeat_int32", repeat_inputs([1]))
+    assert "StatusCode.INVALID_ARGUMENT" in str(err.value.status())
+    assert "ModelInfer RPC doesn't support models with decoupled transaction policy" in err.value.message()
+    assert "ModelStreamInfer" in err.value.message()
+
+
+def test_metadata_shows_one_responses_outputs(served):
+    with grpcclient.InferenceServerClient(served.address) as client:
+        meta = client.get_model_metadata("repeat_int32")
+    assert {o.name: list(o.shape) for o in meta.outputs} == {"OUT": [1], "IDX": [1]}
+
+
+def test_model_config_says_decoupled(served):
+    with grpcclient.InferenceServerClient(served.address) as client:
+        assert client.get_model_config("repeat_int32").config.model_transaction_policy.decoupled
+
+
+def test_a_response_sent_twice_is_forwarded_once_in_order():
+    # A batch run again (its executor died after sending some responses) sends them again.
+    async def scenario() -> tuple[list[int], pb.Reply]:
+        replies = Replies(store=None, gateway_id="g")
+        seen: list[int] = []
+        fut = replies.expect("r", lambda response: seen.append(response.outputs[0].shape[0]))
+
+        def send(index: int, partial: bool = True) -> None:
+            response = ipb.ModelInferResponse(outputs=[ipb.ModelInferResponse.InferOutputTensor(shape=[index])])
+            replies._answer(pb.Reply(request_id="r", partial=partial, index=index,
+                                     response=response).SerializeToString())
+
+        for i in (0, 1, 0, 1, 2):
+            send(i)
+        send(3, partial=False)
+        return seen, await fut
+
+    seen, last = asyncio.run(scenario())
+    assert seen == [0, 1, 2]
+    assert not last.partial and last.index == 3
+
+
+def test_a_decoupled_model_must_run_each_request_alone():
+    info = pb.ModelInfo(name="m", max_batch_size=4, outputs=[pb.TensorSpec(name="OUT", shape=[-1, 1])])
+    with pytest.raises(ValueError, match="decoupled = true needs max_batch_size = 0"):
+        split_graph("m/config.toml", info, None, decoupled=True)
+
+
+def test_responses_reach_the_client_before_the_request_is_done(redis_server):
+    # What a generation loop does: push each response as it has it, the end only later.
+    async def scenario() -> None:
+        url = redis_server.url
+        gateway_id = f"gw-{uuid.uuid4().hex[:8]}"
+        executor = ExecutorStore(connect(url, 2), connect_blocking(url, 2))
+        replies = Replies(GatewayStore(connect(url, 2), connect_blocking(url, 2)), gateway_id)
+        reader = asyncio.create_task(replies.read())
+        got: asyncio.Queue = asyncio.Queue()
+        try:
+            fut = replies.expect("r", got.put_nowait)
+            for i in range(3):
+                response = ipb.ModelInferResponse(id=f"token-{i}")
+                await executor.send_replies({gateway_id: [
+                    pb.Reply(request_id="r", partial=True, index=i, response=response).SerializeToString()]})
+                assert (await asyncio.wait_for(got.get(), 10)).id == f"token-{i}"
+                assert not fut.done()  # the request goes on
+            await executor.send_replies({gateway_id: [pb.Reply(request_id="r", index=3).SerializeToString()]})
+            last = await asyncio.wait_for(fut, 10)
+            assert not last.HasField("response") and "r" not in replies.partial
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            await executor.aclose()
+            await replies.store.aclose()
+
+    asyncio.run(scenario())

@@ -1,0 +1,247 @@
+"""Sequence batching: a sequence's requests run in order from the state its last step left in
+Redis, with Triton's control inputs and error words; a step run twice gives the same answer."""
+from __future__ import annotations
+
+import asyncio
+import queue
+import uuid
+from functools import partial
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from batchline import contract
+from batchline.contract.executor_store import ExecutorStore
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import internal_pb2 as pb
+from batchline.redis_client import connect, connect_blocking, connect_sync
+from batchline.sequences import SequenceFlags
+from batchline.testing.processes import poll
+from executor import running, sequences
+from executor.repository import load_model, read_config
+from executor.sequence_config import SequenceBatchingConfig, split_graph
+from gateway.sequences import SequenceOrder
+from batchline.testing.stateful_models import save_accumulator, save_simple_sequence
+
+SHORT_IDLE_US = 300_000
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    path = tmp_path_factory.mktemp("repo")
+    save_simple_sequence(path)
+    save_accumulator(path)
+    save_accumulator(path, "short_idle", idle_us=SHORT_IDLE_US)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(repo):
+    from batchline.testing.in_process import InProcessMesh
+
+    with InProcessMesh(None, str(repo)) as m:
+        yield m
+
+
+def value(v: int) -> list[grpcclient.InferInput]:
+    tensor = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.array([[v]], np.int32))
+    return [tensor]
+
+
+def refused(call) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as err:
+        call()
+    return err.value
+
+
+def test_interleaved_sequences_on_one_stream_each_add_up_in_order(served):
+    ids = [101, 102, 103, 104]
+    steps = [[(i + 1) * 10 + k for k in range(6)] for i in range(len(ids))]
+    got: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(served.address) as client:
+        client.start_stream(callback=partial(lambda q, result, error: q.put(error or result), got))
+        for k in range(6):  # the sequences' steps interleaved, all sent before any answer
+            for seq_id, values in zip(ids, steps):
+                client.async_stream_infer("accumulator", value(values[k]), request_id=f"{seq_id}/{k}",
+                                          sequence_id=seq_id, sequence_start=k == 0, sequence_end=k == 5)
+        results = [got.get(timeout=30) for _ in range(6 * len(ids))]
+    by_seq: dict[str, list] = {}
+    for r in results:
+        assert not isinstance(r, InferenceServerException), r.message()
+        by_seq.setdefault(r.get_response().id.split("/")[0], []).append(r)
+    for seq_id, values in zip(ids, steps):
+        answers = by_seq[str(seq_id)]
+        assert [r.get_response().id for r in answers] == [f"{seq_id}/{k}" for k in range(6)]  # in order
+        assert [int(r.as_numpy("OUTPUT")[0, 0]) for r in answers] == list(np.cumsum(values))
+        assert [int(r.as_numpy("ENDED")[0, 0]) for r in answers] == [0] * 5 + [1]
+        assert {int(r.as_numpy("CORRID_OUT")[0, 0]) for r in answers} == {seq_id}
+
+
+def test_the_state_is_in_redis_with_the_idle_timeout_as_its_expiry(served):
+    with grpcclient.InferenceServerClient(served.address) as client:
+        client.infer("accumulator", value(4), sequence_id=777, sequence_start=True)
+    r = connect_sync(served.redis_url, 2)
+    key = contract.sequence(("accumulator", "1"), "i:777")
+    state = pb.SequenceState.FromString(r.hget(key, "state"))
+    assert np.frombuffer(state.after[0], np.int32).tolist() == [4] and state.steps == 1
+    assert 0 < r.pttl(key) <= 60_000
+
+
+def test_a_sequence_must_start_with_the_start_flag(served):
+    with grpcclient.InferenceServerClient(served.address) as client:
+        err = refused(lambda: client.infer("accumulator", value(1), sequence_id=4242))
+    assert "StatusCode.INVALID_ARGUMENT" in str(err.status())
+    assert err.message().startswith("inference request for sequence 4242 to model 'accumulator' must specify the "
+                                    "START flag on the first request of the sequence")
+
+
+def test_an_ended_sequence_takes_no_more_steps(served):
+    with grpcclient.InferenceServerClient(served.address) as client:
+        client.infer("accumulator", value(1), sequence_id=31337, sequence_start=True, sequence_end=True)
+        err = refused(lambda: client.infer("accumulator", value(1), sequence_id=31337))
+        assert "must specify the START flag" in err.message() and "ended" in err.message()
+        # Started again, it begins from zero.
+        again = client.infer("accumulator", value(6), sequence_id=31337, sequence_start=True)
+    assert int(again.as_numpy("OUTPUT")[0, 0]) == 6
+
+
+def test_an_idle_sequence_is_forgotten(served):
+    r = connect_sync(served.redis_url, 2)
+    key = contract.sequence(("short_idle", "1"), "i:9")
+    with grpcclient.InferenceServerClient(served.address) as client:
+        client.infer("short_idle", value(1), sequence_id=9, sequence_start=True)
+        assert r.exists(key)
+        poll(lambda: not r.exists(key), 5, "the idle sequence's state to expire")
+        err = refused(lambda: client.infer("short_idle", value(1), sequence_id=9))
+    assert "must specify the START flag" in err.message() and "max_sequence_idle_microseconds" in err.message()
+
+
+def test_a_sequence_request_needs_a_sequence_id(served):
+    with grpcclient.InferenceServerClient(served.address) as client:
+        err = refused(lambda: client.infer("simple_sequence", value(1)))
+    assert "StatusCode.INVALID_ARGUMENT" in str(err.status())
+    assert err.message().startswith("inference request to model 'simple_sequence' must specify a non-zero or "
+                                    "non-empty correlation ID")
+
+
+def test_a_string_id_is_refused_where_corrid_is_an_integer(served):
+    with grpcclient.InferenceServerClient(served.address) as client:
+        err = refused(lambda: client.infer("accumulator", value(1), sequence_id="abc", sequence_start=True))
+    assert "StatusCode.INVALID_ARGUMENT" in str(err.status()) and "CORRID" in err.message()
+
+
+def test_a_sequence_request_carries_one_row(served):
+    tensor = grpcclient.InferInput("INPUT", [2, 1], "INT32")
+    tensor.set_data_from_numpy(np.ones((2, 1), np.int32))
+    with grpcclient.InferenceServerClient(served.address) as client:
+        err = refused(lambda: client.infer("accumulator", [tensor], sequence_id=5, sequence_start=True))
+    assert "one row" in err.message()
+
+
+def test_clients_see_neither_control_nor_state_tensors(served):
+    with grpcclient.InferenceServerClient(served.address) as client:
+        meta = client.get_model_metadata("accumulator")
+    assert [i.name for i in meta.inputs] == ["INPUT"]
+    assert sorted(o.name for o in meta.outputs) == ["CORRID_OUT", "ENDED", "OUTPUT"]
+
+
+def test_model_config_shows_tritons_sequence_batching(served):
+    with grpcclient.InferenceServerClient(served.address) as client:
+        config = client.get_model_config("accumulator").config
+    seq = config.sequence_batching
+    assert not config.HasField("dynamic_batching") and seq.HasField("oldest")
+    assert seq.max_sequence_idle_microseconds == 60_000_000
+    kinds = {c.name: (c.control[0].kind, list(c.control[0].int32_false_true)) for c in seq.control_input}
+    assert kinds == {"END": (2, [0, 1]), "READY": (1, [0, 1]), "CORRID": (3, [])}
+    assert [(s.input_name, s.output_name, list(s.dims)) for s in seq.state] == [("ACC_IN", "ACC_OUT", [1])]
+
+
+# -- a step run again, on the executor's own parts and a real Redis -----------------------------------
+
+
+def _step(request_id: str, seq_id: int, v: int, start: bool = False) -> tuple[pb.QueueEntry, bytes]:
+    request = ipb.ModelInferRequest(model_name="accumulator", id=request_id)
+    request.inputs.add(name="INPUT", datatype="INT32", shape=[1, 1])
+    request.raw_input_contents.append(np.array([[v]], np.int32).tobytes())
+    request.parameters["sequence_id"].int64_param = seq_id
+    request.parameters["sequence_start"].bool_param = start
+    return pb.QueueEntry(request_id=request_id, rows=1, gateway_id="g"), request.SerializeToString()
+
+
+def test_a_step_run_again_gives_the_same_answer_and_a_stale_run_is_refused(repo, redis_server):
+    model = load_model(repo / "accumulator", repo / "accumulator" / "1", read_config(repo / "accumulator"),
+                       ["CPUExecutionProvider"], "", 1)
+    seq_id = uuid.uuid4().int % 10**9
+
+    async def run(entry_blob) -> tuple[int | None, str]:
+        store = ExecutorStore(connect(redis_server.url, 2), connect_blocking(redis_server.url, 2))
+        try:
+            member = running.decoded(*entry_blob, model, pb.Batch(model_name="accumulator"), "e")
+            steps = await sequences.begin(store, model, [member])
+            if member.error is None:
+                await running.run(model, [member])
+                await sequences.finish(store, model, steps)
+            if member.error is not None:
+                return None, str(member.error)
+            return int(member.outputs["OUTPUT"][0, 0]), ""
+        finally:
+            await store.aclose()
+
+    first, second, third = _step("a", seq_id, 5, start=True), _step("b", seq_id, 3), _step("c", seq_id, 1)
+    assert asyncio.run(run(first)) == (5, "")
+    assert asyncio.run(run(second)) == (8, "")
+    assert asyncio.run(run(second)) == (8, "")  # its executor died before answering: run again, same answer
+    assert asyncio.run(run(third)) == (9, "")   # and the sequence goes on from the state it left
+    answer, error = asyncio.run(run(second))    # a slow executor's run, after the sequence moved on
+    assert answer is None and "ran already" in error
+    assert asyncio.run(run(_step("d", seq_id, 10))) == (19, "")
+
+
+# -- the gateway's order and the config's checks, as pure units ------------------------------------
+
+
+def test_a_request_that_gives_up_while_waiting_still_keeps_the_next_behind_the_one_before():
+    async def scenario() -> list[str]:
+        order, log = SequenceOrder(), []
+        flags = SequenceFlags(7)
+        first_may_end = asyncio.Event()
+
+        async def request(name: str, hold: asyncio.Event | None = None) -> None:
+            async with order.turn("m", "1", flags):
+                log.append(f"{name} runs")
+                if hold is not None:
+                    await hold.wait()
+            log.append(f"{name} over")
+
+        first = asyncio.create_task(request("first", first_may_end))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(request("second"))
+        third = asyncio.create_task(request("third"))
+        await asyncio.sleep(0)
+        second.cancel()  # its client went away while it waited for the first
+        await asyncio.gather(second, return_exceptions=True)
+        await asyncio.sleep(0)
+        log.append("first ends")
+        first_may_end.set()
+        await asyncio.gather(first, third)
+        assert len(order) == 0  # nothing kept once the sequence's requests are over
+        return log
+
+    assert asyncio.run(scenario()) == ["first runs", "first ends", "first over", "third runs", "third over"]
+
+
+@pytest.mark.parametrize("config, problem", [
+    (SequenceBatchingConfig(control={"GO": "start"}), "control input 'GO' is not an input of the graph"),
+    (SequenceBatchingConfig(state={"ACC_IN": "NOPE"}), "state output 'NOPE' is not an output of the graph"),
+    (SequenceBatchingConfig(state={"INPUT": "OUTPUT"}), "must have one fixed shape"),
+])
+def test_a_sequence_config_that_does_not_fit_the_graph_names_what_is_wrong(config, problem):
+    info = pb.ModelInfo(name="m", max_batch_size=8, inputs=[
+        pb.TensorSpec(name="INPUT", datatype="INT32", shape=[-1, -1]),
+        pb.TensorSpec(name="ACC_IN", datatype="INT32", shape=[-1, 1])],
+        outputs=[pb.TensorSpec(name="OUTPUT", datatype="INT32", shape=[-1, -1])])
+    with pytest.raises(ValueError, match=problem):
+        split_graph("m/config.toml", info, config, decoupled=False)

@@ -1,0 +1,212 @@
+"""Redis Cluster: three primaries, real redis-server processes on loopback joined by `redis-cli
+--cluster create`. Every script and blocking wait of the mesh names keys of one hash slot
+(batchline/contract/keys.py); the models' keys spread over the shards, and the core fault cases
+(an executor killed, the scheduler's leader killed) hold on a cluster as on one Redis."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+
+from batchline import cluster, contract
+from batchline.redis_client import mask
+from batchline.testing.cluster import ClusterRedis, redis_cli_binary
+from batchline.testing.polling import poll
+from batchline.testing.verdicts import (assert_all_ok, assert_answers_correct, assert_none_lost, assert_nothing_hung,
+                                        between, load_for, report, served_again, soft_poll)
+
+pytestmark = pytest.mark.skipif(redis_cli_binary() is None,
+                                reason="redis-cli (Debian: redis-tools) creates the cluster")
+
+
+@pytest.fixture
+def redis_cluster():
+    with ClusterRedis() as c:
+        yield c
+
+
+def test_cluster_urls_name_their_nodes_and_options():
+    target = cluster.parse("rediss+cluster://u:secret@10.0.0.1:7000,10.0.0.2?ssl_ca_certs=/ca.pem")
+    assert target.nodes == [("10.0.0.1", 7000), ("10.0.0.2", 6379)]
+    assert target.kwargs["username"] == "u" and target.kwargs["password"] == "secret"
+    assert target.kwargs["ssl"] is True and target.kwargs["ssl_ca_certs"] == "/ca.pem"
+    assert "secret" not in mask("redis+cluster://u:secret@10.0.0.1:7000,10.0.0.2:7001")
+    for bad, why in [("redis+cluster://h:port", "not a number"), ("redis+cluster://h:7000/3", "only database 0"),
+                     ("redis+cluster://,h:1", "empty host")]:
+        with pytest.raises(ValueError, match=why):
+            cluster.parse(bad)
+
+
+def test_a_group_commit_over_two_shards_keeps_each_write_s_answer_and_announces_after(redis_cluster):
+    """The gateway's group commit split per model (each model's script on its shard, then the
+    announcement in the shared slot): every write gets its own answer in its own place, a full
+    queue refuses only its write, and each queue written to has one wake-up token."""
+    from batchline.redis_client import connect
+
+    bounded, other = ("mlp", "1"), ("minilm", "1")
+    assert redis_cluster.shard_of(contract.queue(bounded)) != redis_cluster.shard_of(contract.queue(other))
+
+    async def commit():
+        client = connect(redis_cluster.url, 2)
+        try:
+            writes = [contract.QueueWrite(rid, model, b"p-" + rid.encode(), 60_000, rid.encode(), 5, cap)
+                      for rid, model, cap in [("a", bounded, 1), ("b", other, 0), ("c", bounded, 1), ("d", other, 0)]]
+            return await contract.enqueue(client, "gw", "127.0.0.1:1", 30_000, writes)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(commit()) == [1, 1, 0, 1]  # "c" found its queue full (max_queue_size 1)
+    r = redis_cluster.node(redis_cluster.shard_of(contract.queue(other)))
+    assert sorted(r.zrange(contract.queue(other), 0, -1)) == [b"b", b"d"]
+    assert r.get(contract.payload(other, "d")) == b"p-d"
+    shared = redis_cluster.node(redis_cluster.shard_of(contract.REPORTS))
+    assert [shared.llen(contract.notify(m)) for m in (bounded, other)] == [1, 1]
+    assert shared.get(contract.gateway("gw")) == b"127.0.0.1:1"
+
+
+def _start_gateway(url: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway", "--redis-url", url, "--port", "0", "--metrics-port", "-1",
+                           "--http-port", "-1"],
+                          capture_output=True, text=True, timeout=60)
+
+
+def _one_line(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    return lines[0]
+
+
+def test_a_cluster_without_every_slot_or_named_as_one_redis_stops_a_service_in_one_line(redis_cluster):
+    line = _one_line(_start_gateway(redis_cluster.servers[0].url))
+    assert "is a Redis Cluster node: name the cluster as redis+cluster://" in line
+    # A slot uncovered: the model whose keys hash there could never be served.
+    owner = redis_cluster.shard_of(contract.queue(("mlp", "1")))
+    slot = redis_cluster.node(owner).cluster("keyslot", contract.queue(("mlp", "1")))
+    redis_cluster.node(owner).execute_command("CLUSTER DELSLOTS", slot)
+    line = _one_line(_start_gateway(redis_cluster.url))
+    assert "only 16383 of its 16384 hash slots are assigned" in line and "redis-cli --cluster fix" in line
+
+
+def test_both_demo_models_are_served_with_their_keys_on_different_shards(redis_cluster, process_mesh, model_repository):
+    mesh = process_mesh(redis_server=redis_cluster, models=("mlp", "minilm")).start(executors=1)
+    client = tc.InferenceServerClient(mesh.probe.gateway_address())
+    features = tc.InferInput("features", [2, 32], "FP32")
+    features.set_data_from_numpy(np.ones((2, 32), dtype=np.float32))
+    assert client.infer("mlp", [features], client_timeout=30).as_numpy("probability").shape == (2, 1)
+    text = tc.InferInput("text", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"a sentence on a cluster"]], dtype=object))
+    assert client.infer("minilm", [text], client_timeout=60).as_numpy("sentence_embedding").shape == (1, 384)
+    rows = []
+    for model in ("mlp", "minilm"):
+        queue = contract.queue((model, "1"))
+        shard = redis_cluster.shard_of(queue)
+        slot = redis_cluster.node(0).cluster("keyslot", queue)
+        # Every key of the model is in its slot: its statistics, written by the executor's clean-up, are there.
+        assert redis_cluster.node(shard).exists(contract.stats((model, "1"))), \
+            f"{model}'s statistics not on shard {shard}"
+        rows.append((model, slot, shard))
+    print("\nmodel   slot   shard (node port)")
+    for model, slot, shard in rows:
+        print(f"{model:7} {slot:5}  {shard} ({redis_cluster.servers[shard].port})")
+    assert rows[0][2] != rows[1][2], f"both models' keys on one shard: {rows}"
+    assert contract.model_tag(("mlp", "1")) in contract.queue(("mlp", "1"))
+
+
+def test_an_executor_killed_under_load_on_a_cluster(redis_cluster, process_mesh, mlp_model):
+    """One of two executors SIGKILLed while it holds batches, then restarted: its batches are found
+    in the models' in-flight sets (on their shards) and served by the other; nothing is lost."""
+    mesh = process_mesh(redis_server=redis_cluster).start(executors=2)
+    with load_for(mesh, mlp_model) as load:
+        load.wait_ok(100, since=0, timeout=60, check=mesh.check_alive)
+        soft_poll(lambda: mesh.probe.held_batches("exec-0") > 0, 5)
+        held = mesh.probe.held_batches("exec-0")
+        t_kill = time.monotonic()
+        mesh.kill("exec-0", signal.SIGKILL)
+        mesh.wait_exit("exec-0", 10)
+        mesh.probe.wait_executor_gone("exec-0")
+        poll(lambda: mesh.probe.held_batches("exec-0") == 0 and mesh.probe.queued_work("exec-0") == 0, 10,
+             "the dead executor's batches to be handed back")
+        t_back = time.monotonic()
+        mesh.restart("exec-0")
+        mesh.probe.wait_for_executors(2, 60)
+        load.wait_ok(100, since=time.monotonic(), timeout=60, check=mesh.check_alive)
+        records = load.stop()
+    report("executor SIGKILL on a Redis Cluster", [
+        ("before the kill", between(records, 0, t_kill)),
+        ("until handed back", between(records, t_kill, t_back)),
+        ("after", between(records, t_back)),
+    ], f"held {held} batch(es) at the kill")
+    assert_nothing_hung(records)
+    assert_answers_correct(records)
+    assert_none_lost(records)
+    ok = sum(r.code == "OK" for r in records)
+    assert ok >= 0.99 * len(records), f"only {ok} of {len(records)} requests succeeded"
+
+
+def test_the_standby_scheduler_takes_over_on_a_cluster(redis_cluster, process_mesh, mlp_model):
+    """Two schedulers; the leader SIGKILLed under load: the standby takes the lease (in the shared
+    slot) and serves on; no batch is run twice (rows run == rows answered)."""
+    mesh = process_mesh(redis_server=redis_cluster).start(executors=1, schedulers=2)
+    with load_for(mesh, mlp_model) as load:
+        load.wait_ok(100, since=0, timeout=60, check=mesh.check_alive)
+        dispatched = {n: mesh.probe.scheduler_status(n).dispatched_batches for n in mesh.schedulers}
+        (leader,) = [n for n, d in dispatched.items() if d > 0]
+        (standby,) = [n for n in mesh.schedulers if n != leader]
+        t_kill = time.monotonic()
+        mesh.kill(leader, signal.SIGKILL)
+        mesh.wait_exit(leader, 10)
+        poll(lambda: mesh.probe.scheduler_status(standby).dispatched_batches > 0, 30,
+             f"the standby {standby} to take over", check=mesh.check_alive)
+        t_takeover = time.monotonic()
+        load.wait_ok(100, since=t_takeover, timeout=60, check=mesh.check_alive)
+        records = load.stop()
+    report("scheduler leader SIGKILL on a Redis Cluster", [
+        ("leader alive", between(records, 0, t_kill)),
+        ("no leader", between(records, t_kill, t_takeover)),
+        ("after takeover", between(records, t_takeover)),
+    ], f"takeover after {t_takeover - t_kill:.2f} s")
+    assert_nothing_hung(records)
+    assert_answers_correct(records)
+    assert_all_ok(records)
+    ok_rows = sum(r.rows for r in records if r.code == "OK")
+    poll(lambda: mesh.probe.model_statistics("mlp").inference_count == ok_rows, 10,
+         f"inference_count to reach the {ok_rows} rows answered")
+    assert mesh.probe.model_statistics("mlp").inference_count == ok_rows
+
+
+def test_a_shard_s_primary_killed_under_load_fails_over_to_its_replica(process_mesh, mlp_model):
+    """Three primaries each with a replica; the primary serving mlp's slot (and the shared one's)
+    SIGKILLed under load: the cluster promotes its replica, the mesh serves again, every call is
+    answered before its deadline, and the calls outside the window succeed (how soon:
+    benchmarks/failover.py)."""
+    with ClusterRedis(replicas=1) as redis_cluster:
+        mesh = process_mesh(redis_server=redis_cluster).start(executors=1)
+        key = contract.queue(("mlp", "1"))
+        with load_for(mesh, mlp_model) as load:
+            load.wait_ok(200, since=0, timeout=60, check=mesh.check_alive)
+            old = redis_cluster.shard_of(key)
+            killed = time.monotonic()
+            redis_cluster.servers[old].stop(kill=True)
+            promoted = redis_cluster.wait_failover(key, old)
+            served = served_again(load, promoted)
+            load.wait_ok(200, since=promoted + 1.0, timeout=60, check=mesh.check_alive)
+            records = load.stop()
+    window = [r for r in records if r.end >= killed and r.sent < promoted + 1.0]
+    outside = [r for r in records if r not in window]
+    report("a Redis Cluster shard's primary SIGKILLed", [
+        ("answered before the kill", [r for r in records if r.end < killed]),
+        ("in the window", window),
+        ("after", between(records, promoted + 1.0)),
+    ], f"replica promoted {promoted - killed:.2f} s after the kill; served again {served - promoted:.2f} s after it")
+    assert_nothing_hung(records)
+    assert_none_lost(records)
+    assert_answers_correct(records)
+    ok = [r for r in outside if r.code == "OK"]
+    assert len(ok) >= 0.99 * len(outside), f"{len(outside) - len(ok)} of {len(outside)} calls outside the window failed"

@@ -1,0 +1,214 @@
+"""What the gateway writes to Redis: queue entries with trace context, payloads with expiry."""
+from __future__ import annotations
+
+import queue
+import time
+
+import numpy as np
+import redis
+import tritonclient.grpc as tc
+
+from batchline import contract, tracecontext
+from batchline.embedded_redis import EmbeddedRedis
+from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import internal_pb2 as pb
+
+CLIENT_TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def _queued(r: redis.Redis, key: str, timeout: float = 10) -> list[bytes]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        members = r.zrange(key, 0, -1)
+        if members:
+            return members
+        time.sleep(0.01)
+    raise AssertionError(f"nothing was queued under {key}")
+
+
+def test_queue_entry_carries_trace_context_deadline_and_expiring_payload(mesh_factory):
+    # A scheduler that may give no executor any batch: requests stay queued for inspection.
+    m = mesh_factory(models=["mlp"], max_batches_per_executor=0)
+    r = redis.Redis.from_url(m.redis_url)
+    client = tc.InferenceServerClient(m.address)
+    answers: queue.Queue = queue.Queue()
+    x = np.zeros((3, 32), dtype=np.float32)
+    inp = tc.InferInput("features", [3, 32], "FP32")
+    inp.set_data_from_numpy(x)
+    sent = time.time()
+    client.async_infer("mlp", [inp], callback=lambda result, error: answers.put(error), request_id="traced",
+                       timeout=1_500_000, priority=2, headers={"traceparent": CLIENT_TRACE, "tracestate": "k=v"})
+    try:
+        members = _queued(r, contract.queue(("mlp", "1")))
+        assert len(members) == 1
+        entry = pb.QueueEntry.FromString(members[0])
+        assert entry.rows == 3 and entry.priority == 2 and entry.model_version == "1"
+        assert abs(entry.deadline_us / 1e6 - (sent + 1.5)) < 0.5
+        # Same trace as the client's, a span of its own.
+        assert tracecontext.trace_id(entry.traceparent) == tracecontext.trace_id(CLIENT_TRACE)
+        assert entry.traceparent != CLIENT_TRACE and entry.tracestate == "k=v"
+        payload_key = contract.payload(("mlp", "1"), entry.request_id)
+        payload = ipb.ModelInferRequest.FromString(r.get(payload_key))
+        assert payload.id == "traced" and payload.inputs[0].name == "features"
+        assert 0 < r.pttl(payload_key) <= 1_500 + contract.PAYLOAD_GRACE_MS
+        assert r.ttl(contract.queue(("mlp", "1"))) > 0
+        # The budget runs out; the answer says so and the request leaves Redis.
+        err = answers.get(timeout=10)
+        assert err is not None and err.status() == "StatusCode.DEADLINE_EXCEEDED", err
+        deadline = time.monotonic() + 5
+        while (r.exists(payload_key) or r.zcard(contract.queue(("mlp", "1")))) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not r.exists(payload_key) and r.zcard(contract.queue(("mlp", "1"))) == 0
+    finally:
+        client.close()
+
+
+def test_request_without_trace_context_gets_a_new_trace(mesh_factory):
+    m = mesh_factory(models=["mlp"], max_batches_per_executor=0)
+    r = redis.Redis.from_url(m.redis_url)
+    client = tc.InferenceServerClient(m.address)
+    inp = tc.InferInput("features", [1, 32], "FP32")
+    inp.set_data_from_numpy(np.zeros((1, 32), dtype=np.float32))
+    done: queue.Queue = queue.Queue()
+    client.async_infer("mlp", [inp], callback=lambda result, error: done.put(error), timeout=500_000)
+    try:
+        entry = pb.QueueEntry.FromString(_queued(r, contract.queue(("mlp", "1")))[0])
+        assert tracecontext.parse(entry.traceparent) is not None
+        assert entry.tracestate == ""
+        done.get(timeout=10)
+    finally:
+        client.close()
+
+
+def test_tracecontext_helpers():
+    assert tracecontext.parse("garbage") is None
+    assert tracecontext.parse("00-" + "0" * 32 + "-00f067aa0ba902b7-01") is None
+    child = tracecontext.child(CLIENT_TRACE)
+    assert child.endswith("-01") and tracecontext.trace_id(child) == tracecontext.trace_id(CLIENT_TRACE)
+    fresh = tracecontext.child(None)
+    assert tracecontext.trace_id(fresh) != tracecontext.trace_id(tracecontext.child(None))
+
+
+def test_group_commit_script_queues_refuses_when_full_and_clears_abandoned():
+    """The gateway's one-command group commit (ENQUEUE_LUA), on a real Redis: a bounded queue that
+    is full refuses (and stores no payload), every queue written to is announced on its own notify
+    list with one token at most and keeps a TTL, the heartbeat key is refreshed, and abandoned
+    requests leave nothing behind."""
+    with EmbeddedRedis() as server:  # its own: the keys below must not meet a mesh's
+        r = redis.Redis.from_url(server.url)
+        try:
+            _group_commit_checks(r)
+        finally:
+            r.close()
+
+
+def _group_commit_checks(r: redis.Redis) -> None:
+    bounded, open_ = ("t-bounded", "1"), ("t-open", "1")
+    r.zadd(contract.queue(bounded), {b"gone": 1})
+    r.set(contract.payload(bounded, "gone"), b"x")
+    r.rpush(contract.notify(open_), 1)  # a token the scheduler has not read yet
+    writes = [contract.QueueWrite(rid, model, b"payload-" + rid.encode(), 60_000, member, 5, cap)
+              for rid, model, member, cap in [("a", bounded, b"ma", 2), ("b", bounded, b"mb", 2),
+                                              ("c", open_, b"mc", 0), ("d", open_, b"md", 0)]]
+    # "gone" holds one of the bounded queue's two places: "a" takes the other and "b" is refused
+    # (abandoned requests are cleared after the writes of the same commit).
+    assert contract.enqueue(r, "t-gw", "127.0.0.1:1", 30_000, writes,
+                            [contract.Abandoned("gone", bounded, b"gone")]) == [1, 0, 1, 1]
+    assert r.zrange(contract.queue(bounded), 0, -1) == [b"ma"]
+    assert sorted(r.zrange(contract.queue(open_), 0, -1)) == [b"mc", b"md"]
+    assert r.get(contract.payload(bounded, "a")) == b"payload-a"
+    assert 0 < r.pttl(contract.payload(bounded, "a")) <= 60_000
+    assert r.get(contract.payload(bounded, "b")) is None and r.get(contract.payload(bounded, "gone")) is None
+    # One token per queue, however many writes: the scheduler takes a list's tokens all at once.
+    notify = [contract.notify(bounded), contract.notify(open_)]
+    assert [r.llen(n) for n in notify] == [1, 1]
+    assert 0 < r.ttl(notify[0]) <= contract.QUEUE_TTL
+    assert all(0 < r.ttl(contract.queue(m)) <= contract.QUEUE_TTL for m in (bounded, open_))
+    heartbeat = contract.gateway("t-gw")
+    assert r.get(heartbeat) == b"127.0.0.1:1" and 0 < r.pttl(heartbeat) <= 30_000
+    # Only abandoned requests: nothing announced, no heartbeat written.
+    r.delete(*notify, heartbeat)
+    assert contract.enqueue(r, "t-gw", "127.0.0.1:1", 30_000, [], [contract.Abandoned("c", open_, b"mc")]) == []
+    assert r.zrange(contract.queue(open_), 0, -1) == [b"md"] and r.get(contract.payload(open_, "c")) is None
+    assert not r.exists(*notify) and not r.exists(heartbeat)
+
+
+def test_batch_done_script_writes_a_batch_of_thousands():
+    """An executor's one-command write for a finished batch (BATCH_DONE_LUA), on a real Redis, with
+    more replies and payload keys than Lua's unpack() takes: every reply lands, every payload and
+    the batch key go, the report is queued and the statistics counted."""
+    n = 9_000
+    with EmbeddedRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        try:
+            batch = pb.Batch(batch_id="b1", model_name="m", model_version="1", executor_id="e1",
+                             members=[pb.QueueEntry(request_id=f"p{i}") for i in range(n)])
+            payloads = [contract.payload(("m", "1"), f"p{i}") for i in range(n)]
+            r.mset({k: b"x" for k in payloads} | {contract.batch(("m", "1"), "b1"): b"batch"})
+            r.sadd(contract.inflight(("m", "1"), "e1"), "b1")
+            replies = [f"r{i}".encode() for i in range(n)]
+            report = pb.ExecutionReport(executor_id="e1", batch_id="b1")
+            stats = ["success_count", n, "execution_count", 1]
+            contract.batch_done(r, contract.FinishedBatch(batch, report, {"g1": replies}, stats, 1234))
+            assert r.lrange(contract.reply("g1"), 0, -1) == replies
+            assert 0 < r.ttl(contract.reply("g1")) <= contract.REPLY_TTL
+            assert r.exists(*payloads, contract.batch(("m", "1"), "b1")) == 0
+            assert r.smembers(contract.inflight(("m", "1"), "e1")) == set()
+            assert r.lrange(contract.REPORTS, 0, -1) == [report.SerializeToString()]
+            stats = contract.stats(("m", "1"))
+            assert r.hgetall(stats) == {b"success_count": str(n).encode(), b"execution_count": b"1",
+                                        b"last_inference_ms": b"1234"}
+            assert 0 < r.ttl(stats) <= contract.STATS_TTL
+        finally:
+            r.close()
+
+
+def test_an_idle_queue_outlives_the_longest_budget_its_entries_can_have():
+    # Only arrivals refresh a queue's expiry: one whose executors are down keeps its entries only
+    # if it outlives every budget the gateway grants (it caps longer ones at MAX_BUDGET_S).
+    from gateway.request import MAX_BUDGET_S
+
+    assert contract.QUEUE_TTL > contract.MAX_BUDGET_S == MAX_BUDGET_S
+
+
+def test_push_with_ttl_appends_and_sets_the_expiry_in_one_command():
+    with EmbeddedRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        try:
+            replies, many_replies = contract.reply("t"), contract.reply("many")
+            r.rpush(replies, b"old")  # a list that lost its expiry, or never had one
+            contract.push_with_ttl(r, replies, contract.REPLY_TTL, [b"a", b"b"])
+            assert r.lrange(replies, 0, -1) == [b"old", b"a", b"b"]
+            assert 0 < r.ttl(replies) <= contract.REPLY_TTL
+            # More values than Lua's unpack() takes (a scheduler shedding a backlog at once).
+            many = [f"r{i}".encode() for i in range(9_000)]
+            contract.push_with_ttl(r, many_replies, contract.REPLY_TTL, many)
+            assert r.lrange(many_replies, 0, -1) == many
+            assert 0 < r.ttl(many_replies) <= contract.REPLY_TTL
+        finally:
+            r.close()
+
+
+def test_count_with_ttl_adds_and_sets_the_expiry_in_one_command():
+    with EmbeddedRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        try:
+            stats = contract.stats(("m", "1"))
+            r.hset(stats, "fail_count", 2)  # a hash that lost its expiry, or never had one
+            contract.count(r, ("m", "1"), "fail_count", 3)
+            assert r.hget(stats, "fail_count") == b"5"
+            assert 0 < r.ttl(stats) <= contract.STATS_TTL
+        finally:
+            r.close()
+
+
+def test_a_token_bucket_holds_its_burst_says_when_the_next_token_comes_and_expires():
+    with EmbeddedRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        try:
+            takes = [contract.take_token(r, "t", 1, 3) for _ in range(4)]
+            assert [taken for taken, _ in takes] == [1, 1, 1, 0]
+            assert 0 < takes[3][1] <= 1000  # one token a second: the next within a second
+            assert 0 < r.pttl(contract.rate("t")) <= 4000  # gone once it would be full again
+        finally:
+            r.close()

@@ -1,0 +1,155 @@
+"""config.toml's [generation] table, its checks against the graph, sampling parameters, and the asyncio loop."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+
+from batchline import demo_decoder
+from batchline.testing.decoder import Reference, build_gpt, mixed_prompts
+from executor.generation_engine import GenerationEngine, PromptError
+from executor.generation_loop import GenerationLoop
+from executor.generation_model import load_decoder
+from executor.generation_sampling import SamplingError, SamplingParams
+from executor.model_config import ConfigError, read_model_config
+from executor.repository import RepositoryError, model_names
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_gpt(tmp_path_factory.mktemp("generation"))
+
+
+@pytest.fixture
+def model_dir(built, tmp_path):
+    """A copy of the demo decoder whose config.toml a test may change."""
+    copy = tmp_path / "gpt"
+    shutil.copytree(built, copy)
+    return copy
+
+
+def with_config(model_dir, old: str, new: str):
+    config = model_dir / "config.toml"
+    text = config.read_text()
+    assert old in text
+    config.write_text(text.replace(old, new))
+    return model_dir
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("max_context = 256", "max_context = 1", "generation.max_context must be >= 2"),
+    ("max_context = 256", "max_context = 256\nbeam_width = 4", "generation.beam_width: Extra inputs are not permitted"),
+    ('"present.3.value"]', ']', "generation.cache_inputs has 8 names and generation.cache_outputs 7"),
+    ('"past.3.value"]', '"past.3.value", "past.0.key"]', "generation.cache_inputs names ['past.0.key'] more than once"),
+    ("eos_token_ids = [0]", "eos_token_ids = [-1]", "generation.eos_token_ids must be token ids >= 0 (got [-1])"),
+    ('tokenizer = "tokenizer"\n', "", "generation.tokenizer: Field required"),
+    ("[generation]", "[tokenizer]\npath = \"tokenizer\"\n[generation]",
+     "a generative model names its tokenizer in [generation]"),
+    ("max_batch_size = 32", "max_batch_size = 0", "max_batch_size of a generative model must be >= 1"),
+    ("[generation]", "[sequence_batching]\n[generation]", "[sequence_batching] does not apply to a generative model"),
+])
+def test_config_errors_name_the_key_and_the_value(model_dir, old, new, message):
+    with_config(model_dir, old, new)
+    with pytest.raises(ConfigError) as info:
+        read_model_config(model_dir / "config.toml")
+    assert message in str(info.value) and str(model_dir / "config.toml") in str(info.value)
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ('"present.0.key"', '"present.0.kee"', "cache_outputs names 'present.0.kee', which is not an output of the graph"),
+    ('"past.0.key", ', '', "the graph's inputs ['past.0.key'] are neither cache_inputs"),
+    ('max_context = 256', 'max_context = 256\nmask_input = "mask"', "mask_input 'mask' is not an input of the graph"),
+    ('max_context = 256', 'max_context = 256\nlogits_output = "scores"', "logits_output 'scores' is not an output"),
+    ("eos_token_ids = [0]", "eos_token_ids = [0, 5000]", "eos_token_ids [5000] are not in the tokenizer's 4096 ids"),
+    ('tokenizer = "tokenizer"', 'tokenizer = "nowhere"', "cannot read"),
+])
+def test_a_config_that_does_not_fit_the_graph_is_refused_at_load(model_dir, old, new, message):
+    if old == '"past.0.key", ':  # drop the pair, so the lists still pair up
+        with_config(model_dir, '"present.0.key", ', '')
+    with_config(model_dir, old, new)
+    with pytest.raises(RepositoryError, match="config.toml") as info:
+        load_decoder(model_dir)
+    assert message in str(info.value)
+
+
+def test_the_batch_path_leaves_generative_models_to_the_engine(built):
+    (built.parent / "plain").mkdir(exist_ok=True)
+    assert model_names(built.parent) == ["plain"]
+    assert read_model_config(built / "config.toml").generation.max_context == demo_decoder.MAX_CONTEXT
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1 (got 0)"),
+    ({"temperature": -0.5}, "temperature must be a number >= 0"),
+    ({"top_p": 0}, "top_p must be in (0, 1] (got 0)"),
+    ({"top_k": -1}, "top_k must be an integer >= 0"),
+    ({"seed": -3}, "seed must be an integer >= 0 (got -3)"),
+    ({"stop": ("",)}, "stop must be non-empty strings"),
+])
+def test_sampling_parameters_out_of_range_are_named(kwargs, message):
+    with pytest.raises(SamplingError) as info:
+        SamplingParams(**kwargs)
+    assert message in str(info.value)
+
+
+async def test_the_asyncio_loop_streams_concurrent_sequences_and_cancels_a_dropped_one(built):
+    decoder = load_decoder(built)
+    reference = Reference()
+    prompts = mixed_prompts(12, seed=5, longest=60)
+    engine = GenerationEngine(decoder, 16 * decoder.slot_bytes)
+
+    async with GenerationLoop(engine) as loop:
+        async def collect(i, prompt):
+            tokens = []
+            async for out in loop.generate(str(i), prompt, SamplingParams(max_tokens=12, temperature=0)):
+                tokens += out.token_ids
+            return tokens
+
+        async def drop_after_two():
+            seen = 0
+            async for _ in loop.generate("dropped", prompts[0], SamplingParams(max_tokens=200, temperature=0,
+                                                                                ignore_eos=True)):
+                seen += 1
+                if seen == 2:
+                    break
+
+        results = await asyncio.gather(*(collect(i, p) for i, p in enumerate(prompts)), drop_after_two())
+        with pytest.raises(PromptError, match="the prompt is empty"):
+            await collect("empty", [])
+        for _ in range(200):
+            if not engine.has_work:
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.has_work and engine.cache.used == 0
+    assert results[:-1] == [reference.greedy(p, 12) for p in prompts]
+    assert loop.steps < 12 * 12  # steps were shared, not one sequence after another
+
+
+def test_top_k_and_top_p_narrow_the_draw_to_the_likeliest_tokens():
+    import numpy as np
+
+    from executor.generation_sampling import choose
+
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    draws = lambda params: {choose(logits, params, seed=1, index=i) for i in range(300)}  # noqa: E731
+    assert draws(SamplingParams(temperature=1.0)) == {0, 1, 2, 3}
+    assert draws(SamplingParams(temperature=1.0, top_k=1)) == {0}
+    assert draws(SamplingParams(temperature=1.0, top_k=2)) == {0, 1}
+    assert draws(SamplingParams(temperature=1.0, top_p=0.5)) == {0}
+    assert draws(SamplingParams(temperature=1.0, top_p=0.75)) == {0, 1}
+    assert draws(SamplingParams(temperature=0)) == {0}
+    # The same seed and index draw the same token, whatever was drawn before.
+    assert choose(logits, SamplingParams(), 7, 3) == choose(logits, SamplingParams(), 7, 3)
+
+
+def test_build_models_writes_the_generative_model(model_repository):
+    decoder = load_decoder(model_repository / "gpt")
+    assert decoder.config.max_context == demo_decoder.MAX_CONTEXT
+    assert decoder.tokenizer.get_vocab_size() == demo_decoder.VOCAB_SIZE
+    assert len(decoder.cache) == 2 * demo_decoder.LAYERS
+    assert (model_repository / "gpt" / "1" / "model.onnx").stat().st_size < 10_000_000
