@@ -1,14 +1,16 @@
 """The REST port against gRPC, and against Triton's HTTP endpoint: mlp, binary tensors, closed loop.
 
-    python benchmarks/rest.py [--rounds 3] [--duration 10] [--concurrency 32] [--quick]
+    python benchmarks/rest.py [--rounds 3] [--duration 10] [--concurrency 32] [--no-sweep] [--quick]
                               [--peer-python /work/peers/triton/bin/python]
 
 One mesh serves gRPC and REST from the same gateway; each round measures mlp at --concurrency in
 flight over gRPC unary ModelInfer, over REST with Triton's binary tensor data extension (the same
 pool of requests, `batchline bench --protocol http`), and, when the peer's virtualenv is there
 (benchmarks/vs_triton.py says how to make it), over Triton's own HTTP endpoint (pytriton, ONNX
-Runtime in its Python backend, batchline's config.toml settings), the order rotating from round to
-round. It prints each round, with the CPU per request of the client, the server (the gateway, or
+Runtime in its Python backend) at its best setting on this host: first vs_triton.py's sweep of
+Triton's settings for mlp (layouts, spinning, then max_queue_delay; measured over gRPC), printed,
+then the rounds with the sweep's pick (--no-sweep: batchline's config.toml settings), the order
+rotating from round to round. It prints each round, with the CPU per request of the client, the server (the gateway, or
 Triton) and the rest of the mesh (psutil, the warm-up included at the step's rate), and the medians
 of REST / gRPC (target >= 0.8) and REST / Triton HTTP (target >= 1.0). --quick is one short round,
 to see that the script runs.
@@ -32,11 +34,15 @@ def main() -> int:
     p.add_argument("--peer-python", default="/work/peers/triton/bin/python",
                    help="the Python of the virtualenv with nvidia-pytriton; Triton is left out when it is not there "
                         "(default: /work/peers/triton/bin/python)")
+    p.add_argument("--no-sweep", action="store_true", help="Triton with batchline's config.toml settings, unswept")
+    p.add_argument("--sweep-duration", type=float, default=5.0, help="measured seconds per sweep step (default: 5)")
+    p.add_argument("--sweep-warmup", type=float, default=2.0, help="warm-up seconds per sweep step (default: 2)")
     p.add_argument("--quick", action="store_true", help="one round of 2 s (warm-up 0.5 s): does the script run")
     _common.step_args(p, duration=10.0, rounds=3)
     args = p.parse_args()
     if args.quick:
         args.rounds, args.duration, args.warmup = 1, 2.0, 0.5
+        args.sweep_duration, args.sweep_warmup = 1.0, 0.5
     print(f"machine: {_common.machine()}")
     repository = _common.ensure_repository(args.model_repository)
     mesh = Mesh(_common.mesh_args(repository, args.log_level, http_port=0))
@@ -45,10 +51,14 @@ def main() -> int:
         address = mesh.start()
         targets = {"grpc": (address, "grpc"), "rest": (f"127.0.0.1:{mesh.http_port}", "http")}
         if os.path.exists(args.peer_python):
-            from vs_triton import Triton
+            from vs_triton import AS_CONFIGURED, Triton, Workload, sweep
 
             peer = Triton(repository, args.peer_python)
-            peer.serve(("--models", "mlp"))
+            best = AS_CONFIGURED
+            if not args.no_sweep:
+                best, steps = sweep(peer, Workload("mlp unary", "mlp", args.concurrency), args)
+                print(f"Triton's best setting for mlp here: {best.name} (of {len(steps)} tried)")
+            peer.serve(("--models", "mlp", *best.flags))
             targets["triton-http"] = (peer.http_address, "http")
         else:
             print(f"Triton left out: no {args.peer_python} (benchmarks/vs_triton.py says how to make it)")
