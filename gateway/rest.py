@@ -7,6 +7,7 @@ HTTP status of batchline.errors.http_status.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -19,6 +20,7 @@ from batchline.protocol import inference_pb2 as ipb
 from gateway import inference
 from gateway.convert import inputs_of, model_config, model_statistics
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
+from gateway.rest_generate import SSE_HEADERS, first_then_rest, generate_answer, generate_request
 from gateway.rest_tensors import infer_request, infer_response
 from gateway.rest_json import message_dict
 
@@ -70,8 +72,11 @@ class RestApp:
         if scope["type"] != "http":
             return
         headers = dict(scope["headers"])
+        events = None
         try:
             status, answer_headers, body = await self._route(scope, headers, receive)
+            if not isinstance(body, bytes):
+                events, body = body, b""
         except BatchlineError as exc:
             status, answer_headers, body = _error_body(exc)
         except Exception as exc:
@@ -79,9 +84,32 @@ class RestApp:
             log.exception("%s %s failed unexpectedly", scope["method"], scope["path"])
             status, answer_headers, body = _error_body(
                 Internal(f"the gateway failed on this request unexpectedly ({type(exc).__name__}: {exc})"))
+        if events is not None:
+            await self._stream(status, answer_headers, events, send, receive)
+            return
         await send({"type": "http.response.start", "status": status,
                     "headers": [*answer_headers, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+    @staticmethod
+    async def _stream(status: int, headers: list, events, send, receive) -> None:
+        """Server-sent events as they come, each sent at once (chunked: no content-length). A
+        client gone is noticed at the next event: uvicorn drops what is sent to it silently."""
+        async def disconnected() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        gone = asyncio.ensure_future(disconnected())
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        try:
+            async for chunk in events:
+                if gone.done():
+                    return
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            gone.cancel()
+            await events.aclose()
 
     async def _body(self, headers: dict[bytes, bytes], receive) -> bytes:
         declared = headers.get(b"content-length")
@@ -169,6 +197,8 @@ class RestApp:
             action = "/".join(rest)
             if method == "POST" and action == "infer":
                 return await self._infer(headers, receive, name, version)
+            if method == "POST" and action in ("generate", "generate_stream"):
+                return await self._generate(headers, receive, name, version, action == "generate_stream")
             if method == "GET":
                 if action == "":
                     return await self._metadata(headers, name, version)
@@ -219,6 +249,24 @@ class RestApp:
             return 200, _JSON, body
         return 200, [(b"content-type", b"application/octet-stream"),
                      (HEADER_LENGTH, str(header_length).encode())], body
+
+    async def _generate(self, headers, receive, name: str, version: str, stream: bool):
+        grant = self._allow(headers, name)
+        remaining = _remaining_s(headers)
+        await self.gateway.catalog.model(name, version)
+        request = generate_request(await self._json_body(headers, receive), name, version)
+        metadata = [(k.decode(), v.decode("latin-1")) for k in _TRACE_HEADERS if (v := headers.get(k)) is not None]
+        if not stream:
+            response = await inference.infer(self.gateway, request, remaining, metadata, "HTTP generate", grant)
+            if response is None:
+                raise Internal(f"model '{name}' ended without a response: ask generate_stream for its responses")
+            return _json(generate_answer(response))
+
+        def run(on_partial):
+            return inference.infer(self.gateway, request, remaining, metadata, "HTTP generate_stream", grant,
+                                   on_partial)
+
+        return 200, SSE_HEADERS, await first_then_rest(run)
 
     async def _repository(self, headers, receive, route: list[str], path: str):
         if route == ["index"]:

@@ -4,6 +4,8 @@ token, the last flagged final) or whole (ModelInfer); greedy outputs equal trans
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import queue
 from functools import partial
 
@@ -223,3 +225,84 @@ def test_a_prompt_of_token_ids_is_continued_as_its_text_would_be(served, referen
         with pytest.raises(InferenceServerException, match="not in the tokenizer's 4096 ids") as err:
             client.infer("gpt", [bad])
         assert "INVALID_ARGUMENT" in str(err.value.status())
+
+
+def _post_generate(address: str, path: str, body: dict) -> tuple[int, dict, bytes]:
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request("POST", path, body=json.dumps(body).encode())
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+def _events(body: bytes) -> list[dict]:
+    assert body.endswith(b"\n\n"), body[-40:]
+    return [json.loads(chunk.removeprefix(b"data: ")) for chunk in body.split(b"\n\n") if chunk]
+
+
+def test_rest_generate_answers_the_grpc_greedy_text(served):
+    parameters = greedy(12)
+    with grpcclient.InferenceServerClient(served.address) as client:
+        want = client.infer("gpt", text_input("def main("), parameters=parameters)
+    status, headers, body = _post_generate(served.http_address, "/v2/models/gpt/generate",
+                                           {"id": "g1", "text_input": "def main(", "parameters": parameters})
+    assert status == 200, body
+    assert headers["content-type"] == "application/json"
+    answer = json.loads(body)
+    assert answer["text_output"] == want.as_numpy("text_output")[0].decode()
+    assert answer["token_ids"] == want.as_numpy("token_ids").tolist()
+    assert (answer["model_name"], answer["model_version"], answer["id"]) == ("gpt", "1", "g1")
+
+
+def test_rest_generate_stream_sends_an_event_per_token(served):
+    parameters = greedy(10)
+    with grpcclient.InferenceServerClient(served.address) as client:
+        want = client.infer("gpt", text_input("The tuple"), parameters=parameters)
+    status, headers, body = _post_generate(served.http_address, "/v2/models/gpt/versions/1/generate_stream",
+                                           {"text_input": "The tuple", "parameters": parameters})
+    assert status == 200, body
+    assert headers["content-type"] == "text/event-stream; charset=utf-8"
+    events = _events(body)
+    assert [e["token_ids"] for e in events] == [[t] for t in want.as_numpy("token_ids").tolist()]
+    assert "".join(e["text_output"] for e in events) == want.as_numpy("text_output")[0].decode()
+
+
+def test_rest_generate_stream_events_come_as_tokens_are_made(served):
+    from prometheus_client import REGISTRY
+
+    def tokens() -> float:
+        return REGISTRY.get_sample_value("batchline_generation_tokens_total", {"model": "gpt", "version": "1"}) or 0.0
+
+    engine = served.executors[0].generators[0].engine
+    before = tokens()
+    host, port = served.http_address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request("POST", "/v2/models/gpt/generate_stream", body=json.dumps(
+            {"text_input": "The", "parameters": {"max_tokens": 200, "ignore_eos": True, "temperature": 0}}))
+        response = connection.getresponse()
+        assert response.status == 200
+        first = json.loads(response.readline().removeprefix(b"data: "))
+        assert len(first["token_ids"]) == 1
+        assert engine.running, "the first event came before the sequence ended"
+    finally:
+        connection.close()
+    poll(lambda: not engine.running and engine.cache.free == engine.cache.slots, 10,
+         "the sequence of a client that went away to leave the engine")
+    assert tokens() - before < 199, "the sequence ended before its 200 tokens"
+
+
+def test_rest_generate_refuses_bad_input_with_400(served):
+    for path in ("generate", "generate_stream"):
+        status, _, body = _post_generate(served.http_address, f"/v2/models/gpt/{path}",
+                                         {"text_input": "x", "parameters": {"top_p": "2.0"}})
+        assert status == 400 and "top_p must be in" in json.loads(body)["error"], body
+    status, _, body = _post_generate(served.http_address, "/v2/models/gpt/generate", {"text_input": {"a": 1}})
+    assert status == 400 and "input 'text_input' must be a string or a list of integers" in json.loads(body)["error"]
+    status, _, body = _post_generate(served.http_address, "/v2/models/gpt/generate", {"parameters": {}})
+    assert status == 400 and "`text_input` (a string)" in json.loads(body)["error"]
+    status, _, body = _post_generate(served.http_address, "/v2/models/nope/generate", {"text_input": "x"})
+    assert status == 404, body

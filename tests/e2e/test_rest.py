@@ -18,6 +18,7 @@ import tritonclient.http.aio as tha
 from tritonclient.utils import InferenceServerException
 
 from batchline.testing.checkout import ROOT
+from batchline.testing.decoder import build_gpt
 from batchline.testing.onnx_models import ONNX_TYPES, save_identity_model, save_triton_example_models
 
 BODY_CAP = 1 << 20
@@ -28,6 +29,7 @@ def rest_repository(tmp_path_factory, model_repository):
     repo = tmp_path_factory.mktemp("rest-repo")
     save_identity_model(repo)
     save_triton_example_models(repo)
+    build_gpt(repo)
     for name in ("mlp", "minilm"):
         (repo / name).symlink_to(model_repository / name)
     return repo
@@ -153,10 +155,10 @@ def test_health_metadata_config_statistics_and_repository(rest_mesh):
         stats = client.get_inference_statistics("simple")
         assert stats["model_stats"][0]["inference_count"] == int(grpc_stats["model_stats"][0].get("inference_count", 0))
         assert isinstance(stats["model_stats"][0]["inference_count"], int)
-        assert len(client.get_inference_statistics()["model_stats"]) == 6
+        assert len(client.get_inference_statistics()["model_stats"]) == 7
         index = client.get_model_repository_index()
         assert {(e["name"], e["state"]) for e in index} == {
-            (m, "READY") for m in ("identity", "minilm", "mlp", "simple", "simple_identity", "simple_string")}
+            (m, "READY") for m in ("gpt", "identity", "minilm", "mlp", "simple", "simple_identity", "simple_string")}
         with pytest.raises(InferenceServerException) as info:
             client.get_model_metadata("wrong_model_name")
         assert info.value.status() == "404" and info.value.message().startswith("Request for unknown model")
@@ -340,7 +342,7 @@ def _curl_blocks() -> list[str]:
 
 def test_the_curl_examples_of_the_protocol_reference_run(rest_mesh):
     blocks = _curl_blocks()
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     outputs = []
     for block in blocks:
         script = block.replace("localhost:8000", rest_mesh.http_address)
@@ -354,6 +356,10 @@ def test_the_curl_examples_of_the_protocol_reference_run(rest_mesh):
     assert len(json.loads(outputs[2])["outputs"][0]["data"]) == 1
     body, status = outputs[3].rsplit(" ", 1)
     assert status.strip() == "404" and json.loads(body)["error"].startswith("Request for unknown model: 'nope'")
+    whole, streamed = outputs[4].split("\n", 1)
+    events = [json.loads(e.removeprefix("data: ")) for e in streamed.split("\n\n") if e]
+    assert [t for e in events for t in e["token_ids"]] == json.loads(whole)["token_ids"]
+    assert "".join(e["text_output"] for e in events) == json.loads(whole)["text_output"]
 
 
 def test_compressed_bodies_are_read_within_the_cap(rest_mesh):
