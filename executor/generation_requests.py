@@ -25,6 +25,7 @@ from batchline.errors import BatchlineError, Internal, InvalidArgument, status_v
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from executor.generation_sampling import SamplingError, SamplingParams
+from executor.generation_trace import SequenceTrace
 from executor.generation_serving import IDS_INPUT, TEXT_INPUT, TEXT_OUTPUT, TOKENS_OUTPUT, GenerationModel
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class Stream:
     held: list[pb.Reply] = field(default_factory=list)  # made, not pushed yet
     flushed_at: float = field(default_factory=time.monotonic)
     awaited: bool = True
+    trace: SequenceTrace | None = None
 
     def add(self, reply: pb.Reply, token: int) -> None:
         self.tokens.append(token)
@@ -145,6 +147,8 @@ class Stream:
             {self.entry.request_id: np.asarray(sent, np.int64).tobytes()})
         self.awaited = found[self.entry.request_id]
         self.flushed_at = time.monotonic()
+        if self.trace is not None:
+            self.trace.flush(len(push))
 
 
 async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEntry, blob: bytes,
@@ -160,16 +164,33 @@ async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEnt
     except BatchlineError as exc:
         return pb.Reply(request_id=request_id, code=status_value(exc), message=str(exc))
     made = np.frombuffer(sent, np.int64).tolist() if sent else []
-    stream = Stream(store, key, entry, list(made))
+    trace = SequenceTrace(entry, *key, len(prompt), len(made))
+    finish = "cancelled"
+    reply: pb.Reply | None = None
+    try:
+        reply, finish = await _generate(Stream(store, key, entry, list(made), trace=trace), trace, model, request,
+                                        params, prompt, made)
+        return reply
+    finally:
+        # A reply of an error ends its span failed; None: nobody awaits the sequence any more.
+        failed = reply is not None and reply.code != 0
+        trace.end("error" if failed else finish, reply.message if failed else "")
+
+
+async def _generate(stream: Stream, trace: SequenceTrace, model: GenerationModel, request: ipb.ModelInferRequest,
+                    params: SamplingParams, prompt: list[int], made: list[int]) -> tuple[pb.Reply | None, str]:
+    """The request's final Reply (None: cancelled) and why its sequence ended."""
+    entry, request_id = stream.entry, stream.entry.request_id
     engine = model.engine
     if made and (len(made) >= params.max_tokens or len(prompt) + len(made) >= engine.config.max_context
                  or (made[-1] in engine.eos and not params.ignore_eos)):
         # Every token was sent before the executor died, all but the final write.
-        return pb.Reply(request_id=request_id, code=0, index=len(made))
+        return pb.Reply(request_id=request_id, code=0, index=len(made)), "length"
     if made:
         log.info("request %s continues from the %d tokens sent before its executor failed", request_id, len(made))
     labels = (model.info.name, model.info.version)
     first_s = last_s = 0.0
+    finish = "cancelled"
     generated = model.loop.generate(request_id, prompt, params, entry.priority or 1, made)
     try:
         async for out in generated:
@@ -179,24 +200,26 @@ async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEnt
                     first_s = last_s
                     if not made:
                         metrics.GENERATION_TTFT.labels(*labels).observe(max(0.0, first_s - entry.enqueued_us / 1e6))
+            trace.step(out, len(stream.tokens))
             for i, token in enumerate(out.token_ids):  # (the text the step added goes with its first token)
                 index = len(stream.tokens)
                 stream.add(pb.Reply(request_id=request_id, partial=True, index=index,
                                     response=token_response(model, request, "" if i else out.text, [token])), token)
             if out.finished:
+                finish = out.finish_reason or finish
                 break
             if stream.due():
                 await stream.flush()
                 if not stream.awaited:
-                    return None  # cancelled or timed out: leaving the iteration frees its cache
+                    return None, "cancelled"  # or timed out: leaving the iteration frees its cache
     except ValueError as exc:
         if made and "stop string" in str(exc):
-            return pb.Reply(request_id=request_id, code=0, index=len(made))  # it ended before the executor died
+            return pb.Reply(request_id=request_id, code=0, index=len(made)), "stop"  # it ended before the executor died
         error = InvalidArgument(str(exc))
-        return pb.Reply(request_id=request_id, code=status_value(error), message=str(error))
+        return pb.Reply(request_id=request_id, code=status_value(error), message=str(error)), "error"
     except Exception as exc:  # noqa: BLE001 - a failed run ends the request, not the executor
         error = Internal(f"generation failed on the executor: {exc}")
-        return pb.Reply(request_id=request_id, code=status_value(error), message=str(error))
+        return pb.Reply(request_id=request_id, code=status_value(error), message=str(error)), "error"
     finally:
         await generated.aclose()
     made_here = len(stream.tokens) - len(made)
@@ -204,8 +227,8 @@ async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEnt
         metrics.GENERATION_TPOT.labels(*labels).observe((last_s - first_s) / (made_here - 1))
     await stream.flush(keep_last=True)
     if not stream.awaited:
-        return None
+        return None, "cancelled"
     if not stream.held:
-        return pb.Reply(request_id=request_id, code=0, index=len(stream.tokens))
+        return pb.Reply(request_id=request_id, code=0, index=len(stream.tokens)), finish
     last = stream.held[0]
-    return pb.Reply(request_id=request_id, code=0, index=last.index, response=last.response)
+    return pb.Reply(request_id=request_id, code=0, index=last.index, response=last.response), finish

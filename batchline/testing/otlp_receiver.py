@@ -48,6 +48,7 @@ class ReceivedSpan:
     status: str  # UNSET, OK, ERROR
     status_message: str = ""
     resource: dict[str, Any] = field(default_factory=dict)
+    events: tuple[tuple[str, int, dict[str, Any]], ...] = ()  # (name, time in ns, attributes) of each
 
     @property
     def duration_ms(self) -> float:
@@ -75,6 +76,7 @@ def _flatten(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Recei
                     status=trace_pb2.Status.StatusCode.Name(s.status.code).removeprefix("STATUS_CODE_"),
                     status_message=s.status.message,
                     resource=resource,
+                    events=tuple((e.name, e.time_unix_nano, attributes(e.attributes)) for e in s.events),
                 ))
     return out
 

@@ -215,3 +215,32 @@ def test_a_rest_request_joins_the_clients_trace_as_grpc_ones_do(traced, receiver
     assert infer.service == "batchline-gateway" and infer.kind == "SERVER" and infer.parent_span_id == span_id
     assert infer.attributes["batchline.model"] == "mlp"
     assert {s.service for s in spans} == {"batchline-gateway", "batchline-scheduler", "batchline-executor"}
+
+
+def test_a_generated_sequence_is_one_span_with_its_steps_as_events(traced_mesh, receiver):
+    trace_id, span_id = os.urandom(16).hex(), os.urandom(8).hex()
+    prompt = tc.InferInput("text_input", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"def main("], dtype=object))
+    with tc.InferenceServerClient(traced_mesh) as client:
+        result = client.infer("gpt", [prompt], headers={"traceparent": f"00-{trace_id}-{span_id}-01"},
+                              parameters={"max_tokens": 12, "ignore_eos": True, "temperature": 0})
+    assert len(result.as_numpy("token_ids")) == 12
+
+    def found(spans: list[ReceivedSpan]) -> bool:
+        return {"ModelInfer", "generate"} <= {s.name for s in spans if s.trace_id == trace_id}
+
+    spans = [s for s in receiver.wait_for(found, timeout=30) if s.trace_id == trace_id]
+    generate = _one(spans, name="generate")
+    assert generate.service == "batchline-executor" and generate.status == "UNSET"
+    infer = _one(spans, name="ModelInfer")
+    assert generate.parent_span_id == infer.span_id and infer.parent_span_id == span_id
+    assert generate.attributes["batchline.finish_reason"] == "length"
+    assert generate.attributes["batchline.generated_tokens"] == 12
+    assert generate.attributes["batchline.prompt_tokens"] >= 1
+    steps = [e for e in generate.events if e[0] == "step"]
+    assert sum(e[2]["batchline.tokens"] for e in steps) == 12
+    assert [e[2]["batchline.index"] for e in steps] == sorted(e[2]["batchline.index"] for e in steps)
+    assert [e[0] for e in generate.events].count("first_token") == 1
+    assert sum(e[2]["batchline.responses"] for e in generate.events if e[0] == "flush") == 11  # the last: in the write
+    times = [e[1] for e in generate.events]
+    assert times == sorted(times) and generate.start_ns <= times[0] and times[-1] <= generate.end_ns
