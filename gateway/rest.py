@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import zlib
+from typing import AsyncIterator
 
 from batchline.auth import Grant, Tokens
 from batchline.errors import (RETRY_AFTER_KEY, BatchlineError, Internal, InvalidArgument, NotFound, Unauthenticated,
@@ -171,7 +172,8 @@ class RestApp:
             grant.check_model(model)
         return grant
 
-    async def _route(self, scope, headers, receive) -> tuple[int, list, bytes]:
+    async def _route(self, scope, headers, receive) -> tuple[int, list, bytes | AsyncIterator[bytes]]:
+        """The answer: its status, headers and body, or its events (generate_stream)."""
         method, path = scope["method"], scope["path"]
         parts = path.strip("/").split("/")
         if parts[0] != "v2":

@@ -255,6 +255,14 @@ def test_rest_generate_answers_the_grpc_greedy_text(served):
     assert answer["text_output"] == want.as_numpy("text_output")[0].decode()
     assert answer["token_ids"] == want.as_numpy("token_ids").tolist()
     assert (answer["model_name"], answer["model_version"], answer["id"]) == ("gpt", "1", "g1")
+    prompt = [464, 1000, 17, 3000, 42]
+    ids = grpcclient.InferInput("input_ids", [len(prompt)], "INT64")
+    ids.set_data_from_numpy(np.array(prompt, np.int64))
+    with grpcclient.InferenceServerClient(served.address) as client:
+        want = client.infer("gpt", [ids], parameters=parameters).as_numpy("token_ids").tolist()
+    status, _, body = _post_generate(served.http_address, "/v2/models/gpt/generate",
+                                     {"input_ids": prompt, "parameters": parameters})
+    assert status == 200 and json.loads(body)["token_ids"] == want, body
 
 
 def test_rest_generate_stream_sends_an_event_per_token(served):
