@@ -15,11 +15,13 @@ PARAMETER = "classification"
 
 def requested(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> dict[str, int]:
     """Output name -> classes asked for, checked against the model (taken off the request)."""
-    specs = {s.name: s for s in model.outputs}
-    asked = {}
+    asked: dict[str, int] = {}
+    specs = None  # built only for a request that asks for classes: this runs for every request
     for out in request.outputs:
         if PARAMETER not in out.parameters:
             continue
+        if specs is None:
+            specs = {s.name: s for s in model.outputs}
         param = out.parameters[PARAMETER]
         kind = param.WhichOneof("parameter_choice")
         count = getattr(param, kind) if kind in ("int64_param", "uint64_param") else 0
