@@ -236,7 +236,11 @@ class RestApp:
     async def _infer(self, headers, receive, name: str, version: str):
         grant = self._allow(headers, name)
         remaining = _remaining_s(headers)
-        await self.gateway.catalog.model(name, version)  # an unknown model is 404, whatever the body
+        model = await self.gateway.catalog.model(name, version)  # an unknown model is 404, whatever the body
+        if model.decoupled and not model.generation:
+            raise InvalidArgument(f"HTTP end point doesn't support models with decoupled transaction policy: model "
+                                  f"'{model.name}' answers with any number of responses; call ModelStreamInfer "
+                                  f"on the gRPC port")
         body = await self._body(headers, receive)
         length = headers.get(HEADER_LENGTH)
         if length is not None and not length.isdigit():

@@ -10,6 +10,7 @@ from functools import partial
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 from batchline.contract.executor_store import ExecutorStore
@@ -160,3 +161,20 @@ def test_responses_reach_the_client_before_the_request_is_done(redis_server):
             await replies.store.aclose()
 
     asyncio.run(scenario())
+
+
+def test_rest_infer_refuses_a_decoupled_model_in_tritons_http_words(served):
+    client = th.InferenceServerClient(served.http_address)
+    try:
+        arrays = {"IN": np.array([1], np.int32), "DELAY": np.zeros(1, np.uint32), "WAIT": np.zeros(1, np.uint32)}
+        inputs = [th.InferInput(name, list(a.shape), "INT32" if name == "IN" else "UINT32")
+                  for name, a in arrays.items()]
+        for i, a in zip(inputs, arrays.values()):
+            i.set_data_from_numpy(a)
+        with pytest.raises(InferenceServerException) as err:
+            client.infer("repeat_int32", inputs)
+    finally:
+        client.close()
+    assert err.value.status() == "400"
+    assert "HTTP end point doesn't support models with decoupled transaction policy" in err.value.message()
+    assert "ModelStreamInfer" in err.value.message()
