@@ -14,34 +14,34 @@ mean 32, 4 to 128 tokens, end-of-text ignored, greedy; a sequence also ends at t
   its group, so the group runs as one batch to its longest answer; the next group starts after.
   Only the tokens a sequence asked for count; its answer is taken as whole at its group's end
   (its time to first token), and its time per token is the pace of its own tokens in the batch;
-- one at a time: continuous with C = 1.
+- one at a time: continuous with C = 1;
+- transformers CB C: the peer, transformers' continuous batching on the same weights, in this
+  process (benchmarks/generation_peers.py), at the best of a sweep of its settings on the host
+  (run first, at the largest C; `--peer-setting` names one and skips it; `--no-peers` leaves it out).
 Prints per mode and round the output tokens per second (tokens asked for, over the mode's wall
-time) and time to first token and per output token (p50, p99, ms), then medians over rounds and
-the ratios. `--quick` runs 12 sequences of short answers at C = 4, one round: a check that the
-script works, in seconds, not a measurement.
+time) and per CPU-second (the mesh's: every process of it and this client; the peer's: this
+process), time to first token and per output token (p50, p99, ms), then medians over rounds, the
+ratios, and where the mesh's CPU went per output token, by process. `--quick` runs 12 sequences
+of short answers at C = 4, one round, the peer unswept: a check that the script works, in seconds,
+not a measurement.
 """
 from __future__ import annotations
 
 import asyncio
 import statistics
 import time
-from dataclasses import dataclass
+from collections import Counter
+from functools import partial
 
 import _common
 import numpy as np
 import tritonclient.grpc.aio as aioclient
 from generation_engine import answer_lengths
+from generation_peers import Setting, Timed, TransformersPeer, capped
 
 from batchline.testing.decoder import mixed_prompts
 
 MODEL = "gpt"
-
-
-@dataclass
-class Timed:
-    tokens: int  # the tokens the sequence asked for that came back
-    ttft_s: float
-    tpot_s: float | None  # None: one token
 
 
 async def one(client, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[float]]:
@@ -102,56 +102,110 @@ def percentile_ms(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1e3 if values else float("nan")
 
 
+def parse_setting(text: str) -> Setting:
+    threads, attention, batch_tokens = text.split(",")
+    return Setting(int(threads), attention, int(batch_tokens))
+
+
+MESH_PROCESSES = ("client", "gateway", "scheduler", "executor", "redis")
+
+
 def main() -> int:
     p = _common.arg_parser(__doc__.splitlines()[0], progress=False)
     p.add_argument("--sequences", type=int, default=128, help="sequences per mode and round (default: 128)")
     p.add_argument("--in-flight", default="8,32", help="the concurrencies C, comma-separated (default: 8,32)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, the order of the modes alternating (default: 3)")
     p.add_argument("--quick", action="store_true", help="12 short sequences at C=4, one round: a smoke check")
+    p.add_argument("--no-peers", action="store_true", help="leave transformers' continuous batching out")
+    p.add_argument("--peer-setting", type=parse_setting, metavar="THREADS,ATTENTION,BATCH_TOKENS",
+                   help="the peer's setting instead of sweeping, e.g. 1,sdpa,256 (attention: sdpa or eager)")
     args = p.parse_args()
     sequences, concurrencies, rounds = args.sequences, [int(c) for c in args.in_flight.split(",") if c], args.rounds
     if args.quick:
         sequences, concurrencies, rounds = 12, [4], 1
+        args.peer_setting = args.peer_setting or Setting(1, "sdpa", 256)
     prompts = mixed_prompts(sequences, seed=7)
     lengths = answer_lengths(sequences)
     if args.quick:
         lengths = [min(n, 8) for n in lengths]
-    modes = [("one at a time", 1, continuous)]
-    for c in concurrencies:
-        modes += [(f"continuous C={c}", c, continuous), (f"request-level C={c}", c, request_level)]
     repo = _common.ensure_repository(args.model_repository)
     print(f"machine: {_common.machine()}; {sequences} sequences: prompts {sum(map(len, prompts))} token ids, "
-          f"answers up to {sum(lengths)} tokens")
-    rates: dict[str, list[float]] = {name: [] for name, _, _ in modes}
-    latency: dict[str, list[Timed]] = {name: [] for name, _, _ in modes}
+          f"answers up to {sum(capped(prompts, lengths))} tokens")
+    peer = None if args.no_peers else TransformersPeer()
+    if peer is not None:
+        if args.peer_setting:
+            peer.setting = args.peer_setting
+        else:
+            peer.sweep(prompts, lengths, max(concurrencies))
+        print(f"transformers' continuous batching at: {peer.setting}")
+
     with _common.mesh(repo, log_level=args.log_level) as address:
-        asyncio.run(continuous(address, prompts[:2], [2, 2], 2))  # warm: the session's first runs
+        def through_mesh(run, in_flight: int) -> list[Timed]:
+            return asyncio.run(run(address, prompts, lengths, in_flight))
+
+        modes = [("one at a time", partial(through_mesh, continuous, 1))]
+        for c in concurrencies:
+            modes += [(f"continuous C={c}", partial(through_mesh, continuous, c)),
+                      (f"request-level C={c}", partial(through_mesh, request_level, c))]
+            if peer is not None:
+                modes.append((f"transformers CB C={c}", partial(peer.run, prompts, lengths, c)))
+        rates: dict[str, list[float]] = {name: [] for name, _ in modes}
+        per_cpu: dict[str, list[float]] = {name: [] for name, _ in modes}
+        latency: dict[str, list[Timed]] = {name: [] for name, _ in modes}
+        spent: dict[str, Counter] = {name: Counter() for name, _ in modes}
+        made: Counter = Counter()
+        through_mesh(continuous, 2)  # warm: the mesh's first runs
         for round_ in range(rounds):
-            for name, in_flight, run in modes if round_ % 2 == 0 else modes[::-1]:
-                start = time.perf_counter()
-                results = asyncio.run(run(address, prompts, lengths, in_flight))
-                elapsed = time.perf_counter() - start
+            for name, run in modes if round_ % 2 == 0 else modes[::-1]:
+                before, start = _common.cpu_seconds(), time.perf_counter()
+                results = run()
+                elapsed, after = time.perf_counter() - start, _common.cpu_seconds()
+                # The peer runs in this process: its CPU is the client's; the idle mesh's is not its own.
+                used = after - before if not name.startswith("transformers") else Counter(
+                    client=after["client"] - before["client"])
                 tokens = sum(r.tokens for r in results)
                 rates[name].append(tokens / elapsed)
+                per_cpu[name].append(tokens / sum(used.values()))
                 latency[name] += results
+                spent[name] += used
+                made[name] += tokens
                 ttft = [r.ttft_s for r in results]
                 tpot = [r.tpot_s for r in results if r.tpot_s is not None]
-                print(f"round {round_ + 1}  {name:<20} {tokens / elapsed:7.0f} tokens/s  "
-                      f"TTFT p50 {percentile_ms(ttft, 50):7.1f} p99 {percentile_ms(ttft, 99):7.1f} ms  "
+                print(f"round {round_ + 1}  {name:<22} {tokens / elapsed:6.0f} tokens/s {per_cpu[name][-1]:6.0f} "
+                      f"tokens/CPU-s  TTFT p50 {percentile_ms(ttft, 50):7.1f} p99 {percentile_ms(ttft, 99):7.1f} ms  "
                       f"TPOT p50 {percentile_ms(tpot, 50):6.2f} p99 {percentile_ms(tpot, 99):6.2f} ms  "
                       f"{elapsed:6.2f} s", flush=True)
-    rows = [["mode", "tokens/s (median)", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]]
+    if peer is not None:
+        peer.stop()
+    rows = [["mode", "tokens/s (median)", "tokens/CPU-s (median)", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+             "TPOT p99 ms"]]
     median = {name: statistics.median(r) for name, r in rates.items()}
-    for name, _, _ in modes:
+    median_cpu = {name: statistics.median(r) for name, r in per_cpu.items()}
+    for name, _ in modes:
         ttft = [r.ttft_s for r in latency[name]]
         tpot = [r.tpot_s for r in latency[name] if r.tpot_s is not None]
-        rows.append([name, f"{median[name]:.0f}", *(_common.f(percentile_ms(v, q)) for v, q in
-                                                     ((ttft, 50), (ttft, 99), (tpot, 50), (tpot, 99)))])
+        rows.append([name, f"{median[name]:.0f}", f"{median_cpu[name]:.0f}",
+                     *(_common.f(percentile_ms(v, q)) for v, q in ((ttft, 50), (ttft, 99), (tpot, 50), (tpot, 99)))])
     print()
     print(_common.table(rows))
+    print()
+    cpu_rows = [["mode", *MESH_PROCESSES, "total"]]
+    for name, _ in modes:
+        if not name.startswith("transformers"):
+            ms = {k: spent[name][k] / made[name] * 1e3 for k in MESH_PROCESSES}
+            cpu_rows.append([name, *(f"{ms[k]:.3f}" for k in MESH_PROCESSES), f"{sum(ms.values()):.3f}"])
+    print("CPU ms per output token, by process (all rounds):")
+    print(_common.table(cpu_rows))
     for c in concurrencies:
-        cont, req = median[f"continuous C={c}"], median[f"request-level C={c}"]
-        print(f"C={c}: continuous x{cont / req:.2f} request-level, x{cont / median['one at a time']:.2f} one at a time")
+        cont, req = f"continuous C={c}", f"request-level C={c}"
+        print(f"C={c}: continuous x{median[cont] / median[req]:.2f} request-level "
+              f"(x{median_cpu[cont] / median_cpu[req]:.2f} per CPU-second), "
+              f"x{median[cont] / median['one at a time']:.2f} one at a time", end="")
+        if peer is not None:
+            tcb = f"transformers CB C={c}"
+            print(f", x{median[cont] / median[tcb]:.2f} transformers' continuous batching "
+                  f"(x{median_cpu[cont] / median_cpu[tcb]:.2f} per CPU-second)", end="")
+        print()
     return 0
 
 

@@ -1,0 +1,139 @@
+"""The peers of benchmarks/generation.py: transformers' continuous batching on the demo `gpt`'s own weights.
+
+The demo `gpt` is exported from a transformers GPT2LMHeadModel (batchline/demo_decoder.py), so
+the peer runs that very model, in this process, through transformers' ContinuousBatchingManager
+(`init_continuous_batching`: the engine under `generate_batch` and `transformers serve`): closed
+loop, a new request added as soon as one finishes, greedy, end-of-text ignored, each asking for the
+tokens the mesh's sequence asks for (capped, as the mesh's are, by the model's 256 positions).
+Its times come from the manager's own per-token timestamps, taken in its generation thread: no
+network and no client between, which favours the peer over the mesh's client-side times.
+
+The peer's knobs (torch threads, attention implementation, tokens per batch) are swept on the
+host first and the best setting by tokens per second is the one measured (`sweep`); its paged KV
+cache is sized for C sequences at the model's full context, as the executor's slots are.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from batchline import demo_decoder
+
+
+@dataclass
+class Timed:
+    tokens: int  # the tokens the sequence asked for that came back
+    ttft_s: float
+    tpot_s: float | None  # None: one token
+
+
+@dataclass(frozen=True)
+class Setting:
+    threads: int
+    attention: str  # transformers' attn_implementation: "sdpa" or "eager" (which its manager runs as "paged|eager")
+    batch_tokens: int  # ContinuousBatchingConfig.max_batch_tokens: the most tokens in one forward
+
+    def __str__(self) -> str:
+        return f"{self.threads} thread{'s' * (self.threads > 1)}, {self.attention}, {self.batch_tokens} tokens a batch"
+
+
+SWEEP = [Setting(t, a, b) for t, a, b in itertools.product((1, 2), ("sdpa", "eager"), (256, 1024))]
+PAGE = 64  # tokens a cache page: 4 pages make one sequence's full context
+
+
+def capped(prompts: list[list[int]], lengths: list[int]) -> list[int]:
+    """The tokens each sequence can get: its answer length, cut where the prompt and answer fill the context."""
+    return [min(n, demo_decoder.MAX_CONTEXT - len(p)) for p, n in zip(prompts, lengths)]
+
+
+class TransformersPeer:
+    """transformers' ContinuousBatchingManager on the demo's GPT2LMHeadModel, one manager per (setting, C)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.set_grad_enabled(False)
+        self.model = demo_decoder.build_reference_model()
+        self._managers: dict[tuple[Setting, int], object] = {}
+        self.setting: Setting | None = None
+
+    def _manager(self, setting: Setting, in_flight: int):
+        import torch
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        torch.set_num_threads(setting.threads)
+        key = (setting, in_flight)
+        if key not in self._managers:
+            for manager in self._managers.values():
+                manager.stop(block=True)  # type: ignore[attr-defined]
+            self._managers.clear()
+            self.model.set_attn_implementation(setting.attention)
+            generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
+                                          max_new_tokens=demo_decoder.MAX_CONTEXT)
+            batching = ContinuousBatchingConfig(
+                page_size=PAGE, num_blocks=in_flight * demo_decoder.MAX_CONTEXT // PAGE + 1,
+                max_batch_tokens=setting.batch_tokens, max_requests_per_batch=in_flight,
+                # Random prompts share no prefix: sharing would only cost its bookkeeping.
+                allow_block_sharing=False)
+            manager = self.model.init_continuous_batching(generation_config=generation,
+                                                          continuous_batching_config=batching)
+            manager.start()
+            self._managers[key] = manager
+        return self._managers[key]
+
+    def stop(self) -> None:
+        for manager in self._managers.values():
+            manager.stop(block=True)  # type: ignore[attr-defined]
+        self._managers.clear()
+
+    def run(self, prompts: list[list[int]], lengths: list[int], in_flight: int,
+            setting: Setting | None = None) -> list[Timed]:
+        """Every sequence, closed loop with `in_flight` at once; each one's tokens and times."""
+        setting = setting or self.setting
+        assert setting is not None, "sweep first, or name a setting"
+        manager = self._manager(setting, in_flight)
+        wanted = capped(prompts, lengths)
+        pending, sent, out = list(range(len(prompts))), {}, []
+        run_id = time.perf_counter_ns()
+
+        def add() -> None:
+            i = pending.pop(0)
+            request_id = f"{run_id}-{i}"
+            sent[request_id] = time.perf_counter()
+            manager.add_request(prompts[i], request_id=request_id, max_new_tokens=wanted[i],
+                                record_timestamps=True, eos_token_id=-1)
+
+        while pending and len(sent) < in_flight:
+            add()
+        while sent:
+            result = manager.get_result(timeout=120)
+            if result is None:
+                raise SystemExit("transformers' continuous batching returned nothing for 120 s")
+            if not result.is_finished():
+                continue
+            if result.error is not None:
+                raise SystemExit(f"transformers' continuous batching failed a request: {result.error}")
+            stamps = result.timestamps or []
+            start = sent.pop(result.request_id)
+            tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+            out.append(Timed(len(result.generated_tokens), stamps[0] - start, tpot))
+            if pending:
+                add()
+        return out
+
+    def sweep(self, prompts: list[list[int]], lengths: list[int], in_flight: int,
+              settings: list[Setting] = SWEEP) -> list[tuple[Setting, float, float]]:
+        """Each setting's tokens per second and per CPU-second of this process on the sequences, one pass
+        after a warming one; the best by tokens per second becomes `self.setting`."""
+        rows = []
+        for setting in settings:
+            self.run(prompts[:in_flight], lengths[:in_flight], in_flight, setting)
+            start, cpu = time.perf_counter(), time.process_time()
+            tokens = sum(t.tokens for t in self.run(prompts, lengths, in_flight, setting))
+            rows.append((setting, tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)))
+            print(f"sweep  transformers CB, {setting}: {rows[-1][1]:.0f} tokens/s, {rows[-1][2]:.0f} tokens/CPU-s",
+                  flush=True)
+        self.setting = max(rows, key=lambda r: r[1])[0]
+        return rows
