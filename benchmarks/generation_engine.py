@@ -1,7 +1,7 @@
 """The generation engine alone on the demo decoder: continuous batching against its alternatives.
 
     python benchmarks/generation_engine.py [--sequences 128] [--rounds 3] [--threads 1] [--in-flight 8,32]
-        [--provider cpu|cuda] [--model DIR] [--check N]
+        [--provider cpu|cuda] [--model DIR] [--check N] [--peer-setting THREADS,ATTENTION,BATCH_TOKENS]
 
 The same sequences (prompts of 1 to 150 tokens, most short; answers of a long-tailed length,
 geometric with mean 32, 4 to 128 tokens, greedy, end-of-text ignored) are generated three ways,
@@ -9,7 +9,9 @@ closed loop with C in flight for C in 8 and 32:
 - continuous: one engine, a new sequence joins as soon as one ends (at the next step);
 - request-level: groups of C run as one batch to the longest answer of the group (each row keeps
   computing until then, as a batch of whole requests does); the next group starts after;
-- one at a time: a single sequence in flight (C = 1 of either).
+- one at a time: a single sequence in flight (C = 1 of either);
+- with `--peer-setting`: transformers' continuous batching on the same weights at that setting
+  (benchmarks/generation_peers.py; generation.py sweeps it), closed loop with C in flight.
 Prints output tokens per second of wall time and of the process's CPU time (only the tokens each
 sequence asked for) and steps per mode and round, then the medians over rounds and their ratios. Builds the
 demo decoder into a temporary directory (a few seconds; `--model` names one built already, for a host
@@ -104,6 +106,8 @@ def main() -> None:
     parser.add_argument("--provider", choices=sorted(PROVIDERS), default="cpu", help="ONNX Runtime's provider")
     parser.add_argument("--model", default="", help="a built demo decoder directory (default: build one)")
     parser.add_argument("--check", type=int, default=0, help="first compare N greedy answers with the CPU's")
+    parser.add_argument("--peer-setting", default="", metavar="THREADS,ATTENTION,BATCH_TOKENS",
+                        help="add transformers' continuous batching at this setting, e.g. 1,eager,256")
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.in_flight.split(",") if c]
     print(f"host: {_common.machine()}; ONNX Runtime on {args.provider}, {args.threads or 'its default'} intra-op "
@@ -112,6 +116,16 @@ def main() -> None:
     for in_flight in concurrencies:
         modes += [(f"continuous C={in_flight}", in_flight, continuous),
                   (f"request-level C={in_flight}", in_flight, request_level)]
+    if args.peer_setting:
+        from generation_peers import TransformersPeer, parse_setting
+
+        peer = TransformersPeer()
+        peer.setting = parse_setting(args.peer_setting)
+
+        def transformers_cb(decoder, prompts, lengths, in_flight: int) -> tuple[int, int]:
+            return sum(t.tokens for t in peer.run(prompts, lengths, in_flight)), 0
+
+        modes += [(f"transformers CB C={c}", c, transformers_cb) for c in concurrencies]
     rates: dict[str, list[float]] = {name: [] for name, _, _ in modes}
     cpu_rates: dict[str, list[float]] = {name: [] for name, _, _ in modes}
     with tempfile.TemporaryDirectory() as tmp:
@@ -141,7 +155,11 @@ def main() -> None:
         for in_flight in concurrencies:
             cont, req = median[f"continuous C={in_flight}"], median[f"request-level C={in_flight}"]
             print(f"  C={in_flight:<2} continuous {cont:8.0f}  request-level {req:8.0f}  "
-                  f"x{cont / median['one at a time']:.1f} one at a time  x{cont / req:.1f} request-level")
+                  f"x{cont / median['one at a time']:.1f} one at a time  x{cont / req:.1f} request-level", end="")
+            tcb = median.get(f"transformers CB C={in_flight}")
+            print(f"  transformers CB {tcb:8.0f}  x{cont / tcb:.1f} it" if tcb else "")
+    if args.peer_setting:
+        peer.stop()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,12 @@ class Setting:
         return f"{self.threads} thread{'s' * (self.threads > 1)}, {self.attention}, {self.batch_tokens} tokens a batch"
 
 
+def parse_setting(text: str) -> Setting:
+    """THREADS,ATTENTION,BATCH_TOKENS, e.g. 1,eager,256."""
+    threads, attention, batch_tokens = text.split(",")
+    return Setting(int(threads), attention, int(batch_tokens))
+
+
 SWEEP = [Setting(t, a, b) for t, a, b in itertools.product((1, 2), ("sdpa", "eager"), (256, 1024))]
 PAGE = 64  # tokens a cache page: 4 pages make one sequence's full context
 
