@@ -247,7 +247,8 @@ class Executor:
 
         async def run() -> None:
             try:
-                await generation_batches.run_batch(self.store, self.executor_id, batch, model, self.written)
+                await generation_batches.run_batch(self.store, self.executor_id, batch, model, self.written,
+                                                   self.heartbeats)
             except Exception:  # left to recovery: the orphan sweep hands the batch back
                 log.exception("generation batch %s failed", batch.batch_id)
             finally:
