@@ -41,7 +41,7 @@ from executor.repository import (
     LoadedModel, ModelDir, RepositoryError, load_model, load_repository, model_names, scan_model,
 )
 from executor.load_override import OVERRIDE_JSON, Overrides
-from executor.model_config import ConfigError
+from executor.model_config import ConfigError, declares_generation
 from executor.warmup import warm_up
 
 if TYPE_CHECKING:
@@ -263,6 +263,10 @@ class LiveRepository:
         served (the call fails with the reason; what serves goes on as it was)."""
         blob = await store.control_override(name)
         try:
+            if blob and pb.ModelOverride.FromString(blob).seq == seq and declares_generation(self.root / name):
+                raise ConfigError(f"model '{name}' is generative: a load call's config or files do not apply to it "
+                                  "(its engine reads config.toml and the tokenizer from the repository); load it "
+                                  "without them")
             await asyncio.to_thread(self.overrides.apply, name, blob, seq, self.root)
         except ConfigError as exc:
             reason = f"a reload failed: {exc}"

@@ -187,3 +187,39 @@ def test_a_reload_leaves_a_running_stream_on_its_engine(repo):
         assert not stream.errors and stream.tokens() == want
         poll(lambda: freed(reloaded), 10, "the replaced engine to free its cache")
         assert app.generators == [new] and new.active == 0
+
+
+def test_poll_mode_rolls_a_new_version_of_gpt_out(tmp_path, repo):
+    import shutil
+
+    from batchline.testing.in_process import InProcessMesh
+
+    root = tmp_path / "polled"
+    shutil.copytree(repo / "gpt", root / "gpt")
+    with InProcessMesh(None, str(root), executor_overrides={"model_control_mode": "poll", "repository_poll_s": 0.3},
+                       gateway_overrides={"model_control_mode": "poll"}) as mesh, \
+            grpcclient.InferenceServerClient(mesh.address) as client:
+        app = mesh.executors[0]
+        [first] = app.generators
+        want = greedy_tokens(client, "import", {**LONG, "max_tokens": 12})
+        shutil.copytree(root / "gpt" / "1", root / "gpt" / "2")
+        poll(lambda: index(client) == {("gpt", "1"): ("UNAVAILABLE", "unloaded"), ("gpt", "2"): ("READY", "")}, 60,
+             "version 2 to serve and version 1 to be released")
+        poll(lambda: freed(first), 10, "version 1's engine to free its cache")
+        assert [g.version for g in app.generators] == ["2"]
+        result = client.infer("gpt", text_input("import"), parameters={**LONG, "max_tokens": 12})
+        assert result.get_response().model_version == "2" and result.as_numpy("token_ids").tolist() == want
+
+
+def test_a_load_with_a_config_override_is_refused_for_a_generative_model(repo):
+    import json
+
+    with explicit_mesh(repo, drain_timeout_s=60) as mesh, grpcclient.InferenceServerClient(mesh.address) as client:
+        client.load_model("gpt")
+        [model] = mesh.executors[0].generators
+        with pytest.raises(InferenceServerException, match="'gpt' is generative: a load call's config") as refused:
+            client.load_model("gpt", config=json.dumps({"max_batch_size": 4}))
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+        # What served goes on serving.
+        assert mesh.executors[0].generators == [model] and client.is_model_ready("gpt", "1")
+        assert len(greedy_tokens(client, "import", {**LONG, "max_tokens": 4})) == 4
