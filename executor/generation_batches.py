@@ -30,15 +30,9 @@ from executor.running import Member
 
 async def run_batch(store: ExecutorStore, executor_id: str, batch: pb.Batch, model: GenerationModel,
                     written: outcome.Written, heartbeats: HeartbeatTrust | None = None) -> None:
-    model.begin()
-    try:
-        await _run_batch(store, executor_id, batch, model, written, heartbeats or HeartbeatTrust())
-    finally:
-        model.end()
-
-
-async def _run_batch(store: ExecutorStore, executor_id: str, batch: pb.Batch, model: GenerationModel,
-                     written: outcome.Written, heartbeats: HeartbeatTrust) -> None:
+    """Serve the batch's requests and write it. The caller counts it in `model` (begin/end) from
+    when it takes it, so that a version released meanwhile waits for it."""
+    heartbeats = heartbeats or HeartbeatTrust()
     start_us, t0 = now_us(), time.perf_counter_ns()
     key = (batch.model_name, batch.model_version)
     ids = [m.request_id for m in batch.members]

@@ -37,7 +37,7 @@ TOKENS_OUTPUT = "token_ids"
 class GenerationModel:
     """A generative model version as an executor serves it: its engine's loop and its description.
 
-    `active` counts its batches running here; `ending`, once set, ends each of their sequences at its
+    `active` counts its batches running here (one request each); `ending`, once set, ends each of their sequences at its
     next token, UNAVAILABLE with that message (a version released while it still generates)."""
 
     info: pb.ModelInfo
@@ -76,7 +76,7 @@ class GenerationModel:
             try:
                 await asyncio.wait_for(self._idle.wait(), end_after_s)
             except asyncio.TimeoutError:
-                log.info("%s version %s: %d sequences still generating end now: %s", self.name, self.version,
+                log.info("%s version %s: the %d requests still generating end now: %s", self.name, self.version,
                          self.active, message)
                 self.ending = message
                 await self._idle.wait()
