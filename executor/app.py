@@ -71,10 +71,6 @@ class ExecutorApp:
         """The generative versions served (the first lane runs their batches)."""
         return list(self.executor.generators.values()) if self.executor else []
 
-    def generates(self, key: ModelKey) -> bool:
-        """Whether `key` is a generative version served here."""
-        return self.executor is not None and key in self.executor.generators
-
     @property
     def port(self) -> int:
         return self.server.port

@@ -233,9 +233,9 @@ class LiveRepository:
                 b = pb.Batch.FromString(blob)
                 if (b.model_name, b.model_version) == key:
                     return False
-        # A generative version's sequences last as long as their answers: they are left to end after
-        # the release (ExecutorApp.release), within the drain timeout.
-        if any(lane.running.get(key) for lane in lanes) and not self.app.generates(key):
+        # (A generative version's batches are not counted in `running`: its sequences last as long as
+        # their answers, and are left to end after the release, within the drain timeout: ExecutorApp.release.)
+        if any(lane.running.get(key) for lane in lanes):
             return False
         if not depth:
             return True
