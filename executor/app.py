@@ -13,7 +13,7 @@ from batchline.grpc_server import ServerHandle, start_server
 from batchline.protocol import internal_pb2, internal_pb2_grpc
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS
-from executor.generation_serving import GenerationModel, load_generation_models
+from executor.generation_serving import GenerationModel
 from executor.live import LiveRepository
 from executor.repository import LoadedModel
 from executor.control import ExecutorControl
@@ -58,7 +58,8 @@ class ExecutorApp:
         self.repository = LiveRepository(self)
         self._address = ""
         self._rewriting: set[asyncio.Task] = set()
-        self.generators: list[GenerationModel] = []
+        # Generative versions replaced or released here whose sequences still end on them.
+        self._retiring: dict[asyncio.Task, GenerationModel] = {}
 
     @property
     def executor(self) -> Executor | None:
@@ -66,18 +67,23 @@ class ExecutorApp:
         return self.lanes[0] if self.lanes else None
 
     @property
+    def generators(self) -> list[GenerationModel]:
+        """The generative versions served (the first lane runs their batches)."""
+        return list(self.executor.generators.values()) if self.executor else []
+
+    @property
     def port(self) -> int:
         return self.server.port
 
     async def start(self) -> "ExecutorApp":
         s = self.settings
-        models = await self.repository.initial()
-        # Loaded at start in every model control mode: the live repository does not load or release them.
-        self.generators = await asyncio.to_thread(load_generation_models, s)
-        for generator in self.generators:
+        loaded = await self.repository.initial()
+        models = [m for m in loaded if isinstance(m, LoadedModel)]
+        generators = [m for m in loaded if isinstance(m, GenerationModel)]
+        for generator in generators:
             await generator.loop.__aenter__()
         self.lanes = executor_lanes(s, models)
-        self.executor.generators = {(g.name, g.version): g for g in self.generators}
+        self.executor.generators = {(g.name, g.version): g for g in generators}
         for model in models:
             _report_provider(model)
         self.executor.catalog = self._catalog
@@ -128,12 +134,21 @@ class ExecutorApp:
     # -- the live repository's hands (executor/live.py) ---------------------
 
     def _catalog(self) -> tuple[list[pb.RepositoryEntry], str, dict[str, int]]:
-        generative = [pb.RepositoryEntry(name=g.name, version=g.version, state="READY") for g in self.generators]
-        return self.repository.entries() + generative, self.settings.model_control_mode, dict(self.repository.applied)
+        return self.repository.entries(), self.settings.model_control_mode, dict(self.repository.applied)
 
-    async def place(self, model: LoadedModel) -> None:
+    async def place(self, model: LoadedModel | GenerationModel) -> None:
         """Serve `model` on its lanes (one per instance), replacing a loaded copy of the same version."""
         key = (model.name, model.version)
+        if isinstance(model, GenerationModel):
+            await model.loop.__aenter__()
+            replaced = self.executor.generators.get(key)
+            self.executor.generators[key] = model
+            self.executor.released.pop(key, None)
+            if replaced is not None:
+                # New sequences start on the new engine; those running end on the old one, as a
+                # reloaded model's batches in flight finish on the session they started on.
+                self._retire(replaced, None)
+            return
         await self.executor.publish_tokenizers([model])  # before a gateway can see the model
         _report_provider(model)
         while len(self.lanes) < model.instances:
@@ -151,12 +166,26 @@ class ExecutorApp:
         for lane in self.lanes:
             if key in lane.models:
                 lane.models[key].info.unloading = unloading
+        if key in self.executor.generators:
+            self.executor.generators[key].info.unloading = unloading
 
     def release(self, key: ModelKey) -> None:
         _report_provider(None, key)
+        generator = self.executor.generators.pop(key, None)
+        if generator is not None:
+            self.executor.released[key] = time.monotonic()
+            timeout = self.settings.drain_timeout_s
+            self._retire(generator, timeout, f"model '{key[0]}' version {key[1]} was unloaded from executor "
+                         f"{self.executor.executor_id} while this request generated (its sequences had "
+                         f"{timeout:g} s to end); the tokens made were sent: send the rest again as a new request")
         for lane in self.lanes:
             if key in lane.models:
                 self._drop(lane, key)
+
+    def _retire(self, model: GenerationModel, end_after_s: float | None, message: str = "") -> None:
+        task = asyncio.create_task(model.retire(end_after_s, message), name=f"retire-{model.name}-{model.version}")
+        self._retiring[task] = model
+        task.add_done_callback(lambda t: self._retiring.pop(t, None))
 
     @staticmethod
     def _drop(lane: Executor, key: ModelKey) -> None:
@@ -181,7 +210,9 @@ class ExecutorApp:
             await asyncio.gather(*(lane.stop() for lane in self.lanes))
         if self.server:
             await self.server.stop(grace)
-        for generator in self.generators:
+        retiring = list(self._retiring.values())
+        await stop_tasks(list(self._retiring))
+        for generator in self.generators + retiring:
             await generator.loop.__aexit__(None, None, None)
         metrics.stop_metrics_server(self.metrics_port)
         self.repository.overrides.close()

@@ -6,6 +6,9 @@ dimension), and the executor runs each batch as a task of its own beside its wor
 a request joins the engine at its next step whatever else runs. Until the batch's write the
 batch is in the executor's in-flight set, so that when the executor dies the scheduler's
 recovery hands it to another one, which continues each request from the tokens already sent.
+A request whose gateway's heartbeat is gone is not started, and one that is running ends at its
+next write once it is (nobody waits for its tokens; batchline/heartbeats.py says when that reading
+is sound).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from collections import defaultdict
 from batchline.clock import now_us
 from batchline.contract.executor_store import ExecutorStore
 from batchline.errors import Internal, status_value
+from batchline.heartbeats import HeartbeatTrust
 from batchline.protocol import internal_pb2 as pb
 from executor import outcome
 from executor.generation_requests import serve
@@ -25,17 +29,24 @@ from executor.running import Member
 
 
 async def run_batch(store: ExecutorStore, executor_id: str, batch: pb.Batch, model: GenerationModel,
-                    written: outcome.Written) -> None:
+                    written: outcome.Written, heartbeats: HeartbeatTrust | None = None) -> None:
+    """Serve the batch's requests and write it. The caller counts it in `model` (begin/end) from
+    when it takes it, so that a version released meanwhile waits for it."""
+    heartbeats = heartbeats or HeartbeatTrust()
     start_us, t0 = now_us(), time.perf_counter_ns()
     key = (batch.model_name, batch.model_version)
     ids = [m.request_id for m in batch.members]
-    payloads, _ = await store.fetch(key, ids, [])
+    gateways = sorted({m.gateway_id for m in batch.members})
+    payloads, beats = await store.fetch(key, ids, gateways)
     sent = await store.generated_tokens(key, ids)
     fetched_ns = time.perf_counter_ns()
-    # A payload that is gone was answered, cancelled or timed out: nobody waits for it.
-    live = [(entry, blob, made) for entry, blob, made in zip(batch.members, payloads, sent) if blob is not None]
-    results = await asyncio.gather(*(serve(store, model, entry, blob, made) for entry, blob, made in live),
-                                   return_exceptions=True)
+    alive = {g for g, beat in zip(gateways, beats) if beat is not None or not heartbeats.heartbeats_tell()}
+    # A payload that is gone was answered, cancelled or timed out, and a dead gateway's client is
+    # gone with it: nobody waits for either.
+    live = [(entry, blob, made) for entry, blob, made in zip(batch.members, payloads, sent)
+            if blob is not None and entry.gateway_id in alive]
+    results = await asyncio.gather(*(serve(store, model, entry, blob, made, heartbeats)
+                                     for entry, blob, made in live), return_exceptions=True)
     ran_ns = time.perf_counter_ns()
     members: list[Member] = []
     replies: dict[str, list[bytes]] = defaultdict(list)

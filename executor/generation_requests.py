@@ -21,7 +21,8 @@ from batchline import metrics
 from batchline.codec import decode_inputs, encode_array
 from batchline.contract.executor_store import ExecutorStore
 from batchline.contract.keys import ModelKey
-from batchline.errors import BatchlineError, Internal, InvalidArgument, status_value
+from batchline.errors import BatchlineError, Internal, InvalidArgument, Unavailable, status_value
+from batchline.heartbeats import HeartbeatTrust
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from executor.generation_sampling import SamplingError, SamplingParams
@@ -128,6 +129,7 @@ class Stream:
     flushed_at: float = field(default_factory=time.monotonic)
     awaited: bool = True
     trace: SequenceTrace | None = None
+    heartbeats: HeartbeatTrust = field(default_factory=HeartbeatTrust)
 
     def add(self, reply: pb.Reply, token: int) -> None:
         self.tokens.append(token)
@@ -138,13 +140,14 @@ class Stream:
 
     async def flush(self, keep_last: bool = False) -> None:
         """Push the held responses (all but the last, with `keep_last`); whether the request is still
-        awaited is read in the same round trip."""
+        awaited (its payload is there and its gateway's heartbeat too) is read in the same round trip."""
         push = self.held[:-1] if keep_last else self.held
         self.held = self.held[-1:] if keep_last else []
         sent = self.tokens[:len(self.tokens) - len(self.held)]
         found = await self.store.stream_tokens(
             self.model_key, {self.entry.gateway_id: [r.SerializeToString() for r in push]} if push else {},
-            {self.entry.request_id: np.asarray(sent, np.int64).tobytes()})
+            {self.entry.request_id: np.asarray(sent, np.int64).tobytes()},
+            {self.entry.request_id: self.entry.gateway_id} if self.heartbeats.heartbeats_tell() else {})
         self.awaited = found[self.entry.request_id]
         self.flushed_at = time.monotonic()
         if self.trace is not None:
@@ -152,9 +155,10 @@ class Stream:
 
 
 async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEntry, blob: bytes,
-                sent: bytes | None) -> pb.Reply | None:
+                sent: bytes | None, heartbeats: HeartbeatTrust | None = None) -> pb.Reply | None:
     """Generate the request's tokens, streaming them; its final Reply (None: nobody awaits it any more).
-    `sent`: the tokens already sent for it by an executor that died (int64 bytes), continued from."""
+    `sent`: the tokens already sent for it by an executor that died (int64 bytes), continued from.
+    `heartbeats`: whether a gateway's missing heartbeat says it died (then the sequence ends)."""
     key = (model.info.name, model.info.version)
     request_id = entry.request_id
     try:
@@ -168,8 +172,8 @@ async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEnt
     finish = "cancelled"
     reply: pb.Reply | None = None
     try:
-        reply, finish = await _generate(Stream(store, key, entry, list(made), trace=trace), trace, model, request,
-                                        params, prompt, made)
+        stream = Stream(store, key, entry, list(made), trace=trace, heartbeats=heartbeats or HeartbeatTrust())
+        reply, finish = await _generate(stream, trace, model, request, params, prompt, made)
         return reply
     finally:
         # A reply of an error ends its span failed; None: nobody awaits the sequence any more.
@@ -208,10 +212,17 @@ async def _generate(stream: Stream, trace: SequenceTrace, model: GenerationModel
             if out.finished:
                 finish = out.finish_reason or finish
                 break
+            if model.ending:  # released here while it generates: what it made is sent, then the refusal
+                await stream.flush()
+                error = Unavailable(model.ending)
+                return pb.Reply(request_id=request_id, code=status_value(error), message=str(error)), "unloaded"
             if stream.due():
                 await stream.flush()
-                if not stream.awaited:
-                    return None, "cancelled"  # or timed out: leaving the iteration frees its cache
+                if not stream.awaited:  # cancelled, timed out, or its gateway died: leaving frees its cache
+                    log.info("request %s: nobody awaits it any more (cancelled, timed out or its gateway %s is "
+                             "gone): its sequence ends after %d tokens", request_id, entry.gateway_id,
+                             len(stream.tokens))
+                    return None, "cancelled"
     except ValueError as exc:
         if made and "stop string" in str(exc):
             return pb.Reply(request_id=request_id, code=0, index=len(made)), "stop"  # it ended before the executor died

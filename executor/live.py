@@ -13,6 +13,12 @@ A version is loaded, warmed up (its latency profile seeded) and only then advert
 being released is advertised as unloading: gateways admit no new requests to it, the scheduler
 sends it only what was queued while no other executor serves it, and after UNLOAD_GRACE_S, once
 its queue is empty (or another executor serves it) and no batch of it is here, it is dropped.
+
+Generative models (config.toml [generation]) are loaded, reloaded and released the same way, into
+a generation engine each (executor/generation_serving.py), with two differences: their sequences
+run for as long as their answers, so a version is released while sequences still generate, and
+those have the executor's drain_timeout_s to end before they are ended UNAVAILABLE; and a reload
+leaves the sequences running on the engine they started on, which stops when the last one ends.
 """
 from __future__ import annotations
 
@@ -30,11 +36,12 @@ from batchline.contract.keys import ModelKey
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, connect
 from batchline.registry import Registry
+from executor.generation_serving import GenerationModel, generation_names, load_generation, load_generation_models
 from executor.repository import (
     LoadedModel, ModelDir, RepositoryError, load_model, load_repository, model_names, scan_model,
 )
 from executor.load_override import OVERRIDE_JSON, Overrides
-from executor.model_config import ConfigError
+from executor.model_config import ConfigError, declares_generation
 from executor.warmup import warm_up
 
 if TYPE_CHECKING:
@@ -86,14 +93,16 @@ class LiveRepository:
 
     # -- start ------------------------------------------------------------
 
-    async def initial(self) -> list[LoadedModel]:
+    async def initial(self) -> list[LoadedModel | GenerationModel]:
         """The models to serve from the start (loaded, not yet warmed up or placed)."""
         s = self.settings
-        names = await asyncio.to_thread(model_names, self.root, s.models or None)
+        names = await asyncio.to_thread(self._names)
         self.listed = set(names)
         if self.mode == "none":  # all of it, or nothing: a model that fails stops the executor
-            models = await asyncio.to_thread(load_repository, self.root, s.models or None, s.providers,
-                                             s.trt_engine_cache_dir, s.intra_op_threads, s.allow_spinning, s.cpu_cores)
+            models: list[LoadedModel | GenerationModel] = [*await asyncio.to_thread(
+                load_repository, self.root, s.models or None, s.providers, s.trt_engine_cache_dir, s.intra_op_threads,
+                s.allow_spinning, s.cpu_cores)]
+            models += await asyncio.to_thread(load_generation_models, s)
             self.slots = {(m.name, m.version): Slot(READY, fingerprint=m.fingerprint, since=time.monotonic())
                           for m in models}
             return models
@@ -145,7 +154,7 @@ class LiveRepository:
     # -- changes ------------------------------------------------------------
 
     async def poll(self) -> None:
-        names = await asyncio.to_thread(model_names, self.root, self.settings.models or None)
+        names = await asyncio.to_thread(self._names)
         self.listed = set(names)
         for name in sorted(set(names) | {n for n, _ in self.slots}):
             await self.sync(name)
@@ -159,7 +168,7 @@ class LiveRepository:
                 pass  # not this executor's to serve: applied, so that the caller need not wait for it
             elif action == "load":
                 if await self._override(name, seq, self.app.executor.store):
-                    names = await asyncio.to_thread(model_names, self.root, self.settings.models or None)
+                    names = await asyncio.to_thread(self._names)
                     self.listed = set(names) | set(self.overrides.dirs)
                     await self.sync(name)
             else:
@@ -224,6 +233,8 @@ class LiveRepository:
                 b = pb.Batch.FromString(blob)
                 if (b.model_name, b.model_version) == key:
                     return False
+        # (A generative version's batches are not counted in `running`: its sequences last as long as
+        # their answers, and are left to end after the release, within the drain timeout: ExecutorApp.release.)
         if any(lane.running.get(key) for lane in lanes):
             return False
         if not depth:
@@ -232,6 +243,11 @@ class LiveRepository:
         return any(e not in mine for e in (await Registry.load(store)).holders.get(key, []))
 
     # -- loading ------------------------------------------------------------
+
+    def _names(self) -> list[str]:
+        """The repository's models of both kinds (batches of whole requests, and generative)."""
+        only = self.settings.models or None
+        return sorted(model_names(self.root, only) + generation_names(self.root, only))
 
     def _dir(self, name: str) -> pathlib.Path:
         """Where the model's files are: its load call's override, else the repository."""
@@ -247,6 +263,10 @@ class LiveRepository:
         served (the call fails with the reason; what serves goes on as it was)."""
         blob = await store.control_override(name)
         try:
+            if blob and pb.ModelOverride.FromString(blob).seq == seq and declares_generation(self.root / name):
+                raise ConfigError(f"model '{name}' is generative: a load call's config or files do not apply to it "
+                                  "(its engine reads config.toml and the tokenizer from the repository); load it "
+                                  "without them")
             await asyncio.to_thread(self.overrides.apply, name, blob, seq, self.root)
         except ConfigError as exc:
             reason = f"a reload failed: {exc}"
@@ -263,14 +283,18 @@ class LiveRepository:
                 slot.reason = ""
         return True
 
-    async def _load(self, scanned: ModelDir, version: str, print_: tuple[int, ...]) -> LoadedModel:
+    async def _load(self, scanned: ModelDir, version: str, print_: tuple[int, ...]) -> LoadedModel | GenerationModel:
         """The version loaded (RepositoryError with ONNX Runtime's reason if it cannot be)."""
         s = self.settings
+        model: LoadedModel | GenerationModel
         try:
-            model = await asyncio.to_thread(
-                load_model, scanned.path, scanned.path / version, scanned.config, s.providers, s.trt_engine_cache_dir,
-                s.intra_op_threads, s.allow_spinning, s.cpu_cores,
-            )
+            if scanned.config.get("generation") is not None:
+                model = await asyncio.to_thread(load_generation, scanned.path, version, s)
+            else:
+                model = await asyncio.to_thread(
+                    load_model, scanned.path, scanned.path / version, scanned.config, s.providers,
+                    s.trt_engine_cache_dir, s.intra_op_threads, s.allow_spinning, s.cpu_cores,
+                )
         except Exception as exc:
             self.slots[(scanned.name, version)] = Slot(UNAVAILABLE, _load_error(exc), print_, time.monotonic())
             raise RepositoryError(f"{scanned.name} version {version}: {_load_error(exc)}") from exc
@@ -291,7 +315,7 @@ class LiveRepository:
             self.slots[key] = Slot(LOADING, fingerprint=print_, since=time.monotonic())
         try:
             model = await self._load(scanned, version, print_)
-            if self.settings.warmup:
+            if self.settings.warmup and isinstance(model, LoadedModel):  # (the engine learns its costs as it runs)
                 if serving is None:
                     self.slots[key].state = LOADING  # not served before its profile is seeded
                 reports = await asyncio.to_thread(warm_up, model, self.app.executor.executor_id)

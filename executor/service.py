@@ -244,13 +244,16 @@ class Executor:
     def _generate(self, batch: pb.Batch, model: GenerationModel) -> None:
         """Run a generative model's batch beside the workers, held (not swept as an orphan) until its write."""
         self._in_progress.add(batch.batch_id)
+        model.begin()  # now, not when the task starts: a release in between must wait for it
 
         async def run() -> None:
             try:
-                await generation_batches.run_batch(self.store, self.executor_id, batch, model, self.written)
+                await generation_batches.run_batch(self.store, self.executor_id, batch, model, self.written,
+                                                   self.heartbeats)
             except Exception:  # left to recovery: the orphan sweep hands the batch back
                 log.exception("generation batch %s failed", batch.batch_id)
             finally:
+                model.end()
                 self._in_progress.discard(batch.batch_id)
 
         task = asyncio.create_task(run(), name=f"generate-{batch.batch_id}")

@@ -10,6 +10,11 @@ models, rounded up, is `executors wanted`: published in Redis (bl:demand, for `b
 
 The horizon defaults to the executors' measured start-to-serving time (their registrations carry
 it): an executor asked for now serves that much later, so that is how far ahead demand must be seen.
+
+A generative model has no batch profile: one executor's capacity is its sequences at once (its
+cache slots, fewer where the time-per-token budget bounds the decode batch) over the time a
+sequence holds its slot, measured as in-flight sequences over the arrival rate (Little's law;
+docs/design/autoscaling.md#generative-models).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from batchline import metrics, telemetry
 from batchline.contract.keys import ModelKey
 from batchline.contract.scheduler_store import SchedulerStore
 from batchline.planning import BatchCost, BatchingRule
-from batchline.planning.capacity import Need, executor_capacity, need, wanted
+from batchline.planning.capacity import Need, executor_capacity, generation_capacity, need, wanted
 from batchline.planning.forecast import ArrivalRate, Holt
 from batchline.protocol import internal_pb2 as pb
 from batchline.registry import Registry
@@ -30,6 +35,8 @@ log = logging.getLogger(__name__)
 
 # Before any executor reported its start-to-serving time, the forecast looks this far ahead.
 DEFAULT_HORIZON_S = 10.0
+# Weight of a step's count in the moving average of a generative model's sequences in flight.
+IN_FLIGHT_WEIGHT = 0.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +72,7 @@ class Demand:
         self.last: pb.MeshDemand | None = None
         # The last capacity per model and what it was computed from: it is played again only when they change.
         self._capacity: dict[ModelKey, tuple[tuple, float]] = {}
+        self._in_flight: dict[ModelKey, float] = {}  # generative models' sequences in flight, averaged
 
     def due(self, now: float) -> bool:
         return now - self.stepped_at >= self.settings.step_s
@@ -86,28 +94,47 @@ class Demand:
             known = self._capacity[key] = (basis, executor_capacity(rule, cost, budget_s, lanes))
         return known[1]
 
+    def generation(self, key: ModelKey, registry: Registry, holders: list[str], in_flight: int, rate: float) -> float:
+        """One executor's capacity for a generative model (generation_capacity), from its holders'
+        registrations and the sequences in flight, averaged over the steps."""
+        held = self._in_flight[key] = in_flight if key not in self._in_flight else \
+            self._in_flight[key] + IN_FLIGHT_WEIGHT * (in_flight - self._in_flight[key])
+        infos = [m for e in holders if e in registry.executors for m in registry.executors[e].models
+                 if (m.name, m.version) == key]
+        slots = min((m.generation_slots for m in infos), default=0)
+        row_s = max((m.decode_step_s / m.generation_running for m in infos if m.generation_running), default=0.0)
+        tpot_s = registry.models[key].tpot_ms / 1000 if key in registry.models else 0.0
+        return generation_capacity(slots, held / rate if rate > 0 else 0.0, row_s, tpot_s)
+
     async def step(self, registry: Registry, plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str]]],
-                   depths: dict[ModelKey, int], now: float) -> pb.MeshDemand:
-        """Measure, forecast and publish. `plans`: per model served, its rule, its cost and its holders."""
+                   depths: dict[ModelKey, int], now: float,
+                   sequences: dict[ModelKey, tuple[list[str], int]] | None = None) -> pb.MeshDemand:
+        """Measure, forecast and publish. `plans`: per model served, its rule, its cost and its holders;
+        `sequences`: per generative model served, its holders and its sequences in flight."""
         self.stepped_at = now
-        models = sorted(plans)
+        sequences = sequences or {}
+        models = sorted(set(plans) | set(sequences))
         totals = await self.store.arrival_counts(models)
         start_s = executor_start_s(registry)
         horizon = self.settings.horizon_s or start_s or DEFAULT_HORIZON_S
         demand = pb.MeshDemand(horizon_s=horizon, executor_start_s=start_s, updated_us=int(now * 1e6),
                                scheduler_id=self.scheduler_id)
         needs: list[Need] = []
-        for key in [k for k in self.rates if k not in plans]:
+        for key in [k for k in self.rates if k not in models]:
             del self.rates[key]  # no longer served
             self._capacity.pop(key, None)
+            self._in_flight.pop(key, None)
         for key, total in zip(models, totals):
-            rule, cost, holders = plans[key]
             rate = self._rate(key)
             rate.observe(now, total)
             # Executors started now serve from `horizon` on; those serving now must also serve now.
             forecast = max(rate.forecast(horizon), rate.forecast(0))
             budget_s = registry.models[key].default_timeout_ms / 1000
-            capacity = self.capacity(key, rule, cost, budget_s, lanes_per_executor(registry, holders))
+            if key in sequences:
+                capacity = self.generation(key, registry, *sequences[key], rate.rate)
+            else:
+                rule, cost, holders = plans[key]
+                capacity = self.capacity(key, rule, cost, budget_s, lanes_per_executor(registry, holders))
             n = need(forecast, capacity, self.settings.target_utilisation, depths.get(key, 0), budget_s)
             needs.append(n)
             demand.models.append(pb.MeshDemand.Model(

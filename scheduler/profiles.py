@@ -17,6 +17,7 @@ from scheduler.profile import LatencyProfile
 UNKNOWN_KIND = "unknown"
 # One sample as saved: units and seconds; warm-up samples are saved with negative units.
 _SAMPLE = struct.Struct("<ff")
+_NOT_REGISTERED = pb.ModelInfo()
 
 
 
@@ -51,9 +52,11 @@ class Profiles:
         return max(profiles, key=lambda p: p.predict(1))
 
     def observe(self, registry: Registry, report: pb.ExecutionReport) -> None:
-        if report.rows:
+        model = (report.model_name, report.model_version)
+        # A generative model's batch lasts as long as its sequence's answer, which no plan predicts:
+        # its requests go to free cache slots, and its executors learn its step costs themselves.
+        if report.rows and not registry.models.get(model, _NOT_REGISTERED).generation:
             seconds = (report.compute_input_ns + report.compute_infer_ns + report.compute_output_ns) / 1e9
-            model = (report.model_name, report.model_version)
             self.of((*model, kind(registry, report.executor_id, model))).observe(
                 report.units or report.rows, seconds, warm_up=report.warmup)
 

@@ -69,6 +69,8 @@ class Scheduler:
         self.demand = Demand(self.store, self.scheduler_id, settings.demand())
         # Per model served, what this step planned it by (rule, cost, holders): the demand step reads them.
         self._plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str]]] = {}
+        # Per generative model served, its holders and its sequences in flight: the demand step reads them.
+        self._generating: dict[ModelKey, tuple[list[str], int]] = {}
         self._scanned_at = 0.0  # when the last step began reading the queues
         self._held: dict[str, int] = {}  # batches each executor holds, as the last step read them
         # Sequences of each generative model each executor holds (its in-flight batches of it).
@@ -169,7 +171,7 @@ class Scheduler:
                    for eid, batches in zip(executors, held)}
         self._held = {eid: len(batches) for eid, batches in zip(executors, held)}
         wake_at: float | None = None
-        self._plans = {}
+        self._plans, self._generating = {}, {}
         for key, members in zip(models, heads):
             wake_at = _earlier(wake_at, await self._schedule(key, members, free_at, now))
         # An empty queue planned before another queue's dispatch kept the shared
@@ -183,7 +185,7 @@ class Scheduler:
                     wake_at = _earlier(wake_at, ready_at)
         self.queues.keep_only({m for members in heads for m in members})
         if self.demand.due(now):
-            await self.demand.step(self.registry, self._plans, self.depths, now)
+            await self.demand.step(self.registry, self._plans, self.depths, now, self._generating)
             wake_at = _earlier(wake_at, now + self.settings.forecast_step_s)
         await self.wakeups.relisten()
         if time.monotonic() - self.profiles.saved_at >= self.settings.profile_save_s:
@@ -294,6 +296,7 @@ class Scheduler:
         holders = self._holders(key, free_at)
         free = {e: generation.slots(list(self.registry.executors[e].models), key) - self._sequences.get((e, key), 0)
                 for e in holders}
+        self._generating[key] = (holders, sum(n for (_, k), n in self._sequences.items() if k == key))
         queue, _ = self.queues.read(key, members)
         self.queues.report(key, info.priority_levels, queue)
         expired = [p for p in queue if p.deadline <= now]

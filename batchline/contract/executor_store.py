@@ -79,12 +79,14 @@ class ExecutorStore(RecoveryStore):
         return await get_many(self.client, [k.generated(model, r) for r in request_ids])
 
     async def stream_tokens(self, model: ModelKey, replies: Mapping[str, Sequence[bytes]],
-                            sent: Mapping[str, bytes]) -> dict[str, bool]:
+                            sent: Mapping[str, bytes], gateways: Mapping[str, str] | None = None) -> dict[str, bool]:
         """Push generation responses to their gateways (per gateway id), then record each request's
         tokens sent so far (`sent`, per request id); whether each request is still awaited (its
-        payload is there: not answered, abandoned or cancelled). The record follows the push, so
-        it never holds a token its client was not sent."""
+        payload is there: not answered, abandoned or cancelled; and, for a request given in
+        `gateways`, request id -> gateway id, that gateway's heartbeat too). The record follows the
+        push, so it never holds a token its client was not sent."""
         ids = list(sent)
+        watched = [r for r in ids if gateways and r in gateways]
         async with self.client.pipeline(transaction=False) as pipe:
             for gateway_id, blobs in replies.items():
                 calls.push_with_ttl(pipe, k.reply(gateway_id), k.REPLY_TTL, blobs)
@@ -92,8 +94,12 @@ class ExecutorStore(RecoveryStore):
                 pipe.set(k.generated(model, request_id), sent[request_id], ex=k.REPLY_TTL)
             for request_id in ids:
                 pipe.exists(k.payload(model, request_id))
+            for request_id in watched:
+                pipe.exists(k.gateway(gateways[request_id]))  # type: ignore[index]
             found = await pipe.execute()
-        return {r: bool(n) for r, n in zip(ids, found[len(found) - len(ids):])}
+        alive = dict(zip(watched, found[len(found) - len(watched):]))
+        payloads = found[len(found) - len(watched) - len(ids):len(found) - len(watched)]
+        return {r: bool(n) and bool(alive.get(r, 1)) for r, n in zip(ids, payloads)}
 
     async def sequence_states(self, model: ModelKey, sequence_keys: Sequence[str]) -> list[bytes | None]:
         """Each sequence's saved state (a SequenceState; None: none, or it expired)."""

@@ -51,6 +51,21 @@ def _in_time(rule: BatchingRule, cost: Cost, budget_s: float, lanes: int, rate: 
         and sum(len(b.members) for b in played.batches) == STREAM
 
 
+def generation_capacity(slots: int, held_s: float, decode_row_s: float = 0.0, tpot_s: float = 0.0) -> float:
+    """Requests per second one executor's generation engine answers: as many sequences at once as
+    its cache slots hold, each holding its slot `held_s` on average (Little's law: the mean time a
+    request is in flight there, prefill and decode steps included). With a time-per-token budget
+    `tpot_s`, no more at once than keep a decode step within it, a step taken to grow by
+    `decode_row_s` per sequence (the learned step over the batch it was learned at: a bound, since
+    a step's cost grows less than in proportion to its batch). 0 until a hold time is measured."""
+    if slots <= 0 or held_s <= 0:
+        return 0.0
+    at_once = slots
+    if tpot_s > 0 and decode_row_s > 0:
+        at_once = max(1, min(slots, int(tpot_s / decode_row_s)))
+    return at_once / held_s
+
+
 @dataclass(frozen=True, slots=True)
 class Need:
     """Executors a model wants, and the numbers behind it."""

@@ -315,3 +315,18 @@ def test_rest_generate_refuses_bad_input_with_400(served):
     assert status == 400 and "`text_input` (a string)" in json.loads(body)["error"]
     status, _, body = _post_generate(served.http_address, "/v2/models/nope/generate", {"text_input": "x"})
     assert status == 404, body
+
+
+def test_generation_batches_teach_the_scheduler_no_latency_profile(served):
+    # A generation batch lasts its whole answer; the scheduler places sequences by free slots and
+    # plans no run time for them, so a profile learned from those batches would be used by nothing.
+    from batchline.contract.keys import REPORTS
+    from batchline.redis_client import connect_sync
+
+    with grpcclient.InferenceServerClient(served.address) as client:
+        client.infer("gpt", text_input("import"), parameters={"max_tokens": 6, "ignore_eos": True})
+    redis = connect_sync(served.redis_url, 2)
+    # The batch's report is written with its final reply: once the list is empty the scheduler took it.
+    poll(lambda: redis.llen(REPORTS) == 0, 10, "the scheduler to take the execution reports")
+    profiles = served.scheduler.scheduler.profiles.by_key
+    assert not [key for key in profiles if key[0] == "gpt"], profiles

@@ -55,3 +55,15 @@ def test_the_mesh_adds_the_models_fractional_needs():
     b = need(35.0, 100.0, 0.7, 0, 0.1)
     assert wanted([a, b]) == 1
     assert wanted([]) == 0
+
+
+def test_a_generative_models_capacity_is_its_slots_over_the_time_a_sequence_holds_one():
+    from batchline.planning.capacity import generation_capacity
+
+    # 16 slots, a sequence in flight 2 s: 8 requests/s.
+    assert generation_capacity(16, 2.0) == pytest.approx(8.0)
+    # A 50 ms budget per token with decode steps of 5 ms per sequence: 10 at once, not 16.
+    assert generation_capacity(16, 2.0, decode_row_s=0.005, tpot_s=0.05) == pytest.approx(5.0)
+    # A budget no step meets still runs one at a time; nothing measured yet is no capacity.
+    assert generation_capacity(16, 2.0, decode_row_s=0.1, tpot_s=0.05) == pytest.approx(0.5)
+    assert generation_capacity(16, 0.0) == 0.0 and generation_capacity(0, 2.0) == 0.0

@@ -71,3 +71,28 @@ def test_a_standby_wants_nothing():
     assert prometheus_client.REGISTRY.get_sample_value("batchline_executors_wanted") == 0
     assert prometheus_client.REGISTRY.get_sample_value("batchline_executor_capacity",
                                                        {"model": "m", "version": "1"}) is None
+
+
+def test_a_generative_model_wants_executors_by_its_sequences_in_flight():
+    # 10 requests/s, 40 sequences in flight: each holds its slot 4 s; 16 slots an executor is
+    # 4 requests/s each, so 10/s at 0.5 utilisation wants 5 executors.
+    state = MemoryState()
+    demand = Demand(MemorySchedulerStore(state), "s", DemandSettings(target_utilisation=0.5))
+    gpt = ("gpt", "1")
+    reg = Registry()
+    for eid in ("e0", "e1", "e2"):
+        reg.add(pb.ExecutorInfo(executor_id=eid, models=[pb.ModelInfo(
+            name="gpt", version="1", default_timeout_ms=30_000, generation=True, generation_slots=16,
+            generation_running=13, decode_step_s=0.013)]))
+    for t in range(10):
+        state.arrivals[gpt] = 10 * t
+        d = asyncio.run(demand.step(reg, {}, {gpt: 0}, float(t), {gpt: (sorted(reg.executors), 40)}))
+    (m,) = d.models
+    assert (m.name, m.arrival_rate) == ("gpt", pytest.approx(10.0))
+    assert m.capacity == pytest.approx(4.0)
+    assert d.executors_wanted == 5
+    # A 5 ms budget per token, with steps of 1 ms per sequence: 5 sequences at once, not 16.
+    reg.models[gpt].tpot_ms = 5
+    state.arrivals[gpt] = 100
+    d = asyncio.run(demand.step(reg, {}, {gpt: 0}, 10.0, {gpt: (sorted(reg.executors), 40)}))
+    assert d.models[0].capacity == pytest.approx(5 / 4)

@@ -1,0 +1,57 @@
+"""A gateway SIGKILLed in the middle of generation streams: the executor notices that its heartbeat
+is gone at the sequences' next write and ends them, freeing their cache slots, instead of
+generating for nobody until their payloads expire (docs/design/generation.md#through-the-mesh)."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from batchline import contract
+from batchline.protocol import internal_pb2 as pb
+from batchline.testing.decoder import build_gpt
+from batchline.testing.polling import poll
+from batchline.testing.processes import ProcessMesh
+
+STREAMS = 6
+MAX_TOKENS = 240
+
+
+def sequences(mesh: ProcessMesh) -> tuple[int, int]:
+    """The executor's running and waiting sequences of gpt, as its last registration says."""
+    blob = mesh.probe.redis.get(contract.executor("exec-0"))
+    info = pb.ExecutorInfo.FromString(blob) if blob else pb.ExecutorInfo()
+    gpt = [m for m in info.models if m.name == "gpt"]
+    return (gpt[0].generation_running, gpt[0].generation_waiting) if gpt else (-1, -1)
+
+
+def test_a_dead_gateways_sequences_end_at_their_next_write(tmp_path):
+    repo = tmp_path / "repo"
+    build_gpt(repo)
+    # Two cache slots (1 MiB each for gpt): the streams take turns, so that some are still to run
+    # when the gateway dies; they must not run either.
+    with ProcessMesh(repo, tmp_path / "logs", models=("gpt",)) as mesh:
+        mesh.start_redis()
+        mesh.add_executor(flags=["--generation-cache-mb", "2"])
+        mesh.add_scheduler()
+        mesh.add_gateway()
+        mesh.probe.wait_for_executors(1)
+        mesh.probe.wait_ready()
+        tokens = threading.Semaphore(0)
+        client = grpcclient.InferenceServerClient(mesh.probe.gateway_address())
+        client.start_stream(callback=lambda result, error: tokens.release() if error is None else None)
+        parameters = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0, "timeout": 120_000_000}
+        for i in range(STREAMS):
+            tensor = grpcclient.InferInput("text_input", [1], "BYTES")
+            tensor.set_data_from_numpy(np.array([b"The"], dtype=object))
+            client.async_stream_infer("gpt", [tensor], request_id=str(i), parameters=parameters)
+        assert tokens.acquire(timeout=60), "no token came"
+        poll(lambda: sequences(mesh)[0] > 0, 30, "the executor to register running sequences", check=mesh.check_alive)
+
+        mesh.kill("gateway")
+        poll(lambda: sequences(mesh) == (0, 0), 30, "the dead gateway's sequences to end")
+        client.close()
+        # Nobody cancelled: the client's calls died with the gateway, and their payloads live 120 s.
+        log = (tmp_path / "logs" / "exec-0.log").read_text()
+        assert "or its gateway gateway is gone): its sequence ends after" in log, "no sequence was ended"
