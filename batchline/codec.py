@@ -7,7 +7,7 @@ the typed `contents` fields. Outputs are always written raw, as Triton does.
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -139,6 +139,18 @@ def onnx_strings(array: np.ndarray, name: str) -> np.ndarray:
     return out
 
 
+def check_raw_size(name: str, datatype: str, shape: Sequence[int], size: int) -> None:
+    """InvalidArgument unless `size` raw bytes are what a fixed-size `datatype` of `shape` takes."""
+    dtype = DATATYPES.get(datatype)
+    if dtype is None or datatype == "BYTES":
+        raise InvalidArgument(f"input '{name}': datatype '{datatype}' has no fixed size")
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"input '{name}': shape {list(shape)} has a negative dimension")
+    expected = element_count(shape) * dtype.itemsize
+    if size != expected:
+        raise InvalidArgument(f"input '{name}': {datatype} shape {list(shape)} needs {expected} bytes, got {size}")
+
+
 def decode_tensor(name: str, datatype: str, shape: Sequence[int], raw: bytes | None, contents) -> np.ndarray:
     """Decode one input tensor, checking that the data matches the shape.
 
@@ -155,11 +167,7 @@ def decode_tensor(name: str, datatype: str, shape: Sequence[int], raw: bytes | N
         if datatype == "BYTES":
             flat = deserialize_bytes(raw, count, name)
         else:
-            expected = count * dtype.itemsize
-            if len(raw) != expected:
-                raise InvalidArgument(
-                    f"input '{name}': {datatype} shape {list(shape)} needs {expected} bytes, got {len(raw)}"
-                )
+            check_raw_size(name, datatype, shape, len(raw))
             flat = np.frombuffer(raw, dtype=dtype)
         return flat.reshape(tuple(shape))
     field = CONTENTS_FIELD.get(datatype)
@@ -196,8 +204,9 @@ def encode_array(array: np.ndarray) -> tuple[str, list[int], bytes]:
     return datatype, list(array.shape), raw
 
 
-def decode_inputs(request) -> dict[str, np.ndarray]:
-    """Every input of a ModelInferRequest as an array, checking data against shapes."""
+def decode_inputs(request, given: Mapping[str, np.ndarray | None] | None = None) -> dict[str, np.ndarray]:
+    """Every input of a ModelInferRequest as an array, checking data against shapes; those in
+    `given` (read from shared memory, batchline/regions.py) are taken from it instead."""
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidArgument(
@@ -208,6 +217,9 @@ def decode_inputs(request) -> dict[str, np.ndarray]:
     for i, tensor in enumerate(request.inputs):
         if tensor.name in arrays:
             raise InvalidArgument(f"input '{tensor.name}' appears more than once")
+        if given is not None and tensor.name in given:
+            arrays[tensor.name] = given[tensor.name]  # type: ignore[assignment]
+            continue
         arrays[tensor.name] = decode_tensor(
             tensor.name, tensor.datatype, list(tensor.shape), raw[i] if raw else None, tensor.contents
         )

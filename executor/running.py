@@ -14,6 +14,8 @@ from batchline.errors import BatchlineError, DeadlineExceeded, Internal, Invalid
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.sizing import row_length
+from batchline.regions import RegionUnreadable
+from executor import shared_memory
 from executor.batching import assemble, split
 from executor.repository import LoadedModel
 
@@ -40,7 +42,7 @@ def decoded(entry: pb.QueueEntry, blob: bytes, model: LoadedModel | None, batch:
         return m
     try:
         m.request = ipb.ModelInferRequest.FromString(blob)
-        m.inputs = decode_inputs(m.request)
+        m.inputs = decode_inputs(m.request, shared_memory.read_inputs(m.request))
         for name in model.string_inputs:
             m.inputs[name] = onnx_strings(m.inputs[name], name)
     except BatchlineError as exc:
@@ -110,7 +112,8 @@ def _session_run(model: LoadedModel, feeds: dict[str, np.ndarray]) -> dict[str, 
 def reply(model: LoadedModel | None, m: Member) -> pb.Reply:
     if m.error is not None or m.outputs is None:
         error = m.error or Internal("the model produced no output for this request")
-        return pb.Reply(request_id=m.entry.request_id, code=status_value(error), message=str(error))
+        return pb.Reply(request_id=m.entry.request_id, code=status_value(error), message=str(error),
+                        region_unreadable=isinstance(error, RegionUnreadable))
     req = m.request
     response = ipb.ModelInferResponse(model_name=model.name, model_version=model.version, id=req.id)
     wanted = [o.name for o in req.outputs] or [o.name for o in model.info.outputs]
@@ -118,4 +121,9 @@ def reply(model: LoadedModel | None, m: Member) -> pb.Reply:
         datatype, shape, raw = encode_array(m.outputs[name])
         response.outputs.add(name=name, datatype=datatype, shape=shape)
         response.raw_output_contents.append(raw)
+    try:
+        shared_memory.write_outputs(req, response)
+    except BatchlineError as exc:
+        return pb.Reply(request_id=m.entry.request_id, code=status_value(exc), message=str(exc),
+                        region_unreadable=isinstance(exc, RegionUnreadable))
     return pb.Reply(request_id=m.entry.request_id, code=0, response=response)

@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from batchline import logs, metrics, telemetry, tracecontext
+from batchline import logs, metrics, regions, telemetry, tracecontext
 from batchline.contract.keys import ModelKey
 from batchline.contract.executor_store import ExecutorStore
 from batchline.clock import now_us
@@ -78,6 +78,7 @@ class Executor:
         self.heartbeats = HeartbeatTrust()  # whether a gateway without a heartbeat is gone
         self.draining = False
         self._warmup_reports: list[pb.ExecutionReport] = []
+        self.host = regions.host_id()  # advertised: a gateway on the same one references regions
         self.running: Counter[ModelKey] = Counter()  # batches being processed, per model version
         # Versions released here (time.monotonic()): a batch of one that a scheduler sent before it saw
         # the release goes back to its queue for another executor instead of failing.
@@ -109,6 +110,7 @@ class Executor:
             draining=self.draining,
             busy_share=self.busy_share,
             start_s=self.start_s,
+            host=self.host,
         )
 
     async def register(self) -> None:

@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import replace
 
-from batchline import contract, logs, metrics, telemetry, tracecontext
+from batchline import contract, logs, metrics, regions, telemetry, tracecontext
 from batchline.contract.keys import ModelKey
 from batchline.contract.gateway_store import GatewayStore
 from batchline.clock import now_us
@@ -218,6 +218,8 @@ class Gateway:
         try:
             if flags is None:
                 reply = await self._queue_and_wait(call, ticket, traceparent, tracestate, started, on_partial)
+                if reply.region_unreadable and call.copied is not None:
+                    reply = await self._copied_and_queued(call, ticket, traceparent, tracestate, started)
             else:
                 async with self.sequences.turn(model.name, model.version, flags):
                     reply = await self._queue_and_wait(call, ticket, traceparent, tracestate, started, on_partial)
@@ -263,12 +265,43 @@ class Gateway:
             # Its responses go to the stream as they come, past the answer these would rewrite.
             raise InvalidArgument(f"model '{model.name}' is decoupled: its outputs cannot be asked for in shared "
                                   f"memory or as classifications; ask for them in the responses")
-        request, payload = self.shared_memory.read_inputs(request, tenant)
+        by_reference = not classes and (bool(targets) or self.shared_memory.in_regions(request)) and self._local(model)
+        request, payload, copied = self.shared_memory.read_inputs(request, tenant, targets, by_reference)
         call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000, payload)
+        if copied is not None:
+            call = replace(call, copied=copied)
         if model.generation:
             generation.admit(call.request, model, self._placed(model))
         self.arrivals.count(call.key)
         return call, targets, classes
+
+    def _local(self, model: pb.ModelInfo) -> bool:
+        """Whether every executor serving `model` shares this gateway's /dev/shm (batchline/regions.py),
+        so that regions go to them by reference. A generative, decoupled or stateful model's
+        requests take paths of their own on the executor: their tensors are always copied."""
+        host = regions.host_id()
+        if not host or model.generation or model.decoupled or model.HasField("sequence"):
+            return False
+        registry = self.catalog.registry
+        holders = registry.holders.get((model.name, model.version))
+        return bool(holders) and all(registry.executors[e].host == host for e in holders)
+
+    async def _copied_and_queued(self, call: Call, ticket: Ticket | None, traceparent: str, tracestate: str,
+                                 started: float) -> pb.Reply:
+        """The request queued again with its inputs' bytes copied in: an executor could not read the
+        regions it references (it runs on another host, or a key names another file now). In the
+        time left of its budget."""
+        assert call.copied is not None
+        spent = time.perf_counter() - started
+        if spent >= call.run_budget_s:
+            raise DeadlineExceeded(f"no answer from model '{call.model.name}' within the "
+                                   f"{duration_text(call.budget_s)} budget")
+        request, payload = call.copied()
+        log.info("request to model %r: an executor could not read its shared memory regions; queued again with "
+                 "their bytes", call.model.name)
+        call = replace(call, request=request, payload=payload, copied=None, budget_s=call.budget_s - spent,
+                       run_budget_s=call.run_budget_s - spent)
+        return await self._queue_and_wait(call, ticket, traceparent, tracestate, started)
 
     def _admit(self, call: Call, model: pb.ModelInfo, tenant: str, weight: float,
                arrived_us: int) -> tuple[Call, Ticket | None]:

@@ -10,6 +10,7 @@ from batchline.errors import DeadlineExceeded, duration_text
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.sizing import row_length
+from gateway.shared_memory import Copied
 from gateway.validation import request_priority, request_timeout_us, validate
 
 # Budgets are capped so that an absurd `timeout` (Triton's is a 64-bit µs
@@ -27,6 +28,9 @@ class Call:
     budget_s: float      # the client's: the tighter of its gRPC deadline and `timeout`, else the model's default
     run_budget_s: float  # what the mesh plans by: the budget less the time kept for the answer's way back
     payload: bytes = b""  # the request serialized, when it came so (inputs read from shared memory)
+    # Its inputs' bytes copied in place of the shared-memory regions it references: what is queued
+    # again when an executor cannot read them (gateway/shared_memory.py); None: it references none.
+    copied: Copied | None = None
 
     @property
     def key(self) -> ModelKey:

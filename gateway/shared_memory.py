@@ -3,23 +3,31 @@ reads a request's inputs from them when it queues the request and writes the ans
 into them when the answer arrives.
 
 Regions belong to the gateway process that registered them (as to a Triton server): a client
-registers with the gateway it sends its requests to. What the mesh queues is the tensors
-themselves, so executors on other hosts serve these requests like any other.
+registers with the gateway it sends its requests to. When every executor serving the model
+shares this gateway's /dev/shm (batchline/regions.py), what the mesh queues is a reference to the
+region instead of its bytes, and the executor reads the inputs and writes the outputs itself;
+otherwise the tensors themselves, so that executors on other hosts serve these requests like any
+other (docs/design/shared-memory.md).
 """
 from __future__ import annotations
 
-import mmap
+import functools
 import os
 from dataclasses import dataclass
+from typing import Callable
 
-from batchline.codec import decode_tensor, encode_array
+from batchline.codec import check_raw_size, decode_tensor, encode_array
 from batchline.errors import AlreadyExists, InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
+from batchline.regions import REF, WRITTEN, Ref, read_fd, shm_path, shrank, too_small, write_fd
 
 REGION = "shared_memory_region"
 BYTE_SIZE = "shared_memory_byte_size"
 OFFSET = "shared_memory_offset"
-SHM_ROOT = "/dev/shm"
+
+# The request as queued with its inputs' bytes copied in (request, payload): what the gateway
+# queues again when an executor could not read the regions a request references.
+Copied = Callable[[], tuple[ipb.ModelInferRequest, bytes]]
 
 
 @dataclass
@@ -28,8 +36,9 @@ class Region:
     key: str
     offset: int
     byte_size: int
-    memory: mmap.mmap
-    fd: int  # kept open to see the file's size: touching a page past its end would kill the process
+    fd: int  # read and written with pread/pwrite: a client may shrink its file at any time
+    ino: int
+    closed: bool = False
 
     def span(self, what: str, offset: int, size: int) -> slice:
         """The bytes [offset, offset + size) of the region (offsets within it, as clients give them)."""
@@ -43,15 +52,26 @@ class Region:
 
     def check(self, what: str, end: int) -> None:
         """The region is still registered, and its file still holds `end` bytes (the client may have shrunk it)."""
-        if self.memory.closed:
+        if self.closed:
             raise InvalidArgument(f"{what}: shared memory region '{self.name}' was unregistered while the request ran")
         if os.fstat(self.fd).st_size < end:
-            raise InvalidArgument(f"{what}: shared memory region '{self.name}' shrank below {end} bytes (key "
-                                  f"{self.key!r}): register it again")
+            raise shrank(what, self.name, self.key, end)
+
+    def read(self, what: str, span: slice) -> bytearray:
+        self.check(what, span.stop)
+        return read_fd(self.fd, span.start, span.stop - span.start, what, self.name, self.key)
+
+    def write(self, what: str, start: int, data: bytes) -> None:
+        self.check(what, start + len(data))
+        write_fd(self.fd, start, data, what, self.name, self.key)
+
+    def ref(self, span: slice) -> str:
+        return Ref(self.name, self.key, self.ino, span.start, span.stop - span.start).encode()
 
     def close(self) -> None:
-        self.memory.close()
-        os.close(self.fd)
+        if not self.closed:
+            self.closed = True
+            os.close(self.fd)
 
 
 def _int_param(params, name: str, what: str, default: int | None = None) -> int:
@@ -85,6 +105,29 @@ def _strip(params) -> None:
             del params[name]
 
 
+def _spliced(request: ipb.ModelInferRequest, raw: list) -> tuple[ipb.ModelInferRequest, bytes]:
+    """The request (no raw contents of its own) with `raw` as its raw_input_contents, parsed, and
+    serialized. The raw contents are spliced in as their wire encoding, which is also what is
+    queued, and the whole parsed once: appending a megabyte to a repeated bytes field costs
+    milliseconds, the splice a copy and the parse next to nothing."""
+    parts = [request.SerializeToString()]
+    for data in raw:
+        parts += [_RAW_INPUT_TAG, _varint(len(data)), data]
+    payload = b"".join(parts)
+    return ipb.ModelInferRequest.FromString(payload), payload
+
+
+def _copied(request: bytes, sources: list) -> tuple[ipb.ModelInferRequest, bytes]:
+    """`request` (serialized, without raw contents) with its inputs' bytes: each source is the
+    bytes, or (region, span, what) to read them from."""
+    return _spliced(ipb.ModelInferRequest.FromString(request),
+                    [s if isinstance(s, (bytes, bytearray)) else s[0].read(s[2], s[1]) for s in sources])
+
+
+def _internal(what: str) -> InvalidArgument:
+    return InvalidArgument(f"{what}: parameter '{REF}' is batchline's own; a request may not set it")
+
+
 class SharedMemory:
     """The regions registered with this gateway, by tenant and name: with tokens, a tenant sees, uses
     and unregisters only the regions it registered ('' is the tenant of an unauthenticated gateway)."""
@@ -97,26 +140,24 @@ class SharedMemory:
             raise InvalidArgument("a shared memory region needs a name")
         if (tenant, name) in self.regions:
             raise AlreadyExists(f"shared memory region '{name}' already in manager: unregister it first")
-        # One path component under /dev/shm, as shm_open takes it: nothing else on the host is reachable.
-        path_name = key[1:] if key.startswith("/") else key
-        if not path_name or "/" in path_name or path_name in (".", ".."):
+        path = shm_path(key)
+        if path is None:
             raise InvalidArgument(f"shared memory region '{name}': key {key!r} is not a shm_open name like '/data'")
         try:
-            fd = os.open(os.path.join(SHM_ROOT, path_name), os.O_RDWR)
+            fd = os.open(path, os.O_RDWR)
         except OSError as exc:
             raise InvalidArgument(f"shared memory region '{name}': unable to open shared memory key {key!r} "
                                   f"({exc.strerror}): create it on this gateway's host before registering") from None
         try:
-            size = os.fstat(fd).st_size
-            if byte_size == 0 or offset + byte_size > size:
+            stat = os.fstat(fd)
+            if byte_size == 0 or offset + byte_size > stat.st_size:
                 raise InvalidArgument(f"shared memory region '{name}': "
                                       f"offset {offset} + byte size {byte_size} does not "
-                                      f"fit key {key!r}, which holds {size} bytes")
-            memory = mmap.mmap(fd, size)
+                                      f"fit key {key!r}, which holds {stat.st_size} bytes")
         except BaseException:
             os.close(fd)
             raise
-        self.regions[(tenant, name)] = Region(name, key, offset, byte_size, memory, fd)
+        self.regions[(tenant, name)] = Region(name, key, offset, byte_size, fd, stat.st_ino)
 
     def _names(self, tenant: str) -> list[str]:
         return sorted(n for t, n in self.regions if t == tenant)
@@ -130,7 +171,7 @@ class SharedMemory:
                 region.close()
 
     def close(self) -> None:
-        """Every tenant's regions unmapped: the gateway stops."""
+        """Every tenant's regions closed: the gateway stops."""
         for region in self.regions.values():
             region.close()
         self.regions.clear()
@@ -152,70 +193,92 @@ class SharedMemory:
                 f"{self._names(tenant) or 'none'})")
         return region, region.span(what, _int_param(params, OFFSET, what, 0), _int_param(params, BYTE_SIZE, what))
 
-    def read_inputs(self, request: ipb.ModelInferRequest, tenant: str = "") -> tuple[ipb.ModelInferRequest, bytes]:
-        """The request with the inputs it has in regions read into its raw_input_contents (every input
-        raw then), and it serialized; the request itself and b"" when it names no region."""
-        if not any(REGION in t.parameters for t in request.inputs):
-            return request, b""
-        sent = list(request.raw_input_contents)
-        in_message = [t for t in request.inputs if REGION not in t.parameters]
-        if sent and len(sent) != len(in_message):
-            raise InvalidArgument(f"raw_input_contents has {len(sent)} entries for the {len(in_message)} inputs "
-                                  f"not in shared memory; send each of those raw, or none")
-        raw: list = []
-        for tensor in request.inputs:
-            if REGION in tensor.parameters:
-                region, span = self._region(f"input '{tensor.name}'", tensor.parameters, tenant)
-                raw.append(memoryview(region.memory)[span])
-                _strip(tensor.parameters)
-            elif sent:
-                raw.append(sent.pop(0))
-            else:  # typed contents: the same bytes raw would carry
-                array = decode_tensor(tensor.name, tensor.datatype, list(tensor.shape), None, tensor.contents)
-                raw.append(encode_array(array)[2])
-                tensor.ClearField("contents")
-        del request.raw_input_contents[:]
-        # The raw contents spliced in as their wire encoding, which is also what is queued, and the
-        # whole parsed once: appending a megabyte to a repeated bytes field costs milliseconds,
-        # the splice a copy and the parse next to nothing.
-        parts = [request.SerializeToString()]
-        for data in raw:
-            parts += [_RAW_INPUT_TAG, _varint(len(data)), data]
-        try:
-            payload = b"".join(parts)
-            return ipb.ModelInferRequest.FromString(payload), payload
-        finally:
-            for data in raw:
-                if isinstance(data, memoryview):
-                    data.release()  # a region may be unregistered (its map closed) once this returns
-
     def output_targets(self, request: ipb.ModelInferRequest, tenant: str = "") -> dict[str, tuple[Region, slice]]:
         """The outputs a request wants written into regions, checked (and their parameters taken off)."""
         targets = {}
         for out in request.outputs:
+            if REF in out.parameters:
+                raise _internal(f"output '{out.name}'")
             if REGION in out.parameters:
                 targets[out.name] = self._region(f"output '{out.name}'", out.parameters, tenant)
                 _strip(out.parameters)
         return targets
 
     @staticmethod
+    def in_regions(request: ipb.ModelInferRequest) -> bool:
+        """Whether the request names a region for an input (or sets batchline's own parameter)."""
+        return any(REGION in t.parameters or REF in t.parameters for t in request.inputs)
+
+    def read_inputs(self, request: ipb.ModelInferRequest, tenant: str = "",
+                    targets: dict[str, tuple[Region, slice]] | None = None,
+                    by_reference: bool = False) -> tuple[ipb.ModelInferRequest, bytes, Copied | None]:
+        """The request as queued, and it serialized (b"": the request itself, as it came): the inputs
+        it has in regions read into its raw_input_contents (every input raw then); or, `by_reference`,
+        its fixed-size inputs and its `targets` referenced (batchline/regions.py), with how to make
+        the copied form should an executor not read the regions after all."""
+        by_reference = by_reference and (bool(targets) or self.in_regions(request))
+        if not by_reference and not self.in_regions(request):
+            return request, b"", None
+        sent = list(request.raw_input_contents)
+        in_message = [t for t in request.inputs if REGION not in t.parameters]
+        if sent and len(sent) != len(in_message):
+            raise InvalidArgument(f"raw_input_contents has {len(sent)} entries for the {len(in_message)} inputs "
+                                  f"not in shared memory; send each of those raw, or none")
+        sources: list = []
+        for tensor in request.inputs:
+            if REF in tensor.parameters:
+                raise _internal(f"input '{tensor.name}'")
+            if REGION in tensor.parameters:
+                what = f"input '{tensor.name}'"
+                region, span = self._region(what, tensor.parameters, tenant)
+                sources.append((region, span, what))
+                _strip(tensor.parameters)
+            elif sent:
+                sources.append(sent.pop(0))
+            else:  # typed contents: the same bytes raw would carry
+                array = decode_tensor(tensor.name, tensor.datatype, list(tensor.shape), None, tensor.contents)
+                sources.append(encode_array(array)[2])
+                tensor.ClearField("contents")
+        del request.raw_input_contents[:]
+        template = request.SerializeToString()
+        if not by_reference:
+            return (*_copied(template, sources), None)
+        raw: list = []
+        for tensor, source in zip(request.inputs, sources):
+            if isinstance(source, tuple) and tensor.datatype != "BYTES":
+                region, span, what = source
+                # The sizes decoding would check, without reading: the executor reads.
+                check_raw_size(tensor.name, tensor.datatype, list(tensor.shape), span.stop - span.start)
+                tensor.parameters[REF].string_param = region.ref(span)
+                raw.append(b"")
+            else:  # BYTES are read to be checked here, and are small: copied
+                raw.append(source if not isinstance(source, tuple) else source[0].read(source[2], source[1]))
+        for out in request.outputs:
+            if out.name in (targets or {}):
+                region, span = targets[out.name]  # type: ignore[index]
+                out.parameters[REF].string_param = region.ref(span)
+        return (*_spliced(request, raw), functools.partial(_copied, template, sources))
+
+    @staticmethod
     def write_outputs(response: ipb.ModelInferResponse, targets: dict[str, tuple[Region, slice]]) -> None:
-        """Write the outputs named in `targets` into their regions; their raw contents leave the answer."""
+        """Write the outputs named in `targets` into their regions (unless the executor wrote them);
+        their raw contents leave the answer."""
         raw = response.raw_output_contents
         for i, out in enumerate(response.outputs):
             if out.name not in targets or i >= len(raw):
                 continue
             region, span = targets[out.name]
-            data = raw[i]
-            room = span.stop - span.start
-            if len(data) > room:
-                raise InvalidArgument(
-                    f"shared memory size specified with the request for output '{out.name}' ({room} bytes) should be "
-                    f"at least {len(data)} bytes to hold the results")
-            region.check(f"output '{out.name}'", span.start + len(data))
-            region.memory[span.start:span.start + len(data)] = data
+            if WRITTEN in out.parameters:
+                size = out.parameters[WRITTEN].int64_param
+                del out.parameters[WRITTEN]
+            else:
+                data = raw[i]
+                size = len(data)
+                if size > span.stop - span.start:
+                    raise too_small(out.name, span.stop - span.start, size)
+                region.write(f"output '{out.name}'", span.start, data)
             out.parameters[REGION].string_param = region.name
-            out.parameters[BYTE_SIZE].int64_param = len(data)
+            out.parameters[BYTE_SIZE].int64_param = size
             if span.start != region.offset:
                 out.parameters[OFFSET].int64_param = span.start - region.offset
             raw[i] = b""

@@ -11,6 +11,7 @@ from batchline import contract
 from batchline.errors import InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
+from batchline.regions import REF
 from gateway.sequences import check_sequence
 
 
@@ -101,8 +102,9 @@ def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
                 f"model '{model.name}' has no output '{out.name}'; its outputs are {[s.name for s in model.outputs]}"
             )
 
-    # Sizes: decoding checks byte counts against shapes without copying the data.
-    decode_inputs(request)
+    # Sizes: decoding checks byte counts against shapes without copying the data (those of inputs
+    # left in shared memory were checked when they were referenced: gateway/shared_memory.py).
+    decode_inputs(request, dict.fromkeys(t.name for t in request.inputs if REF in t.parameters))
     rows = rows if rows is not None else 1
     check_sequence(request, model, rows)
     return rows

@@ -54,7 +54,7 @@ class Batch(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., members: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., executor_id: _Optional[str] = ..., dispatched_us: _Optional[int] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Reply(_message.Message):
-    __slots__ = ("request_id", "code", "message", "response", "ran_until_us", "partial", "index")
+    __slots__ = ("request_id", "code", "message", "response", "ran_until_us", "partial", "index", "region_unreadable")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class Reply(_message.Message):
     RAN_UNTIL_US_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    REGION_UNREADABLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     code: int
     message: str
@@ -69,7 +70,8 @@ class Reply(_message.Message):
     ran_until_us: int
     partial: bool
     index: int
-    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[_inference_pb2.ModelInferResponse, _Mapping]] = ..., ran_until_us: _Optional[int] = ..., partial: _Optional[bool] = ..., index: _Optional[int] = ...) -> None: ...
+    region_unreadable: bool
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[_inference_pb2.ModelInferResponse, _Mapping]] = ..., ran_until_us: _Optional[int] = ..., partial: _Optional[bool] = ..., index: _Optional[int] = ..., region_unreadable: _Optional[bool] = ...) -> None: ...
 
 class ExecutionReport(_message.Message):
     __slots__ = ("executor_id", "batch_id", "model_name", "model_version", "rows", "requests", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "failed", "warmup", "ran_until_us", "units")
@@ -269,7 +271,7 @@ class RepositoryEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("executor_id", "address", "models", "started_us", "heartbeat_us", "busy_batches", "executed_batches", "draining", "busy_share", "repository", "model_control_mode", "control_applied", "start_s")
+    __slots__ = ("executor_id", "address", "models", "started_us", "heartbeat_us", "busy_batches", "executed_batches", "draining", "busy_share", "repository", "model_control_mode", "control_applied", "start_s", "host")
     class ControlAppliedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +292,7 @@ class ExecutorInfo(_message.Message):
     MODEL_CONTROL_MODE_FIELD_NUMBER: _ClassVar[int]
     CONTROL_APPLIED_FIELD_NUMBER: _ClassVar[int]
     START_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     address: str
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
@@ -303,7 +306,8 @@ class ExecutorInfo(_message.Message):
     model_control_mode: str
     control_applied: _containers.ScalarMap[str, int]
     start_s: float
-    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ..., busy_share: _Optional[float] = ..., repository: _Optional[_Iterable[_Union[RepositoryEntry, _Mapping]]] = ..., model_control_mode: _Optional[str] = ..., control_applied: _Optional[_Mapping[str, int]] = ..., start_s: _Optional[float] = ...) -> None: ...
+    host: str
+    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., started_us: _Optional[int] = ..., heartbeat_us: _Optional[int] = ..., busy_batches: _Optional[int] = ..., executed_batches: _Optional[int] = ..., draining: _Optional[bool] = ..., busy_share: _Optional[float] = ..., repository: _Optional[_Iterable[_Union[RepositoryEntry, _Mapping]]] = ..., model_control_mode: _Optional[str] = ..., control_applied: _Optional[_Mapping[str, int]] = ..., start_s: _Optional[float] = ..., host: _Optional[str] = ...) -> None: ...
 
 class QueueTail(_message.Message):
     __slots__ = ("free_s", "level", "items")

@@ -1,0 +1,172 @@
+"""Shared-memory regions by reference: the gateway queues a reference in place of a region's bytes
+and the executor reads the inputs and writes the outputs itself (real files under /dev/shm), and
+the bytes copied in when the executor cannot read the region."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from batchline.codec import decode_inputs, encode_array
+from batchline.errors import InvalidArgument
+from batchline.protocol import inference_pb2 as ipb
+from batchline.regions import REF, WRITTEN, RegionUnreadable, host_id
+from executor import shared_memory as executor_shm
+from gateway.shared_memory import SharedMemory
+
+
+@pytest.fixture
+def region_file():
+    name = f"bl_unit_{uuid.uuid4().hex[:8]}"
+    path = f"/dev/shm/{name}"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 1024)
+    yield name, path
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def _request(data: np.ndarray, names: tuple[str, ...] = ("INPUT0",)) -> ipb.ModelInferRequest:
+    """`data` in the region "r" at offset 0; the output OUTPUT0 wanted in it at offset 512."""
+    request = ipb.ModelInferRequest(model_name="m")
+    for name in names:
+        tensor = request.inputs.add(name=name, datatype="FP32", shape=list(data.shape))
+        tensor.parameters["shared_memory_region"].string_param = "r"
+        tensor.parameters["shared_memory_byte_size"].int64_param = data.nbytes
+    out = request.outputs.add(name="OUTPUT0")
+    out.parameters["shared_memory_region"].string_param = "r"
+    out.parameters["shared_memory_byte_size"].int64_param = 512
+    out.parameters["shared_memory_offset"].int64_param = 512
+    return request
+
+
+def _answer(request: ipb.ModelInferRequest, array: np.ndarray) -> ipb.ModelInferResponse:
+    """What an executor answers, its outputs written into their regions where the request references them."""
+    response = ipb.ModelInferResponse(model_name="m")
+    datatype, shape, raw = encode_array(array)
+    response.outputs.add(name="OUTPUT0", datatype=datatype, shape=shape)
+    response.raw_output_contents.append(raw)
+    executor_shm.write_outputs(request, response)
+    return response
+
+
+def test_the_host_is_known_here():
+    assert host_id().count(":") >= 1  # boot id and /dev/shm's device: references are possible here
+
+
+def test_the_executor_reads_and_writes_a_referenced_region_as_the_copy_would(region_file):
+    name, path = region_file
+    data = np.arange(32, dtype=np.float32).reshape(1, 32)
+    with open(path, "r+b") as f:
+        f.write(data.tobytes())
+    regions = SharedMemory()
+    regions.register("r", f"/{name}", 0, 1024)
+    try:
+        request = _request(data)
+        targets = regions.output_targets(request)
+        queued, payload, copied = regions.read_inputs(request, "", targets, by_reference=True)
+        assert copied is not None and data.tobytes() not in payload  # a reference, not the bytes
+        assert list(queued.raw_input_contents) == [b""]
+        assert REF in queued.inputs[0].parameters and REF in queued.outputs[0].parameters
+        arrays = decode_inputs(queued, executor_shm.read_inputs(queued))
+        copy_request, copy_payload = copied()
+        assert REF not in copy_request.inputs[0].parameters and REF not in copy_request.outputs[0].parameters
+        assert copy_request.raw_input_contents[0] == data.tobytes()
+        assert np.array_equal(arrays["INPUT0"], decode_inputs(copy_request)["INPUT0"])
+
+        response = _answer(queued, arrays["INPUT0"] * 2)
+        assert list(response.raw_output_contents) == [b""]
+        assert response.outputs[0].parameters[WRITTEN].int64_param == data.nbytes
+        SharedMemory.write_outputs(response, targets)  # the gateway: the answer says where it is
+        params = response.outputs[0].parameters
+        assert WRITTEN not in params and params["shared_memory_region"].string_param == "r"
+        assert (params["shared_memory_offset"].int64_param, params["shared_memory_byte_size"].int64_param) == (
+            512, data.nbytes)
+        with open(path, "rb") as f:
+            f.seek(512)
+            assert f.read(data.nbytes) == (data * 2).tobytes()
+    finally:
+        regions.close()
+
+
+def test_a_key_that_names_another_file_now_is_unreadable_and_the_copy_has_the_registered_bytes(region_file):
+    name, path = region_file
+    data = np.full((1, 8), 7, dtype=np.float32)
+    with open(path, "r+b") as f:
+        f.write(data.tobytes())
+    regions = SharedMemory()
+    regions.register("r", f"/{name}", 0, 1024)
+    try:
+        queued, _, copied = regions.read_inputs(_request(data), "", {}, by_reference=True)
+        os.unlink(path)  # the client removes its file and makes another under the key
+        with open(path, "wb") as f:
+            f.write(b"\1" * 1024)
+        with pytest.raises(RegionUnreadable, match="'r': key .* is another file here"):
+            executor_shm.read_inputs(queued)
+        os.unlink(path)
+        with pytest.raises(RegionUnreadable, match="'r' .* cannot be opened here"):
+            executor_shm.read_inputs(queued)
+        assert copied is not None and copied()[0].raw_input_contents[0] == data.tobytes()
+    finally:
+        regions.close()
+
+
+def test_a_region_shrunk_under_the_executor_is_refused_not_a_crash(region_file):
+    name, path = region_file
+    regions = SharedMemory()
+    regions.register("r", f"/{name}", 0, 1024)
+    try:
+        request = _request(np.zeros((1, 64), dtype=np.float32))
+        targets = regions.output_targets(request)
+        queued, _, _ = regions.read_inputs(request, "", targets, by_reference=True)
+        os.truncate(path, 100)
+        with pytest.raises(InvalidArgument, match="input 'INPUT0': shared memory region 'r' shrank below 256 bytes"):
+            executor_shm.read_inputs(queued)
+        with pytest.raises(InvalidArgument, match="output 'OUTPUT0': shared memory region 'r' shrank below 768"):
+            _answer(queued, np.zeros((1, 64), dtype=np.float32))
+        with pytest.raises(InvalidArgument, match="should be at least 1024 bytes to hold the results"):
+            _answer(queued, np.zeros((1, 256), dtype=np.float32))
+        with pytest.raises(InvalidArgument, match="input 'INPUT0': shared memory region 'r' shrank below 256"):
+            regions.read_inputs(_request(np.zeros((1, 64), dtype=np.float32)))
+    finally:
+        regions.close()
+
+
+def test_a_reference_checks_sizes_as_the_bytes_would_and_a_client_cannot_send_one(region_file):
+    name, _ = region_file
+    regions = SharedMemory()
+    regions.register("r", f"/{name}", 0, 1024)
+    try:
+        request = _request(np.zeros((1, 8), dtype=np.float32))
+        request.inputs[0].shape[1] = 9  # 36 bytes wanted, 32 in the region's span
+        with pytest.raises(InvalidArgument, match="FP32 shape \\[1, 9\\] needs 36 bytes, got 32"):
+            regions.read_inputs(request, "", {}, by_reference=True)
+        forged = ipb.ModelInferRequest(model_name="m")
+        forged.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 8]).parameters[REF].string_param = "[]"
+        with pytest.raises(InvalidArgument, match=f"'{REF}' is batchline's own"):
+            regions.read_inputs(forged)
+        forged = ipb.ModelInferRequest(model_name="m")
+        forged.outputs.add(name="OUTPUT0").parameters[REF].string_param = "[]"
+        with pytest.raises(InvalidArgument, match=f"output 'OUTPUT0': parameter '{REF}'"):
+            regions.output_targets(forged)
+    finally:
+        regions.close()
+
+
+def test_bytes_inputs_are_copied_even_by_reference(region_file):
+    name, path = region_file
+    with open(path, "r+b") as f:
+        f.write(b"\3\0\0\0abc")
+    regions = SharedMemory()
+    regions.register("r", f"/{name}", 0, 1024)
+    try:
+        request = ipb.ModelInferRequest(model_name="m")
+        tensor = request.inputs.add(name="TEXT", datatype="BYTES", shape=[1])
+        tensor.parameters["shared_memory_region"].string_param = "r"
+        tensor.parameters["shared_memory_byte_size"].int64_param = 7
+        queued, _, _ = regions.read_inputs(request, "", {}, by_reference=True)
+        assert REF not in queued.inputs[0].parameters and queued.raw_input_contents[0] == b"\3\0\0\0abc"
+    finally:
+        regions.close()
