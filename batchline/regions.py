@@ -61,22 +61,32 @@ def shrank(what: str, region: str, key: str, end: int) -> InvalidArgument:
                            f"register it again")
 
 
-def read_fd(fd: int, start: int, size: int, what: str, region: str, key: str) -> bytearray:
+def read_fd(fd: int, start: int, size: int, what: str, region: str, key: str) -> bytes:
     """`size` bytes at `start` of the file, or InvalidArgument when it holds fewer (now or by the
     time the read ends)."""
     if os.fstat(fd).st_size < start + size:
         raise shrank(what, region, key, start + size)
-    data = bytearray(size)
-    if size and os.preadv(fd, [data], start) < size:
-        raise shrank(what, region, key, start + size)
-    return data
+    data = os.pread(fd, size, start)  # into a buffer of its own: no zero-filled one to read into
+    if len(data) == size:
+        return data
+    parts = [data]  # one read returns at most about 2 GiB: the rest, unless the file shrank
+    got = len(data)
+    while got < size:
+        more = os.pread(fd, size - got, start + got)
+        if not more:
+            raise shrank(what, region, key, start + size)
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
 
 
 def write_fd(fd: int, start: int, data: bytes, what: str, region: str, key: str) -> None:
     """Write `data` at `start`, within the file as it is (a write never grows a shrunk file)."""
     if os.fstat(fd).st_size < start + len(data):
         raise shrank(what, region, key, start + len(data))
-    os.pwrite(fd, data, start)
+    view, done = memoryview(data), 0
+    while done < len(view):  # one write takes at most about 2 GiB
+        done += os.pwrite(fd, view[done:], start + done)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +125,7 @@ class Ref:
         """RegionUnreadable unless the region opens here as the file the gateway registered."""
         os.close(self._open(os.O_RDWR if writable else os.O_RDONLY))
 
-    def read(self, what: str) -> bytearray:
+    def read(self, what: str) -> bytes:
         fd = self._open(os.O_RDONLY)
         try:
             return read_fd(fd, self.start, self.size, what, self.region, self.key)

@@ -280,7 +280,9 @@ class Gateway:
         so that regions go to them by reference. A generative, decoupled or stateful model's
         requests take paths of their own on the executor: their tensors are always copied."""
         host = regions.host_id()
-        if not host or model.generation or model.decoupled or model.HasField("sequence"):
+        if not host or not self.settings.shared_memory_by_reference:
+            return False
+        if model.generation or model.decoupled or model.HasField("sequence"):
             return False
         registry = self.catalog.registry
         holders = registry.holders.get((model.name, model.version))

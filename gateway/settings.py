@@ -86,6 +86,13 @@ class GatewaySettings(CommonSettings):
     drain_timeout_s: float = Field(
         30.0, description="On SIGTERM: seconds to wait for admitted requests to be answered before stopping."
     )
+    shared_memory_by_reference: bool = Field(
+        True,
+        description="Hand a request's shared-memory regions by reference to the executors that share this "
+        "gateway's /dev/shm: they read its inputs and write its outputs themselves, and the tensors do not cross "
+        "Redis (docs/design/shared-memory.md). Off: the gateway always copies them, e.g. where those executors "
+        "run as a user that may not open the clients' regions (each request would be tried, then copied).",
+    )
     auth_file: str = Field(
         "", description="TOML file of the tokens that may call the gateway, each with its tenant and the models "
         "it may call (docs/guides/security.md); re-read when it changes. Empty: anyone who reaches the port may "

@@ -57,7 +57,7 @@ class Region:
         if os.fstat(self.fd).st_size < end:
             raise shrank(what, self.name, self.key, end)
 
-    def read(self, what: str, span: slice) -> bytearray:
+    def read(self, what: str, span: slice) -> bytes:
         self.check(what, span.stop)
         return read_fd(self.fd, span.start, span.stop - span.start, what, self.name, self.key)
 

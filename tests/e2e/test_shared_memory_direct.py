@@ -120,3 +120,16 @@ def test_an_executor_on_another_host_gets_the_bytes(mesh, region):
         _set_host(mesh, own)
     assert got.tobytes() == data.tobytes()
     assert moved > 2 * data.nbytes
+
+
+def test_a_gateway_told_not_to_reference_regions_copies_them(mesh, region):
+    client, handle, _, data = region
+    _set_host(mesh, mesh.executors[0].executor.host)
+    settings = mesh.gateway.gateway.settings
+    settings.shared_memory_by_reference = False
+    try:
+        got, moved = _through_region(mesh, client, handle, data)
+    finally:
+        settings.shared_memory_by_reference = True
+    assert got.tobytes() == data.tobytes()
+    assert moved > 2 * data.nbytes
