@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from batchline.codec import check_raw_size, decode_tensor, encode_array
+from batchline.codec import decode_tensor, encode_array
 from batchline.errors import AlreadyExists, InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
 from batchline.regions import REF, WRITTEN, Ref, read_fd, shm_path, shrank, too_small, write_fd
@@ -247,9 +247,7 @@ class SharedMemory:
         for tensor, source in zip(request.inputs, sources):
             if isinstance(source, tuple) and tensor.datatype != "BYTES":
                 region, span, what = source
-                # The sizes decoding would check, without reading: the executor reads.
-                check_raw_size(tensor.name, tensor.datatype, list(tensor.shape), span.stop - span.start)
-                tensor.parameters[REF].string_param = region.ref(span)
+                tensor.parameters[REF].string_param = region.ref(span)  # its size checked by validation
                 raw.append(b"")
             else:  # BYTES are read to be checked here, and are small: copied
                 raw.append(source if not isinstance(source, tuple) else source[0].read(source[2], source[1]))

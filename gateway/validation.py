@@ -6,12 +6,12 @@ so a bad request never reaches a batch.
 """
 from __future__ import annotations
 
-from batchline.codec import decode_inputs
+from batchline.codec import check_raw_size, decode_inputs
 from batchline import contract
 from batchline.errors import InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
-from batchline.regions import REF
+from batchline.regions import REF, Ref
 from gateway.sequences import check_sequence
 
 
@@ -102,9 +102,13 @@ def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
                 f"model '{model.name}' has no output '{out.name}'; its outputs are {[s.name for s in model.outputs]}"
             )
 
-    # Sizes: decoding checks byte counts against shapes without copying the data (those of inputs
-    # left in shared memory were checked when they were referenced: gateway/shared_memory.py).
-    decode_inputs(request, dict.fromkeys(t.name for t in request.inputs if REF in t.parameters))
+    # Sizes: decoding checks byte counts against shapes without copying the data; an input left in
+    # shared memory (gateway/shared_memory.py), the size of the bytes it references.
+    referenced = [t for t in request.inputs if REF in t.parameters]
+    decode_inputs(request, dict.fromkeys(t.name for t in referenced))
+    for tensor in referenced:
+        check_raw_size(tensor.name, tensor.datatype, list(tensor.shape),
+                       Ref.decode(tensor.parameters[REF].string_param).size)
     rows = rows if rows is not None else 1
     check_sequence(request, model, rows)
     return rows

@@ -14,7 +14,13 @@ from batchline.errors import InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
 from batchline.regions import REF, WRITTEN, RegionUnreadable, host_id
 from executor import shared_memory as executor_shm
+from batchline.protocol import internal_pb2 as pb
 from gateway.shared_memory import SharedMemory
+from gateway.validation import validate
+
+MODEL = pb.ModelInfo(name="m", version="1", max_batch_size=8,
+                     inputs=[pb.TensorSpec(name="INPUT0", datatype="FP32", shape=[-1, -1])],
+                     outputs=[pb.TensorSpec(name="OUTPUT0", datatype="FP32", shape=[-1, -1])])
 
 
 @pytest.fixture
@@ -69,6 +75,7 @@ def test_the_executor_reads_and_writes_a_referenced_region_as_the_copy_would(reg
         queued, payload, copied = regions.read_inputs(request, "", targets, by_reference=True)
         assert copied is not None and data.tobytes() not in payload  # a reference, not the bytes
         assert list(queued.raw_input_contents) == [b""]
+        assert validate(queued, MODEL) == 1  # the sizes of what it references check out
         assert REF in queued.inputs[0].parameters and REF in queued.outputs[0].parameters
         arrays = decode_inputs(queued, executor_shm.read_inputs(queued))
         copy_request, copy_payload = copied()
@@ -141,8 +148,12 @@ def test_a_reference_checks_sizes_as_the_bytes_would_and_a_client_cannot_send_on
     try:
         request = _request(np.zeros((1, 8), dtype=np.float32))
         request.inputs[0].shape[1] = 9  # 36 bytes wanted, 32 in the region's span
+        queued, _, _ = regions.read_inputs(request, "", {}, by_reference=True)
         with pytest.raises(InvalidArgument, match="FP32 shape \\[1, 9\\] needs 36 bytes, got 32"):
-            regions.read_inputs(request, "", {}, by_reference=True)
+            validate(queued, MODEL)
+        queued.inputs[0].datatype = "INT32"
+        with pytest.raises(InvalidArgument, match="must be FP32, got INT32"):  # as for the bytes: the type first
+            validate(queued, MODEL)
         forged = ipb.ModelInferRequest(model_name="m")
         forged.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 8]).parameters[REF].string_param = "[]"
         with pytest.raises(InvalidArgument, match=f"'{REF}' is batchline's own"):
