@@ -6,7 +6,8 @@ One scheduler and executor and two gateways as subprocesses on this host, servin
 this process. The executor shares the gateways' /dev/shm, so the first gateway hands it the
 regions by reference (docs/design/shared-memory.md); the second runs with
 --no-shared-memory-by-reference and copies the tensors through Redis, as it does for executors on
-other hosts. A process's CPU is its user + system time over a round, divided by the requests.
+other hosts. Each gateway is also sent the tensors in the message, which its own regions' mode is
+compared with. A process's CPU is its user + system time over a round, divided by the requests.
 """
 from __future__ import annotations
 
