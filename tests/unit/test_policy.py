@@ -570,6 +570,25 @@ def test_one_executor_takes_batches_back_to_back_and_the_next_waits():
     assert p.wake_at == 0.5
 
 
+def test_evened_over_two_idle_lanes_the_queue_goes_out_as_two_batches_at_once():
+    policy = ModelPolicy(BatchingRule(32, even_lanes=True), max_queue_delay=0.0)
+    queue = [req(f"r{i}") for i in range(10)]
+    p = plan(1.0, queue, policy, free_at=[0.0, 0.5], cost=FunctionCost(lambda units: units / 16))
+    # The first leaves the rest queued (FULL: no more of the queue is its to take); the second is the
+    # rest, and goes as any batch of all that is queued does (here its delay is up).
+    assert [(ids(b), b.executor, b.reason, b.finish) for b in p.batches] == [
+        ([f"r{i}" for i in range(5)], 0, FULL, 1.3125), ([f"r{i}" for i in range(5, 10)], 1, DELAY, 1.3125)]
+
+
+def test_evened_a_lane_leaves_a_lane_about_to_free_up_its_share_queued():
+    policy = ModelPolicy(BatchingRule(32, even_lanes=True), max_queue_delay=0.0)
+    queue = [req(f"r{i}") for i in range(12)]
+    # The other lane frees up in 0.25 s (4 rows' run): 8 go now, 4 wait for it and finish as soon.
+    p = plan(1.0, queue, policy, free_at=[1.0, 1.25], cost=FunctionCost(lambda units: units / 16), lead=0.125)
+    assert [(len(b.members), b.executor, b.finish) for b in p.batches] == [(8, 0, 1.5)]
+    assert p.blocked and p.wake_at == 1.125
+
+
 def test_slack_counts_the_wait_for_a_busy_executor():
     policy = ModelPolicy(BatchingRule(1), max_queue_delay=10.0)
     p = plan(1.0, [req("a", deadline=2.0)], policy, free_at=[1.25], cost=FunctionCost(fixed(0.25)), lead=0.5)
