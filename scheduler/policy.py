@@ -231,7 +231,9 @@ def _decide(now: float, start: float, executor: int, formed: Formed, waiting: in
         reason = DEADLINE
     elif formed.preferred:
         reason = PREFERRED
-    elif cap is None or rows >= cap or len(members) < waiting:
+    elif cap is None or rows >= cap or (len(members) < waiting and not formed.evened):
+        # Cut to its even share, it is not full: the rest is the other lanes', and the whole would
+        # wait for company as one batch would (the share only splits it).
         reason = FULL
     elif rows in rule.preferred_batch_sizes:
         reason = PREFERRED

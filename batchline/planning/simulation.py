@@ -86,6 +86,7 @@ class Formed:
     preferred: bool       # cut to a preferred size
     shrunk: bool          # cut so that its members make their deadlines
     units: int            # what those sent cost, in the profile's units (batchline.sizing)
+    evened: bool = False  # cut to its even share: the rest of what is queued is the other lanes'
 
     @property
     def taken(self) -> int:
@@ -109,9 +110,10 @@ def form_batch(queue: Sequence[Pending], start: float, rule: BatchingRule, cost:
     cap = rule.max_batch_size if rule.max_batch_size > 0 else None
     if cap is not None and rule.over_share_rows and queue[at].priority > OVER_SHARE:
         cap = min(cap, rule.over_share_rows)
-    looked = 0
+    looked, to_share = 0, False
     if rule.even_lanes and others and cap is not None and cap > 1:
-        cap, looked = _even_share(queue, at, cap, start, rule.join_lead, others, cost)
+        share, looked = _even_share(queue, at, cap, start, rule.join_lead, others, cost)
+        to_share, cap = share < cap, min(cap, share)
     if rule.length_aware and cap is not None:
         window, members = _by_length(queue, at, cap, start, rule.join_lead, cost)
         rows, longest, earliest = _measure(members)
@@ -126,10 +128,11 @@ def form_batch(queue: Sequence[Pending], start: float, rule: BatchingRule, cost:
             members, preferred = members[:cut], True
             rows, longest, earliest = _measure(members)
     looked = max(looked, len(window))
+    evened = to_share and cap is not None and rows >= cap
     if rule.deadline_aware and start + cost.predict(rows * longest) > earliest:
         send, late = _most_on_time(members, start, cost)
-        return Formed(send, late, looked, preferred, len(send) < len(members), units(send))
-    return Formed(members, [], looked, preferred, False, rows * longest)
+        return Formed(send, late, looked, preferred, len(send) < len(members), units(send), evened)
+    return Formed(members, [], looked, preferred, False, rows * longest, evened)
 
 
 def _even_share(queue: Sequence[Pending], at: int, cap: int, start: float, join_lead: float,
@@ -155,32 +158,44 @@ def _even_share(queue: Sequence[Pending], at: int, cap: int, start: float, join_
         looked += 1
         if rows >= lanes * cap:
             break
+    most = min(cap, rows)
+    if most <= 1:
+        return cap, looked
     starts = [max(start, f) for f in others]
+    runs: dict[int, float] = {}  # rows -> predicted run: the searches below ask for a few sizes, often again
 
-    def fits(r: int, lane_start: float, by: float) -> bool:
-        return lane_start + cost.predict(r * longest) <= by
+    def run(r: int) -> float:
+        t = runs.get(r)
+        if t is None:
+            t = runs[r] = cost.predict(r * longest)
+        return t
 
-    def taken_by_others(by: float) -> int:
-        """Rows the other lanes can run finishing by `by`: the most each can, within `cap`."""
+    alone = start + run(most)
+    if all(s >= alone for s in starts):
+        return cap, looked  # none of the others frees up before this batch of everything is done
+
+    def taken_by_others(k: int) -> int:
+        """Rows the other lanes can run finishing by a batch of k here: the most each can, up to k
+        (the others start no sooner than this one, at the same cost)."""
+        by = start + run(k)
         total = 0
         for s in starts:
-            if not fits(1, s, by):
-                continue
-            low, high = 1, cap  # fits(low) holds; find the largest that fits
+            low, high = 0, k  # s + run(low) <= by holds for low 0 (no run); find the largest
             while low < high:
                 mid = (low + high + 1) // 2
-                if fits(mid, s, by):
+                if s + run(mid) <= by:
                     low = mid
                 else:
                     high = mid - 1
             total += low
         return total
 
-    most = min(cap, rows)
-    low, high = 1, most  # the fewest k whose finish leaves the others time for rows - k; `most` always does
+    # The fewest k whose finish leaves the others time for rows - k: `most` always does, and none
+    # below an equal split can (the others take at most k each).
+    low, high = min(most, -(-rows // lanes)), most
     while low < high:
         mid = (low + high) // 2
-        if taken_by_others(start + cost.predict(mid * longest)) >= rows - mid:
+        if taken_by_others(mid) >= rows - mid:
             high = mid
         else:
             low = mid + 1

@@ -574,10 +574,9 @@ def test_evened_over_two_idle_lanes_the_queue_goes_out_as_two_batches_at_once():
     policy = ModelPolicy(BatchingRule(32, even_lanes=True), max_queue_delay=0.0)
     queue = [req(f"r{i}") for i in range(10)]
     p = plan(1.0, queue, policy, free_at=[0.0, 0.5], cost=FunctionCost(lambda units: units / 16))
-    # The first leaves the rest queued (FULL: no more of the queue is its to take); the second is the
-    # rest, and goes as any batch of all that is queued does (here its delay is up).
+    # Each goes as a batch of all that is queued would: here its delay is up.
     assert [(ids(b), b.executor, b.reason, b.finish) for b in p.batches] == [
-        ([f"r{i}" for i in range(5)], 0, FULL, 1.3125), ([f"r{i}" for i in range(5, 10)], 1, DELAY, 1.3125)]
+        ([f"r{i}" for i in range(5)], 0, DELAY, 1.3125), ([f"r{i}" for i in range(5, 10)], 1, DELAY, 1.3125)]
 
 
 def test_evened_a_lane_leaves_a_lane_about_to_free_up_its_share_queued():
@@ -587,6 +586,22 @@ def test_evened_a_lane_leaves_a_lane_about_to_free_up_its_share_queued():
     p = plan(1.0, queue, policy, free_at=[1.0, 1.25], cost=FunctionCost(lambda units: units / 16), lead=0.125)
     assert [(len(b.members), b.executor, b.finish) for b in p.batches] == [(8, 0, 1.5)]
     assert p.blocked and p.wake_at == 1.125
+
+
+def test_a_batch_cut_to_its_even_share_waits_for_company_as_the_whole_would():
+    policy = ModelPolicy(BatchingRule(32, even_lanes=True), max_queue_delay=0.5)
+    queue = [req(f"r{i}") for i in range(10)]
+    cost = FunctionCost(lambda units: units / 16)
+    # Company expected (4 arrivals a second, one within the delay): nothing goes yet, as with
+    # one lane, where the ten would wait as one batch.
+    p = plan(0.0, queue, policy, free_at=[0.0, 0.0], cost=cost, company=4.0)
+    assert p.batches == [] and p.wake_at == 0.25
+    one_lane = plan(0.0, queue, ModelPolicy(BatchingRule(32), max_queue_delay=0.5), free_at=[0.0], cost=cost,
+                    company=4.0)
+    assert one_lane.batches == [] and one_lane.wake_at == 0.25
+    # None expected: both halves go at once.
+    p = plan(0.0, queue, policy, free_at=[0.0, 0.0], cost=cost, company=0.0)
+    assert [(len(b.members), b.executor, b.reason) for b in p.batches] == [(5, 0, NO_COMPANY), (5, 1, NO_COMPANY)]
 
 
 def test_slack_counts_the_wait_for_a_busy_executor():
