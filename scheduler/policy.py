@@ -55,10 +55,13 @@ class ModelPolicy:
     max_queue_delay: float           # seconds the oldest request may wait for company
 
     @classmethod
-    def of_model(cls, info: pb.ModelInfo, kind: str = DEADLINE_AWARE, length_aware: bool = False) -> ModelPolicy:
+    def of_model(cls, info: pb.ModelInfo, kind: str = DEADLINE_AWARE, length_aware: bool = False,
+                 even_lanes: bool = False) -> ModelPolicy:
         """The policy `kind` (SchedulerSettings.policy) for a model of config `info`; `length_aware`
-        asks for length-aware batching (BatchingRule.of_model says where it applies)."""
-        rule = BatchingRule.of_model(info, deadline_aware=kind != FIFO, length_aware=length_aware)
+        asks for length-aware batching, `even_lanes` for batches evened over the lanes
+        (BatchingRule.of_model says where they apply)."""
+        rule = BatchingRule.of_model(info, deadline_aware=kind != FIFO, length_aware=length_aware,
+                                     even_lanes=even_lanes)
         return cls(rule, info.max_queue_delay_ms / 1000)
 
 
@@ -145,7 +148,7 @@ def plan(
             out._wake(start - lead)  # no executor is ready: let the queue grow
             out.blocked = True
             break
-        formed = form_batch(live, start, rule, cost)
+        formed = form_batch(live, start, rule, cost, 0, free[:i] + free[i + 1:] if rule.even_lanes else ())
         for m in formed.late:
             out.expired.append(m)
             live.remove(m)
@@ -228,7 +231,9 @@ def _decide(now: float, start: float, executor: int, formed: Formed, waiting: in
         reason = DEADLINE
     elif formed.preferred:
         reason = PREFERRED
-    elif cap is None or rows >= cap or len(members) < waiting:
+    elif cap is None or rows >= cap or (len(members) < waiting and not formed.evened):
+        # Cut to its even share, it is not full: the rest is the other lanes', and the whole would
+        # wait for company as one batch would (the share only splits it).
         reason = FULL
     elif rows in rule.preferred_batch_sizes:
         reason = PREFERRED

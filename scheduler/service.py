@@ -247,7 +247,8 @@ class Scheduler:
         # FIFO is the Triton baseline: it always waits max_queue_delay.
         company = self.queues.company(key, len(queue), arrivals, now) if self.settings.policy != FIFO else None
         self.queues.report(key, info.priority_levels, queue)
-        policy = ModelPolicy.of_model(info, self.settings.policy, self.settings.length_aware_batching)
+        policy = ModelPolicy.of_model(info, self.settings.policy, self.settings.length_aware_batching,
+                                      self.settings.even_lanes_batching)
         ready = [e for e in holders if free_at[e] != float("inf")]
         decision = plan(now, queue, policy, [free_at[e] for e in ready], cost,
                         lead=self.settings.dispatch_lead_ms / 1000, company=company,

@@ -29,6 +29,11 @@ class SchedulerSettings(CommonSettings):
         "next few batches' worth of the queue (the head always, a request that cannot wait always), rather than the "
         "head's prefix padded to its longest member."
     )
+    even_lanes_batching: bool = Field(
+        True, description="deadline policy, models of several lanes (instance_count, or executors): a batch takes "
+        "no more of what is queued than its even share, the fewest rows that let the other lanes, each starting "
+        "when it is free, run the rest and finish no later; rather than everything queued while it ran."
+    )
     max_batches_per_executor: int = Field(
         2,
         description="Batches an executor may hold at once (one running, one fetched ahead). A batch is only sent "

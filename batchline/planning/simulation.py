@@ -12,6 +12,13 @@ The rule (`form_batch`): a batch that starts at a given moment takes
    gets the most of them done in time (the shortest such); a member late even
    on a typical run of it is shed, since no later batch can make it either.
 
+With `even_lanes`, step 1 takes no more rows than its even share
+(`_even_share`): the fewest such that the model's other lanes, each starting
+when it is free, can take the rest of what is queued and finish no later than
+this batch does. A lane that frees up does not take everything queued while
+another is about to free up too: the rows are spread over the lanes, so the
+requests in one batch do not wait for a run of twice its neighbour's.
+
 `play` serves a whole queue by that rule, each batch on the executor free
 first. It has three callers, so that they cannot drift apart:
 - the scheduler's plan (scheduler.policy.plan) forms every batch it sends now
@@ -79,6 +86,7 @@ class Formed:
     preferred: bool       # cut to a preferred size
     shrunk: bool          # cut so that its members make their deadlines
     units: int            # what those sent cost, in the profile's units (batchline.sizing)
+    evened: bool = False  # cut to its even share: the rest of what is queued is the other lanes'
 
     @property
     def taken(self) -> int:
@@ -86,7 +94,8 @@ class Formed:
         return len(self.send) + len(self.late)
 
 
-def form_batch(queue: Sequence[Pending], start: float, rule: BatchingRule, cost: Cost, at: int = 0) -> Formed:
+def form_batch(queue: Sequence[Pending], start: float, rule: BatchingRule, cost: Cost, at: int = 0,
+               others: Sequence[float] = ()) -> Formed:
     """The batch that starts at `start` with `queue[at]` (the rule in the module's docstring), by
     the model's settings in `rule`.
 
@@ -95,11 +104,16 @@ def form_batch(queue: Sequence[Pending], start: float, rule: BatchingRule, cost:
     `join_lead` before. Without `deadline_aware` (the FIFO policy) deadlines cut nothing.
     `over_share_rows` (0: none) caps a batch whose head is queued at an over-share level
     (batchline.contract.OVER_SHARE). With `length_aware`, the members need not be the head's
-    prefix (`_by_length`).
+    prefix (`_by_length`). With `even_lanes`, `others` (when each of the model's other lanes is
+    free) caps it at its even share (`_even_share`).
     """
     cap = rule.max_batch_size if rule.max_batch_size > 0 else None
     if cap is not None and rule.over_share_rows and queue[at].priority > OVER_SHARE:
         cap = min(cap, rule.over_share_rows)
+    looked, to_share = 0, False
+    if rule.even_lanes and others and cap is not None and cap > 1:
+        share, looked = _even_share(queue, at, cap, start, rule.join_lead, others, cost)
+        to_share, cap = share < cap, min(cap, share)
     if rule.length_aware and cap is not None:
         window, members = _by_length(queue, at, cap, start, rule.join_lead, cost)
         rows, longest, earliest = _measure(members)
@@ -113,10 +127,79 @@ def form_batch(queue: Sequence[Pending], start: float, rule: BatchingRule, cost:
         if cut:
             members, preferred = members[:cut], True
             rows, longest, earliest = _measure(members)
+    looked = max(looked, len(window))
+    evened = to_share and cap is not None and rows >= cap
     if rule.deadline_aware and start + cost.predict(rows * longest) > earliest:
         send, late = _most_on_time(members, start, cost)
-        return Formed(send, late, len(window), preferred, len(send) < len(members), units(send))
-    return Formed(members, [], len(window), preferred, False, rows * longest)
+        return Formed(send, late, looked, preferred, len(send) < len(members), units(send), evened)
+    return Formed(members, [], looked, preferred, False, rows * longest, evened)
+
+
+def _even_share(queue: Sequence[Pending], at: int, cap: int, start: float, join_lead: float,
+                others: Sequence[float], cost: Cost) -> tuple[int, int]:
+    """(the most rows the batch starting at `start` takes, the requests it looked at): the fewest
+    rows k such that the other lanes, each starting when it is free (`others`, at `start` at the
+    earliest) and taking at most `cap` rows, can take the rest of the rows queued by `start` and
+    finish by the time this batch of k does; `cap` when they cannot take any.
+
+    That split finishes all of them soonest: a lane running k + 1 rows finishes them later, one
+    running k - 1 leaves the others rows they finish later still. It looks at the queue's head up
+    to a full batch for every lane; rows past that wait for a later batch whatever the split.
+    Batch sizes are counted padded to the longest request looked at, and the cost taken as rising
+    with rows."""
+    lanes = 1 + len(others)
+    rows = longest = looked = 0
+    for k in range(at, len(queue)):
+        p = queue[k]
+        if looked and p.enqueued + (0.0 if p.queued else join_lead) > start:
+            break
+        rows += p.rows
+        longest = max(longest, p.length)
+        looked += 1
+        if rows >= lanes * cap:
+            break
+    most = min(cap, rows)
+    if most <= 1:
+        return cap, looked
+    starts = [max(start, f) for f in others]
+    runs: dict[int, float] = {}  # rows -> predicted run: the searches below ask for a few sizes, often again
+
+    def run(r: int) -> float:
+        t = runs.get(r)
+        if t is None:
+            t = runs[r] = cost.predict(r * longest)
+        return t
+
+    alone = start + run(most)
+    if all(s >= alone for s in starts):
+        return cap, looked  # none of the others frees up before this batch of everything is done
+
+    def taken_by_others(k: int) -> int:
+        """Rows the other lanes can run finishing by a batch of k here: the most each can, up to k
+        (the others start no sooner than this one, at the same cost)."""
+        by = start + run(k)
+        total = 0
+        for s in starts:
+            low, high = 0, k  # s + run(low) <= by holds for low 0 (no run); find the largest
+            while low < high:
+                mid = (low + high + 1) // 2
+                if s + run(mid) <= by:
+                    low = mid
+                else:
+                    high = mid - 1
+            total += low
+        return total
+
+    # The fewest k whose finish leaves the others time for rows - k: `most` always does, and none
+    # below an equal split can (the others take at most k each).
+    low, high = min(most, -(-rows // lanes)), most
+    while low < high:
+        mid = (low + high) // 2
+        if taken_by_others(mid) >= rows - mid:
+            high = mid
+        else:
+            low = mid + 1
+    return (cap if low == most else low), looked
 
 
 def _take(queue: Sequence[Pending], at: int, cap: int | None, start: float,
@@ -295,7 +378,7 @@ def play(
         start = max(free[e], rest[i].enqueued)
         if id(rest[i]) in unplanned and start < now:
             start = now
-        formed = form_batch(rest, start, rule, cost, i)
+        formed = form_batch(rest, start, rule, cost, i, free[:e] + free[e + 1:] if rule.even_lanes else ())
         if resume is None and i + formed.window >= len(rest):
             resume = (tuple(rest[i:]), tuple(free))
         shed.extend(formed.late)

@@ -331,7 +331,7 @@ class QueueTail(_message.Message):
     def __init__(self, free_s: _Optional[_Iterable[float]] = ..., level: _Optional[int] = ..., items: _Optional[_Iterable[_Union[QueueTail.Item, _Mapping]]] = ...) -> None: ...
 
 class ModelLoad(_message.Message):
-    __slots__ = ("cost_per_unit_s", "cost_fixed_s", "cost_margin_s", "overhead_s", "executors", "backlog_s", "queued_rows", "policy", "updated_us", "tails", "seen_us", "margin_by_size_s", "over_share_rows", "length_aware")
+    __slots__ = ("cost_per_unit_s", "cost_fixed_s", "cost_margin_s", "overhead_s", "executors", "backlog_s", "queued_rows", "policy", "updated_us", "tails", "seen_us", "margin_by_size_s", "over_share_rows", "length_aware", "even_lanes")
     class SeenUsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -353,6 +353,7 @@ class ModelLoad(_message.Message):
     MARGIN_BY_SIZE_S_FIELD_NUMBER: _ClassVar[int]
     OVER_SHARE_ROWS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_AWARE_FIELD_NUMBER: _ClassVar[int]
+    EVEN_LANES_FIELD_NUMBER: _ClassVar[int]
     cost_per_unit_s: float
     cost_fixed_s: float
     cost_margin_s: float
@@ -367,7 +368,8 @@ class ModelLoad(_message.Message):
     margin_by_size_s: _containers.RepeatedScalarFieldContainer[float]
     over_share_rows: int
     length_aware: bool
-    def __init__(self, cost_per_unit_s: _Optional[float] = ..., cost_fixed_s: _Optional[float] = ..., cost_margin_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., executors: _Optional[int] = ..., backlog_s: _Optional[float] = ..., queued_rows: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., updated_us: _Optional[int] = ..., tails: _Optional[_Iterable[_Union[QueueTail, _Mapping]]] = ..., seen_us: _Optional[_Mapping[str, int]] = ..., margin_by_size_s: _Optional[_Iterable[float]] = ..., over_share_rows: _Optional[int] = ..., length_aware: _Optional[bool] = ...) -> None: ...
+    even_lanes: bool
+    def __init__(self, cost_per_unit_s: _Optional[float] = ..., cost_fixed_s: _Optional[float] = ..., cost_margin_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., executors: _Optional[int] = ..., backlog_s: _Optional[float] = ..., queued_rows: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., updated_us: _Optional[int] = ..., tails: _Optional[_Iterable[_Union[QueueTail, _Mapping]]] = ..., seen_us: _Optional[_Mapping[str, int]] = ..., margin_by_size_s: _Optional[_Iterable[float]] = ..., over_share_rows: _Optional[int] = ..., length_aware: _Optional[bool] = ..., even_lanes: _Optional[bool] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

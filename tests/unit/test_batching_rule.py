@@ -26,12 +26,18 @@ def test_length_aware_batching_needs_padded_inputs_and_the_deadline_aware_policy
     assert not fifo.deadline_aware and not fifo.length_aware
 
 
+def test_batches_evened_over_lanes_need_the_deadline_aware_policy():
+    assert BatchingRule.of_model(TEXT, even_lanes=True).even_lanes
+    assert not BatchingRule.of_model(TEXT).even_lanes
+    assert not BatchingRule.of_model(TEXT, deadline_aware=False, even_lanes=True).even_lanes
+
+
 def test_a_gateway_rebuilds_from_the_load_view_the_rule_the_scheduler_played_by():
-    played_by = BatchingRule(8, (4, 8), over_share_rows=2, length_aware=True)
+    played_by = BatchingRule(8, (4, 8), over_share_rows=2, length_aware=True, even_lanes=True)
     view = pb.ModelLoad(**played_by.load_fields())
     assert BatchingRule.of_load(TEXT, view) == played_by
     # An arriving request joins no batch leaving within the gateway's join lead.
     assert BatchingRule.of_load(TEXT, view, join_lead=0.005).join_lead == 0.005
     # A view without the rule's fields: no over-share cap, the head's prefix.
     plain = BatchingRule.of_load(TEXT, pb.ModelLoad())
-    assert (plain.over_share_rows, plain.length_aware) == (0, False)
+    assert (plain.over_share_rows, plain.length_aware, plain.even_lanes) == (0, False, False)

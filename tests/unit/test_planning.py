@@ -49,7 +49,8 @@ def scenarios(draw):
     # Batches headed by an over-share tenant's request capped (gateway/fairness.py), or not.
     over_rows = draw(st.sampled_from([0, 0, 1, 2]))
     aware = draw(st.booleans())  # length-aware batches, or the head's prefix
-    return BatchingRule(max_batch_size, preferred, over_rows, aware), cost, free, queue
+    even = draw(st.booleans())  # batches evened over the lanes, or each taking what it can
+    return BatchingRule(max_batch_size, preferred, over_rows, aware, even_lanes=even), cost, free, queue
 
 
 @settings(max_examples=400, deadline=None)
@@ -169,3 +170,65 @@ def test_the_plan_sends_the_length_aware_batch_and_leaves_the_rest_queued():
     policy = ModelPolicy(LENGTH_AWARE, max_queue_delay=0.0)
     decision = plan(NOW, queue, policy, [NOW], PER_TOKEN, lead=0.0)
     assert [m.length for m in decision.batches[0].members] == [10, 10, 10, 10]
+
+
+# -- batches evened over the lanes (deterministic) ---------------------------------------------
+
+PER_ROW = FunctionCost(lambda units: units / 64)  # binary-exact times: "finishes as soon" is exact
+EVEN = BatchingRule(32, even_lanes=True)
+
+
+def _rows(n, deadline=NOW + 10.0):
+    return [Pending(f"r{i}", 1, 1, deadline, NOW - 1.0) for i in range(n)]
+
+
+def test_two_idle_lanes_split_the_queue_between_them():
+    played = play(_rows(10), [NOW, NOW], EVEN, PER_ROW)
+    assert [(b.executor, b.rows, b.start) for b in played.batches] == [(0, 5, NOW), (1, 5, NOW)]
+    assert played.free == (NOW + 5 / 64, NOW + 5 / 64)
+    # Each lane taking everything it can: one lane runs all ten, the other idles.
+    whole = play(_rows(10), [NOW, NOW], BatchingRule(32), PER_ROW)
+    assert [(b.executor, b.rows) for b in whole.batches] == [(0, 10)]
+
+
+def test_a_lane_leaves_a_lane_about_to_free_up_the_rows_it_can_finish_as_soon():
+    # The other lane frees up 4 rows' run later: 8 rows here and 4 there finish together.
+    played = play(_rows(12), [NOW, NOW + 4 / 64], EVEN, PER_ROW)
+    assert [(b.executor, b.rows) for b in played.batches] == [(0, 8), (1, 4)]
+    assert [b.finish for b in played.batches] == [NOW + 8 / 64, NOW + 8 / 64]
+
+
+def test_a_lane_takes_everything_when_the_others_stay_busy_longer_than_its_run():
+    played = play(_rows(12), [NOW, NOW + 13 / 64], EVEN, PER_ROW)
+    assert [(b.executor, b.rows) for b in played.batches] == [(0, 12)]
+
+
+def test_with_more_queued_than_the_lanes_hold_every_batch_is_full():
+    # Saturated: evening changes nothing, each lane runs max_batch_size rows.
+    queue = _rows(24)
+    even = play(queue, [NOW, NOW], BatchingRule(4, even_lanes=True), PER_ROW)
+    whole = play(queue, [NOW, NOW], BatchingRule(4), PER_ROW)
+    assert [b.rows for b in even.batches] == [b.rows for b in whole.batches] == [4] * 6
+    # Past that, the last rows are split: 2 and 2 finish sooner than 4 and none.
+    assert [b.rows for b in play(_rows(20), [NOW, NOW], BatchingRule(4, even_lanes=True), PER_ROW).batches] \
+        == [4, 4, 4, 4, 2, 2]
+
+
+def test_lanes_that_drifted_apart_even_out():
+    # Closed loop on two lanes: each batch's requests come back a row's run after it ends. Started
+    # from one lane running 28 rows and the other 4, taking everything each time keeps them so
+    # (the short lane cycles its 4); evened, they meet within a few batches.
+    def last_sizes(rule):
+        free, pending, last = [NOW + 28 / 64, NOW + 4 / 64], [], {0: 28, 1: 4}
+        for _ in range(16):
+            e = min(range(2), key=free.__getitem__)
+            pending += _rows(last[e], deadline=NOW + 100.0)
+            batch = play(pending, [free[e] + 1 / 64, free[1 - e]], rule, PER_ROW).batches[0]
+            assert batch.executor == 0  # the lane free first takes the first batch
+            pending = pending[batch.rows:]
+            last[e], free[e] = batch.rows, batch.finish
+        return last
+
+    assert last_sizes(BatchingRule(32)) == {0: 28, 1: 4}
+    evened = last_sizes(EVEN)
+    assert abs(evened[0] - evened[1]) <= 2 and min(evened.values()) >= 12

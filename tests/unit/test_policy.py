@@ -570,6 +570,40 @@ def test_one_executor_takes_batches_back_to_back_and_the_next_waits():
     assert p.wake_at == 0.5
 
 
+def test_evened_over_two_idle_lanes_the_queue_goes_out_as_two_batches_at_once():
+    policy = ModelPolicy(BatchingRule(32, even_lanes=True), max_queue_delay=0.0)
+    queue = [req(f"r{i}") for i in range(10)]
+    p = plan(1.0, queue, policy, free_at=[0.0, 0.5], cost=FunctionCost(lambda units: units / 16))
+    # Each goes as a batch of all that is queued would: here its delay is up.
+    assert [(ids(b), b.executor, b.reason, b.finish) for b in p.batches] == [
+        ([f"r{i}" for i in range(5)], 0, DELAY, 1.3125), ([f"r{i}" for i in range(5, 10)], 1, DELAY, 1.3125)]
+
+
+def test_evened_a_lane_leaves_a_lane_about_to_free_up_its_share_queued():
+    policy = ModelPolicy(BatchingRule(32, even_lanes=True), max_queue_delay=0.0)
+    queue = [req(f"r{i}") for i in range(12)]
+    # The other lane frees up in 0.25 s (4 rows' run): 8 go now, 4 wait for it and finish as soon.
+    p = plan(1.0, queue, policy, free_at=[1.0, 1.25], cost=FunctionCost(lambda units: units / 16), lead=0.125)
+    assert [(len(b.members), b.executor, b.finish) for b in p.batches] == [(8, 0, 1.5)]
+    assert p.blocked and p.wake_at == 1.125
+
+
+def test_a_batch_cut_to_its_even_share_waits_for_company_as_the_whole_would():
+    policy = ModelPolicy(BatchingRule(32, even_lanes=True), max_queue_delay=0.5)
+    queue = [req(f"r{i}") for i in range(10)]
+    cost = FunctionCost(lambda units: units / 16)
+    # Company expected (4 arrivals a second, one within the delay): nothing goes yet, as with
+    # one lane, where the ten would wait as one batch.
+    p = plan(0.0, queue, policy, free_at=[0.0, 0.0], cost=cost, company=4.0)
+    assert p.batches == [] and p.wake_at == 0.25
+    one_lane = plan(0.0, queue, ModelPolicy(BatchingRule(32), max_queue_delay=0.5), free_at=[0.0], cost=cost,
+                    company=4.0)
+    assert one_lane.batches == [] and one_lane.wake_at == 0.25
+    # None expected: both halves go at once.
+    p = plan(0.0, queue, policy, free_at=[0.0, 0.0], cost=cost, company=0.0)
+    assert [(len(b.members), b.executor, b.reason) for b in p.batches] == [(5, 0, NO_COMPANY), (5, 1, NO_COMPANY)]
+
+
 def test_slack_counts_the_wait_for_a_busy_executor():
     policy = ModelPolicy(BatchingRule(1), max_queue_delay=10.0)
     p = plan(1.0, [req("a", deadline=2.0)], policy, free_at=[1.25], cost=FunctionCost(fixed(0.25)), lead=0.5)
