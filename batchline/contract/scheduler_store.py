@@ -46,10 +46,11 @@ class StepWrites:
     def __len__(self) -> int:
         return len(self._pipe)
 
-    def dispatch(self, batch: pb.Batch, members: Sequence[bytes], batch_ttl_ms: int) -> None:
+    def dispatch(self, batch: pb.Batch, members: Sequence[bytes], batch_ttl_ms: int,
+                 blob: bytes | None = None) -> None:
         """Move `members` from their queue into `batch` for its executor (contract.dispatch): its
-        result is how many were still queued."""
-        calls.dispatch(self._pipe, batch, members, batch_ttl_ms)
+        result is how many were still queued. `blob`: the Batch's bytes, when the caller has them."""
+        calls.dispatch(self._pipe, batch, members, batch_ttl_ms, blob)
 
     def shed(self, model: ModelKey, members: Sequence[bytes], request_ids: Sequence[str],
              replies: Mapping[str, Sequence[pb.Reply]]) -> None:
