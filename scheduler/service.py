@@ -1,7 +1,7 @@
 """The scheduler: reads queues and executor load from Redis, plans, dispatches.
 
 `step()` coordinates one round: it reads every queue's head and every
-executor's in-flight set in one pipeline, asks the pure policy
+executor's in-flight set in one round trip, asks the pure policy
 (scheduler.policy.plan) what to do with each queue, and writes the sheds, the
 dispatches and the load view in one more. The scheduler never touches
 tensors: it moves queue members (request metadata) into batches and tells
@@ -199,7 +199,7 @@ class Scheduler:
         self.wakeups.notify = {contract.notify(k): contract.queue(k) for k in sorted(self.registry.models)}
 
     async def _scan(self, models: list[ModelKey], executors: list[str]) -> tuple[list[list[bytes]], list[set[bytes]]]:
-        """One pipeline: drop the arrivals' tokens, take the reports, read each queue's head and
+        """One round trip: drop the arrivals' tokens, take the reports, read each queue's head and
         depth and each executor's in-flight sets. Returns the heads and each executor's batch ids."""
         # An executor's in-flight sets are per model (in the model's slot): one per model it has.
         sets = [(eid, (m.name, m.version)) for eid in executors for m in self.registry.executors[eid].models]
