@@ -6,6 +6,7 @@ the typed `contents` fields. Outputs are always written raw, as Triton does.
 """
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Mapping, Sequence
 
@@ -71,6 +72,12 @@ def onnx_datatype(onnx_type: str) -> str:
 
 
 def numpy_datatype(dtype: np.dtype) -> str:
+    # Asked for every output of every answer: a dtype's answer is looked up once.
+    return _numpy_datatype(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _numpy_datatype(dtype: np.dtype) -> str:
     if dtype.kind in "OUS":
         return "BYTES"
     for name, dt in DATATYPES.items():

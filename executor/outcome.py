@@ -12,6 +12,7 @@ from batchline import contract, metrics
 from batchline.contract import FinishedBatch
 from batchline.contract.executor_store import ExecutorStore
 from batchline.clock import now_us
+from batchline.histograms import observe_each, observe_times
 from batchline.protocol import internal_pb2 as pb
 from executor.repository import LoadedModel
 from executor.running import Member
@@ -99,17 +100,15 @@ async def write(store: ExecutorStore, executor_id: str, batch: pb.Batch, model: 
         metrics.COMPUTE_INPUT_DURATION.labels(*labels).observe(timing.input_ns / 1e9)
         metrics.COMPUTE_INFER_DURATION.labels(*labels).observe(timing.infer_ns / 1e9)
         metrics.COMPUTE_OUTPUT_DURATION.labels(*labels).observe(timing.output_ns / 1e9)
-        queue = metrics.QUEUE_DURATION.labels(*labels)
-        for m in ok:
-            queue.observe(max(0, timing.start_us - m.entry.enqueued_us) / 1e6)
+        start_us = timing.start_us
+        observe_each(metrics.QUEUE_DURATION.labels(*labels),
+                     [max(0, start_us - m.entry.enqueued_us) / 1e6 for m in ok])
         if timing.ran_until_us:
             run_s = timing.infer_ns / 1e9
             waited_s = max(0, timing.ran_until_us - timing.infer_ns // 1000 - batch.dispatched_us) / 1e6
-            dispatch, execute = metrics.STAGE_DISPATCH.labels(*labels), metrics.STAGE_EXECUTE.labels(*labels)
             # Once per request, not per batch: the stages' quantiles are then the requests' own.
-            for _ in ok:
-                dispatch.observe(waited_s)
-                execute.observe(run_s)
+            observe_times(metrics.STAGE_DISPATCH.labels(*labels), waited_s, len(ok))
+            observe_times(metrics.STAGE_EXECUTE.labels(*labels), run_s, len(ok))
 
 
 def _statistics(ok: Sequence[Member], rows: int, timing: Timing, done_us: int) -> list:

@@ -6,6 +6,7 @@ The config.toml keys, their defaults and checks are `executor.model_config.Model
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -40,9 +41,20 @@ class LoadedModel:
     fingerprint: tuple[int, ...] = ()  # of config.toml and model.onnx as loaded (executor/live.py reloads on change)
     tokenizer_json: bytes = b""  # config.toml [tokenizer]: published in Redis for the gateways
 
-    @property
+    # Asked for every batch or member: read off `info` once (its inputs and outputs are final by the
+    # time a LoadedModel is made).
+    @functools.cached_property
     def string_inputs(self) -> list[str]:
         return [s.name for s in self.info.inputs if s.datatype == "BYTES"]
+
+    @functools.cached_property
+    def output_names(self) -> list[str]:
+        return [o.name for o in self.info.outputs]
+
+    @functools.cached_property
+    def run_outputs(self) -> list[str]:
+        """What a run fetches: the outputs, then a sequence model's state outputs (the next step's state)."""
+        return self.output_names + [s.output for s in self.info.sequence.states]
 
     @property
     def name(self) -> str:

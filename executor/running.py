@@ -22,7 +22,7 @@ from executor.repository import LoadedModel
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class Member:
     """One request of a batch, from its queue entry to its outputs or its error."""
     entry: pb.QueueEntry
@@ -105,7 +105,7 @@ async def _run_singly(model: LoadedModel, members: list[Member]) -> int:
 
 def _session_run(model: LoadedModel, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     # A sequence model's state outputs too: the next step's state (executor/sequences.py).
-    names = [o.name for o in model.info.outputs] + [s.output for s in model.info.sequence.states]
+    names = model.run_outputs
     return dict(zip(names, model.session.run(names, feeds)))
 
 
@@ -115,8 +115,11 @@ def reply(model: LoadedModel | None, m: Member) -> pb.Reply:
         return pb.Reply(request_id=m.entry.request_id, code=status_value(error), message=str(error),
                         region_unreadable=isinstance(error, RegionUnreadable))
     req = m.request
-    response = ipb.ModelInferResponse(model_name=model.name, model_version=model.version, id=req.id)
-    wanted = [o.name for o in req.outputs] or [o.name for o in model.info.outputs]
+    r = pb.Reply(request_id=m.entry.request_id, code=0)
+    # Filled in place: a response passed to Reply() would be copied into it.
+    response = r.response
+    response.model_name, response.model_version, response.id = model.name, model.version, req.id
+    wanted = [o.name for o in req.outputs] or model.output_names
     for name in wanted:
         datatype, shape, raw = encode_array(m.outputs[name])
         response.outputs.add(name=name, datatype=datatype, shape=shape)
@@ -126,4 +129,4 @@ def reply(model: LoadedModel | None, m: Member) -> pb.Reply:
     except BatchlineError as exc:
         return pb.Reply(request_id=m.entry.request_id, code=status_value(exc), message=str(exc),
                         region_unreadable=isinstance(exc, RegionUnreadable))
-    return pb.Reply(request_id=m.entry.request_id, code=0, response=response)
+    return r

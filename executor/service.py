@@ -310,17 +310,17 @@ class Executor:
         """The members still awaited (payload there, gateway alive), decoded; one that cannot be
         is answered alone."""
         start_us, t0 = now_us(), time.perf_counter_ns()
-        gateways = sorted({m.gateway_id for m in batch.members})
+        entries = list(batch.members)  # (each access to a repeated field's element makes a new wrapper)
+        gateways = sorted({e.gateway_id for e in entries})
         with _phase("fetch", traced):
             async with metrics.redis_rtt("executor", "fetch"):
                 payloads, beats = await self.store.fetch((batch.model_name, batch.model_version),
-                                                         [m.request_id for m in batch.members], gateways)
-        alive = dict(zip(gateways, beats))
-        heartbeats_tell = self.heartbeats.heartbeats_tell()
+                                                         [e.request_id for e in entries], gateways)
+        gone = {g for g, beat in zip(gateways, beats) if beat is None} if self.heartbeats.heartbeats_tell() else ()
         members = [running.decoded(entry, blob, model, batch, self.executor_id)
-                   for entry, blob in zip(batch.members, payloads)
+                   for entry, blob in zip(entries, payloads)
                    # answered, abandoned, or its gateway died: nobody is waiting
-                   if blob is not None and (alive[entry.gateway_id] is not None or not heartbeats_tell)]
+                   if blob is not None and (not gone or entry.gateway_id not in gone)]
         return Taken(members, start_us, t0, time.perf_counter_ns())
 
     async def _run(self, batch: pb.Batch, model: LoadedModel | None, taken: Taken, traced: bool) -> Ran:
@@ -353,8 +353,9 @@ class Executor:
         ran_until_us = taken.start_us + (ran.ended_ns - taken.started_ns) // 1000 if ran_anything else 0
         replies: dict[str, list[bytes]] = defaultdict(list)
         ahead: dict[str, list[bytes]] = defaultdict(list)  # a decoupled model's responses
+        is_decoupled = model is not None and model.info.decoupled
         for m in taken.members:
-            if model is not None and model.info.decoupled:
+            if is_decoupled and model is not None:
                 partial, r = decoupled.replies(model, m)
                 ahead[m.entry.gateway_id] += [p.SerializeToString() for p in partial]
             else:

@@ -16,6 +16,7 @@ from batchline.contract.keys import ModelKey
 from batchline.contract.scheduler_store import StepWrites
 from batchline.clock import now_us
 from batchline.errors import duration_text
+from batchline.histograms import observe_each
 from batchline.planning import Pending
 from batchline.protocol import internal_pb2 as pb
 from scheduler.policy import PlannedBatch
@@ -49,13 +50,38 @@ def send(writes: StepWrites, key: ModelKey, executor_id: str, planned: PlannedBa
             "batchline.min_slack_ms": planned.slack * 1e3, "batchline.executor_id": executor_id,
         })
     batch = pb.Batch(
-        batch_id=batch_id, model_name=key[0], model_version=key[1], members=entries, executor_id=executor_id,
+        batch_id=batch_id, model_name=key[0], model_version=key[1], executor_id=executor_id,
         dispatched_us=dispatched_us, reason=planned.reason, attempt=1,
         traceparent=(telemetry.inject(span)[0] if span else "") or tracecontext.child(None),
     )
-    writes.dispatch(batch, [m.member for m in planned.members],
-                    contract.payload_ttl_ms(max(e.deadline_us for e in entries), dispatched_us))
+    members = [m.member for m in planned.members]
+    writes.dispatch(batch, members, contract.payload_ttl_ms(max(e.deadline_us for e in entries), dispatched_us),
+                    with_members(batch, members))
     return Sent(batch_id, executor_id, planned, entries, dispatched_us, span)
+
+
+# Batch.members (field 4), a length-delimited field: its tag byte.
+_MEMBERS_TAG = bytes([4 << 3 | 2])
+
+
+def with_members(batch: pb.Batch, members: list[bytes]) -> bytes:
+    """The bytes of `batch` (no members of its own) with `members` (QueueEntry bytes, as queued) as its
+    members: each queue member is already its QueueEntry's encoding, so they are appended as they
+    are rather than parsed, copied into the Batch and encoded again (a repeated field's elements
+    may follow the other fields; parsing keeps their order)."""
+    parts = [batch.SerializeToString()]
+    for m in members:
+        parts += (_MEMBERS_TAG, _varint(len(m)), m)
+    return b"".join(parts)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def book(key: ModelKey, sent: Sent, taken: int, counts: Counter) -> bool:
@@ -70,9 +96,8 @@ def book(key: ModelKey, sent: Sent, taken: int, counts: Counter) -> bool:
     metrics.BATCHES_DISPATCHED.labels(key[0], key[1], planned.reason).inc()
     metrics.BATCH_SIZE.labels(key[0], key[1]).observe(planned.rows)
     metrics.DISPATCH_SLACK.labels(key[0], key[1]).observe(planned.slack)  # negative: late, in the le="0" bucket
-    queue = metrics.STAGE_QUEUE.labels(*key)
-    for e in sent.entries:
-        queue.observe(max(0, sent.dispatched_us - e.enqueued_us) / 1e6)
+    dispatched_us = sent.dispatched_us
+    observe_each(metrics.STAGE_QUEUE.labels(*key), [max(0, dispatched_us - e.enqueued_us) / 1e6 for e in sent.entries])
     if sent.span is not None:
         for m, e in zip(planned.members, sent.entries):
             telemetry.record_span(

@@ -1,7 +1,7 @@
 """The scheduler: reads queues and executor load from Redis, plans, dispatches.
 
 `step()` coordinates one round: it reads every queue's head and every
-executor's in-flight set in one pipeline, asks the pure policy
+executor's in-flight set in one round trip, asks the pure policy
 (scheduler.policy.plan) what to do with each queue, and writes the sheds, the
 dispatches and the load view in one more. The scheduler never touches
 tensors: it moves queue members (request metadata) into batches and tells
@@ -13,7 +13,7 @@ executors which batches are theirs. Its parts:
 - queues.py: each queue's entries parsed once, company rates, depth gauges.
 - timeline.py: when each executor is free.
 - profiles.py: the latency profiles, learned from reports and kept in Redis.
-- dispatch.py: what a step writes for batches and sheds.
+- dispatch.py: what a step writes for batches and sheds (every model's in one round trip).
 - generation.py: where a generative model's requests go (each alone, to free cache).
 - load_views.py: the views the gateways' admission control reads.
 - demand.py: the arrival forecast and the executors wanted, for the autoscalers.
@@ -28,7 +28,7 @@ from collections import Counter
 
 from batchline import contract, metrics
 from batchline.contract.keys import ModelKey
-from batchline.contract.scheduler_store import SchedulerStore
+from batchline.contract.scheduler_store import SchedulerStore, StepWrites
 from batchline.lifecycle import stop_tasks
 from batchline.protocol import internal_pb2 as pb
 from batchline.protocol import internal_pb2_grpc
@@ -172,8 +172,24 @@ class Scheduler:
         self._held = {eid: len(batches) for eid, batches in zip(executors, held)}
         wake_at: float | None = None
         self._plans, self._generating = {}, {}
-        for key, members in zip(models, heads):
-            wake_at = _earlier(wake_at, await self._schedule(key, members, free_at, now))
+        # What the step does goes to Redis in one round trip, every model's: sheds, dispatches, load views.
+        sends: list[tuple[ModelKey, int, dispatch.Sent, bool]] = []  # (model, result index, dispatch, timed)
+        shed: Counter[ModelKey] = Counter()
+        async with self.store.step_writes() as pipe:
+            for key, members in zip(models, heads):
+                wake_at = _earlier(wake_at, await self._schedule(key, members, free_at, now, pipe, sends, shed))
+            try:
+                results = await pipe.execute()
+            finally:
+                for _, _, sent, _ in sends:
+                    if sent.span is not None:
+                        sent.span.end()
+        for key, n in shed.items():
+            self.counts["shed"] += n
+            metrics.SHED.labels(*key).inc(n)
+        for key, i, sent, timed in sends:
+            if dispatch.book(key, sent, results[i], self.counts) and timed:
+                self.timeline.dispatched(sent.executor_id, sent.batch_id, sent.planned.start, sent.planned.finish)
         # An empty queue planned before another queue's dispatch kept the shared
         # executor busy: look again, so that arrivals to it need no wake-up either.
         for key in models:
@@ -199,7 +215,7 @@ class Scheduler:
         self.wakeups.notify = {contract.notify(k): contract.queue(k) for k in sorted(self.registry.models)}
 
     async def _scan(self, models: list[ModelKey], executors: list[str]) -> tuple[list[list[bytes]], list[set[bytes]]]:
-        """One pipeline: drop the arrivals' tokens, take the reports, read each queue's head and
+        """One round trip: drop the arrivals' tokens, take the reports, read each queue's head and
         depth and each executor's in-flight sets. Returns the heads and each executor's batch ids."""
         # An executor's in-flight sets are per model (in the model's slot): one per model it has.
         sets = [(eid, (m.name, m.version)) for eid in executors for m in self.registry.executors[eid].models]
@@ -234,12 +250,16 @@ class Scheduler:
                 return usable
         return []
 
-    async def _schedule(self, key: ModelKey, members: list[bytes], free_at: dict[str, float],
-                        now: float) -> float | None:
-        """Plan one model's queue and write what the plan says; when to look at it again."""
+    async def _schedule(self, key: ModelKey, members: list[bytes], free_at: dict[str, float], now: float,
+                        pipe: StepWrites, sends: list[tuple[ModelKey, int, dispatch.Sent, bool]],
+                        shed: Counter[ModelKey]) -> float | None:
+        """Plan one model's queue and queue on `pipe` what the plan says (its dispatches on `sends`,
+        its sheds counted in `shed`, both booked once the step's writes are done); when to look at it
+        again."""
         info = self.registry.models[key]
         if info.generation:
-            return await self._place_sequences(key, info, members, free_at, now)
+            self._place_sequences(key, info, members, free_at, now, pipe, sends, shed)
+            return None
         holders = self._holders(key, free_at)
         await self.profiles.adopt([(*key, kind(self.registry, e, key)) for e in holders])
         cost = self.profiles.for_model(self.registry, key, holders).cost(self.settings.overhead_ms / 1000)
@@ -256,42 +276,29 @@ class Scheduler:
                         busy=[bool(self._held.get(e)) for e in ready])
         self._plans[key] = (decision.rule, cost, holders)
         (self.wakeups.blocked.add if decision.blocked else self.wakeups.blocked.discard)(contract.queue(key))
-        # What the step does goes to Redis in one round trip: sheds, dispatches, the load view.
-        async with self.store.step_writes() as pipe:
-            if decision.expired:
-                dispatch.shed(pipe, key, decision.expired, self.queues.entries)
-            sends = []
-            for planned in decision.batches:
-                eid = ready[planned.executor]
-                free_at[eid] = planned.finish
-                self.timeline.planned(eid, planned.finish, now)
-                entries = [self.queues.entries[m.member] for m in planned.members]
-                sends.append((len(pipe), dispatch.send(pipe, key, eid, planned, entries)))
-            # The view shows what is left after this step: a batch just sent must not
-            # look joinable to a request admitted against it.
-            gone = ({m.request_id for b in decision.batches for m in b.members}
-                    | {p.request_id for p in decision.expired})
-            left = [p for p in queue if p.request_id not in gone] if gone else queue
-            self.queues.left(key, now, len(left))
-            if self.settings.policy != FIFO and self.views.due(key, now, changed=bool(gone)):
-                idle_at = [max(now, self.timeline.idle_at.get(e, now)) for e in holders]
-                self.views.publish(pipe, key, info, idle_at, cost, decision.rule, left, now, self._scanned_at)
-            try:
-                results = await pipe.execute()
-            finally:
-                for _, sent in sends:
-                    if sent.span is not None:
-                        sent.span.end()
         if decision.expired:
-            self.counts["shed"] += len(decision.expired)
-            metrics.SHED.labels(*key).inc(len(decision.expired))
-        for i, sent in sends:
-            if dispatch.book(key, sent, results[i], self.counts):
-                self.timeline.dispatched(sent.executor_id, sent.batch_id, sent.planned.start, sent.planned.finish)
+            dispatch.shed(pipe, key, decision.expired, self.queues.entries)
+            shed[key] += len(decision.expired)
+        for planned in decision.batches:
+            eid = ready[planned.executor]
+            free_at[eid] = planned.finish
+            self.timeline.planned(eid, planned.finish, now)
+            entries = [self.queues.entries[m.member] for m in planned.members]
+            sends.append((key, len(pipe), dispatch.send(pipe, key, eid, planned, entries), True))
+        # The view shows what is left after this step: a batch just sent must not
+        # look joinable to a request admitted against it.
+        gone = ({m.request_id for b in decision.batches for m in b.members}
+                | {p.request_id for p in decision.expired})
+        left = [p for p in queue if p.request_id not in gone] if gone else queue
+        self.queues.left(key, now, len(left))
+        if self.settings.policy != FIFO and self.views.due(key, now, changed=bool(gone)):
+            idle_at = [max(now, self.timeline.idle_at.get(e, now)) for e in holders]
+            self.views.publish(pipe, key, info, idle_at, cost, decision.rule, left, now, self._scanned_at)
         return decision.wake_at
 
-    async def _place_sequences(self, key: ModelKey, info: pb.ModelInfo, members: list[bytes],
-                               free_at: dict[str, float], now: float) -> None:
+    def _place_sequences(self, key: ModelKey, info: pb.ModelInfo, members: list[bytes], free_at: dict[str, float],
+                         now: float, pipe: StepWrites, sends: list[tuple[ModelKey, int, dispatch.Sent, bool]],
+                         shed: Counter[ModelKey]) -> None:
         """A generative model's queue: each request alone to an executor with a free cache slot
         (scheduler/generation.py); those whose deadline passed in the queue are shed."""
         holders = self._holders(key, free_at)
@@ -303,20 +310,15 @@ class Scheduler:
         expired = [p for p in queue if p.deadline <= now]
         placed = generation.place([p for p in queue if p.deadline > now], free)
         self.wakeups.blocked.discard(contract.queue(key))
-        async with self.store.step_writes() as pipe:
-            if expired:
-                dispatch.shed(pipe, key, expired, self.queues.entries)
-            sends = [(len(pipe), dispatch.send(pipe, key, eid, PlannedBatch((p,), p.rows, "generation",
-                                                                              p.deadline - now, 0, now, now),
-                                               [self.queues.entries[p.member]]))
-                     for eid, p in placed]
-            results = await pipe.execute()
-        self.queues.left(key, now, len(queue) - len(expired) - len(placed))
         if expired:
-            self.counts["shed"] += len(expired)
-            metrics.SHED.labels(*key).inc(len(expired))
-        for i, sent in sends:
-            dispatch.book(key, sent, results[i], self.counts)
+            dispatch.shed(pipe, key, expired, self.queues.entries)
+            shed[key] += len(expired)
+        for eid, p in placed:
+            planned = PlannedBatch((p,), p.rows, "generation", p.deadline - now, 0, now, now)
+            # (not on the timeline: sequences take cache slots, not the executor's batch turns)
+            sends.append((key, len(pipe), dispatch.send(pipe, key, eid, planned, [self.queues.entries[p.member]]),
+                          False))
+        self.queues.left(key, now, len(queue) - len(expired) - len(placed))
 
     def status(self) -> pb.SchedulerStatus:
         return pb.SchedulerStatus(

@@ -92,13 +92,15 @@ async def _enqueue_by_model(client: Any, gateway_id: str, address: str, heartbea
     return queued
 
 
-def dispatch(client: Any, batch: pb.Batch, members: Sequence[bytes], batch_ttl_ms: int) -> Any:
+def dispatch(client: Any, batch: pb.Batch, members: Sequence[bytes], batch_ttl_ms: int,
+             blob: bytes | None = None) -> Any:
     """Move `members` from their queue into `batch`, for its executor (scripts.DISPATCH_LUA): its
     result is how many were still queued (0: nothing was dispatched). On a cluster, two commands
     (the model's half, then the executor's, scripts.HAND_OVER_LUA): the first one's result is the
-    dispatch's."""
+    dispatch's. `blob`: the Batch as stored and handed over (its encoding, when not given), whose
+    members may be in it only."""
     model = (batch.model_name, batch.model_version)
-    blob = batch.SerializeToString()
+    blob = blob if blob is not None else batch.SerializeToString()
     keys = [k.queue(model), k.batch(model, batch.batch_id), k.inflight(model, batch.executor_id)]
     args = [batch.batch_id, batch_ttl_ms, k.WORK_TTL, blob, k.model_tag(model), *members]
     hand_over = [k.work(batch.executor_id), k.served(batch.executor_id)]

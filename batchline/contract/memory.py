@@ -94,14 +94,16 @@ class MemoryStepWrites:
     def __len__(self) -> int:
         return len(self._writes)
 
-    def dispatch(self, batch: pb.Batch, members: Sequence[bytes], batch_ttl_ms: int) -> None:
+    def dispatch(self, batch: pb.Batch, members: Sequence[bytes], batch_ttl_ms: int,
+                 blob: bytes | None = None) -> None:
         def run() -> int:
             s, model = self.state, (batch.model_name, batch.model_version)
             taken = [m for m in members if s.queues[model].pop(m, None) is not None]
             if taken:
-                s.batches[batch.batch_id] = batch
+                stored = batch if blob is None else pb.Batch.FromString(blob)
+                s.batches[batch.batch_id] = stored
                 s.inflight[(batch.executor_id, model)].add(batch.batch_id.encode())
-                s.work[batch.executor_id].append(batch.SerializeToString())
+                s.work[batch.executor_id].append(blob if blob is not None else batch.SerializeToString())
             return len(taken)
         self._writes.append(run)
 

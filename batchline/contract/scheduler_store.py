@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Mapping, Sequence
 
-from batchline.contract import calls
+from batchline.contract import calls, scripts
 from batchline.contract import keys as k
 from batchline.contract.keys import ModelKey
 from batchline.contract.recovery import RecoveryStore
-from batchline.contract.slots import Rounds, get_many
+from batchline.contract.slots import Rounds, get_many, on_cluster
 from batchline.protocol import internal_pb2 as pb
 
 # A latency profile's key: model, version, execution provider.
@@ -46,10 +46,11 @@ class StepWrites:
     def __len__(self) -> int:
         return len(self._pipe)
 
-    def dispatch(self, batch: pb.Batch, members: Sequence[bytes], batch_ttl_ms: int) -> None:
+    def dispatch(self, batch: pb.Batch, members: Sequence[bytes], batch_ttl_ms: int,
+                 blob: bytes | None = None) -> None:
         """Move `members` from their queue into `batch` for its executor (contract.dispatch): its
-        result is how many were still queued."""
-        calls.dispatch(self._pipe, batch, members, batch_ttl_ms)
+        result is how many were still queued. `blob`: the Batch's bytes, when the caller has them."""
+        calls.dispatch(self._pipe, batch, members, batch_ttl_ms, blob)
 
     def shed(self, model: ModelKey, members: Sequence[bytes], request_ids: Sequence[str],
              replies: Mapping[str, Sequence[pb.Reply]]) -> None:
@@ -66,9 +67,15 @@ class StepWrites:
 class SchedulerStore(RecoveryStore):
     async def scan(self, notices: Sequence[str], models: Sequence[ModelKey],
                    inflight: Sequence[tuple[str, ModelKey]], scan_limit: int, drain: int) -> Scan:
-        """One pipeline: drop the arrivals' tokens (`notices`), take the reports, read each queue's
-        head (up to `scan_limit`) and depth and each (executor, model) in-flight set; up to `drain`
-        reports."""
+        """One command (scripts.SCAN_LUA; a pipeline on a cluster): drop the arrivals' tokens
+        (`notices`), take the reports, read each queue's head (up to `scan_limit`) and depth and each
+        (executor, model) in-flight set; up to `drain` reports."""
+        if not on_cluster(self.client):
+            reports, heads, depths, sets = await self.client.eval(
+                scripts.SCAN_LUA, len(notices) + 1 + len(models) + len(inflight), *notices, k.REPORTS,
+                *(k.queue(m) for m in models), *(k.inflight(m, eid) for eid, m in inflight),
+                len(notices), len(models), drain, scan_limit)
+            return Scan(list(reports), [list(h) for h in heads], [int(d) for d in depths], [set(s) for s in sets])
         rounds = Rounds(self.client)
         pipe = rounds.next()
         # The arrivals' tokens go first (on a cluster, a round of their own): the scan below sees

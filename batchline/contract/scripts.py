@@ -164,6 +164,32 @@ ANNOUNCE_LUA = _ANNOUNCE_FN + """
 announce(1, ARGV[1], ARGV[2], ARGV[3])
 """
 
+# A scheduling step's read in one command: the arrivals' tokens dropped (first, so that the read
+# sees every request whose token it drops), up to `drain` reports taken, each queue's head and
+# depth, each in-flight set. One script rather than a pipeline of a dozen commands: a client
+# spends more CPU per command than Redis spends running them. Not on a Redis Cluster (the keys
+# span slots): there the store pipelines the commands.
+# KEYS: the notify lists, the reports list, the queues, the in-flight sets.
+# ARGV: notify lists, queues, drain, scan limit.
+# Returns {reports, {head per queue}, {depth per queue}, {members per in-flight set}}.
+SCAN_LUA = """
+local notices, queues = tonumber(ARGV[1]), tonumber(ARGV[2])
+for i = 1, notices do
+  redis.call('DEL', KEYS[i])
+end
+local reports = redis.call('LPOP', KEYS[notices + 1], ARGV[3]) or {}
+local heads, depths, inflight = {}, {}, {}
+local q = notices + 1
+for i = 1, queues do
+  heads[i] = redis.call('ZRANGE', KEYS[q + i], 0, tonumber(ARGV[4]) - 1)
+  depths[i] = redis.call('ZCARD', KEYS[q + i])
+end
+for i = q + queues + 1, #KEYS do
+  inflight[#inflight + 1] = redis.call('SMEMBERS', KEYS[i])
+end
+return {reports, heads, depths, inflight}
+"""
+
 # An execution report for the scheduler, the list capped and never left without its expiry.
 # KEYS[r]: the reports list; ARGV: report, cap, ttl s.
 _REPORT_FN = """

@@ -282,8 +282,18 @@ def test_an_arrival_noticed_while_a_step_is_under_way_gets_a_step_of_its_own(mes
     while not s.leader:
         assert time.monotonic() < deadline, "the scheduler never took the lease"
         time.sleep(0.02)
+    eid = s.registry.holders[("mlp", "1")][0]
+    ran_before = s.timeline.ran_until.get(eid, 0.0)
     warm = _enqueue(r, gateway_id, now_us() + 30_000_000, _mlp_request(np.zeros((1, 32))))
     assert _replies(r, gateway_id, 1)[warm].code == 0  # the executor is idle again
+    # ... and the scheduler knows it: a step took the batch's report and found the queue not waiting
+    # for the executor, and the wait under way listens to the queue's notices. (The reply and the
+    # report land together: the report the test sends below must not be the second to end a wait.)
+    notify = contract.notify(("mlp", "1"))
+    while not (s.timeline.ran_until.get(eid, 0.0) > ran_before and queue not in s.wakeups.blocked
+               and notify in s.wakeups.listening):
+        assert time.monotonic() < deadline + 10, "the scheduler never took the batch's report"
+        time.sleep(0.01)
     real_load_profiles, arrived, missed = s.profiles.adopt, [], []
 
     async def arrival_after_the_scan(keys):
