@@ -30,13 +30,18 @@ log = logging.getLogger(__name__)
 
 # Before any executor reported its start-to-serving time, the forecast looks this far ahead.
 DEFAULT_HORIZON_S = 10.0
+# The share of an executor's capacity the forecast may fill. The capacity is already the rate whose
+# every request finishes within the budget, so this margin is only for the forecast's error and the
+# arrivals' noise; 0.85 is admission's own headroom (docs/design/autoscaling.md has the replays
+# that chose it).
+TARGET_UTILISATION = 0.85
 
 
 @dataclass(frozen=True, slots=True)
 class DemandSettings:
     step_s: float = 1.0                # how often rates are measured and forecast
     horizon_s: float = 0.0             # how far ahead; 0: the measured executor start time
-    target_utilisation: float = 0.7    # the share of an executor's capacity the forecast may fill
+    target_utilisation: float = TARGET_UTILISATION
     season_s: float = 0.0              # a known period of the demand (0: none)
 
 
@@ -104,8 +109,7 @@ class Demand:
             rule, cost, holders = plans[key]
             rate = self._rate(key)
             rate.observe(now, total)
-            # Executors started now serve from `horizon` on; those serving now must also serve now.
-            forecast = max(rate.forecast(horizon), rate.forecast(0))
+            forecast = rate.ahead(horizon)
             budget_s = registry.models[key].default_timeout_ms / 1000
             capacity = self.capacity(key, rule, cost, budget_s, lanes_per_executor(registry, holders))
             n = need(forecast, capacity, self.settings.target_utilisation, depths.get(key, 0), budget_s)
