@@ -1,8 +1,8 @@
 """Autoscaling policies replayed against arrival traces, simulated: how many requests each serves
 within budget, refuses, times out, and at what cost in executor-seconds.
 
-    python benchmarks/autoscale.py [--seeds 1,2,3] [--start-s 5] [--plot DIR]
-    python benchmarks/autoscale.py --mode real [--bounds 1:3] [--base-rate 40] [--real-seconds 120]
+    python benchmarks/autoscale.py [--seeds 1,2,3] [--start-s 5] [--no-period] [--plot DIR]
+    python benchmarks/autoscale.py --mode real [--bounds 1:3] [--real-seconds 36] [--model minilm]
 
 The traces (per-second Poisson rates from documented parameters, fixed seeds; BASE = 800/s):
 - diurnal: a day compressed into 300 s, BASE to 8x BASE and back as a raised cosine;
@@ -12,11 +12,12 @@ The traces (per-second Poisson rates from documented parameters, fixed seeds; BA
 - mmpp: a Markov-modulated Poisson process, BASE and 4x BASE, switching with probability 0.05 a second.
 
 The policies, all with the same executor start time and cool-down:
-- static-min: MIN executors; static-peak: as many as the trace's peak needs at the target utilisation;
+- static-min: MIN executors; static-peak: as many as the trace's peak needs at a utilisation of 0.7;
 - reactive: today's KEDA trigger, ceil(queued requests / 32) executors;
 - predictive: what `batchline up --autoscale` does, by the same code: the leader's forecast and need
-  (batchline.planning.forecast, batchline.planning.capacity) and the supervisor's policy
-  (batchline.autoscale.ScalePolicy).
+  (batchline.planning.forecast.ArrivalRate.ahead, batchline.planning.capacity.need, at
+  scheduler.demand.TARGET_UTILISATION) and the supervisor's policy (batchline.autoscale.ScalePolicy);
+  told the period of a trace that has one (bursts: 60 s), as `--demand-period-s` tells the scheduler.
 
 The mesh is a fluid model of the planning model's numbers, in ticks of DT (20 ms): one executor serves
 `executor_capacity` requests/s within the budget (the shared planning model's play of a steady stream
@@ -27,11 +28,14 @@ out. A started executor serves after --start-s. Ticks of DT: a request is answer
 halfway through the tick it is served in. Not simulated: batching dynamics within a second,
 the gateways' and the scheduler's CPU, and retries of refused requests (a refusal counts once).
 
---mode real plays each trace, compressed into --real-seconds at --base-rate for BASE, with an
-open-loop client against a local mesh serving mlp from a copy of the repository whose executors
-each run on one thread (instance_count 1, intra_op_threads 1), so that on a host with a few spare
-cores 1 to 3 executors matter (benchmarks/_autoscale_real.py); static-peak runs MAX there, and the
-start time is the one the mesh measured.
+--mode real first measures one executor's answers per second on this host (a closed loop of 32
+clients against a mesh of one) and sets BASE to the same share of it as the simulation's BASE is of
+its capacity; then it plays each trace, compressed into --real-seconds (the cool-down and the period
+compressed with it), with an open-loop client against a local mesh serving the model from a copy of
+the repository whose executors each run on one thread (instance_count 1, intra_op_threads 1), so
+that 1 to 3 executors matter (benchmarks/_autoscale_real.py); static-peak runs MAX there, and the
+start time is the one the mesh measured. Beside each real row it prints the simulation of the same
+compressed trace with the same capacity, start time and cool-down, and the differences.
 """
 from __future__ import annotations
 
@@ -266,7 +270,8 @@ def main() -> None:
     p.add_argument("--plot", default="", help="write a PNG per trace into this directory")
     p.add_argument("--mode", choices=("sim", "real"), default="sim",
                    help="simulated, or against a local mesh side by side with its simulation")
-    p.add_argument("--model-repository", default="", help="real: the repository holding the model (default: the demo's)")
+    p.add_argument("--model-repository", default="",
+                   help="real: the repository holding the model (default: the demo's)")
     p.add_argument("--model", default="minilm", help="real: the model to load (default: minilm)")
     p.add_argument("--seq-len", type=int, default=16, help="real: token inputs' length (default: 16)")
     p.add_argument("--base-rate", type=float, default=0.0,
@@ -334,14 +339,16 @@ def real(a: argparse.Namespace) -> None:
         base = a.base_rate or capacity * BASE / simulated
         print(f"real: {a.model}, one thread per executor, executors {low}..{high}, budget {a.budget_ms:g} ms; one "
               f"executor: {capacity:.0f} requests/s (a closed loop of 32; the leader's planning model "
-              f"says {planned:.0f} within the budget), start {start_s:.1f} s (measured); BASE = {base:.0f}/s; each trace in "
+              f"says {planned:.0f} within the budget), start {start_s:.1f} s (measured); BASE = {base:.0f}/s; "
+              f"each trace in "
               f"{a.real_seconds:g} s, cool-down "
               f"{cool_down_s:.1f} s; seeds {a.seeds}, median. sim: the same compressed traces, capacity, start "
               f"and cool-down in the fluid model", flush=True)
         for name in a.traces.split(","):
             period = 0.0 if a.no_period else PERIODS.get(name, 0.0) * scale
             setup = Setup(capacity, a.real_seconds, start_s, cool_down_s, low, high, period, a.keda_threshold)
-            print(f"\n{name} (static-peak runs {high}{f'; predictive told the period, {period:g} s' if period else ''})")
+            told = f"; predictive told the period, {period:g} s" if period else ""
+            print(f"\n{name} (static-peak runs {high}{told})")
             print(f"  {'policy':12} {'in budget real':>14} {'sim':>7} {'diff':>6} {'executor-s real':>15} {'sim':>5} "
                   f"{'diff':>5} {'refused':>8} {'timed out':>10} {'p99 ms':>7} {'events':>6} {'start s':>8}")
             for policy in POLICIES:
@@ -353,7 +360,8 @@ def real(a: argparse.Namespace) -> None:
                 ib, ib_sim = median(got, share(lambda r: r.in_budget)), median(sim, share(lambda r: r.in_budget))
                 es, es_sim = median(got, lambda r: r.executor_s), median(sim, lambda r: r.executor_s)
                 print(f"  {policy:12} {ib:14.2%} {ib_sim:7.2%} {(ib - ib_sim) * 100:+6.1f} {es:15.0f} {es_sim:5.0f} "
-                      f"{(es / es_sim - 1) * 100 if es_sim else 0:+4.0f}% {median(got, share(lambda r: r.refused)):8.2%} "
+                      f"{(es / es_sim - 1) * 100 if es_sim else 0:+4.0f}% "
+                      f"{median(got, share(lambda r: r.refused)):8.2%} "
                       f"{median(got, share(lambda r: r.timed_out)):10.2%} {median(got, Result.p99_ms):7.0f} "
                       f"{median(got, lambda r: r.scale_events):6.0f} "
                       f"{statistics.median(st for _, st in runs):8.1f}", flush=True)
