@@ -101,8 +101,10 @@ async def _closed_loop(address: str, a: argparse.Namespace, warmup_s: float, sec
 
 
 def run_real(rate: Callable[[float, random.Random], float], policy: str, seed: int, a: argparse.Namespace,
-             repo: str, peak_need: int, cool_down_s: float, period_s: float, result_type) -> tuple[object, float]:
-    """One run of `rate` (requests/s at each second of the run); (a Result, the start time the mesh measured)."""
+             repo: str, peak_need: int, cool_down_s: float, period_s: float,
+             result_type) -> tuple[object, float, float]:
+    """One run of `rate` (requests/s at each second of the run); (a Result, the start time the mesh measured,
+    the capacity of one executor the leader last published)."""
     low, high = (int(x) for x in a.bounds.split(":"))
     executors = peak_need if policy == "static-peak" else low
     # The scheduler reads its settings from the environment (services inherit it): the period, for predictive.
@@ -138,8 +140,8 @@ def run_real(rate: Callable[[float, random.Random], float], policy: str, seed: i
             mesh.stop()
     r.executor_s = sum((t1 - t0) * n for (t0, n), (t1, _) in zip(counts, counts[1:]))
     r.scale_events = output.getvalue().count("scaling executors")
-    start = pb.MeshDemand.FromString(blob).executor_start_s if blob else 0.0
-    return r, start
+    demand = pb.MeshDemand.FromString(blob) if blob else pb.MeshDemand()
+    return r, demand.executor_start_s, max((m.capacity for m in demand.models), default=0.0)
 
 
 async def _play(address: str, rate: Callable[[float, random.Random], float], seed: int, a: argparse.Namespace,

@@ -350,11 +350,12 @@ def real(a: argparse.Namespace) -> None:
             told = f"; predictive told the period, {period:g} s" if period else ""
             print(f"\n{name} (static-peak runs {high}{told})")
             print(f"  {'policy':12} {'in budget real':>14} {'sim':>7} {'diff':>6} {'executor-s real':>15} {'sim':>5} "
-                  f"{'diff':>5} {'refused':>8} {'timed out':>10} {'p99 ms':>7} {'events':>6} {'start s':>8}")
+                  f"{'diff':>5} {'refused':>8} {'timed out':>10} {'p99 ms':>7} {'events':>6} {'start s':>8} "
+                  f"{'leader cap/s':>12}")
             for policy in POLICIES:
                 runs = [run_real(compressed(TRACES[name](), scale, base / BASE), policy, int(s), a, str(repo),
                                  high, cool_down_s, period, Result) for s in a.seeds.split(",")]
-                got = [r for r, _ in runs]
+                got = [r for r, _, _ in runs]
                 sim = [simulate(compressed(TRACES[name](), scale, base / BASE), policy, int(s), setup, high)
                        for s in a.seeds.split(",")]
                 ib, ib_sim = median(got, share(lambda r: r.in_budget)), median(sim, share(lambda r: r.in_budget))
@@ -364,7 +365,8 @@ def real(a: argparse.Namespace) -> None:
                       f"{median(got, share(lambda r: r.refused)):8.2%} "
                       f"{median(got, share(lambda r: r.timed_out)):10.2%} {median(got, Result.p99_ms):7.0f} "
                       f"{median(got, lambda r: r.scale_events):6.0f} "
-                      f"{statistics.median(st for _, st in runs):8.1f}", flush=True)
+                      f"{statistics.median(st for _, st, _ in runs):8.1f} "
+                      f"{statistics.median(c for _, _, c in runs):12.0f}", flush=True)
 
 
 def _plot(path: pathlib.Path, name: str, runs: dict[str, Result]) -> None:
