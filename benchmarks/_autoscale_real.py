@@ -60,8 +60,8 @@ def _mesh(a: argparse.Namespace, repo: str, executors: int, autoscale: str, cool
 
 
 def measure(a: argparse.Namespace, repo: str, seconds: float = 10.0) -> tuple[float, float, float]:
-    """One executor's capacity on this host: the answers per second a closed loop of 32 clients gets
-    from a mesh of one (after 2 s of warm-up; at that rate, open loop, they come within the budget);
+    """One executor's capacity on this host: the answers per second a closed loop of 32 clients (each
+    waiting out a refusal's retry hint) gets from a mesh of one, after 2 s of warm-up;
     the capacity the leader computes from the profile it learned meanwhile; and the executor's
     start time the mesh measured."""
     mesh, address = _mesh(a, repo, 1, "", 30.0)
@@ -92,9 +92,13 @@ async def _closed_loop(address: str, a: argparse.Namespace, warmup_s: float, sec
         async def client(k: int) -> None:
             nonlocal good
             while time.monotonic() < end:
-                code, latency, _ = await ep.infer_hinted(pool.requests[k % len(pool)], a.budget_ms / 1000 + 1.0)
+                code, _, retry_after = await ep.infer_hinted(pool.requests[k % len(pool)], a.budget_ms / 1000 + 1.0)
                 good += code == "OK" and time.monotonic() > begin
                 k += 1
+                if code != "OK":
+                    # As the hint says: clients that resend a refusal at once measure how fast the
+                    # gateway refuses, on the cores the executor needs.
+                    await asyncio.sleep(retry_after or 0.01)
 
         await asyncio.gather(*(client(k) for k in range(32)))
         return good / seconds
