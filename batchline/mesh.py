@@ -185,6 +185,7 @@ class Mesh:
             return None  # the services' own trouble with Redis is reported by them
         running = self.executors()
         decision = self.policy.decide(now, len(running), pb.MeshDemand.FromString(blob) if blob else None)
+        metrics.DEMAND_READS.inc()
         if decision is None:
             return None
         if decision.direction == "up":

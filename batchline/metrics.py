@@ -185,6 +185,10 @@ SCALE_EVENTS = Counter(
     "(down), by reason: forecast or backlog (what the leader's demand asked for), cool_down (fewer wanted for a whole "
     "cool-down), bounds (outside MIN:MAX).", ("direction", "reason"),
 )
+DEMAND_READS = Counter(
+    "batchline_demand_reads", "Times `batchline up --autoscale` read the leader's demand and decided (a decision to "
+    "change nothing included): flat while it runs means the autoscaler is stuck.",
+)
 EXECUTOR_BUSY = Counter(
     "batchline_executor_busy_seconds", "Seconds spent executing batches (its rate is the busy fraction).", ("executor",)
 )

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import io
 import math
+import os
 import random
 import threading
 import time
@@ -45,20 +46,80 @@ class QueueDepthPolicy:
         return Decision(target, "up" if target > running else "down", "queue", f"{self.depth()} queued")
 
 
-def run_real(trace: Callable[[float, random.Random], float], policy: str, seed: int, a: argparse.Namespace,
-             repo: str, peak_need: int, result_type) -> tuple[object, float]:
-    """One run; (a Result, the executor start time the mesh measured)."""
-    low, high = (int(x) for x in a.bounds.split(":"))
-    executors = peak_need if policy == "static-peak" else low
+def _mesh(a: argparse.Namespace, repo: str, executors: int, autoscale: str, cool_down_s: float) -> tuple[Mesh, str]:
     args = argparse.Namespace(model_repository=repo, redis_url="", executors=executors, gateways=1, gateway_port=0,
                               host="127.0.0.1", log_level="ERROR", startup_timeout=180.0, metrics_port=-1,
-                              autoscale=a.bounds if policy in ("predictive", "reactive") else "",
-                              scale_down_cool_down_s=a.cool_down_s)
+                              autoscale=autoscale, scale_down_cool_down_s=cool_down_s)
     mesh = Mesh(args)
     with contextlib.redirect_stdout(io.StringIO()):
-        address = mesh.start()
+        try:
+            return mesh, mesh.start()
+        except BaseException:
+            mesh.stop()
+            raise
+
+
+def measure(a: argparse.Namespace, repo: str, seconds: float = 10.0) -> tuple[float, float, float]:
+    """One executor's capacity on this host: the answers per second a closed loop of 32 clients (each
+    waiting out a refusal's retry hint) gets from a mesh of one, after 2 s of warm-up;
+    the capacity the leader computes from the profile it learned meanwhile; and the executor's
+    start time the mesh measured."""
+    mesh, address = _mesh(a, repo, 1, "", 30.0)
+    try:
+        goodput = asyncio.run(_closed_loop(address, a, 2.0, seconds))
+        deadline = time.monotonic() + 30
+        while True:
+            blob = mesh.store.demand()
+            demand = pb.MeshDemand.FromString(blob) if blob else None
+            if demand is not None and demand.models and demand.models[0].capacity > 0 and demand.executor_start_s:
+                return goodput, demand.models[0].capacity, demand.executor_start_s
+            if time.monotonic() > deadline:
+                raise SystemExit("the leader published no capacity within 30 s of the warm-up")
+            time.sleep(0.5)
+    finally:
+        with contextlib.redirect_stdout(io.StringIO()):
+            mesh.stop()
+
+
+async def _closed_loop(address: str, a: argparse.Namespace, warmup_s: float, seconds: float) -> float:
+    """Answers per second, counted after the warm-up."""
+    async with Endpoint(address, a.model) as ep:
+        pool = build_pool(a.model, await ep.inputs(), InputOptions(seq_len=a.seq_len), budget_ms=a.budget_ms)
+        begin = time.monotonic() + warmup_s
+        end = begin + seconds
+        good = 0
+
+        async def client(k: int) -> None:
+            nonlocal good
+            while time.monotonic() < end:
+                code, _, retry_after = await ep.infer_hinted(pool.requests[k % len(pool)], a.budget_ms / 1000 + 1.0)
+                good += code == "OK" and time.monotonic() > begin
+                k += 1
+                if code != "OK":
+                    # As the hint says: clients that resend a refusal at once measure how fast the
+                    # gateway refuses, on the cores the executor needs.
+                    await asyncio.sleep(retry_after or 0.01)
+
+        await asyncio.gather(*(client(k) for k in range(32)))
+        return good / seconds
+
+
+def run_real(rate: Callable[[float, random.Random], float], policy: str, seed: int, a: argparse.Namespace,
+             repo: str, peak_need: int, cool_down_s: float, period_s: float,
+             result_type) -> tuple[object, float, float]:
+    """One run of `rate` (requests/s at each second of the run); (a Result, the start time the mesh measured,
+    the capacity of one executor the leader last published)."""
+    low, high = (int(x) for x in a.bounds.split(":"))
+    executors = peak_need if policy == "static-peak" else low
+    # The scheduler reads its settings from the environment (services inherit it): the period, for predictive.
+    os.environ["BATCHLINE_SCHEDULER_DEMAND_PERIOD_S"] = f"{period_s if policy == 'predictive' else 0:g}"
+    try:
+        mesh, address = _mesh(a, repo, executors, a.bounds if policy in ("predictive", "reactive") else "",
+                              cool_down_s)
+    finally:
+        del os.environ["BATCHLINE_SCHEDULER_DEMAND_PERIOD_S"]
     if policy == "reactive":
-        mesh.policy = QueueDepthPolicy(lambda: mesh.store.depths((a.model, "1"))[0], low, high, a.cool_down_s,
+        mesh.policy = QueueDepthPolicy(lambda: mesh.store.depths((a.model, "1"))[0], low, high, cool_down_s,
                                        a.keda_threshold)
     done = threading.Event()
     counts: list[tuple[float, int]] = []
@@ -74,7 +135,7 @@ def run_real(trace: Callable[[float, random.Random], float], policy: str, seed: 
     watcher = threading.Thread(target=supervise, daemon=True)
     watcher.start()
     try:
-        r = asyncio.run(_play(address, trace, seed, a, result_type))
+        r = asyncio.run(_play(address, rate, seed, a, result_type))
     finally:
         done.set()
         watcher.join(30)
@@ -83,17 +144,16 @@ def run_real(trace: Callable[[float, random.Random], float], policy: str, seed: 
             mesh.stop()
     r.executor_s = sum((t1 - t0) * n for (t0, n), (t1, _) in zip(counts, counts[1:]))
     r.scale_events = output.getvalue().count("scaling executors")
-    start = pb.MeshDemand.FromString(blob).executor_start_s if blob else 0.0
-    return r, start
+    demand = pb.MeshDemand.FromString(blob) if blob else pb.MeshDemand()
+    return r, demand.executor_start_s, max((m.capacity for m in demand.models), default=0.0)
 
 
-async def _play(address: str, trace: Callable[[float, random.Random], float], seed: int, a: argparse.Namespace,
+async def _play(address: str, rate: Callable[[float, random.Random], float], seed: int, a: argparse.Namespace,
                 result_type):
     rng = random.Random(seed)
     r = result_type()
-    scale = a.real_seconds / a.trace_seconds  # real seconds per trace second
     async with Endpoint(address, a.model) as ep:
-        pool = build_pool(a.model, await ep.inputs(), InputOptions(), budget_ms=a.budget_ms)
+        pool = build_pool(a.model, await ep.inputs(), InputOptions(seq_len=a.seq_len), budget_ms=a.budget_ms)
         pending: set[asyncio.Task] = set()
 
         async def one(payload: bytes) -> None:
@@ -110,8 +170,8 @@ async def _play(address: str, trace: Callable[[float, random.Random], float], se
         start = time.monotonic()
         t = 0.0
         while t < a.real_seconds:
-            rate = trace(t / scale, rng) * a.base_rate / a.sim_base
-            t += rng.expovariate(rate) if rate > 0 else 0.01
+            now_rate = rate(t, rng)
+            t += rng.expovariate(now_rate) if now_rate > 0 else 0.01
             await asyncio.sleep(max(0.0, start + t - time.monotonic()))
             task = asyncio.create_task(one(pool.requests[rng.randrange(len(pool))]))
             pending.add(task)

@@ -37,13 +37,18 @@ log = logging.getLogger(__name__)
 DEFAULT_HORIZON_S = 10.0
 # Weight of a step's count in the moving average of a generative model's sequences in flight.
 IN_FLIGHT_WEIGHT = 0.3
+# The share of an executor's capacity the forecast may fill. The capacity is already the rate whose
+# every request finishes within the budget, so this margin is only for the forecast's error and the
+# arrivals' noise; 0.85 is admission's own headroom (docs/design/autoscaling.md has the replays
+# that chose it).
+TARGET_UTILISATION = 0.85
 
 
 @dataclass(frozen=True, slots=True)
 class DemandSettings:
     step_s: float = 1.0                # how often rates are measured and forecast
     horizon_s: float = 0.0             # how far ahead; 0: the measured executor start time
-    target_utilisation: float = 0.7    # the share of an executor's capacity the forecast may fill
+    target_utilisation: float = TARGET_UTILISATION
     season_s: float = 0.0              # a known period of the demand (0: none)
 
 
@@ -127,8 +132,7 @@ class Demand:
         for key, total in zip(models, totals):
             rate = self._rate(key)
             rate.observe(now, total)
-            # Executors started now serve from `horizon` on; those serving now must also serve now.
-            forecast = max(rate.forecast(horizon), rate.forecast(0))
+            forecast = rate.ahead(horizon)
             budget_s = registry.models[key].default_timeout_ms / 1000
             if key in sequences:
                 capacity = self.generation(key, registry, *sequences[key], rate.rate)

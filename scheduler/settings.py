@@ -7,7 +7,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from batchline.settings import CommonSettings
-from scheduler.demand import DemandSettings
+from scheduler.demand import TARGET_UTILISATION, DemandSettings
 
 
 class SchedulerSettings(CommonSettings):
@@ -82,9 +82,9 @@ class SchedulerSettings(CommonSettings):
         "start-to-serving time (10 s until one has reported it)."
     )
     target_utilisation: float = Field(
-        0.7, gt=0, le=1, description="Share of one executor's capacity within a model's default budget that the "
-        "forecast demand may fill: executors wanted = forecast / (capacity x this), never below what finishes the "
-        "queue within one budget."
+        TARGET_UTILISATION, gt=0, le=1, description="Share of one executor's capacity within a model's default "
+        "budget that the forecast demand may fill: executors wanted = forecast / (capacity x this), never below "
+        "what finishes the queue within one budget."
     )
     demand_period_s: float = Field(
         0.0, ge=0, description="A known period of the demand (e.g. 86400 for a daily cycle), which the forecast "

@@ -8,6 +8,7 @@ history beyond its state. Pure: every step is given its time and its count; noth
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Smoothing of the level, the trend and the seasonal term, and the trend's damping per step.
@@ -106,3 +107,12 @@ class ArrivalRate:
     def forecast(self, horizon_s: float) -> float:
         """Arrivals per second expected `horizon_s` from the last step."""
         return self.holt.forecast(horizon_s / self.step_s)
+
+    def ahead(self, horizon_s: float) -> float:
+        """The highest rate expected from now until executors asked for at the next step serve:
+        `horizon_s` (their start time) and one step more. The executors serving now must serve now;
+        those asked for now serve from `horizon_s` on, and the next step's only a step later, so
+        what is wanted now must cover that step too (without it a rise a start time ahead is met
+        a step late, which is a second of refusals on every burst)."""
+        steps = math.ceil(horizon_s / self.step_s - 1e-9) + 1
+        return max(self.holt.forecast(k) for k in range(steps + 1))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import shutil
 import threading
-import time
 import urllib.request
 
 import numpy as np
@@ -20,11 +19,20 @@ from batchline.testing.up import STARTUP_S, Up
 PORTS = ("--gateway-port", "0", "--metrics-port", "0", "--http-port", "-1")
 
 
-def scale_events(up: Up) -> dict[tuple[str, str], float]:
+def families(up: Up) -> list:
     port = re.search(r"counted at http://[^:]+:(\d+)/metrics", up.output).group(1)
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {(s.labels["direction"], s.labels["reason"]): s.value for f in text_string_to_metric_families(text)
+    return list(text_string_to_metric_families(text))
+
+
+def scale_events(up: Up) -> dict[tuple[str, str], float]:
+    return {(s.labels["direction"], s.labels["reason"]): s.value for f in families(up)
             if f.name == "batchline_scale_events" for s in f.samples if s.name.endswith("_total")}
+
+
+def demand_reads(up: Up) -> float:
+    return sum(s.value for f in families(up) if f.name == "batchline_demand_reads" for s in f.samples
+               if s.name.endswith("_total"))
 
 
 class Clients:
@@ -99,7 +107,9 @@ def test_more_wanted_starts_executors_up_to_max(mlp_repository):
         clients = Clients(address, 1)
         up.wait_for(r"scaling executors up from 1 to 2 \(forecast: [0-9.]+ executors wanted: mlp:1 ", 60)
         up.wait_for(r"started executor-1 \(pid", 10)
-        time.sleep(3)  # the demand still wants more: nothing beyond MAX starts
+        # The demand still wants more: three more decisions at MAX start nothing.
+        reads = demand_reads(up)
+        poll(lambda: demand_reads(up) >= reads + 3, 30, "three more reads of the demand")
         assert "executor-2" not in up.output
         assert scale_events(up) == {("up", "forecast"): 1.0}
         answers = clients.stop()

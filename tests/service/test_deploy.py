@@ -667,6 +667,11 @@ def test_k8s_gateway_service_scheduler_replicas_gpu_and_autoscaling():
     behavior = scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
     assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 60
+    # A pod serves later than the process start the scheduler measures: the forecast looks further ahead.
+    scheduler = docs[("Deployment", "scheduler")]["spec"]["template"]["spec"]["containers"][0]
+    horizon = {e["name"]: e.get("value") for e in scheduler["env"]}["BATCHLINE_SCHEDULER_FORECAST_HORIZON_S"]
+    executor = docs[("Deployment", "executor")]["spec"]["template"]["spec"]["containers"][0]
+    assert float(horizon) >= scaled["spec"]["pollingInterval"] + executor["readinessProbe"]["periodSeconds"]
 
 
 def test_k8s_services_reach_redis_with_the_password_of_its_secret():

@@ -69,3 +69,19 @@ def test_a_count_that_went_down_starts_a_new_baseline():
     assert not r.observe(2.0, 5)  # the key expired or Redis restarted
     assert r.observe(3.0, 105)
     assert r.rate == pytest.approx(100.0)
+
+
+def test_what_is_wanted_ahead_covers_now_and_one_step_past_the_horizon():
+    period, burst = 10, [100.0] * 8 + [300.0] * 2
+    r = ArrivalRate(step_s=1.0, holt=Holt.for_period(period))
+    total, t = 0, 0.0
+    r.observe(t, total)
+    for value in burst * 4 + [100.0] * 3:  # the next burst begins 6 steps after the last one read
+        t, total = t + 1, total + int(value)
+        r.observe(t, total)
+    assert r.forecast(5) < 200 < r.forecast(6)
+    assert r.ahead(5) == pytest.approx(r.forecast(6))  # an executor asked for a step later would be late
+    falling = ArrivalRate(step_s=1.0)
+    for second, count in enumerate([0, 300, 550, 750, 900, 1000]):  # 300/s falling by 50/s a second
+        falling.observe(float(second), count)
+    assert falling.forecast(5) < falling.forecast(0) == falling.ahead(5)  # those serving now serve now
