@@ -14,12 +14,11 @@ import time
 import uuid
 from dataclasses import replace
 
-from batchline import contract, logs, metrics, regions, telemetry, tracecontext
+from batchline import metrics, regions, telemetry
 from batchline.contract.keys import ModelKey
 from batchline.contract.gateway_store import GatewayStore
 from batchline.clock import now_us
-from batchline.errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable, duration_text,
-                              from_status_value)
+from batchline.errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable, from_status_value)
 from batchline.sequences import sequence_flags
 from batchline.lifecycle import stop_tasks
 from batchline.protocol import inference_pb2 as ipb
@@ -35,10 +34,11 @@ from gateway.commit import GroupCommit
 from gateway.fairness import FairShares
 from gateway.ledger import AdmissionLedger, Ticket, usable
 from gateway import presence
+from gateway.queueing import Queueing
 from gateway.replies import PartialSink, Replies
 from gateway.sequences import SequenceOrder
 from gateway.repository import RepositoryControl
-from gateway.request import Call, parse, queue_entry
+from gateway.request import Call, parse
 from gateway.settings import GatewaySettings
 from gateway.shared_memory import SharedMemory
 from gateway.text import Tokenizers
@@ -80,6 +80,7 @@ class Gateway:
         self._reconciling: set[asyncio.Task] = set()
         self.arrivals = Arrivals(self.store)  # what the scheduler's demand forecast reads
         self.sequences = SequenceOrder()  # each sequence's requests, one after another
+        self.queueing = Queueing(self.gateway_id, self.commit, self.replies)
 
     @property
     def loads(self) -> dict[ModelKey, pb.ModelLoad]:
@@ -215,14 +216,15 @@ class Gateway:
         arrived_us = now_us()
         call, ticket = self._admit(call, model, tenant, weight, arrived_us)
         flags = sequence_flags(call.request) if model.HasField("sequence") else None
+        queued = self.queueing
         try:
             if flags is None:
-                reply = await self._queue_and_wait(call, ticket, traceparent, tracestate, started, on_partial)
+                reply = await queued.queue_and_wait(call, ticket, traceparent, tracestate, started, on_partial)
                 if reply.region_unreadable and call.copied is not None:
-                    reply = await self._copied_and_queued(call, ticket, traceparent, tracestate, started)
+                    reply = await queued.copied_and_queued(call, ticket, traceparent, tracestate, started)
             else:
                 async with self.sequences.turn(model.name, model.version, flags):
-                    reply = await self._queue_and_wait(call, ticket, traceparent, tracestate, started, on_partial)
+                    reply = await queued.queue_and_wait(call, ticket, traceparent, tracestate, started, on_partial)
         except BaseException:
             if ticket is not None:
                 ticket.over()
@@ -288,23 +290,6 @@ class Gateway:
         holders = registry.holders.get((model.name, model.version))
         return bool(holders) and all(registry.executors[e].host == host for e in holders)
 
-    async def _copied_and_queued(self, call: Call, ticket: Ticket | None, traceparent: str, tracestate: str,
-                                 started: float) -> pb.Reply:
-        """The request queued again with its inputs' bytes copied in: an executor could not read the
-        regions it references (it runs on another host, or a key names another file now). In the
-        time left of its budget."""
-        assert call.copied is not None
-        spent = time.perf_counter() - started
-        if spent >= call.run_budget_s:
-            raise DeadlineExceeded(f"no answer from model '{call.model.name}' within the "
-                                   f"{duration_text(call.budget_s)} budget")
-        request, payload = call.copied()
-        log.info("request to model %r: an executor could not read its shared memory regions; queued again with "
-                 "their bytes", call.model.name)
-        call = replace(call, request=request, payload=payload, copied=None, budget_s=call.budget_s - spent,
-                       run_budget_s=call.run_budget_s - spent)
-        return await self._queue_and_wait(call, ticket, traceparent, tracestate, started)
-
     def _admit(self, call: Call, model: pb.ModelInfo, tenant: str, weight: float,
                arrived_us: int) -> tuple[Call, Ticket | None]:
         """The call at its tenant's fair priority, and admission's ticket (None: admission did not
@@ -331,66 +316,6 @@ class Gateway:
             self.fair.admitted(call.key, tenant, call.rows, arrived_us / 1e6)
         return call, ticket
 
-    async def _queue_and_wait(self, call: Call, ticket: Ticket | None, traceparent: str, tracestate: str,
-                              started: float, on_partial: PartialSink | None = None) -> pb.Reply:
-        """Write the request to Redis with the next group commit and wait for its reply."""
-        enqueued = now_us()
-        deadline = enqueued + int(call.run_budget_s * 1e6)
-        entry = queue_entry(call, self.gateway_id, enqueued, deadline, traceparent, tracestate)
-        if not logs.structured():
-            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started, on_partial)
-        with logs.context(request_id=entry.request_id, trace_id=tracecontext.trace_id(entry.traceparent) or ""):
-            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started, on_partial)
-
-    async def _write_and_wait(self, call: Call, entry: pb.QueueEntry, enqueued: int, deadline: int,
-                              ticket: Ticket | None, started: float, on_partial: PartialSink | None) -> pb.Reply:
-        """`started`: the request's arrival (perf_counter), where its enqueue stage begins."""
-        member = entry.SerializeToString()
-        fut = self.replies.expect(entry.request_id, on_partial if call.model.decoupled else None)
-        if ticket is not None:
-            ticket.queued(enqueued)
-        write = contract.QueueWrite(entry.request_id, call.key, call.payload or call.request.SerializeToString(),
-                                    contract.payload_ttl_ms(deadline, enqueued), member,
-                                    contract.queue_score(call.priority, deadline), call.model.max_queue_size)
-        try:
-            if telemetry.enabled():
-                with telemetry.tracer("batchline.gateway").start_as_current_span("enqueue"):
-                    await self.commit.write(write, deadline, call.run_budget_s)
-            else:
-                await self.commit.write(write, deadline, call.run_budget_s)
-            self.replies.queued(entry.request_id, write.model)
-            metrics.STAGE_ENQUEUE.labels(*call.key).observe(time.perf_counter() - started)
-            if ticket is not None:
-                ticket.confirmed(now_us())
-            # A timer on the reply's own future rather than asyncio.wait_for, which wraps every
-            # request's wait in more futures and callbacks: the gateway's CPU is what small models
-            # are bound by.
-            timer = asyncio.get_running_loop().call_later(
-                max(0.0, enqueued / 1e6 + call.budget_s - time.time()), _time_out, fut)
-            try:
-                reply = await fut
-            except asyncio.TimeoutError:
-                raise DeadlineExceeded(
-                    f"no answer from model '{call.model.name}' within the {duration_text(call.budget_s)} budget"
-                ) from None
-            finally:
-                timer.cancel()
-            if reply.ran_until_us:
-                # Measured once this coroutine runs again, so a busy event loop shows up here.
-                metrics.STAGE_REPLY.labels(*call.key).observe(max(0, now_us() - reply.ran_until_us) / 1e6)
-            return reply
-        except BaseException:
-            # Timed out, cancelled by the client, refused, or Redis failed: make
-            # sure no executor spends time on a request nobody waits for.
-            if ticket is not None and now_us() >= deadline:
-                # Unanswered at its deadline, whether our timer or the client's (a cancellation) fired first.
-                ticket.over(in_time=False)
-            self.replies.forget(entry.request_id)
-            if fut.done() and not fut.cancelled():
-                fut.exception()  # failed by an outage while we were still queueing: already answered
-            self.commit.abandon(entry.request_id, call.key, member)
-            raise
-
     # -- the model repository ---------------------------------------------
 
     async def load_model(self, name: str, parameters: dict, timeout_s: float | None) -> None:
@@ -400,7 +325,3 @@ class Gateway:
     async def unload_model(self, name: str, timeout_s: float | None) -> None:
         await self.repository.unload(name, timeout_s)
         await self.catalog.refresh_or_unavailable()
-
-def _time_out(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_exception(asyncio.TimeoutError())
