@@ -1,12 +1,14 @@
 """One generation request on an executor: its prompt and parameters, its tokens streamed to its gateway.
 
-Each output token is one response (a partial Reply numbered by the token's index in the output),
-pushed to the gateway's reply list a few at a time: as a token comes, when `FLUSH_TOKENS` are
-waiting or `FLUSH_S` has passed since the last write, whichever comes first. Each write also records the tokens sent
-so far, where an executor that takes the request over after this one died continues from
-(prompt plus those tokens, recomputed); the gateway drops a token index it has forwarded already,
-so the client's stream has neither a duplicate nor a gap. The last token's response travels in the
-final Reply, with the batch's own write, so that the client sees it flagged final.
+The first token made here goes at once, alone (time to first token); the next ones are held and go
+as one response of several tokens (a partial Reply numbered by its last token's index in the output)
+when `FLUSH_TOKENS` are held or `FLUSH_S` has passed since the model's last write, whichever comes
+first, in one Redis round trip with the other streams' writes of that step (executor/generation_writes.py).
+Each write also records the tokens sent so far, where an executor that takes the request over after
+this one died continues from (prompt plus those tokens, recomputed); the gateway drops a response
+whose last index it has forwarded already, so the client's stream has neither a duplicate nor a gap.
+The rest of the output travels in the final Reply, with the batch's own write, so that the client
+sees it flagged final.
 """
 from __future__ import annotations
 
@@ -20,13 +22,13 @@ import numpy as np
 from batchline import metrics
 from batchline.codec import decode_inputs, encode_array
 from batchline.contract.executor_store import ExecutorStore
-from batchline.contract.keys import ModelKey
 from batchline.errors import BatchlineError, Internal, InvalidArgument, Unavailable, status_value
 from batchline.heartbeats import HeartbeatTrust
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from executor.generation_sampling import SamplingError, SamplingParams
 from executor.generation_trace import SequenceTrace
+from executor.generation_writes import StreamWrites
 from executor.generation_serving import IDS_INPUT, TEXT_INPUT, TEXT_OUTPUT, TOKENS_OUTPUT, GenerationModel
 
 log = logging.getLogger(__name__)
@@ -121,37 +123,68 @@ def token_response(model: GenerationModel, request: ipb.ModelInferRequest, text:
 class Stream:
     """One request's tokens on their way to its gateway."""
 
-    store: ExecutorStore
-    model_key: ModelKey
+    writes: StreamWrites
+    model: GenerationModel
+    request: ipb.ModelInferRequest
     entry: pb.QueueEntry
     tokens: list[int]  # every output token, those another executor sent included
-    held: list[pb.Reply] = field(default_factory=list)  # made, not pushed yet
-    flushed_at: float = field(default_factory=time.monotonic)
+    held: list[tuple[str, list[int]]] = field(default_factory=list)  # the steps' outputs not pushed yet
     awaited: bool = True
     trace: SequenceTrace | None = None
     heartbeats: HeartbeatTrust = field(default_factory=HeartbeatTrust)
 
-    def add(self, reply: pb.Reply, token: int) -> None:
-        self.tokens.append(token)
-        self.held.append(reply)
+    def __post_init__(self) -> None:
+        self.resumed = len(self.tokens)
+
+    @property
+    def pushed(self) -> int:
+        """Of `tokens`, those its gateway was sent (or another executor sent it)."""
+        return len(self.tokens) - sum(len(ids) for _, ids in self.held)
+
+    def add(self, text: str, tokens: list[int]) -> None:
+        self.tokens += tokens
+        self.held.append((text, tokens))
 
     def due(self) -> bool:
-        return len(self.held) >= FLUSH_TOKENS or (bool(self.held) and time.monotonic() - self.flushed_at >= FLUSH_S)
+        """Whether the held tokens go now: the first one made here at once (time to first token), then
+        when FLUSH_TOKENS are held or FLUSH_S has passed since the model's last write."""
+        held = sum(len(ids) for _, ids in self.held)
+        return bool(held) and (self.pushed == self.resumed or held >= FLUSH_TOKENS
+                               or time.monotonic() - self.writes.written_at >= FLUSH_S)
 
-    async def flush(self, keep_last: bool = False) -> None:
-        """Push the held responses (all but the last, with `keep_last`); whether the request is still
-        awaited (its payload is there and its gateway's heartbeat too) is read in the same round trip."""
-        push = self.held[:-1] if keep_last else self.held
-        self.held = self.held[-1:] if keep_last else []
-        sent = self.tokens[:len(self.tokens) - len(self.held)]
-        found = await self.store.stream_tokens(
-            self.model_key, {self.entry.gateway_id: [r.SerializeToString() for r in push]} if push else {},
-            {self.entry.request_id: np.asarray(sent, np.int64).tobytes()},
-            {self.entry.request_id: self.entry.gateway_id} if self.heartbeats.heartbeats_tell() else {})
-        self.awaited = found[self.entry.request_id]
-        self.flushed_at = time.monotonic()
+    def take(self, limit: int | None = None) -> list[pb.Reply]:
+        """The held outputs (whole, FLUSH_TOKENS tokens at most unless one output has more) as
+        responses of one or more tokens, numbered by their last token's index. A continued sequence's
+        first FLUSH_TOKENS tokens go one a response: the executor before it may have pushed up to a
+        write's worth past its record, and the gateway drops what it forwarded already by index, a
+        whole response at a time."""
+        start = self.pushed
+        single = self.resumed + FLUSH_TOKENS if self.resumed else 0
+        groups: list[tuple[int, list[str], list[int]]] = []  # each response's first index, texts and tokens
+        n = 0
+        while self.held and (n == 0 or limit is None or n + len(self.held[0][1]) <= limit):
+            text, ids = self.held.pop(0)
+            if not groups or start + n < single or groups[-1][0] < single:
+                groups.append((start + n, [], []))
+            groups[-1][1].append(text)
+            groups[-1][2].extend(ids)
+            n += len(ids)
+        return [pb.Reply(request_id=self.entry.request_id, partial=True, index=first + len(ids) - 1,
+                         response=token_response(self.model, self.request, "".join(texts), ids))
+                for first, texts, ids in groups]
+
+    async def flush(self) -> None:
+        """Push the held tokens (a write's FLUSH_TOKENS at most) with the other streams' writes; whether
+        the request is still awaited (its payload is there and its gateway's heartbeat too) is read in
+        the same round trip."""
+        before = self.pushed
+        replies = self.take(FLUSH_TOKENS)
+        entry = self.entry
+        self.awaited = await self.writes.write(
+            entry.gateway_id, [r.SerializeToString() for r in replies], entry.request_id,
+            np.asarray(self.tokens[:self.pushed], np.int64).tobytes(), self.heartbeats.heartbeats_tell())
         if self.trace is not None:
-            self.trace.flush(len(push))
+            self.trace.flush(self.pushed - before)
 
 
 async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEntry, blob: bytes,
@@ -172,7 +205,10 @@ async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEnt
     finish = "cancelled"
     reply: pb.Reply | None = None
     try:
-        stream = Stream(store, key, entry, list(made), trace=trace, heartbeats=heartbeats or HeartbeatTrust())
+        if model.writes is None or model.writes.store is not store:
+            model.writes = StreamWrites(store, key)
+        stream = Stream(model.writes, model, request, entry, list(made), trace=trace,
+                        heartbeats=heartbeats or HeartbeatTrust())
         reply, finish = await _generate(stream, trace, model, request, params, prompt, made)
         return reply
     finally:
@@ -205,10 +241,7 @@ async def _generate(stream: Stream, trace: SequenceTrace, model: GenerationModel
                     if not made:
                         metrics.GENERATION_TTFT.labels(*labels).observe(max(0.0, first_s - entry.enqueued_us / 1e6))
             trace.step(out, len(stream.tokens))
-            for i, token in enumerate(out.token_ids):  # (the text the step added goes with its first token)
-                index = len(stream.tokens)
-                stream.add(pb.Reply(request_id=request_id, partial=True, index=index,
-                                    response=token_response(model, request, "" if i else out.text, [token])), token)
+            stream.add(out.text, list(out.token_ids))
             if out.finished:
                 finish = out.finish_reason or finish
                 break
@@ -236,10 +269,16 @@ async def _generate(stream: Stream, trace: SequenceTrace, model: GenerationModel
     made_here = len(stream.tokens) - len(made)
     if made_here > 1:
         metrics.GENERATION_TPOT.labels(*labels).observe((last_s - first_s) / (made_here - 1))
-    await stream.flush(keep_last=True)
+    while len(stream.tokens) - stream.pushed > FLUSH_TOKENS:  # (the final Reply carries one response)
+        await stream.flush()
     if not stream.awaited:
         return None, "cancelled"
     if not stream.held:
         return pb.Reply(request_id=request_id, code=0, index=len(stream.tokens)), finish
-    last = stream.held[0]
+    # The rest travels in the final Reply, with the batch's own write: the client sees it flagged final.
+    *before, last = stream.take()
+    if before:
+        await stream.writes.write(entry.gateway_id, [r.SerializeToString() for r in before], request_id,
+                                  np.asarray(stream.tokens[:before[-1].index + 1], np.int64).tobytes(),
+                                  stream.heartbeats.heartbeats_tell())
     return pb.Reply(request_id=request_id, code=0, index=last.index, response=last.response), finish

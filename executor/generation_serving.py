@@ -2,8 +2,8 @@
 
 A generative model is served as a decoupled model of two inputs, of which a request sends one,
 and two outputs (docs/design/generation.md#through-the-mesh): the prompt as text in `text_input`
-(BYTES [1]) or as token ids in `input_ids` (INT64 [n]); each response one output token, as
-`text_output` (BYTES [1], the text it adds) and `token_ids` (INT64 [1]). Its ModelInfo has no
+(BYTES [1]) or as token ids in `input_ids` (INT64 [n]); each response one or more output tokens,
+as `text_output` (BYTES [1], the text they add) and `token_ids` (INT64 [k]). Its ModelInfo has no
 batch dimension, so that the scheduler sends each request alone: a request joins the engine's
 running batch at its next step, not with the requests it queued beside.
 """
@@ -21,6 +21,7 @@ from batchline.protocol import internal_pb2 as pb
 from executor.generation_engine import GenerationEngine, StepReport
 from executor.generation_loop import GenerationLoop
 from executor.generation_model import load_decoder
+from executor.generation_writes import StreamWrites
 from executor.model_config import ModelConfig, declares_generation, read_model_config
 from executor.repository import RepositoryError, scan_model
 from executor.settings import ExecutorSettings
@@ -47,6 +48,7 @@ class GenerationModel:
     ending: str = ""
     active: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
+    writes: StreamWrites | None = None  # its streams' writes to Redis, gathered (made by the first request)
 
     @property
     def engine(self) -> GenerationEngine:
@@ -125,7 +127,7 @@ def load_generation(model_dir: pathlib.Path, version: str, settings: ExecutorSet
         inputs=[pb.TensorSpec(name=TEXT_INPUT, datatype="BYTES", shape=[1]),
                 pb.TensorSpec(name=IDS_INPUT, datatype="INT64", shape=[-1])],
         outputs=[pb.TensorSpec(name=TEXT_OUTPUT, datatype="BYTES", shape=[1]),
-                 pb.TensorSpec(name=TOKENS_OUTPUT, datatype="INT64", shape=[1])],
+                 pb.TensorSpec(name=TOKENS_OUTPUT, datatype="INT64", shape=[-1])],
         providers=decoder.session.get_providers(), decoupled=True, generation=True,
         generation_slots=engine.max_running, ttft_ms=decoder.config.ttft_ms, tpot_ms=decoder.config.tpot_ms,
     )

@@ -57,7 +57,7 @@ def test_streams_continue_on_another_executor_without_a_duplicate_or_a_gap(mesh,
 
     def tokens_received() -> int:
         with lock:
-            return sum(len(v) for v in got.values())
+            return sum(len(r.as_numpy("token_ids")) for v in got.values() for r in v)
 
     with grpcclient.InferenceServerClient(mesh.probe.gateway_address()) as client:
         client.start_stream(callback=on_result)
@@ -76,7 +76,7 @@ def test_streams_continue_on_another_executor_without_a_duplicate_or_a_gap(mesh,
     assert "tokens sent before its executor failed" in (tmp_path / "logs" / "exec-1.log").read_text()
     for i in range(STREAMS):
         tokens = [r.as_numpy("token_ids").tolist() for r in got[str(i)]]
-        assert tokens == [[t] for t in want[i]], f"stream {i}"
+        assert sum(tokens, []) == want[i], f"stream {i}"
         text = "".join(r.as_numpy("text_output")[0].decode() for r in got[str(i)])
         # An output that ends inside a character ends before it (the engine sends no U+FFFD).
         assert text == tokenizer.decode(want[i], skip_special_tokens=True).removesuffix("\ufffd")

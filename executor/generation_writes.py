@@ -1,0 +1,73 @@
+"""Every generation stream's write of one model on an executor, gathered into one Redis round trip.
+
+After an engine step every running sequence's consumer wakes in the same turn of the event loop;
+those whose tokens are due to go each ask for a write here, and the writes asked for in one turn
+go together in the next: one pipeline of every stream's push, record of the tokens sent and
+check that its request is still awaited. So Redis sees a round trip per step that has writes, not
+one per stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from batchline.contract.executor_store import ExecutorStore
+from batchline.contract.keys import ModelKey
+
+
+@dataclass
+class _Write:
+    gateway_id: str
+    replies: list[bytes]  # serialized Replies to push
+    request_id: str
+    sent: bytes  # every token id sent so far, int64
+    watch_gateway: bool  # whether the gateway's heartbeat counts in "still awaited"
+    done: asyncio.Future
+
+
+class StreamWrites:
+    def __init__(self, store: ExecutorStore, model: ModelKey) -> None:
+        self.store = store
+        self.model = model
+        self.written_at = time.monotonic()  # when the last write went (the streams' flush clock)
+        self.round_trips = 0
+        self._asked: list[_Write] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    async def write(self, gateway_id: str, replies: list[bytes], request_id: str, sent: bytes,
+                    watch_gateway: bool) -> bool:
+        """Push `replies` to the gateway and record `sent`, with the other writes asked for in this turn
+        of the loop; whether the request is still awaited."""
+        loop = asyncio.get_running_loop()
+        if not self._asked:
+            loop.call_soon(self._start)
+        write = _Write(gateway_id, replies, request_id, sent, watch_gateway, loop.create_future())
+        self._asked.append(write)
+        return await write.done
+
+    def _start(self) -> None:
+        writes, self._asked = self._asked, []
+        task = asyncio.create_task(self._send(writes))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, writes: list[_Write]) -> None:
+        replies: dict[str, list[bytes]] = defaultdict(list)
+        for w in writes:
+            if w.replies:
+                replies[w.gateway_id] += w.replies
+        self.written_at = time.monotonic()
+        self.round_trips += 1
+        try:
+            found = await self.store.stream_tokens(self.model, replies, {w.request_id: w.sent for w in writes},
+                                                   {w.request_id: w.gateway_id for w in writes if w.watch_gateway})
+        except Exception as exc:  # noqa: BLE001 - each stream's own write fails with it
+            for w in writes:
+                if not w.done.done():
+                    w.done.set_exception(exc)
+            return
+        for w in writes:
+            if not w.done.done():
+                w.done.set_result(found[w.request_id])
