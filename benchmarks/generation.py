@@ -39,9 +39,12 @@ import _common
 import numpy as np
 import tritonclient.grpc.aio as aioclient
 from generation_engine import answer_lengths
+from generation_engine import continuous as engine_continuous
+from generation_engine import request_level as engine_request_level
 from generation_peers import Setting, Timed, TransformersPeer, capped, parse_setting
 
 from batchline.testing.decoder import mixed_prompts
+from executor.generation_model import load_decoder
 
 MODEL = "gpt"
 
@@ -116,6 +119,7 @@ def percentile_ms(values: list[float], q: float) -> float:
 
 
 MESH_PROCESSES = ("client", "gateway", "scheduler", "executor", "redis")
+IN_PROCESS = ("transformers", "engine")  # the modes that run in this process, not through the mesh
 
 
 def main() -> int:
@@ -150,6 +154,12 @@ def main() -> int:
             peer.sweep(prompts, lengths, max(concurrencies))
         print(f"transformers' continuous batching at: {peer.setting}")
 
+    decoder = load_decoder(repo / MODEL, intra_op_threads=1)
+
+    def engine_alone(run, in_flight: int) -> list[Timed]:
+        tokens, _ = run(decoder, prompts, lengths, in_flight)
+        return [Timed(tokens, float("nan"), None)]
+
     with _common.mesh(repo, log_level=args.log_level) as address:
         def through_mesh(run, in_flight: int) -> list[Timed]:
             return asyncio.run(run(address, prompts, lengths, in_flight))
@@ -160,6 +170,8 @@ def main() -> int:
                       (f"request-level C={c}", partial(through_mesh, request_level, c))]
             if peer is not None:
                 modes.append((f"transformers CB C={c}", partial(peer.run, prompts, lengths, c)))
+            modes += [(f"engine continuous C={c}", partial(engine_alone, engine_continuous, c)),
+                      (f"engine request-level C={c}", partial(engine_alone, engine_request_level, c))]
         rates: dict[str, list[float]] = {name: [] for name, _ in modes}
         per_cpu: dict[str, list[float]] = {name: [] for name, _ in modes}
         latency: dict[str, list[Timed]] = {name: [] for name, _ in modes}
@@ -171,8 +183,9 @@ def main() -> int:
                 before, start = _common.cpu_seconds(), time.perf_counter()
                 results = run()
                 elapsed, after = time.perf_counter() - start, _common.cpu_seconds()
-                # The peer runs in this process: its CPU is the client's; the idle mesh's is not its own.
-                used = after - before if not name.startswith("transformers") else Counter(
+                # The peer and the engine alone run in this process: their CPU is the client's; the idle
+                # mesh's is not their own.
+                used = after - before if not name.startswith(IN_PROCESS) else Counter(
                     client=after["client"] - before["client"])
                 tokens = sum(r.tokens for r in results)
                 rates[name].append(tokens / elapsed)
@@ -180,7 +193,7 @@ def main() -> int:
                 latency[name] += results
                 spent[name] += used
                 made[name] += tokens
-                ttft = [r.ttft_s for r in results]
+                ttft = [r.ttft_s for r in results if r.ttft_s == r.ttft_s]
                 tpot = [r.tpot_s for r in results if r.tpot_s is not None]
                 print(f"round {round_ + 1}  {name:<22} {tokens / elapsed:6.0f} tokens/s {per_cpu[name][-1]:6.0f} "
                       f"tokens/CPU-s  TTFT p50 {percentile_ms(ttft, 50):7.1f} p99 {percentile_ms(ttft, 99):7.1f} ms  "
@@ -193,7 +206,7 @@ def main() -> int:
     median = {name: statistics.median(r) for name, r in rates.items()}
     median_cpu = {name: statistics.median(r) for name, r in per_cpu.items()}
     for name, _ in modes:
-        ttft = [r.ttft_s for r in latency[name]]
+        ttft = [r.ttft_s for r in latency[name] if r.ttft_s == r.ttft_s]
         tpot = [r.tpot_s for r in latency[name] if r.tpot_s is not None]
         rows.append([name, f"{median[name]:.0f}", f"{median_cpu[name]:.0f}",
                      *(_common.f(percentile_ms(v, q)) for v, q in ((ttft, 50), (ttft, 99), (tpot, 50), (tpot, 99)))])
@@ -202,15 +215,23 @@ def main() -> int:
     print()
     cpu_rows = [["mode", *MESH_PROCESSES, "total"]]
     for name, _ in modes:
-        if not name.startswith("transformers"):
+        if not name.startswith(IN_PROCESS):
             ms = {k: spent[name][k] / made[name] * 1e3 for k in MESH_PROCESSES}
             cpu_rows.append([name, *(f"{ms[k]:.3f}" for k in MESH_PROCESSES), f"{sum(ms.values()):.3f}"])
     print("CPU ms per output token, by process (all rounds):")
     print(_common.table(cpu_rows))
     for c in concurrencies:
         cont, req = f"continuous C={c}", f"request-level C={c}"
-        print(f"C={c}: all rounds, continuous {made[cont] / sum(spent[cont].values()):.0f} tokens/CPU-s, "
-              f"request-level {made[req] / sum(spent[req].values()):.0f}")
+        # A request-level mesh: a static batch's compute (the engine alone, each group to its longest answer)
+        # plus the mesh's serving cost per token (continuous's through the mesh less the engine's own).
+        per_token = {name: sum(spent[name].values()) / made[name] for name in spent if made[name]}
+        serving = per_token[cont] - per_token[f"engine continuous C={c}"]
+        static = serving + per_token[f"engine request-level C={c}"]
+        print(f"C={c}: all rounds, CPU ms per token: continuous {per_token[cont] * 1e3:.3f} (serving "
+              f"{serving * 1e3:.3f}, the engine {per_token[f'engine continuous C={c}'] * 1e3:.3f}), request-level "
+              f"emulated {per_token[req] * 1e3:.3f}, a static batch's engine "
+              f"{per_token[f'engine request-level C={c}'] * 1e3:.3f}; a request-level mesh "
+              f"{static * 1e3:.3f}: continuous x{static / per_token[cont]:.2f} it per CPU-second")
         print(f"C={c}: continuous x{median[cont] / median[req]:.2f} request-level "
               f"(x{median_cpu[cont] / median_cpu[req]:.2f} per CPU-second), "
               f"x{median[cont] / median['one at a time']:.2f} one at a time", end="")
