@@ -17,6 +17,10 @@ mean 32, 4 to 128 tokens, end-of-text ignored, greedy; a sequence also ends at t
   running batch, so the emulation computes less than a request-level server: a baseline that can
   only look better than the real one (the ratios against it are lower bounds);
 - one at a time: continuous with C = 1;
+- the engine alone, continuous C and request-level C (static batches: each group of C to its longest
+  answer, benchmarks/generation_engine.py), in this process: a request-level mesh's CPU per token is
+  composed from them, a static batch's compute plus the mesh's serving cost per token (continuous
+  through the mesh less the engine's own), printed last;
 - transformers CB C: the peer, transformers' continuous batching on the same weights, in this
   process (benchmarks/generation_peers.py), at the best of a sweep of its settings on the host
   (run first, at the largest C; `--peer-setting` names one and skips it; `--no-peers` leaves it out).
