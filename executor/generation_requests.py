@@ -184,7 +184,7 @@ class Stream:
             entry.gateway_id, [r.SerializeToString() for r in replies], entry.request_id,
             np.asarray(self.tokens[:self.pushed], np.int64).tobytes(), self.heartbeats.heartbeats_tell())
         if self.trace is not None:
-            self.trace.flush(self.pushed - before)
+            self.trace.flush(len(replies), self.pushed - before)
 
 
 async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEntry, blob: bytes,

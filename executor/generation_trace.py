@@ -4,7 +4,7 @@ The span `generate` continues the request's trace (a child of the gateway's requ
 `execute` is for a batched model) and lasts from the sequence's arrival at the executor to its final
 reply. Each engine step that gave it tokens is an event `step` (the tokens' count and the index
 of the first in the output), the first of them also `first_token`; each push to the gateway an
-event `flush` (the responses pushed). Its end says why it ended (`batchline.finish_reason`:
+event `flush` (the responses and tokens pushed). Its end says why it ended (`batchline.finish_reason`:
 eos, length, stop, cancelled) and how many tokens this executor made. With tracing off every
 call is a no-op, so serving pays nothing for it.
 """
@@ -39,9 +39,9 @@ class SequenceTrace:
         self.made += len(out.token_ids)
         self.span.add_event("step", attributes)
 
-    def flush(self, pushed: int) -> None:
-        if self.span is not None and pushed:
-            self.span.add_event("flush", {"batchline.responses": pushed})
+    def flush(self, responses: int, tokens: int) -> None:
+        if self.span is not None and tokens:
+            self.span.add_event("flush", {"batchline.responses": responses, "batchline.tokens": tokens})
 
     def end(self, finish_reason: str, error: str = "") -> None:
         if self.span is None:

@@ -241,6 +241,9 @@ def test_a_generated_sequence_is_one_span_with_its_steps_as_events(traced_mesh, 
     assert sum(e[2]["batchline.tokens"] for e in steps) == 12
     assert [e[2]["batchline.index"] for e in steps] == sorted(e[2]["batchline.index"] for e in steps)
     assert [e[0] for e in generate.events].count("first_token") == 1
-    assert sum(e[2]["batchline.responses"] for e in generate.events if e[0] == "flush") == 11  # the last: in the write
+    flushes = [e[2] for e in generate.events if e[0] == "flush"]
+    assert flushes[0] == {"batchline.responses": 1, "batchline.tokens": 1}, "the first token goes at once, alone"
+    assert sum(f["batchline.tokens"] for f in flushes) < 12  # the rest: in the final write
+    assert all(f["batchline.responses"] == 1 for f in flushes), "a flush pushes one response of its tokens"
     times = [e[1] for e in generate.events]
     assert times == sorted(times) and generate.start_ns <= times[0] and times[-1] <= generate.end_ns
