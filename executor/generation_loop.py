@@ -43,9 +43,8 @@ class GenerationLoop:
         except asyncio.CancelledError:
             pass
         self._thread.shutdown(wait=True)
-        for request_id in self._cancels:  # those asked for while it stopped still free their sequences
-            self.engine.cancel(request_id)
-        self._cancels.clear()
+        # No step comes any more, the one that would have retired the sequences cancelled meanwhile included.
+        self.engine.drop_all()
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        priority: int = 1, output: list[int] | None = None) -> AsyncIterator[Output]:
