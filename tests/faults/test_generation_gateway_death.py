@@ -14,7 +14,9 @@ from batchline.testing.decoder import build_gpt
 from batchline.testing.polling import poll
 from batchline.testing.processes import ProcessMesh
 
-STREAMS = 6
+# Twelve turns of two slots: streams still running or waiting when the dead gateway's heartbeat
+# (0.2 s a beat, gone after 0.6 s) lapses, however fast the executor generates.
+STREAMS = 24
 MAX_TOKENS = 240
 
 
@@ -35,7 +37,7 @@ def test_a_dead_gateways_sequences_end_at_their_next_write(tmp_path):
         mesh.start_redis()
         mesh.add_executor(flags=["--generation-cache-mb", "2"])
         mesh.add_scheduler()
-        mesh.add_gateway()
+        mesh.add_gateway(flags=["--heartbeat-interval-s", "0.2"])
         mesh.probe.wait_for_executors(1)
         mesh.probe.wait_ready()
         tokens = threading.Semaphore(0)
