@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from batchline.errors import InvalidArgument, Unavailable
 
 SHM_ROOT = "/dev/shm"
+# As glibc's shm_open opens: a key that is a symbolic link (to a file elsewhere on the host, which
+# the client could not otherwise hand the gateway or an executor) is refused, not followed.
+OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 # An input's or output's parameter with the region reference the gateway queued in place of the
 # bytes; internal: a client's request that carries it is refused.
 REF = "batchline_region_ref"
@@ -112,7 +115,7 @@ class Ref:
         try:
             if path is None:
                 raise OSError(0, f"{self.key!r} is not a shm_open key")
-            fd = os.open(path, flags)
+            fd = os.open(path, flags | OPEN_FLAGS)
         except OSError as exc:
             raise RegionUnreadable(f"shared memory region '{self.region}' (key {self.key!r}) cannot be opened "
                                    f"here ({exc.strerror})") from None

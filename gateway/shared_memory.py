@@ -19,7 +19,7 @@ from typing import Callable
 from batchline.codec import decode_tensor, encode_array
 from batchline.errors import AlreadyExists, InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
-from batchline.regions import REF, WRITTEN, Ref, read_fd, shm_path, shrank, too_small, write_fd
+from batchline.regions import OPEN_FLAGS, REF, WRITTEN, Ref, read_fd, shm_path, shrank, too_small, write_fd
 
 REGION = "shared_memory_region"
 BYTE_SIZE = "shared_memory_byte_size"
@@ -144,7 +144,7 @@ class SharedMemory:
         if path is None:
             raise InvalidArgument(f"shared memory region '{name}': key {key!r} is not a shm_open name like '/data'")
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | OPEN_FLAGS)
         except OSError as exc:
             raise InvalidArgument(f"shared memory region '{name}': unable to open shared memory key {key!r} "
                                   f"({exc.strerror}): create it on this gateway's host before registering") from None

@@ -181,3 +181,27 @@ def test_bytes_inputs_are_copied_even_by_reference(region_file):
         assert REF not in queued.inputs[0].parameters and queued.raw_input_contents[0] == b"\3\0\0\0abc"
     finally:
         regions.close()
+
+
+def test_a_key_that_is_a_symbolic_link_is_refused_not_followed(region_file, tmp_path):
+    name, path = region_file
+    elsewhere = tmp_path / "not_shared_memory"
+    elsewhere.write_bytes(b"secret" * 100)
+    link = f"/dev/shm/{name}_link"
+    os.symlink(elsewhere, link)
+    try:
+        regions = SharedMemory()
+        with pytest.raises(InvalidArgument, match="unable to open shared memory key"):
+            regions.register("r", f"/{name}_link", 0, 64)
+        regions.register("r", f"/{name}", 0, 1024)
+        try:
+            data = np.zeros((1, 8), dtype=np.float32)
+            queued, _, _ = regions.read_inputs(_request(data), "", {}, by_reference=True)
+            os.unlink(path)  # the key now a link to the file elsewhere: the executor must not read it
+            os.symlink(elsewhere, path)
+            with pytest.raises(RegionUnreadable, match="cannot be opened here"):
+                executor_shm.read_inputs(queued)
+        finally:
+            regions.close()
+    finally:
+        os.unlink(link)
