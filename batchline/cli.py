@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         "up",
         help="run Redis, executors, the scheduler and the gateway locally",
         description="Start a local mesh: a private Redis (unless --redis-url), N executors, the scheduler "
-        "and the gateway. Builds the demo model repository (minilm, mlp, and gpt, a generative model that "
-        "executors leave out) first if the repository path does not exist. A service that exits is restarted "
+        "and the gateway. Builds the demo model repository (minilm, mlp, and gpt, a small generative model) "
+        "first if the repository path does not exist. A service that exits is restarted "
         "(with a growing backoff; --max-restarts "
         "bounds a crash loop), the embedded Redis too (one that cannot start again stops the mesh). Ctrl-C "
         "stops every process it started: the gateways first (they answer the requests they hold), then the "
