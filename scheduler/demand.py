@@ -89,14 +89,15 @@ class Demand:
             r = self.rates[key] = ArrivalRate(self.settings.step_s, Holt.for_period(period))
         return r
 
-    def capacity(self, key: ModelKey, rule: BatchingRule, cost: BatchCost, budget_s: float, lanes: int) -> float:
+    def capacity(self, key: ModelKey, rule: BatchingRule, cost: BatchCost, budget_s: float, lanes: int,
+                 length: int = 1) -> float:
         # To two significant digits: the profile moves a little with every report, and a play of the
         # stream costs milliseconds of the scheduler's loop; a capacity 5% off moves nothing.
         basis = (rule, *map(_rounded, (cost.per_unit_s, cost.fixed_s, cost.margin_s, *cost.margin_by_size_s,
-                                       cost.overhead_s)), budget_s, lanes)
+                                       cost.overhead_s)), budget_s, lanes, length)
         known = self._capacity.get(key)
         if known is None or known[0] != basis:
-            known = self._capacity[key] = (basis, executor_capacity(rule, cost, budget_s, lanes))
+            known = self._capacity[key] = (basis, executor_capacity(rule, cost, budget_s, lanes, length))
         return known[1]
 
     def generation(self, key: ModelKey, registry: Registry, holders: list[str], in_flight: int, rate: float) -> float:
@@ -111,10 +112,11 @@ class Demand:
         tpot_s = registry.models[key].tpot_ms / 1000 if key in registry.models else 0.0
         return generation_capacity(slots, held / rate if rate > 0 else 0.0, row_s, tpot_s)
 
-    async def step(self, registry: Registry, plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str]]],
+    async def step(self, registry: Registry, plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str], int]],
                    depths: dict[ModelKey, int], now: float,
                    sequences: dict[ModelKey, tuple[list[str], int]] | None = None) -> pb.MeshDemand:
-        """Measure, forecast and publish. `plans`: per model served, its rule, its cost and its holders;
+        """Measure, forecast and publish. `plans`: per model served, its rule, its cost, its holders and
+        its requests' typical elements per row (Profiles.length);
         `sequences`: per generative model served, its holders and its sequences in flight."""
         self.stepped_at = now
         sequences = sequences or {}
@@ -137,8 +139,8 @@ class Demand:
             if key in sequences:
                 capacity = self.generation(key, registry, *sequences[key], rate.rate)
             else:
-                rule, cost, holders = plans[key]
-                capacity = self.capacity(key, rule, cost, budget_s, lanes_per_executor(registry, holders))
+                rule, cost, holders, length = plans[key]
+                capacity = self.capacity(key, rule, cost, budget_s, lanes_per_executor(registry, holders), length)
             n = need(forecast, capacity, self.settings.target_utilisation, depths.get(key, 0), budget_s)
             needs.append(n)
             demand.models.append(pb.MeshDemand.Model(

@@ -18,7 +18,8 @@ UNKNOWN_KIND = "unknown"
 # One sample as saved: units and seconds; warm-up samples are saved with negative units.
 _SAMPLE = struct.Struct("<ff")
 _NOT_REGISTERED = pb.ModelInfo()
-
+# Weight of a batch in the moving average of a model's elements per row.
+LENGTH_WEIGHT = 0.05
 
 
 def kind(registry: Registry, executor_id: str, model: ModelKey) -> str:
@@ -37,6 +38,7 @@ class Profiles:
         self.default_s = default_s
         self.margin_quantile = margin_quantile
         self.by_key: dict[ProfileKey, LatencyProfile] = {}
+        self.lengths: dict[ModelKey, float] = {}  # elements per row, averaged over the batches reported
         self.saved_at = time.monotonic()
 
     def of(self, key: ProfileKey) -> LatencyProfile:
@@ -59,6 +61,16 @@ class Profiles:
             seconds = (report.compute_input_ns + report.compute_infer_ns + report.compute_output_ns) / 1e9
             self.of((*model, kind(registry, report.executor_id, model))).observe(
                 report.units or report.rows, seconds, warm_up=report.warmup)
+            if not report.warmup:
+                per_row = (report.units or report.rows) / report.rows
+                held = self.lengths.get(model)
+                self.lengths[model] = per_row if held is None else held + LENGTH_WEIGHT * (per_row - held)
+
+    def length(self, model: ModelKey) -> int:
+        """The elements per row (padded to each batch's longest) of the batches the model ran lately:
+        the request the demand's capacity is played with (batchline.planning.capacity). 1 before
+        any report, and always for fixed shapes."""
+        return max(1, round(self.lengths.get(model, 1.0)))
 
     async def adopt(self, keys: list[ProfileKey]) -> None:
         """Adopt the samples a previous scheduler saved, for profiles this one has not seen yet."""

@@ -68,7 +68,7 @@ class Scheduler:
         self.profiles = Profiles(self.store, settings.default_execution_ms / 1000, settings.margin_quantile)
         self.demand = Demand(self.store, self.scheduler_id, settings.demand())
         # Per model served, what this step planned it by (rule, cost, holders): the demand step reads them.
-        self._plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str]]] = {}
+        self._plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str], int]] = {}
         # Per generative model served, its holders and its sequences in flight: the demand step reads them.
         self._generating: dict[ModelKey, tuple[list[str], int]] = {}
         self._scanned_at = 0.0  # when the last step began reading the queues
@@ -274,7 +274,7 @@ class Scheduler:
                         lead=self.settings.dispatch_lead_ms / 1000, company=company,
                         in_share_budget=self.queues.in_share_budget(key, now),
                         busy=[bool(self._held.get(e)) for e in ready])
-        self._plans[key] = (decision.rule, cost, holders)
+        self._plans[key] = (decision.rule, cost, holders, self.profiles.length(key))
         (self.wakeups.blocked.add if decision.blocked else self.wakeups.blocked.discard)(contract.queue(key))
         if decision.expired:
             dispatch.shed(pipe, key, decision.expired, self.queues.entries)

@@ -1,9 +1,17 @@
 """What one executor can serve within a budget, and how many executors a demand wants.
 
 The capacity is found by the same play of a queue that dispatch and admission go by
-(batchline.planning.simulation.play): a steady stream of one-row requests, each with the
-model's budget, played on one executor's lanes; the capacity is the highest rate at which
-every request of it finishes in time. So it moves with the learned profile, the model's
+(batchline.planning.simulation.play): a steady stream of one-row requests of the model's typical
+length, each with the model's budget, played on one executor's lanes; the capacity is the highest
+rate at which every request of it finishes in time. The length matters as much as the rate: a
+text model's profile is per token, and a stream of one-token requests would overstate what an
+executor serves of 16-token ones about tenfold.
+
+In the play the lanes run each batch for its typical cost, and a batch is judged in time by its
+finish plus its own margin: the margin is a high quantile of one batch's overrun, and a steady
+queue's wait is a sum of many batches whose overruns do not all reach it at once. Played with
+the margin on every batch, the capacity of one minilm executor on a 2-core host came out at 90
+requests/s where it served 240 (docs/design/autoscaling.md). So it moves with the learned profile, the model's
 max_batch_size and its preferred sizes, and is not a constant anyone must keep true.
 
 Pure: time is passed in, nothing is read from a clock.
@@ -24,31 +32,51 @@ STREAM = 256
 STEPS = 20
 
 
-def executor_capacity(rule: BatchingRule, cost: Cost, budget_s: float, lanes: int = 1) -> float:
-    """Requests per second one executor of `lanes` lanes answers within `budget_s` each, at most."""
-    if budget_s <= 0 or cost.predict(1) > budget_s:
+def executor_capacity(rule: BatchingRule, cost: Cost, budget_s: float, lanes: int = 1, length: int = 1) -> float:
+    """Requests per second one executor of `lanes` lanes answers within `budget_s` each, at most,
+    for requests of one row of `length` elements at the model's variable dims (batchline.sizing;
+    1 for fixed shapes)."""
+    if length < 1:
+        raise ValueError(f"length must be at least 1, got {length}")
+    if budget_s <= 0 or cost.predict(length) > budget_s:
         return 0.0
     full = max(1, rule.max_batch_size)
-    high = lanes * full / max(cost.predict(full), 1e-9)  # every lane running full batches back to back
+    high = lanes * full / max(cost.typical(full * length), 1e-9)  # every lane running full batches back to back
     low = 0.0
-    if _in_time(rule, cost, budget_s, lanes, high):
+    if _in_time(rule, cost, budget_s, lanes, high, length):
         return high
     for _ in range(STEPS):
         mid = (low + high) / 2
-        if _in_time(rule, cost, budget_s, lanes, mid):
+        if _in_time(rule, cost, budget_s, lanes, mid, length):
             low = mid
         else:
             high = mid
     return low
 
 
-def _in_time(rule: BatchingRule, cost: Cost, budget_s: float, lanes: int, rate: float) -> bool:
+def _in_time(rule: BatchingRule, cost: Cost, budget_s: float, lanes: int, rate: float, length: int) -> bool:
     if rate <= 0:
         return True
-    stream = [Pending(str(i), 1, 1, i / rate + budget_s, i / rate) for i in range(STREAM)]
-    played = play(stream, [0.0] * lanes, rule, cost)
-    return not played.shed and all(b.finish <= b.members[0].deadline for b in played.batches) \
-        and sum(len(b.members) for b in played.batches) == STREAM
+    stream = [Pending(str(i), 1, 1, i / rate + budget_s, i / rate, length=length) for i in range(STREAM)]
+    played = play(stream, [0.0] * lanes, rule, _Typical(cost))
+    return not played.shed and sum(len(b.members) for b in played.batches) == STREAM and all(
+        b.finish + _margin(cost, len(b.members) * length) <= b.members[0].deadline for b in played.batches)
+
+
+def _margin(cost: Cost, units: int) -> float:
+    return cost.predict(units) - cost.typical(units)
+
+
+@dataclass(frozen=True, slots=True)
+class _Typical:
+    """`cost` without its margin: what a lane is taken to run each batch for (see the module's note)."""
+    cost: Cost
+
+    def predict(self, units: int) -> float:
+        return self.cost.typical(units)
+
+    def typical(self, units: int) -> float:
+        return self.cost.typical(units)
 
 
 def generation_capacity(slots: int, held_s: float, decode_row_s: float = 0.0, tpot_s: float = 0.0) -> float:

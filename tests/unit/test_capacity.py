@@ -67,3 +67,26 @@ def test_a_generative_models_capacity_is_its_slots_over_the_time_a_sequence_hold
     # A budget no step meets still runs one at a time; nothing measured yet is no capacity.
     assert generation_capacity(16, 2.0, decode_row_s=0.1, tpot_s=0.05) == pytest.approx(0.5)
     assert generation_capacity(16, 0.0) == 0.0 and generation_capacity(0, 2.0) == 0.0
+
+
+def test_capacity_is_played_with_requests_of_the_typical_length():
+    # A per-token cost: 16-token requests are 16 units each, so an executor serves far fewer of them.
+    rule, budget_s = BatchingRule(32), 0.2
+    short = executor_capacity(rule, COST, budget_s)
+    long = executor_capacity(rule, COST, budget_s, length=16)
+    assert long < short / 4
+    rate = 0.95 * long
+    stream = [Pending(str(i), 1, 1, i / rate + budget_s, i / rate, length=16) for i in range(400)]
+    played = play(stream, [0.0], rule, COST)
+    assert not played.shed and all(b.finish <= min(m.deadline for m in b.members) for b in played.batches)
+    with pytest.raises(ValueError, match="length must be at least 1, got 0"):
+        executor_capacity(rule, COST, budget_s, length=0)
+
+
+def test_the_margin_counts_once_per_request_not_once_per_batch_queued_ahead():
+    # A steady queue's wait is many batches' typical runs; only the request's own batch is taken at its margin.
+    margin = 0.02
+    with_margin = FunctionCost(lambda units: 0.004 + 0.001 * units + margin, lambda units: 0.004 + 0.001 * units)
+    rule = BatchingRule(8)
+    assert executor_capacity(rule, with_margin, 0.2) == pytest.approx(executor_capacity(rule, COST, 0.2 - margin))
+    assert executor_capacity(rule, with_margin, 0.2) > 0.9 * executor_capacity(rule, COST, 0.2)

@@ -26,7 +26,7 @@ def registry(*executors: tuple[str, float]) -> Registry:
 
 
 def step(demand: Demand, reg: Registry, now: float, depth: int = 0) -> pb.MeshDemand:
-    plans = {MODEL: (BatchingRule(32), COST, sorted(reg.executors))}
+    plans = {MODEL: (BatchingRule(32), COST, sorted(reg.executors), 1)}
     return asyncio.run(demand.step(reg, plans, {MODEL: depth}, now))
 
 
@@ -96,3 +96,23 @@ def test_a_generative_model_wants_executors_by_its_sequences_in_flight():
     state.arrivals[gpt] = 100
     d = asyncio.run(demand.step(reg, {}, {gpt: 0}, 10.0, {gpt: (sorted(reg.executors), 40)}))
     assert d.models[0].capacity == pytest.approx(5 / 4)
+
+
+def test_the_capacity_is_played_with_the_reported_elements_per_row():
+    from scheduler.profiles import Profiles
+
+    reg = registry(("e1", 2.0))
+    reg.models[MODEL] = reg.executors["e1"].models[0]
+    profiles = Profiles(MemorySchedulerStore(MemoryState()), 0.005, 0.99)
+    assert profiles.length(MODEL) == 1
+    profiles.observe(reg, pb.ExecutionReport(executor_id="e1", model_name="m", model_version="1", rows=4, units=4 * 90,
+                                             warmup=True, compute_infer_ns=10**6))
+    assert profiles.length(MODEL) == 1  # warm-up runs are not what clients send
+    for _ in range(200):
+        profiles.observe(reg, pb.ExecutionReport(executor_id="e1", model_name="m", model_version="1", rows=4,
+                                                 units=4 * 16, compute_infer_ns=10**6))
+    assert profiles.length(MODEL) == 16
+    demand = Demand(MemorySchedulerStore(MemoryState()), "s", DemandSettings())
+    one = demand.capacity(MODEL, BatchingRule(32), COST, 1.0, 1)
+    sixteen = demand.capacity(MODEL, BatchingRule(32), COST, 1.0, 1, profiles.length(MODEL))
+    assert sixteen < one / 4
