@@ -59,12 +59,12 @@ def _mesh(a: argparse.Namespace, repo: str, executors: int, autoscale: str, cool
             raise
 
 
-def measure(a: argparse.Namespace, repo: str, seconds: float = 10.0) -> tuple[float, float, float]:
-    """One executor's capacity on this host: the answers per second a closed loop of 32 clients (each
-    waiting out a refusal's retry hint) gets from a mesh of one, after 2 s of warm-up;
-    the capacity the leader computes from the profile it learned meanwhile; and the executor's
-    start time the mesh measured."""
-    mesh, address = _mesh(a, repo, 1, "", 30.0)
+def measure(a: argparse.Namespace, repo: str, executors: int = 1, seconds: float = 10.0) -> tuple[float, float, float]:
+    """The capacity of `executors` executors on this host: the answers per second a closed loop of 32
+    clients (each waiting out a refusal's retry hint) gets from a mesh of that many, after 2 s of
+    warm-up; the capacity of one executor the leader computes from the profile it learned meanwhile;
+    and the executors' start time the mesh measured."""
+    mesh, address = _mesh(a, repo, executors, "", 30.0)
     try:
         goodput = asyncio.run(_closed_loop(address, a, 2.0, seconds))
         deadline = time.monotonic() + 30

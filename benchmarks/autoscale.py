@@ -28,14 +28,18 @@ out. A started executor serves after --start-s. Ticks of DT: a request is answer
 halfway through the tick it is served in. Not simulated: batching dynamics within a second,
 the gateways' and the scheduler's CPU, and retries of refused requests (a refusal counts once).
 
---mode real first measures one executor's answers per second on this host (a closed loop of 32
-clients against a mesh of one) and sets BASE to the same share of it as the simulation's BASE is of
-its capacity; then it plays each trace, compressed into --real-seconds (the cool-down and the period
-compressed with it), with an open-loop client against a local mesh serving the model from a copy of
-the repository whose executors each run on one thread (instance_count 1, intra_op_threads 1), so
-that 1 to 3 executors matter (benchmarks/_autoscale_real.py); static-peak runs MAX there, and the
-start time is the one the mesh measured. Beside each real row it prints the simulation of the same
-compressed trace with the same capacity, start time and cool-down, and the differences.
+--mode real first measures the answers per second of 1, 2, ... MAX executors on this host (a closed
+loop of 32 clients against a mesh of each size) and sets BASE to the same share of one's as the
+simulation's BASE is of its capacity; then it plays each trace, compressed into --real-seconds (the
+cool-down and the period compressed with it), with an open-loop client against a local mesh
+serving the model from a copy of the repository whose executors each run on one thread
+(instance_count 1, intra_op_threads 1), so that 1 to 3 executors matter
+(benchmarks/_autoscale_real.py); static-peak runs MAX there, and the start time is the one the
+mesh measured. Beside each real row it prints the simulation of the same
+compressed trace with the same start time and cool-down, whose executors serve what as many served
+here (on a host whose cores the gateway, the scheduler, Redis and the client share, a second
+executor adds less than the first serves) and whose predictive policy sizes by the capacity the
+leader published, as the real one does; and the differences.
 """
 from __future__ import annotations
 
@@ -123,6 +127,15 @@ class Setup:
     high: int = 64
     period_s: float = 0.0                 # the demand's period predictive is told (0: none)
     keda_threshold: int = KEDA_THRESHOLD
+    # Real mode: the requests/s within the budget measured with 1, 2, ... executors serving (the
+    # host's cores are shared, so executors add less than their own capacity); (): n x capacity.
+    served: tuple[float, ...] = ()
+    sized_by: float = 0.0                 # the capacity predictive sizes by (the leader's); 0: capacity
+
+    def total(self, serving: int) -> float:
+        if serving <= 0:
+            return 0.0
+        return self.served[min(serving, len(self.served)) - 1] if self.served else serving * self.capacity
 
 
 @dataclass
@@ -191,7 +204,7 @@ def simulate(trace: Callable[[float, random.Random], float], policy: str, seed: 
         r.bound_s += fewest * DT + max(0, fewest - least) * setup.start_s
         least = fewest
         serving = sum(1 for x in ready if x <= t)
-        room = max(0.0, (HEADROOM * BUDGET_S - service_s - DT) * serving * capacity - queued) if serving else 0.0
+        room = max(0.0, (HEADROOM * BUDGET_S - service_s - DT) * setup.total(serving) - queued) if serving else 0.0
         admitted = min(n, math.floor(room))
         r.refused += n - admitted
         if admitted:
@@ -201,7 +214,7 @@ def simulate(trace: Callable[[float, random.Random], float], policy: str, seed: 
             r.timed_out += queue[0][1]  # it cannot finish in time any more: shed, DEADLINE_EXCEEDED
             queued -= queue.popleft()[1]
         good = 0.0
-        budget = serving * capacity * DT
+        budget = setup.total(serving) * DT
         while queue and budget > 0:
             chunk = queue[0]
             take = min(chunk[1], budget)
@@ -228,9 +241,10 @@ def simulate(trace: Callable[[float, random.Random], float], policy: str, seed: 
         if policy == "predictive":
             rate.observe(t, arrived)
             forecast = rate.ahead(setup.start_s)
-            n_need = need(forecast, capacity, TARGET_UTILISATION, round(queued), BUDGET_S)
+            sized_by = setup.sized_by or capacity
+            n_need = need(forecast, sized_by, TARGET_UTILISATION, round(queued), BUDGET_S)
             demand = pb.MeshDemand(models=[pb.MeshDemand.Model(name="m", version="1", forecast_rate=forecast,
-                                                               capacity=capacity, by_forecast=n_need.by_forecast,
+                                                               capacity=sized_by, by_forecast=n_need.by_forecast,
                                                                by_backlog=n_need.by_backlog)])
             decision = scaler.decide(t, len(ready), demand)
             target = decision.target if decision else target
@@ -334,19 +348,21 @@ def real(a: argparse.Namespace) -> None:
                            ("default_timeout_ms", f"{a.budget_ms:g}")):
             text = set_config(text, key, value)
         config.write_text(text)
-        capacity, planned, start_s = measure(a, str(repo))
+        measured = [measure(a, str(repo), n) for n in range(1, high + 1)]
+        (capacity, planned, start_s), served = measured[0], tuple(m[0] for m in measured)
         simulated = executor_capacity(RULE, COST, BUDGET_S)
         base = a.base_rate or capacity * BASE / simulated
-        print(f"real: {a.model}, one thread per executor, executors {low}..{high}, budget {a.budget_ms:g} ms; one "
-              f"executor: {capacity:.0f} requests/s (a closed loop of 32; the leader's planning model "
-              f"says {planned:.0f} within the budget), start {start_s:.1f} s (measured); BASE = {base:.0f}/s; "
-              f"each trace in "
-              f"{a.real_seconds:g} s, cool-down "
-              f"{cool_down_s:.1f} s; seeds {a.seeds}, median. sim: the same compressed traces, capacity, start "
-              f"and cool-down in the fluid model", flush=True)
+        print(f"real: {a.model}, one thread per executor, executors {low}..{high}, budget {a.budget_ms:g} ms; "
+              f"1..{high} executors served {', '.join(f'{x:.0f}' for x in served)} requests/s (a closed loop of "
+              f"32 each; the leader's planning model says {planned:.0f} for one within the budget), start "
+              f"{start_s:.1f} s (measured); BASE = {base:.0f}/s; each trace in {a.real_seconds:g} s, cool-down "
+              f"{cool_down_s:.1f} s; seeds {a.seeds}, median. sim: the same compressed traces in the fluid model, "
+              f"serving what each count of executors served here, predictive sizing by the leader's capacity, "
+              f"with the same start and cool-down", flush=True)
         for name in a.traces.split(","):
             period = 0.0 if a.no_period else PERIODS.get(name, 0.0) * scale
-            setup = Setup(capacity, a.real_seconds, start_s, cool_down_s, low, high, period, a.keda_threshold)
+            setup = Setup(capacity, a.real_seconds, start_s, cool_down_s, low, high, period, a.keda_threshold,
+                          served, planned)
             told = f"; predictive told the period, {period:g} s" if period else ""
             print(f"\n{name} (static-peak runs {high}{told})")
             print(f"  {'policy':12} {'in budget real':>14} {'sim':>7} {'diff':>6} {'executor-s real':>15} {'sim':>5} "
