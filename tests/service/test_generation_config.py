@@ -153,3 +153,42 @@ def test_build_models_writes_the_generative_model(model_repository):
     assert decoder.tokenizer.get_vocab_size() == demo_decoder.VOCAB_SIZE
     assert len(decoder.cache) == 2 * demo_decoder.LAYERS
     assert (model_repository / "gpt" / "1" / "model.onnx").stat().st_size < 10_000_000
+
+
+@pytest.mark.parametrize("spinning", [False, True])
+def test_the_decoder_spins_as_the_executor_setting_says(built, spinning):
+    from executor.generation_serving import load_generation
+    from executor.settings import ExecutorSettings
+
+    served = load_generation(built, "1", ExecutorSettings(allow_spinning=spinning, model_repository=str(built.parent)))
+    options = served.loop.engine.decoder.session.get_session_options()
+    if spinning:  # ONNX Runtime's own default: no entry
+        with pytest.raises(Exception, match="does not have configuration"):
+            options.get_session_config_entry("session.intra_op.allow_spinning")
+    else:
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+def test_a_decoder_of_another_shape_builds_loads_and_answers_as_transformers_does(tmp_path):
+    # benchmarks/generation.py --shape builds GPT-2 small's shape this way; a tiny one checks the path.
+    shape = demo_decoder.Shape(layers=2, heads=2, embedding=64)
+    model_dir = tmp_path / "gpt"
+    demo_decoder.build(model_dir, shape)
+    (model_dir / "config.toml").write_text(shape.config())
+    config = read_model_config(model_dir / "config.toml")
+    assert len(config.generation.cache_inputs) == 2 * shape.layers
+    decoder = load_decoder(model_dir)
+    assert len(decoder.cache) == 2 * shape.layers
+    assert decoder.slot_bytes == shape.cache_mb(1) * 2**20
+    engine = GenerationEngine(decoder, 4 * decoder.slot_bytes)
+    prompts = mixed_prompts(3, seed=2, longest=20)
+    reference = Reference(shape)
+    answers = {}
+    for i, prompt in enumerate(prompts):
+        engine.add(str(i), prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    while engine.has_work:
+        for out in engine.step().outputs:
+            answers.setdefault(out.request_id, []).extend(out.token_ids)
+    assert [answers[str(i)] for i in range(len(prompts))] == [reference.greedy(p, 6) for p in prompts]
+    with pytest.raises(ValueError, match="divisible by the heads"):
+        demo_decoder.Shape(layers=2, heads=3, embedding=64)
