@@ -15,6 +15,7 @@ positions), with ``input_ids``, ``position_ids`` [batch, sequence] and ``attenti
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,23 +25,48 @@ if TYPE_CHECKING:  # heavy imports stay out of module import time
 
 VOCAB_SIZE = 4096
 MAX_CONTEXT = 256
-LAYERS = 4
-HEADS = 4
-EMBEDDING = 128
 SEED = 0
 END_OF_TEXT = "<|endoftext|>"
 
-CONFIG = f"""\
-# A small GPT-2 with random weights (fixed seed) and a byte-level BPE tokenizer: a demo decoder.
-# Sequences in one decode step.
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's size: the demo's is tiny, so that tests build and run it in seconds."""
+    layers: int
+    heads: int
+    embedding: int
+
+    def __post_init__(self) -> None:
+        if min(self.layers, self.heads, self.embedding) < 1 or self.embedding % self.heads:
+            raise ValueError(f"a shape needs layers, heads and an embedding divisible by the heads, got {self}")
+
+    def config(self) -> str:
+        """The model's config.toml."""
+        layers = range(self.layers)
+        return f"""\
+# A GPT-2 of {self.layers} layers x {self.embedding} with random weights (fixed seed) and a byte-level BPE
+# tokenizer: a demo decoder. Sequences in one decode step.
 max_batch_size = 32
 [generation]
-cache_inputs = [{", ".join(f'"past.{i}.key", "past.{i}.value"' for i in range(LAYERS))}]
-cache_outputs = [{", ".join(f'"present.{i}.key", "present.{i}.value"' for i in range(LAYERS))}]
+cache_inputs = [{", ".join(f'"past.{i}.key", "past.{i}.value"' for i in layers)}]
+cache_outputs = [{", ".join(f'"present.{i}.key", "present.{i}.value"' for i in layers)}]
 eos_token_ids = [0]
 max_context = {MAX_CONTEXT}
 tokenizer = "tokenizer"
 """
+
+    def cache_mb(self, sequences: int) -> float:
+        """MiB of key/value cache that `sequences` at the full context take (float32)."""
+        return sequences * MAX_CONTEXT * self.layers * 2 * self.embedding * 4 / 2**20
+
+
+DEMO = Shape(layers=4, heads=4, embedding=128)
+# GPT-2 small's layers, heads and width (with the demo's vocabulary and context): a decoder whose
+# compute, not the serving around it, is most of a token's cost (benchmarks/generation.py --shape).
+GPT2_SMALL = Shape(layers=12, heads=12, embedding=768)
+SHAPES = {"demo": DEMO, "gpt2-small": GPT2_SMALL}
+LAYERS, HEADS, EMBEDDING = DEMO.layers, DEMO.heads, DEMO.embedding
+CONFIG = DEMO.config()
 
 
 def train_tokenizer() -> "Tokenizer":
@@ -60,13 +86,14 @@ def train_tokenizer() -> "Tokenizer":
     return tokenizer
 
 
-def build_reference_model() -> "torch.nn.Module":
+def build_reference_model(shape: Shape = DEMO) -> "torch.nn.Module":
     """The transformers GPT2LMHeadModel that the ONNX graph is exported from (eval mode, same weights every call)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=VOCAB_SIZE, n_positions=MAX_CONTEXT, n_embd=EMBEDDING, n_layer=LAYERS, n_head=HEADS,
+        vocab_size=VOCAB_SIZE, n_positions=MAX_CONTEXT, n_embd=shape.embedding, n_layer=shape.layers,
+        n_head=shape.heads,
         bos_token_id=0, eos_token_id=0, attn_implementation="eager",
         # Ten times GPT-2's: at 0.02 random weights repeat one token for a dozen steps, which would
         # hide a cache that feeds the wrong positions; at 0.2 the next token depends on the context.
@@ -122,18 +149,18 @@ def build_decoder_module(model: "torch.nn.Module") -> "torch.nn.Module":
     return Decoder(model).eval()
 
 
-def build(model_dir: Path) -> None:
-    """Write the graph and its tokenizer into `model_dir`."""
+def build(model_dir: Path, shape: Shape = DEMO) -> None:
+    """Write the graph and its tokenizer into `model_dir` (config.toml is the caller's: `shape.config()`)."""
     import torch
 
     from batchline.demo_models import MODEL_FILE, TOKENIZER_DIR, VERSION_DIR, _atomic_write, _export_onnx
 
-    module = build_decoder_module(build_reference_model())
-    head_dim = EMBEDDING // HEADS
+    module = build_decoder_module(build_reference_model(shape))
+    head_dim = shape.embedding // shape.heads
     # Batch 2, 3 new positions after 5 cached: distinct sizes so the tracer keeps every one free.
     batch, new, cached = 2, 3, 5
-    past = [torch.zeros(batch, HEADS, cached, head_dim) for _ in range(2 * LAYERS)]
-    past_names = [f"past.{i}.{kind}" for i in range(LAYERS) for kind in ("key", "value")]
+    past = [torch.zeros(batch, shape.heads, cached, head_dim) for _ in range(2 * shape.layers)]
+    past_names = [f"past.{i}.{kind}" for i in range(shape.layers) for kind in ("key", "value")]
     present_names = [name.replace("past", "present") for name in past_names]
     axes = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
             "attention_mask": {0: "batch", 1: "total"}, "logits": {0: "batch", 1: "sequence"}}

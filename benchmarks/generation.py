@@ -1,8 +1,12 @@
 """Generation through the mesh: continuous batching against request-level batching and one at a time.
 
     python benchmarks/generation.py [--sequences 128] [--in-flight 8,32] [--rounds 3] [--quick]
+                                    [--shape gpt2-small] [--executors 2 --threads 1]
 
-A mesh (`batchline up`: Redis, a gateway, the scheduler, one executor) serves the demo `gpt`;
+A mesh (`batchline up`: Redis, a gateway, the scheduler, one executor, or --executors of --threads
+each) serves the demo `gpt`, or with `--shape gpt2-small` a decoder of GPT-2 small's layers and
+width on the demo's vocabulary (random weights, built once into .cache/: a model whose compute,
+not the serving around it, is most of a token's cost, as a real one's is);
 this process drives it with tritonclient's asyncio gRPC client, one ModelStreamInfer stream per
 sequence. The same sequences (prompts of 1 to 150 token ids, most short; answers geometric with
 mean 32, 4 to 128 tokens, end-of-text ignored, greedy; a sequence also ends at the model's
@@ -34,6 +38,7 @@ not a measurement.
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import statistics
 import time
 from collections import Counter
@@ -47,6 +52,7 @@ from generation_engine import continuous as engine_continuous
 from generation_engine import request_level as engine_request_level
 from generation_peers import Setting, Timed, TransformersPeer, capped, parse_setting
 
+from batchline import demo_decoder
 from batchline.testing.decoder import mixed_prompts
 from executor.generation_model import load_decoder
 
@@ -118,6 +124,17 @@ def static_tokens(prompts, lengths, in_flight: int) -> int:
     return total
 
 
+def build_shape(name: str, shape: demo_decoder.Shape) -> pathlib.Path:
+    """A repository of one decoder `gpt` of `shape`, built once (the export takes a minute at GPT-2 small's size)."""
+    repo = pathlib.Path(__file__).resolve().parent.parent / ".cache" / f"generation-{name}"
+    model_dir = repo / MODEL
+    if not (model_dir / "config.toml").is_file():
+        print(f"building the {name} decoder into {model_dir} ...", flush=True)
+        demo_decoder.build(model_dir, shape)
+        (model_dir / "config.toml").write_text(shape.config())
+    return repo
+
+
 def percentile_ms(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1e3 if values else float("nan")
 
@@ -135,6 +152,13 @@ def main() -> int:
     p.add_argument("--no-peers", action="store_true", help="leave transformers' continuous batching out")
     p.add_argument("--peer-setting", type=parse_setting, metavar="THREADS,ATTENTION,BATCH_TOKENS",
                    help="the peer's setting instead of sweeping, e.g. 1,sdpa,256 (attention: sdpa or eager)")
+    p.add_argument("--shape", choices=sorted(demo_decoder.SHAPES), default="demo",
+                   help="the decoder's size: the demo `gpt` (4 layers x 128), or GPT-2 small's 12 layers x 768 "
+                        "with the demo's vocabulary, built once into .cache/generation-gpt2-small (default: demo)")
+    p.add_argument("--executors", type=int, default=1,
+                   help="executors serving the model, each with --threads intra-op threads (default: 1)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="ONNX Runtime intra-op threads of each executor (default: 0, its default: a thread a core)")
     args = p.parse_args()
     sequences, concurrencies, rounds = args.sequences, [int(c) for c in args.in_flight.split(",") if c], args.rounds
     if args.quick:
@@ -144,13 +168,24 @@ def main() -> int:
     lengths = answer_lengths(sequences)
     if args.quick:
         lengths = [min(n, 8) for n in lengths]
-    repo = _common.ensure_repository(args.model_repository)
-    print(f"machine: {_common.machine()}; {sequences} sequences: prompts {sum(map(len, prompts))} token ids, "
+    shape = demo_decoder.SHAPES[args.shape]
+    env: dict[str, str] = {}
+    if shape == demo_decoder.DEMO:
+        repo = _common.ensure_repository(args.model_repository)
+    else:
+        repo = build_shape(args.shape, shape)
+        # Cache slots for every sequence at once at the full context, as the demo's 64 MiB hold its own.
+        env["BATCHLINE_EXECUTOR_GENERATION_CACHE_MB"] = f"{shape.cache_mb(max(concurrencies)) * 1.05:.0f}"
+    if args.threads:
+        env["BATCHLINE_EXECUTOR_INTRA_OP_THREADS"] = str(args.threads)
+    print(f"machine: {_common.machine()}; decoder {args.shape} ({shape.layers} layers x {shape.embedding}); "
+          f"{args.executors} executor(s) x {args.threads or 'default'} thread(s); "
+          f"{sequences} sequences: prompts {sum(map(len, prompts))} token ids, "
           f"answers up to {sum(capped(prompts, lengths))} tokens")
     for c in concurrencies:
         print(f"request-level C={c}: a static batch would compute {static_tokens(prompts, lengths, c)} tokens for "
               f"those; the emulation computes and sends only those")
-    peer = None if args.no_peers else TransformersPeer()
+    peer = None if args.no_peers else TransformersPeer(shape)
     if peer is not None:
         if args.peer_setting:
             peer.setting = args.peer_setting
@@ -164,7 +199,7 @@ def main() -> int:
         tokens, _ = run(decoder, prompts, lengths, in_flight)
         return [Timed(tokens, float("nan"), None)]
 
-    with _common.mesh(repo, log_level=args.log_level) as address:
+    with _common.mesh(repo, env, executors=args.executors, log_level=args.log_level) as address:
         def through_mesh(run, in_flight: int) -> list[Timed]:
             return asyncio.run(run(address, prompts, lengths, in_flight))
 

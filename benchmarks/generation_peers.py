@@ -56,11 +56,11 @@ def capped(prompts: list[list[int]], lengths: list[int]) -> list[int]:
 class TransformersPeer:
     """transformers' ContinuousBatchingManager on the demo's GPT2LMHeadModel, one manager per (setting, C)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shape: demo_decoder.Shape = demo_decoder.DEMO) -> None:
         import torch
 
         torch.set_grad_enabled(False)
-        self.model = demo_decoder.build_reference_model()
+        self.model = demo_decoder.build_reference_model(shape)
         self._managers: dict[tuple[Setting, int], object] = {}
         self.setting: Setting | None = None
 

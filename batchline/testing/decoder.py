@@ -30,8 +30,8 @@ def mixed_prompts(count: int, seed: int = 0, longest: int = 150) -> list[list[in
 class Reference:
     """transformers' GPT2LMHeadModel.generate on the weights the ONNX graph was exported from."""
 
-    def __init__(self) -> None:
-        self.model = demo_decoder.build_reference_model()
+    def __init__(self, shape: demo_decoder.Shape = demo_decoder.DEMO) -> None:
+        self.model = demo_decoder.build_reference_model(shape)
 
     def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens, fewer when the end-of-text token comes (it is the last then)."""
