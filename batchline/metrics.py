@@ -132,8 +132,9 @@ ARRIVAL_RATE_FORECAST = Gauge(
     "the forecast horizon (refused ones included), by the leader scheduler.", _MV,
 )
 EXECUTOR_CAPACITY = Gauge(
-    "batchline_executor_capacity", "Requests per second one executor answers within the model's default budget, by "
-    "the learned latency profile and the planning model (batchline/planning/capacity.py).", _MV,
+    "batchline_executor_capacity", "Requests per second one executor answers within the model's default budget, of "
+    "the length its executors ran lately, by the learned latency profile and the planning model "
+    "(batchline/planning/capacity.py).", _MV,
 )
 EXECUTOR_START = Gauge(
     "batchline_executor_start_seconds", "Median start-to-serving time (process start, sessions loaded, warm-up) the "
