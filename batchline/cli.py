@@ -124,6 +124,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     options = run.Options(model=args.model, repository=pathlib.Path(args.repository), budget_ms=args.budget_ms,
                           concurrency=args.concurrency, duration_s=args.duration, min_gain=args.min_gain,
+                          rounds=args.rounds,
                           dry_run=args.dry_run, seq_len=args.seq_len, progress=not args.no_progress)
     try:
         report = run.tune(options)
@@ -300,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         "version the repository holds (an INT8 one `batchline optimize` wrote among them); load each with a closed "
         "loop whose requests carry the budget, and write the layout with the most answers within the budget into "
         "config.toml (tune.json beside it says why), unless the current one is already best or the best gains less "
-        "than --min-gain. Prints the table either way. Measure on the host that will serve, as quiet as it can be.",
+        "than --min-gain in --rounds side-by-side rounds with the current one. Prints the table either way. "
+        "Measure on the host that will serve, as quiet as it can be.",
     )
     tn.add_argument("model", help="the model's name (its directory in the repository)")
     tn.add_argument("--repository", default=DEFAULT_REPOSITORY,
@@ -317,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     tn.add_argument("--min-gain", type=float, default=tuning.MIN_GAIN,
                     help="write the best layout only if it serves this many times the current one (default: "
                          f"{tuning.MIN_GAIN:g})")
+    tn.add_argument("--rounds", type=int, default=tuning.ROUNDS,
+                    help="rounds in which the best layout and the current one are measured again side by side, "
+                         f"judged by the median of their ratios (default: {tuning.ROUNDS})")
     tn.add_argument("--dry-run", action="store_true", help="measure and print the table; write nothing")
     tn.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     tn.set_defaults(func=cmd_tune)

@@ -12,3 +12,5 @@ MIN_GAIN = 1.05
 CONCURRENCY = 32
 MEASURE_S = 5.0
 WARMUP_S = 2.0
+# Side-by-side rounds of the best layout and the current one, judged by the median of their ratios.
+ROUNDS = 3

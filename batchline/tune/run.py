@@ -7,9 +7,12 @@ scheduler and a gateway on free ports) from a scratch copy of the model holding 
 measured, and loaded by a closed loop of `concurrency` clients whose every request carries the
 budget; goodput counts the answers that came in time. The current layout is measured first, the
 splits of the cores next (layouts.candidates), then the best one's batch size halved and doubled
-(layouts.refine). The best and the current layout are then measured once more each, one after
-the other, and judged by the mean of their runs: a shared host's noise picks many a winner of a
-single run. The best replaces the current layout only if it serves `min_gain` times as much:
+(layouts.refine). The best and the current layout are then measured again in `rounds` rounds,
+side by side and in alternating order, and judged by the median of the rounds' ratios: a shared
+host's speed drifts between minutes, and a single run, or the mean of two taken a minute apart,
+picked winners by noise (on a 2-core host one layout of minilm measured 149 goodput/s in one tune
+and 284 in the next; a mean of two would have written a layout that measured 0.66x the hand one in
+the next run). The best replaces the current layout only if that median is at least `min_gain`:
 otherwise config.toml is left as it is.
 """
 from __future__ import annotations
@@ -21,12 +24,13 @@ import json
 import os
 import pathlib
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from batchline.tune import CONCURRENCY, MEASURE_S, MIN_GAIN, WARMUP_S
+from batchline.tune import CONCURRENCY, MEASURE_S, MIN_GAIN, ROUNDS, WARMUP_S
 from batchline.tune.layouts import Layout, candidates, refine, set_config
 
 REPORT = "tune.json"
@@ -45,6 +49,7 @@ class Options:
     duration_s: float = MEASURE_S
     warmup_s: float = WARMUP_S
     min_gain: float = MIN_GAIN
+    rounds: int = ROUNDS                    # side-by-side rounds of the best and the current layout
     dry_run: bool = False
     cores: int = 0                          # 0: the cores this process may run on
     seq_len: int | None = None              # token inputs' length (None: the load generator's default)
@@ -54,7 +59,7 @@ class Options:
 @dataclass
 class Measured:
     layout: Layout
-    goodput_rps: float = 0.0                # the mean of its runs
+    goodput_rps: float = 0.0                # the median of its runs
     runs: int = 1
     throughput_rps: float = 0.0
     p99_ms: float | None = None
@@ -72,6 +77,7 @@ class Report:
     current: Measured
     measured: list[Measured] = field(default_factory=list)
     chosen: Measured | None = None
+    gain: float = 0.0                       # the median of the side-by-side rounds' ratios, best / current
     written: bool = False
     why: str = ""
     seconds: float = 0.0
@@ -134,6 +140,8 @@ def tune(o: Options, measure_one: Callable[[Options, pathlib.Path, Layout, float
     from executor.repository import RepositoryError, read_config
 
     started = time.monotonic()
+    if o.rounds < 1:
+        raise TuneError(f"--rounds must be at least 1, got {o.rounds}")
     model_dir = o.repository / o.model
     if not (model_dir / "config.toml").exists():
         raise TuneError(f"no model '{o.model}' in {o.repository} (no {o.model}/config.toml there)")
@@ -146,7 +154,7 @@ def tune(o: Options, measure_one: Callable[[Options, pathlib.Path, Layout, float
     budget_ms = o.budget_ms or float(config["default_timeout_ms"])
     current = current_layout(config, versions[-1])
     layouts = candidates(current, versions, cores)
-    bar = _bar(o.progress, len(layouts) + 2)
+    bar = _bar(o.progress, len(layouts) + 2 * o.rounds)
     measured: list[Measured] = []
 
     def run(layout: Layout) -> None:
@@ -161,27 +169,34 @@ def tune(o: Options, measure_one: Callable[[Options, pathlib.Path, Layout, float
     best = max(measured, key=lambda m: m.goodput_rps)
     more = refine(best.layout, [m.layout for m in measured])
     if bar is not None:
-        bar.total = len(measured) + len(more) + 2
+        bar.total = len(measured) + len(more) + 2 * o.rounds
     for layout in more:
         run(layout)
     best = max(measured, key=lambda m: m.goodput_rps)
-    if best is not measured[0]:
-        for m in (measured[0], best):
-            if bar is not None:
-                bar.set_description(f"again: {m.layout.label(cores)}")
-            again = measure_one(o, model_dir, m.layout, budget_ms)
-            m.goodput_rps = (m.goodput_rps * m.runs + again.goodput_rps) / (m.runs + 1)
-            m.runs += 1
-            if bar is not None:
-                bar.update()
+    current = measured[0]
+    ratios: list[float] = []
+    if best is not current:
+        runs = {id(current): [current.goodput_rps], id(best): [best.goodput_rps]}
+        for r in range(o.rounds):
+            pair = {}
+            for m in (current, best) if r % 2 == 0 else (best, current):
+                if bar is not None:
+                    bar.set_description(f"round {r + 1}: {m.layout.label(cores)}")
+                pair[id(m)] = measure_one(o, model_dir, m.layout, budget_ms).goodput_rps
+                runs[id(m)].append(pair[id(m)])
+                if bar is not None:
+                    bar.update()
+            base = pair[id(current)]
+            ratios.append(pair[id(best)] / base if base else (float("inf") if pair[id(best)] else 1.0))
+        for m in (current, best):
+            m.goodput_rps, m.runs = statistics.median(runs[id(m)]), len(runs[id(m)])
     if bar is not None:
         bar.close()
-    report = Report(o.model, budget_ms, cores, o.concurrency, measured[0], measured)
-    # Between the two measured again: another layout's single run is not evidence enough.
-    report.chosen = max((measured[0], best), key=lambda m: m.goodput_rps)
-    base = report.current.goodput_rps
-    gain = report.chosen.goodput_rps / base if base else float("inf")
-    if report.chosen is report.current or report.chosen.goodput_rps <= 0:
+    report = Report(o.model, budget_ms, cores, o.concurrency, current, measured)
+    # The search's single run of another layout is not evidence enough: only the rounds judge.
+    gain = report.gain = statistics.median(ratios) if ratios else 1.0
+    report.chosen = best if gain > 1.0 and best.goodput_rps > 0 else current
+    if report.chosen is report.current:
         report.why = "the current layout serves the most within the budget"
     elif gain < o.min_gain:
         report.why = f"the best serves {gain:.2f}x the current layout, under --min-gain {o.min_gain:g}: kept as it is"

@@ -63,7 +63,7 @@ def test_a_better_layout_is_written_with_its_report(mlp):
     report = tune(Options("mlp", mlp, cores=2, progress=False), by_table({(1, 2, 64): 100.0, (2, 1, 64): 150.0,
                                                                           (2, 1, 32): 130.0, (2, 1, 128): 90.0}))
     assert report.written and report.chosen.layout == Layout("1", 2, 1, 64, 10.0)
-    assert report.chosen.runs == report.current.runs == 2  # both measured again
+    assert report.chosen.runs == report.current.runs == 4  # both measured again, in 3 rounds
     config = read_config(mlp / "mlp")
     assert (config["instance_count"], config["intra_op_threads"], config["max_batch_size"]) == (2, 1, 64)
     assert "small tabular classifier" in (mlp / "mlp" / "config.toml").read_text()  # its comments kept
@@ -88,6 +88,26 @@ def test_a_gain_within_the_noise_or_a_dry_run_writes_nothing(mlp):
     assert not dry.written and "--dry-run" in dry.why
     assert "best: instance_count = 2, intra_op_threads = 1" in table(dry)
     assert (mlp / "mlp" / "config.toml").read_text() == text and not (mlp / "mlp" / REPORT).exists()
+
+
+def test_a_winner_of_one_lucky_run_is_judged_by_the_rounds_beside_the_current_layout(mlp):
+    # A host that drifts: the layout that won the search by one fast run serves as the current one does
+    # whenever the two are measured side by side.
+    calls: list[Layout] = []
+
+    def measure(o, model_dir, layout, budget_ms):
+        calls.append(layout)
+        lucky = layout.instance_count == 2 and calls.count(layout) == 1
+        return Measured(layout, 200.0 if lucky else 100.0 if layout.instance_count == 2 else 98.0)
+
+    report = tune(Options("mlp", mlp, cores=2, progress=False), measure)
+    assert not report.written  # a search run of 200 against 98 would have been 2.04x
+    assert report.gain == pytest.approx(100 / 98) and "1.02x the current layout, under --min-gain" in report.why
+    current, best = calls[0], next(m.layout for m in report.measured if m.layout.instance_count == 2)
+    assert report.current.runs == 4 and len(calls) == len(report.measured) + 6
+    assert calls[-6:] == [current, best, best, current, current, best]  # side by side, first in turn
+    with pytest.raises(TuneError, match="--rounds must be at least 1, got 0"):
+        tune(Options("mlp", mlp, progress=False, rounds=0), measure)
 
 
 def test_an_older_version_that_serves_best_is_pinned(mlp):
