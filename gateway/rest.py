@@ -22,6 +22,7 @@ from gateway import inference
 from gateway.convert import inputs_of, model_config, model_statistics
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
 from gateway.rest_generate import SSE_HEADERS, first_then_rest, generate_answer, generate_request
+from gateway.rest_hangup import ClientGone, unless_gone
 from gateway.rest_tensors import infer_request, infer_response
 from gateway.rest_json import message_dict
 
@@ -78,6 +79,8 @@ class RestApp:
             status, answer_headers, body = await self._route(scope, headers, receive)
             if not isinstance(body, bytes):
                 events, body = body, b""
+        except ClientGone:
+            return  # the connection is closed: nothing to send, and uvicorn expects nothing
         except BatchlineError as exc:
             status, answer_headers, body = _error_body(exc)
         except Exception as exc:
@@ -249,7 +252,8 @@ class RestApp:
         request, choice = infer_request(body, int(length) if length is not None else None, name, version)
         # What the trace context needs, not every header: this runs for every request.
         metadata = [(k.decode(), v.decode("latin-1")) for k in _TRACE_HEADERS if (v := headers.get(k)) is not None]
-        response = await inference.infer(self.gateway, request, remaining, metadata, "HTTP ModelInfer", grant)
+        response = await unless_gone(
+            receive, inference.infer(self.gateway, request, remaining, metadata, "HTTP ModelInfer", grant))
         body, header_length = infer_response(response, choice)
         if header_length is None:
             return 200, _JSON, body

@@ -7,19 +7,26 @@ import contextlib
 import gc
 import http.client
 import json
+import logging
+import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
+import redis
 import tritonclient.grpc as tg
 import tritonclient.http as th
 import tritonclient.http.aio as tha
 from tritonclient.utils import InferenceServerException
 
+from batchline import contract
+from batchline.protocol import internal_pb2 as pb
 from batchline.testing.checkout import ROOT
 from batchline.testing.decoder import build_gpt
 from batchline.testing.onnx_models import ONNX_TYPES, save_identity_model, save_triton_example_models
+from batchline.testing.polling import poll
 
 BODY_CAP = 1 << 20
 
@@ -275,6 +282,41 @@ def test_a_budget_too_short_is_504_as_deadline_exceeded_is(rest_mesh):
                               {"Inference-Header-Content-Length": str(length), "Batchline-Timeout-Ms": "0.001"})
     assert status == 504, answer
     assert "budget" in json.loads(answer)["error"]
+
+
+def test_a_client_that_hangs_up_while_its_request_is_queued_withdraws_it(mesh_factory, caplog):
+    m = mesh_factory(models=["mlp"])
+    r = redis.Redis.from_url(m.redis_url)
+    # A scheduler of the test's holds the lease: the mesh's stands by, and nothing is dispatched.
+    taken = time.monotonic()
+    r.set(contract.LEADER, "held-by-the-test", px=120_000)
+    scheduler = m.scheduler.scheduler
+    poll(lambda: scheduler.lease.attempted_at > taken and not scheduler.leader, 15, "the scheduler to stand by")
+    queue = contract.queue(("mlp", "1"))
+    body = json.dumps({"inputs": [{"name": "features", "shape": [1, 32], "datatype": "FP32",
+                                   "data": [0.5] * 32}]}).encode()
+    host, port = m.http_address.rsplit(":", 1)
+    # A minute's budget: the request cannot leave its queue by timing out during the test.
+    head = (f"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Batchline-Timeout-Ms: 60000\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port)), timeout=10) as client:
+        client.sendall(head + body)
+        poll(lambda: r.zcard(queue) == 1, 15, "the request queued")
+        [member] = r.zrange(queue, 0, -1)
+        payload = contract.payload(("mlp", "1"), pb.QueueEntry.FromString(member).request_id)
+        assert r.exists(payload)
+    hung_up = time.monotonic()
+    poll(lambda: r.zcard(queue) == 0, 10, "the request to leave its queue")
+    assert time.monotonic() - hung_up < 5  # withdrawn at the hang-up, not at its deadline
+    assert not r.exists(payload)
+    poll(lambda: not m.gateway.gateway.replies.waiting, 10, "the gateway to stop waiting for its reply")
+    assert not [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR]  # uvicorn's included
+    # Dispatching again, the mesh answers the next request and never runs the withdrawn one.
+    r.delete(contract.LEADER)
+    status, _, answer = _post(m.http_address, "/v2/models/mlp/infer", body)
+    assert status == 200, answer
+    stats = m.call(m.gateway.gateway.catalog.statistics("mlp", "1"))
+    assert [s.get("inference_count", 0) for _, s in stats] == [1]
 
 
 @pytest.mark.parametrize("example,flags,says", [
