@@ -3,7 +3,7 @@
     python benchmarks/ceiling.py [--model-repository PATH]
 
 1. Ceiling: minilm in this process, in ONNX Runtime sessions created as the executor creates
-   them (executor.repository.create_session, CPU), at batch sizes 1, 2, 4, ..., 64 for 128 and
+   them (executor.sessions.create_session, CPU), at batch sizes 1, 2, 4, ..., 64 for 128 and
    16 tokens (best of 3 interleaved rounds of 1 s each), two ways: one run at a time over every
    core (ONNX Runtime's default intra-op threads), and one single-threaded run per core at once
    (what instance_count = cores does in the mesh). The ceiling is the best sequences/s of either,
@@ -66,7 +66,7 @@ def _rate(way: str, session, feed: dict, rows: int, seconds: float, pool: Thread
 
 
 def _session(model_path: pathlib.Path, way: str):
-    from executor.repository import create_session
+    from executor.sessions import create_session
 
     # ONNX Runtime's own defaults otherwise (spinning on, unlike the executor), as in earlier sessions.
     return create_session(model_path, [("CPUExecutionProvider", {})], intra_op_threads=0 if way == ONE_RUN else 1)

@@ -15,7 +15,8 @@ from tokenizers import Tokenizer
 
 from batchline.codec import DATATYPES, onnx_datatype
 from executor.model_config import ConfigError, GenerationConfig, read_model_config
-from executor.repository import RepositoryError, choose_providers, create_session
+from executor.repository import RepositoryError
+from executor.sessions import choose_providers, create_session
 
 
 @dataclass(frozen=True)

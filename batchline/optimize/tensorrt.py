@@ -4,7 +4,7 @@ calibration table of its activation ranges on the user's inputs.
 The table (`calibration.flatbuffers`, ONNX Runtime's format for the TensorRT execution provider)
 is computed on the CPU, so `optimize` writes it on any host; the variant can be judged and timed
 only where TensorRT runs. Executors load a version directory holding such a table with
-`trt_int8_enable` (executor/repository.py: tensorrt_options)."""
+`trt_int8_enable` (executor/sessions.py: tensorrt_options)."""
 from __future__ import annotations
 
 import pathlib

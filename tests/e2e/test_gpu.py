@@ -26,7 +26,8 @@ from onnx import TensorProto, numpy_helper
 from batchline.testing.checkout import ROOT
 from batchline.testing.processes import ProcessMesh
 from executor import providers as gpu
-from executor.repository import create_session, load_repository
+from executor.repository import load_repository
+from executor.sessions import create_session
 from executor.settings import DEFAULT_PROVIDERS
 
 OPSET = 17
@@ -248,7 +249,7 @@ def test_tensorrt_without_its_libraries_serves_on_cuda_and_the_log_says_why(gpu_
     log = pathlib.Path(gpu_mesh.services[name].log_path).read_text(errors="replace")
     lines = [line for line in log.splitlines() if f"{MESH_MODEL} version 1 runs on" in line]
     assert len(lines) == 1, gpu_mesh.logs()
-    assert " WARNING executor.repository: " in lines[0]
+    assert " WARNING executor.sessions: " in lines[0]
     assert f"{MESH_MODEL} version 1 runs on {gpu.CUDA}, not {gpu.TENSORRT}, " in lines[0]
     assert f"{gpu.TENSORRT}: libnvinfer.so.10 cannot be loaded (libnvinfer.so.10: cannot open shared object" in lines[0]
 

@@ -20,7 +20,7 @@ from batchline.optimize import gate
 from batchline.optimize.run import OptimizeError, Options, optimize
 from batchline.optimize.inputs import InputsError
 from batchline.optimize.variants import Int8Options, auto_weight_type, cpu_flags
-from executor.repository import place_calibration_table, tensorrt_options
+from executor.sessions import place_calibration_table, tensorrt_options
 
 SENTENCES = 256
 

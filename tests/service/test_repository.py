@@ -7,9 +7,8 @@ import shutil
 import onnxruntime as ort
 import pytest
 
-from executor.repository import (
-    RepositoryError, choose_providers, create_session, intra_op_threads_for, load_repository, read_config,
-)
+from executor.repository import RepositoryError, load_repository, read_config
+from executor.sessions import choose_providers, create_session, intra_op_threads_for
 from executor.settings import DEFAULT_PROVIDERS
 
 
