@@ -9,9 +9,10 @@ ships): its tokens split multi-byte characters, the case incremental detokenizat
 right, which the WordPiece tokenizer shipped with minilm never produces.
 
 The graph takes the key/value cache as explicit tensors, ``past.<layer>.key|value``
-[batch, heads, past, head_dim], and returns ``present.<layer>.key|value`` (past and the new
-positions), with ``input_ids``, ``position_ids`` [batch, sequence] and ``attention_mask``
-[batch, past + sequence], so that sequences with different lengths share one run.
+[batch, heads, past, head_dim], and returns ``present.<layer>.key|value`` (the new positions
+only: the engine keeps the cache in its own slots), with ``input_ids``, ``position_ids``
+[batch, sequence] and ``attention_mask`` [batch, past + sequence], so that sequences with
+different lengths share one run.
 """
 from __future__ import annotations
 
@@ -134,12 +135,19 @@ def build_decoder_module(model: "torch.nn.Module") -> "torch.nn.Module":
                 x = block.ln_1(hidden)
                 q, k, v = block.attn.c_attn(x).split(body.config.n_embd, dim=2)
                 q, k, v = (t.view(batch, new, heads, -1).transpose(1, 2) for t in (q, k, v))
-                k = torch.cat([past[2 * i], k], dim=2)
-                v = torch.cat([past[2 * i + 1], v], dim=2)
+                past_k, past_v = past[2 * i], past[2 * i + 1]
+                # Only the new positions go out (the engine keeps its cache in its slots), and attention
+                # is taken over the past and the new positions apart: concatenating them would copy the
+                # whole cache once more every step, as much as a step's matrix products on a
+                # GPT-2-small-sized model (docs/design/generation.md).
                 presents += [k, v]
-                scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+                scale = q.shape[-1] ** -0.5
+                scores = torch.cat([torch.matmul(q, past_k.transpose(-1, -2)), torch.matmul(q, k.transpose(-1, -2))],
+                                   dim=-1) * scale
                 scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-                attended = torch.matmul(torch.softmax(scores, dim=-1), v)
+                weights = torch.softmax(scores, dim=-1)
+                cached = past_k.shape[2]
+                attended = torch.matmul(weights[..., :cached], past_v) + torch.matmul(weights[..., cached:], v)
                 attended = attended.transpose(1, 2).reshape(batch, new, -1)
                 hidden = hidden + block.attn.c_proj(attended)
                 hidden = hidden + block.mlp(block.ln_2(hidden))
@@ -165,7 +173,7 @@ def build(model_dir: Path, shape: Shape = DEMO) -> None:
     axes = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
             "attention_mask": {0: "batch", 1: "total"}, "logits": {0: "batch", 1: "sequence"}}
     axes |= {name: {0: "batch", 2: "past"} for name in past_names}
-    axes |= {name: {0: "batch", 2: "total"} for name in present_names}
+    axes |= {name: {0: "batch", 2: "sequence"} for name in present_names}
     _export_onnx(
         module,
         (torch.ones(batch, new, dtype=torch.int64), torch.arange(cached, cached + new).repeat(batch, 1),
