@@ -3,16 +3,16 @@
 The capacity is found by the same play of a queue that dispatch and admission go by
 (batchline.planning.simulation.play): a steady stream of one-row requests of the model's typical
 length, each with the model's budget, played on one executor's lanes; the capacity is the highest
-rate at which every request of it finishes in time. The length matters as much as the rate: a
-text model's profile is per token, and a stream of one-token requests would overstate what an
-executor serves of 16-token ones about tenfold.
+rate at which every request of it finishes in time. So it moves with the learned profile, the
+model's max_batch_size and its preferred sizes, and is not a constant anyone must keep true.
 
-In the play the lanes run each batch for its typical cost, and a batch is judged in time by its
-finish plus its own margin: the margin is a high quantile of one batch's overrun, and a steady
-queue's wait is a sum of many batches whose overruns do not all reach it at once. Played with
-the margin on every batch, the capacity of one minilm executor on a 2-core host came out at 90
-requests/s where it served 240 (docs/design/autoscaling.md). So it moves with the learned profile, the model's
-max_batch_size and its preferred sizes, and is not a constant anyone must keep true.
+The length matters as much as the rate: a text model's profile is per token, and a stream of
+one-token requests would overstate what an executor serves of 16-token ones about tenfold. In the
+play the lanes run each batch for its typical cost, and a batch is judged in time by its finish
+plus its own margin: the margin is a high quantile of one batch's overrun, and a steady queue's
+wait is a sum of many batches whose overruns do not all reach it at once. Played with the margin
+on every batch, one minilm executor on a 2-core host came out at 90 requests/s where it served
+about 240 (docs/design/autoscaling.md).
 
 Pure: time is passed in, nothing is read from a clock.
 """
