@@ -8,11 +8,13 @@ GPT-2 and Llama 3 use, trained in code on Python's reference manual (pydoc_data,
 ships): its tokens split multi-byte characters, the case incremental detokenization has to get
 right, which the WordPiece tokenizer shipped with minilm never produces.
 
-The graph takes the key/value cache as explicit tensors, ``past.<layer>.key|value``
-[batch, heads, past, head_dim], and returns ``present.<layer>.key|value`` (the new positions
-only: the engine keeps the cache in its own slots), with ``input_ids``, ``position_ids``
-[batch, sequence] and ``attention_mask`` [batch, past + sequence], so that sequences with
-different lengths share one run.
+The graph (batchline/decoder_graph.py) takes ``input_ids``, ``position_ids`` [batch, sequence] and
+``attention_mask`` [batch, total], and the key/value cache as buffers ``past.<layer>.key|value``
+[batch, heads, max_context, head_dim] that its attention updates in place: the present outputs are
+those buffers, and the engine binds both to its slots (``cache_in_place``). ``build(...,
+in_place=False)`` exports the other kind a decoder can be, traced from transformers: the past is
+exactly the cached positions and the presents return only the new ones, which the engine gathers
+and writes back around each run.
 """
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ class Shape:
         if min(self.layers, self.heads, self.embedding) < 1 or self.embedding % self.heads:
             raise ValueError(f"a shape needs layers, heads and an embedding divisible by the heads, got {self}")
 
-    def config(self) -> str:
-        """The model's config.toml."""
+    def config(self, in_place: bool = True) -> str:
+        """The model's config.toml (`in_place`: for the graph that updates its cache in place)."""
         layers = range(self.layers)
         return f"""\
 # A GPT-2 of {self.layers} layers x {self.embedding} with random weights (fixed seed) and a byte-level BPE
@@ -54,6 +56,7 @@ cache_outputs = [{", ".join(f'"present.{i}.key", "present.{i}.value"' for i in l
 eos_token_ids = [0]
 max_context = {MAX_CONTEXT}
 tokenizer = "tokenizer"
+cache_in_place = {"true" if in_place else "false"}
 """
 
     def cache_mb(self, sequences: int) -> float:
@@ -157,12 +160,21 @@ def build_decoder_module(model: "torch.nn.Module") -> "torch.nn.Module":
     return Decoder(model).eval()
 
 
-def build(model_dir: Path, shape: Shape = DEMO) -> None:
-    """Write the graph and its tokenizer into `model_dir` (config.toml is the caller's: `shape.config()`)."""
+def build(model_dir: Path, shape: Shape = DEMO, in_place: bool = True, dtype: str = "float32") -> None:
+    """Write the graph and its tokenizer into `model_dir` (config.toml is the caller's: `shape.config(in_place)`).
+    `dtype` float16 is for the CUDA provider, and only for the graph in place."""
     import torch
 
+    from batchline.decoder_graph import in_place_graph
     from batchline.demo_models import MODEL_FILE, TOKENIZER_DIR, VERSION_DIR, _atomic_write, _export_onnx
 
+    if in_place:
+        graph = in_place_graph(build_reference_model(shape), MAX_CONTEXT, dtype)
+        _atomic_write(model_dir / VERSION_DIR / MODEL_FILE, graph.SerializeToString())
+        _atomic_write(model_dir / TOKENIZER_DIR / "tokenizer.json", train_tokenizer().to_str())
+        return
+    if dtype != "float32":
+        raise ValueError(f"the traced graph is float32 only, not {dtype}")
     module = build_decoder_module(build_reference_model(shape))
     head_dim = shape.embedding // shape.heads
     # Batch 2, 3 new positions after 5 cached: distinct sizes so the tracer keeps every one free.

@@ -128,7 +128,8 @@ def build_shape(name: str, shape: demo_decoder.Shape) -> pathlib.Path:
     """A repository of one decoder `gpt` of `shape`, built once (the export takes a minute at GPT-2 small's size)."""
     repo = pathlib.Path(__file__).resolve().parent.parent / ".cache" / f"generation-{name}"
     model_dir = repo / MODEL
-    if not (model_dir / "config.toml").is_file():
+    config = model_dir / "config.toml"
+    if not config.is_file() or config.read_text() != shape.config():  # absent, or built by another layout
         print(f"building the {name} decoder into {model_dir} ...", flush=True)
         demo_decoder.build(model_dir, shape)
         (model_dir / "config.toml").write_text(shape.config())

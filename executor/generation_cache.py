@@ -2,12 +2,20 @@
 
 Each cache tensor of the graph (a past input and its present output) is one array
 [slots, heads, max_context, head_dim], allocated once: a sequence holds one slot, whose positions
-0..n-1 hold its first n tokens' keys or values. A run's past is gathered from the slots of the
-sequences in it, up to the longest one's length (the attention mask hides the rest), and the new
-positions of its present are written back; nothing is allocated per step or per sequence.
+0..n-1 hold its first n tokens' keys or values; nothing is allocated per step or per sequence.
+Two ways to run on it:
+- a graph whose past is exactly the cached positions: a run's past is gathered from the slots of
+  the sequences in it, up to the longest one's length (the attention mask hides the rest), and the
+  new positions of its present are written back (`gather`, `write`);
+- a graph that updates its cache in place (`cache_in_place`): a run binds rows first..first+n-1 of
+  every array, where they lie, as both its past and its present (`rows`), and copies nothing. The
+  arrays then live where the session runs: host memory, or the GPU's under the CUDA provider.
+Slots are handed out lowest first, so the sequences running hold the first rows and a decode run
+over rows 0..n-1 covers them with few idle rows between.
 """
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
 import numpy as np
@@ -22,7 +30,8 @@ class CacheBudgetError(ValueError):
 class SlotCache:
     """`slots` sequences' caches at `max_context` positions each, as many as `budget_bytes` holds."""
 
-    def __init__(self, tensors: list[CacheTensor], max_context: int, budget_bytes: int) -> None:
+    def __init__(self, tensors: list[CacheTensor], max_context: int, budget_bytes: int,
+                 device: tuple[str, int] = ("cpu", 0)) -> None:
         self.slot_bytes = slot_bytes(tensors, max_context)
         self.slots = budget_bytes // self.slot_bytes
         if self.slots < 1:
@@ -30,8 +39,21 @@ class SlotCache:
                 f"a cache budget of {budget_bytes} bytes holds no sequence: one at max_context {max_context} "
                 f"takes {self.slot_bytes} bytes")
         self.max_context = max_context
-        self.arrays = [np.zeros((self.slots, t.heads, max_context, t.head_dim), t.dtype) for t in tensors]
-        self._free = list(range(self.slots - 1, -1, -1))
+        self.device = device
+        shapes = [(self.slots, t.heads, max_context, t.head_dim) for t in tensors]
+        self.dtypes = [t.dtype for t in tensors]
+        if device[0] == "cpu":
+            self.arrays: list = [np.zeros(shape, t.dtype) for shape, t in zip(shapes, tensors)]
+            self._pointers = [a.ctypes.data for a in self.arrays]
+        else:  # device memory, only ever bound to runs in place (never gathered to the host)
+            import onnxruntime as ort
+
+            self.arrays = [ort.OrtValue.ortvalue_from_shape_and_type(shape, t.dtype, device[0], device[1])
+                           for shape, t in zip(shapes, tensors)]
+            self._pointers = [v.data_ptr() for v in self.arrays]
+        self._row_bytes = [t.heads * max_context * t.head_dim * t.dtype.itemsize for t in tensors]
+        self._row_shapes = [shape[1:] for shape in shapes]
+        self._free = list(range(self.slots))  # a heap: the lowest free slot first
         # Where a run's past is gathered, kept from run to run: a fresh array of megabytes per
         # tensor per step costs more in page faults than the copy itself (4x, measured at 32
         # sequences). It holds one run's inputs, which a fresh array would hold as long.
@@ -51,13 +73,20 @@ class SlotCache:
         return self.slots - len(self._free)
 
     def allocate(self) -> int | None:
-        """A free slot, or None when every one is held."""
-        return self._free.pop() if self._free else None
+        """The lowest free slot, or None when every one is held."""
+        return heapq.heappop(self._free) if self._free else None
 
     def release(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} is not held")
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
+
+    def rows(self, first: int, count: int) -> list[tuple[int, tuple[int, ...], np.dtype]]:
+        """Where rows first..first+count-1 of each array lie: (address, shape, dtype), to bind in place."""
+        if not (0 <= first and count >= 1 and first + count <= self.slots):
+            raise ValueError(f"rows {first}..{first + count - 1} are not within the {self.slots} slots")
+        return [(pointer + first * row, (count, *shape), dtype)
+                for pointer, row, shape, dtype in zip(self._pointers, self._row_bytes, self._row_shapes, self.dtypes)]
 
     def gather(self, slots: Sequence[int], length: int) -> list[np.ndarray]:
         """The first `length` positions of `slots`, one [len(slots), heads, length, head_dim] array per tensor."""

@@ -82,7 +82,8 @@ class GenerationEngine:
     def __init__(self, decoder: Decoder, cache_budget_bytes: int, max_running: int = 0) -> None:
         self.decoder = decoder
         self.config = decoder.config
-        self.cache = SlotCache(decoder.cache, self.config.max_context, cache_budget_bytes)
+        self.cache = SlotCache(decoder.cache, self.config.max_context, cache_budget_bytes, decoder.cache_device)
+        self._in_place = self.config.cache_in_place
         self.max_running = min(max_running or decoder.max_batch_size, self.cache.slots)
         self.eos = frozenset(self.config.eos_token_ids)
         self.waiting: list[Sequence] = []
@@ -202,6 +203,21 @@ class GenerationEngine:
         feeds.update((c.past, p) for c, p in zip(self.decoder.cache, past))
         return self.decoder.session.run(self._outputs, feeds)
 
+    def _run_in_place(self, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, first: int) -> np.ndarray:
+        """One run on cache rows first..first+len(ids)-1, bound as both past and present; the logits."""
+        binding = self.decoder.session.io_binding()
+        binding.bind_cpu_input(self.config.ids_input, ids)
+        binding.bind_cpu_input(self.config.positions_input, positions)
+        binding.bind_cpu_input(self.config.mask_input, mask)
+        binding.bind_output(self.config.logits_output, "cpu")
+        device, device_id = self.cache.device
+        for tensor, (address, shape, dtype) in zip(self.decoder.cache, self.cache.rows(first, len(ids))):
+            binding.bind_input(tensor.past, device, device_id, dtype, shape, address)
+            binding.bind_output(tensor.present, device, device_id, dtype, shape, address)
+        self.decoder.session.run_with_iobinding(binding)
+        # Only the logits are read back: the presents are the slots themselves.
+        return binding.get_outputs()[0].numpy()
+
     def _prefill(self, report: StepReport, sampled: list[tuple[Sequence, np.ndarray]]) -> list[Sequence]:
         budget, touched = self.config.prefill_chunk, []
         for seq in sorted((s for s in self.running if s.cached < len(s.tokens) - 1), key=lambda s: s.rank):
@@ -213,20 +229,27 @@ class GenerationEngine:
             end = min(len(tokens), seq.cached + budget)
             count = end - seq.cached
             assert seq.slot is not None
-            outputs = self._run(np.asarray([tokens[seq.cached:end]], np.int64),
-                                np.arange(seq.cached, end, dtype=np.int64)[None],
-                                np.ones((1, end), np.int64),
-                                self.cache.gather([seq.slot], seq.cached))
-            self.cache.write([seq.slot], [seq.cached], outputs[1:], count)
+            ids = np.asarray([tokens[seq.cached:end]], np.int64)
+            positions = np.arange(seq.cached, end, dtype=np.int64)[None]
+            if self._in_place:
+                logits = self._run_in_place(ids, positions, np.ones((1, end), np.int64), seq.slot)
+            else:
+                outputs = self._run(ids, positions, np.ones((1, end), np.int64),
+                                    self.cache.gather([seq.slot], seq.cached))
+                self.cache.write([seq.slot], [seq.cached], outputs[1:], count)
+                logits = outputs[0]
             seq.cached = end
             budget -= count
             report.prefill_tokens += count
             touched.append(seq)
             if end == len(tokens):
-                sampled.append((seq, outputs[0][0, -1]))
+                sampled.append((seq, logits[0, -1]))
         return touched
 
     def _decode(self, batch: list[Sequence], sampled: list[tuple[Sequence, np.ndarray]]) -> None:
+        if self._in_place:
+            self._decode_in_place(batch, sampled)
+            return
         lengths = np.asarray([s.cached for s in batch], np.int64)
         longest = int(lengths.max())
         # Each row's cached positions, then padding up to the longest, then the new position.
@@ -239,6 +262,25 @@ class GenerationEngine:
         for b, seq in enumerate(batch):
             seq.cached += 1
             sampled.append((seq, outputs[0][b, -1]))
+
+    def _decode_in_place(self, batch: list[Sequence], sampled: list[tuple[Sequence, np.ndarray]]) -> None:
+        """One run over cache rows 0..R-1, R past the highest slot decoding. A row that is not decoding
+        (a free slot, or a sequence still being prefilled) runs a stand-in token at its next free
+        position: the keys and values written there are overwritten before anything reads them."""
+        rows = max(s.slot for s in batch if s.slot is not None) + 1
+        ids = np.zeros((rows, 1), np.int64)
+        lengths = np.zeros(rows, np.int64)
+        for seq in self.running:
+            if seq.slot is not None and seq.slot < rows:
+                lengths[seq.slot] = min(seq.cached, self.config.max_context - 1)
+        for seq in batch:
+            ids[seq.slot, 0] = seq.tokens[-1]
+        # Each row's positions, cached and new, as ones from the first (the graph's lengths).
+        mask = (np.arange(int(lengths.max()) + 1)[None, :] <= lengths[:, None]).astype(np.int64)
+        logits = self._run_in_place(ids, lengths[:, None], mask, 0)
+        for seq in batch:
+            seq.cached += 1
+            sampled.append((seq, logits[seq.slot, -1]))
 
     # ------------------------------------------------------------------ tokens
 

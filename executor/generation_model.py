@@ -51,6 +51,16 @@ class Decoder:
         """Bytes of the key/value cache of one sequence at max_context."""
         return slot_bytes(self.cache, self.config.max_context)
 
+    @property
+    def cache_device(self) -> tuple[str, int]:
+        """Where the cache lives: on the GPU the session runs on when the graph updates it in place (it is
+        bound there and never leaves), else in host memory (gathered into each run's feeds)."""
+        provider = self.session.get_providers()[0]
+        if self.config.cache_in_place and provider == "CUDAExecutionProvider":
+            options = self.session.get_provider_options().get(provider, {})
+            return "cuda", int(options.get("device_id", 0))
+        return "cpu", 0
+
 
 def _cache_tensors(where: str, gen: GenerationConfig, session: ort.InferenceSession) -> list[CacheTensor]:
     inputs = {a.name: a for a in session.get_inputs()}
@@ -77,6 +87,9 @@ def _cache_tensors(where: str, gen: GenerationConfig, session: ort.InferenceSess
         if len(shape) != 4 or not all(isinstance(d, int) for d in shape[1::2]):
             raise RepositoryError(f"{where}: cache input {past!r} has shape {shape}; the engine needs "
                                   "[batch, heads, positions, head_dim] with heads and head_dim fixed")
+        if gen.cache_in_place and isinstance(shape[2], int) and shape[2] != gen.max_context:
+            raise RepositoryError(f"{where}: cache_in_place binds buffers of max_context {gen.max_context} "
+                                  f"positions, but cache input {past!r} has {shape[2]}")
         datatype = onnx_datatype(inputs[past].type)
         if onnx_datatype(outputs[present].type) != datatype:
             raise RepositoryError(f"{where}: cache output {present!r} is {onnx_datatype(outputs[present].type)}, its "

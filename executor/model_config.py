@@ -72,6 +72,12 @@ class GenerationConfig(BaseModel):
     positions_input: str = Field("position_ids", description="The graph's input that takes their positions.")
     mask_input: str = Field("attention_mask", description="The graph's input that takes the mask over cached and new "
                             "positions [batch, past + sequence].")
+    cache_in_place: bool = Field(
+        False, description="The graph updates its cache in place: each cache input is a buffer [batch, heads, "
+        "max_context, head_dim] holding a row's positions from the first, the matching output is that same buffer "
+        "with the new positions written in (ONNX Runtime's GroupQueryAttention with a shared past and present), "
+        "and the mask holds each row's positions as ones from the first. The engine binds both to its slots, so "
+        "a step copies no cache (docs/design/generation.md#the-cache-in-place).")
     logits_output: str = Field("logits", description="The output of next-token logits [batch, sequence, vocabulary].")
     prefill_chunk: int = Field(
         256, description="Most prompt tokens prefilled in one step: a longer prompt is prefilled over several, "

@@ -9,12 +9,13 @@ import numpy as np
 from batchline import demo_decoder
 
 
-def build_gpt(root: pathlib.Path) -> pathlib.Path:
-    """`root`/gpt, built as `batchline build-models` builds it (config.toml last, as the repository does)."""
+def build_gpt(root: pathlib.Path, in_place: bool = True) -> pathlib.Path:
+    """`root`/gpt, built as `batchline build-models` builds it (config.toml last, as the repository does);
+    `in_place=False`: the traced graph whose cache the engine gathers and writes back."""
     model_dir = root / "gpt"
     if not (model_dir / "config.toml").is_file():
-        demo_decoder.build(model_dir)
-        (model_dir / "config.toml").write_text(demo_decoder.CONFIG)
+        demo_decoder.build(model_dir, in_place=in_place)
+        (model_dir / "config.toml").write_text(demo_decoder.DEMO.config(in_place))
     return model_dir
 
 

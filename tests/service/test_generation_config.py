@@ -67,6 +67,8 @@ def test_config_errors_name_the_key_and_the_value(model_dir, old, new, message):
     ('max_context = 256', 'max_context = 256\nlogits_output = "scores"', "logits_output 'scores' is not an output"),
     ("eos_token_ids = [0]", "eos_token_ids = [0, 5000]", "eos_token_ids [5000] are not in the tokenizer's 4096 ids"),
     ('tokenizer = "tokenizer"', 'tokenizer = "nowhere"', "cannot read"),
+    ("max_context = 256", "max_context = 128",
+     "cache_in_place binds buffers of max_context 128 positions, but cache input 'past.0.key' has 256"),
 ])
 def test_a_config_that_does_not_fit_the_graph_is_refused_at_load(model_dir, old, new, message):
     if old == '"past.0.key", ':  # drop the pair, so the lists still pair up

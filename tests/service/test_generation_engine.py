@@ -21,9 +21,11 @@ PROMPTS = mixed_prompts(64, seed=3)
 LENGTHS = [4 + (7 * i) % 29 for i in range(len(PROMPTS))]
 
 
-@pytest.fixture(scope="module")
-def decoder(tmp_path_factory):
-    return load_decoder(build_gpt(tmp_path_factory.mktemp("generation")))
+# Both kinds of graph: the demo's, which updates its cache in place, and a traced one whose cache
+# the engine gathers into each run and writes back.
+@pytest.fixture(scope="module", params=[True, False], ids=["cache in place", "cache gathered"])
+def decoder(request, tmp_path_factory):
+    return load_decoder(build_gpt(tmp_path_factory.mktemp("generation"), in_place=request.param))
 
 
 @pytest.fixture(scope="module")
