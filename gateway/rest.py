@@ -7,7 +7,6 @@ HTTP status of batchline.errors.http_status.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -98,21 +97,19 @@ class RestApp:
     @staticmethod
     async def _stream(status: int, headers: list, events, send, receive) -> None:
         """Server-sent events as they come, each sent at once (chunked: no content-length). A
-        client gone is noticed at the next event: uvicorn drops what is sent to it silently."""
-        async def disconnected() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        gone = asyncio.ensure_future(disconnected())
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        try:
+        client that hangs up stops the stream at once, between events too (uvicorn would drop
+        what is sent to it silently), and closing the events cancels the request."""
+        async def pump() -> None:
             async for chunk in events:
-                if gone.done():
-                    return
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
+
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        try:
+            await unless_gone(receive, pump())
+        except ClientGone:
+            pass
         finally:
-            gone.cancel()
             await events.aclose()
 
     async def _body(self, headers: dict[bytes, bytes], receive) -> bytes:
@@ -267,7 +264,8 @@ class RestApp:
         request = generate_request(await self._json_body(headers, receive), name, version)
         metadata = [(k.decode(), v.decode("latin-1")) for k in _TRACE_HEADERS if (v := headers.get(k)) is not None]
         if not stream:
-            response = await inference.infer(self.gateway, request, remaining, metadata, "HTTP generate", grant)
+            response = await unless_gone(
+                receive, inference.infer(self.gateway, request, remaining, metadata, "HTTP generate", grant))
             if response is None:
                 raise Internal(f"model '{name}' ended without a response: ask generate_stream for its responses")
             return _json(generate_answer(response))
@@ -276,7 +274,7 @@ class RestApp:
             return inference.infer(self.gateway, request, remaining, metadata, "HTTP generate_stream", grant,
                                    on_partial)
 
-        return 200, SSE_HEADERS, await first_then_rest(run)
+        return 200, SSE_HEADERS, await unless_gone(receive, first_then_rest(run))
 
     async def _repository(self, headers, receive, route: list[str], path: str):
         if route == ["index"]:

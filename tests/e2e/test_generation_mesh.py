@@ -8,6 +8,7 @@ import asyncio
 import http.client
 import json
 import queue
+import socket
 from functools import partial
 
 import numpy as np
@@ -307,6 +308,23 @@ def test_rest_generate_stream_events_come_as_tokens_are_made(served):
     poll(lambda: not engine.running and engine.cache.free == engine.cache.slots, 10,
          "the sequence of a client that went away to leave the engine")
     assert tokens() - before < 199, "the sequence ended before its 200 tokens"
+
+
+def test_rest_generate_of_a_client_that_hangs_up_stops_its_sequence(served):
+    # Unary generate sends nothing until the sequence ends: only the hang-up itself can stop it.
+    engine = served.executors[0].generators[0].engine
+    host, port = served.http_address.rsplit(":", 1)
+    body = json.dumps({"text_input": "The", "parameters": {"max_tokens": 240, "ignore_eos": True,
+                                                           "temperature": 0}}).encode()
+    head = (f"POST /v2/models/gpt/generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port)), timeout=10) as client:
+        client.sendall(head + body)
+        poll(lambda: engine.running, 10, "the sequence to start")
+        sequence = engine.running[0]
+    poll(lambda: not engine.running and engine.cache.free == engine.cache.slots, 10,
+         "the sequence of a client that hung up to leave the engine")
+    assert len(sequence.output) < 240, "the sequence ran to its end: the hang-up did not stop it"
 
 
 def test_rest_generate_refuses_bad_input_with_400(served):
