@@ -207,7 +207,7 @@ class ModelConfig(BaseModel):
         "engine (docs/design/generation.md) rather than in batches of whole requests. Keys: `cache_inputs` and "
         "`cache_outputs` (required, paired in order), `eos_token_ids`, `max_context` (required), `tokenizer` "
         "(required: the directory of tokenizer.json), `ids_input`, `positions_input`, `mask_input`, `logits_output`, "
-        "`prefill_chunk` (256).",
+        "`cache_in_place` (false: the engine gathers the cache into each run), `prefill_chunk` (256).",
     )
     optimize: OptimizeConfig | None = Field(
         None, description="An `[optimize]` table for `batchline optimize` (the executors ignore it): "
