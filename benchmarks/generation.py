@@ -27,7 +27,12 @@ mean 32, 4 to 128 tokens, end-of-text ignored, greedy; a sequence also ends at t
   through the mesh less the engine's own), printed last;
 - transformers CB C: the peer, transformers' continuous batching on the same weights, in this
   process (benchmarks/generation_peers.py), at the best of a sweep of its settings on the host
-  (run first, at the largest C; `--peer-setting` names one and skips it; `--no-peers` leaves it out).
+  (run first, at the largest C; `--peer-setting` names one and skips it; `--no-peers` leaves it out);
+- GenAI static C (with `--genai-python`): ONNX Runtime GenAI's engine on the same graph, in a child
+  process of its own virtualenv (benchmarks/generation_genai.py): its static batching, a batch run
+  to its longest sequence while newcomers wait, is a request-level batcher that really computes
+  every row to the longest, in C++ with no serving around it (its continuous batching needs a
+  graph from GenAI's own builder).
 Prints per mode and round the output tokens per second (tokens asked for, over the mode's wall
 time) and per CPU-second (the mesh's: every process of it and this client; the peer's: this
 process), time to first token and per output token (p50, p99, ms), then medians over rounds, the
@@ -50,7 +55,7 @@ import tritonclient.grpc.aio as aioclient
 from generation_engine import answer_lengths
 from generation_engine import continuous as engine_continuous
 from generation_engine import request_level as engine_request_level
-from generation_peers import Setting, Timed, TransformersPeer, capped, parse_setting
+from generation_peers import GenAIPeer, Setting, Timed, TransformersPeer, capped, parse_setting
 
 from batchline import demo_decoder
 from batchline.testing.decoder import mixed_prompts
@@ -141,7 +146,7 @@ def percentile_ms(values: list[float], q: float) -> float:
 
 
 MESH_PROCESSES = ("client", "gateway", "scheduler", "executor", "redis")
-IN_PROCESS = ("transformers", "engine")  # the modes that run in this process, not through the mesh
+IN_PROCESS = ("transformers", "engine", "GenAI")  # the modes that run beside the mesh, not through it
 
 
 def main() -> int:
@@ -158,6 +163,9 @@ def main() -> int:
                         "with the demo's vocabulary, built once into .cache/generation-gpt2-small (default: demo)")
     p.add_argument("--executors", type=int, default=1,
                    help="executors serving the model, each with --threads intra-op threads (default: 1)")
+    p.add_argument("--genai-python", default="", metavar="PYTHON",
+                   help="the python of a virtualenv with onnxruntime-genai: adds its engine's static batching (a "
+                        "request-level batcher) on the same graph, at the better of 1 and 2 threads")
     p.add_argument("--threads", type=int, default=0,
                    help="ONNX Runtime intra-op threads of each executor (default: 0, its default: a thread a core)")
     args = p.parse_args()
@@ -194,6 +202,11 @@ def main() -> int:
             peer.sweep(prompts, lengths, max(concurrencies))
         print(f"transformers' continuous batching at: {peer.setting}")
 
+    genai = GenAIPeer(args.genai_python, repo / MODEL, shape) if args.genai_python else None
+    if genai is not None:
+        genai.sweep(prompts, lengths, max(concurrencies))
+        print(f"GenAI's static batching at: {genai.threads} thread(s)")
+
     decoder = load_decoder(repo / MODEL, intra_op_threads=1)
 
     def engine_alone(run, in_flight: int) -> list[Timed]:
@@ -210,6 +223,8 @@ def main() -> int:
                       (f"request-level C={c}", partial(through_mesh, request_level, c))]
             if peer is not None:
                 modes.append((f"transformers CB C={c}", partial(peer.run, prompts, lengths, c)))
+            if genai is not None:
+                modes.append((f"GenAI static C={c}", partial(genai.run, prompts, lengths, c)))
             modes += [(f"engine continuous C={c}", partial(engine_alone, engine_continuous, c)),
                       (f"engine request-level C={c}", partial(engine_alone, engine_request_level, c))]
         rates: dict[str, list[float]] = {name: [] for name, _ in modes}
@@ -227,6 +242,8 @@ def main() -> int:
                 # mesh's is not their own.
                 used = after - before if not name.startswith(IN_PROCESS) else Counter(
                     client=after["client"] - before["client"])
+                if genai is not None and name.startswith("GenAI"):
+                    used = Counter(client=genai.last_cpu_s)  # its child's: this process only waited
                 tokens = sum(r.tokens for r in results)
                 rates[name].append(tokens / elapsed)
                 per_cpu[name].append(tokens / sum(used.values()))
@@ -241,6 +258,8 @@ def main() -> int:
                       f"{elapsed:6.2f} s", flush=True)
     if peer is not None:
         peer.stop()
+    if genai is not None:
+        genai.stop()
     rows = [["mode", "tokens/s (median)", "tokens/CPU-s (median)", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
              "TPOT p99 ms"]]
     median = {name: statistics.median(r) for name, r in rates.items()}
@@ -279,6 +298,10 @@ def main() -> int:
             tcb = f"transformers CB C={c}"
             print(f", x{median[cont] / median[tcb]:.2f} transformers' continuous batching "
                   f"(x{median_cpu[cont] / median_cpu[tcb]:.2f} per CPU-second)", end="")
+        if genai is not None:
+            batcher = f"GenAI static C={c}"
+            print(f", x{median[cont] / median[batcher]:.2f} GenAI's static batching "
+                  f"(x{median_cpu[cont] / median_cpu[batcher]:.2f} per CPU-second)", end="")
         print()
     return 0
 

@@ -1,4 +1,5 @@
-"""The peers of benchmarks/generation.py: transformers' continuous batching on the demo `gpt`'s own weights.
+"""The peers of benchmarks/generation.py: transformers' continuous batching on the demo `gpt`'s own weights,
+and ONNX Runtime GenAI's engine on its own graph (`GenAIPeer`, at the end).
 
 The demo `gpt` is exported from a transformers GPT2LMHeadModel (batchline/demo_decoder.py), so
 the peer runs that very model, in this process, through transformers' ContinuousBatchingManager
@@ -15,6 +16,10 @@ cache is sized for C sequences at the model's full context, as the executor's sl
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import pathlib
+import subprocess
 import time
 from dataclasses import dataclass
 
@@ -143,3 +148,75 @@ class TransformersPeer:
                   flush=True)
         self.setting = max(rows, key=lambda r: r[1])[0]
         return rows
+
+
+class GenAIPeer:
+    """ONNX Runtime GenAI's engine (static batching) on the demo decoder's own graph, in a child process
+    of `python` (a virtualenv with onnxruntime-genai; benchmarks/generation_genai.py), one per thread
+    count. A batch runs until its longest sequence ends, and a request that comes meanwhile waits for
+    it: request-level batching, in C++ and in process, with no serving around it."""
+
+    def __init__(self, python: str, model_dir: pathlib.Path, shape: demo_decoder.Shape) -> None:
+        self.python, self.model_dir, self.shape = python, model_dir, shape
+        self._children: dict[int, subprocess.Popen] = {}
+        self.threads = 1
+        self.last_cpu_s = 0.0
+
+    def _child(self, threads: int) -> subprocess.Popen:
+        if threads not in self._children:
+            from generation_genai import genai_config
+
+            folder = self.model_dir.parent / f"genai-{threads}"
+            folder.mkdir(exist_ok=True)
+            graph = folder / "model.onnx"
+            if not graph.exists():
+                os.link(self.model_dir / "1" / "model.onnx", graph)  # 366 MB at GPT-2 small's size: not copied
+            shape = self.shape
+            (folder / "genai_config.json").write_text(json.dumps(genai_config(
+                shape.layers, shape.heads, shape.embedding, demo_decoder.VOCAB_SIZE, demo_decoder.MAX_CONTEXT,
+                threads)))
+            child = subprocess.Popen([self.python, str(pathlib.Path(__file__).with_name("generation_genai.py")),
+                                      str(folder), str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+            assert child.stdout is not None
+            if json.loads(child.stdout.readline() or "{}").get("ready") is not True:
+                raise SystemExit(f"ONNX Runtime GenAI did not start under {self.python} (its output above)")
+            self._children[threads] = child
+        return self._children[threads]
+
+    def run(self, prompts: list[list[int]], lengths: list[int], in_flight: int, threads: int = 0) -> list[Timed]:
+        child = self._child(threads or self.threads)
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(json.dumps({"prompts": prompts, "lengths": capped(prompts, lengths),
+                                      "in_flight": in_flight}) + "\n")
+        child.stdin.flush()
+        answer = json.loads(child.stdout.readline())
+        self.last_cpu_s = answer["cpu_s"]
+        return [Timed(tokens, ttft, tpot) for tokens, ttft, tpot in answer["timed"]]
+
+    def sweep(self, prompts: list[list[int]], lengths: list[int], in_flight: int) -> None:
+        """One and two threads, a warming pass and a measured one each; the faster is `self.threads`."""
+        best = None
+        for threads in (1, 2):
+            self.run(prompts[:in_flight], lengths[:in_flight], in_flight, threads)
+            start = time.perf_counter()
+            tokens = sum(t.tokens for t in self.run(prompts, lengths, in_flight, threads))
+            rate, cpu = tokens / (time.perf_counter() - start), tokens / self.last_cpu_s
+            print(f"sweep  GenAI static batching, {threads} thread(s): {rate:.0f} tokens/s, {cpu:.0f} tokens/CPU-s",
+                  flush=True)
+            if best is None or rate > best[0]:
+                best = (rate, threads)
+        assert best is not None
+        self.threads = best[1]
+        for threads in [t for t in self._children if t != self.threads]:
+            self._stop(threads)
+
+    def _stop(self, threads: int) -> None:
+        child = self._children.pop(threads)
+        if child.stdin is not None:
+            child.stdin.close()
+        child.wait(timeout=30)
+
+    def stop(self) -> None:
+        for threads in list(self._children):
+            self._stop(threads)
