@@ -60,6 +60,7 @@ from generation_peers import GenAIPeer, Setting, Timed, TransformersPeer, capped
 from batchline import demo_decoder
 from batchline.testing.decoder import mixed_prompts
 from executor.generation_model import load_decoder
+from executor.settings import DEFAULT_PROVIDERS
 
 MODEL = "gpt"
 
@@ -129,14 +130,15 @@ def static_tokens(prompts, lengths, in_flight: int) -> int:
     return total
 
 
-def build_shape(name: str, shape: demo_decoder.Shape) -> pathlib.Path:
-    """A repository of one decoder `gpt` of `shape`, built once (the export takes a minute at GPT-2 small's size)."""
-    repo = pathlib.Path(__file__).resolve().parent.parent / ".cache" / f"generation-{name}"
+def build_shape(name: str, shape: demo_decoder.Shape, dtype: str = "float32") -> pathlib.Path:
+    """A repository of one decoder `gpt` of `shape`, built once (a few seconds at GPT-2 small's size)."""
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    repo = pathlib.Path(__file__).resolve().parent.parent / ".cache" / f"generation-{name}{suffix}"
     model_dir = repo / MODEL
     config = model_dir / "config.toml"
     if not config.is_file() or config.read_text() != shape.config():  # absent, or built by another layout
-        print(f"building the {name} decoder into {model_dir} ...", flush=True)
-        demo_decoder.build(model_dir, shape)
+        print(f"building the {name} decoder ({dtype}) into {model_dir} ...", flush=True)
+        demo_decoder.build(model_dir, shape, dtype=dtype)
         (model_dir / "config.toml").write_text(shape.config())
     return repo
 
@@ -163,6 +165,9 @@ def main() -> int:
                         "with the demo's vocabulary, built once into .cache/generation-gpt2-small (default: demo)")
     p.add_argument("--executors", type=int, default=1,
                    help="executors serving the model, each with --threads intra-op threads (default: 1)")
+    p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
+                   help="the decoder's type (float16: for the CUDA provider, which the executors and the engine "
+                        "alone take where ONNX Runtime has it; built into .cache/)")
     p.add_argument("--genai-python", default="", metavar="PYTHON",
                    help="the python of a virtualenv with onnxruntime-genai: adds its engine's static batching (a "
                         "request-level batcher) on the same graph, at the better of 1 and 2 threads")
@@ -179,10 +184,10 @@ def main() -> int:
         lengths = [min(n, 8) for n in lengths]
     shape = demo_decoder.SHAPES[args.shape]
     env: dict[str, str] = {}
-    if shape == demo_decoder.DEMO:
+    if shape == demo_decoder.DEMO and args.dtype == "float32":
         repo = _common.ensure_repository(args.model_repository)
     else:
-        repo = build_shape(args.shape, shape)
+        repo = build_shape(args.shape, shape, args.dtype)
         # Cache slots for every sequence at once at the full context, as the demo's 64 MiB hold its own.
         env["BATCHLINE_EXECUTOR_GENERATION_CACHE_MB"] = f"{shape.cache_mb(max(concurrencies)) * 1.05:.0f}"
     if args.threads:
@@ -207,7 +212,9 @@ def main() -> int:
         genai.sweep(prompts, lengths, max(concurrencies))
         print(f"GenAI's static batching at: {genai.threads} thread(s)")
 
-    decoder = load_decoder(repo / MODEL, intra_op_threads=1)
+    # The executors' providers: on a GPU host the engine alone runs where the mesh's executors do.
+    decoder = load_decoder(repo / MODEL, providers=list(DEFAULT_PROVIDERS), intra_op_threads=1)
+    print(f"the engine alone runs on {decoder.session.get_providers()[0]}")
 
     def engine_alone(run, in_flight: int) -> list[Timed]:
         tokens, _ = run(decoder, prompts, lengths, in_flight)
