@@ -58,7 +58,7 @@ from generation_engine import request_level as engine_request_level
 from generation_peers import GenAIPeer, Setting, Timed, TransformersPeer, capped, parse_setting
 
 from batchline import demo_decoder
-from batchline.testing.decoder import mixed_prompts
+from batchline.testing.decoder import build_gpt, mixed_prompts
 from executor.generation_model import load_decoder
 from executor.settings import DEFAULT_PROVIDERS
 
@@ -134,12 +134,8 @@ def build_shape(name: str, shape: demo_decoder.Shape, dtype: str = "float32") ->
     """A repository of one decoder `gpt` of `shape`, built once (a few seconds at GPT-2 small's size)."""
     suffix = "" if dtype == "float32" else f"-{dtype}"
     repo = pathlib.Path(__file__).resolve().parent.parent / ".cache" / f"generation-{name}{suffix}"
-    model_dir = repo / MODEL
-    config = model_dir / "config.toml"
-    if not config.is_file() or config.read_text() != shape.config():  # absent, or built by another layout
-        print(f"building the {name} decoder ({dtype}) into {model_dir} ...", flush=True)
-        demo_decoder.build(model_dir, shape, dtype=dtype)
-        (model_dir / "config.toml").write_text(shape.config())
+    print(f"the {name} decoder ({dtype}) in {repo / MODEL} (built if it is not there) ...", flush=True)
+    build_gpt(repo, shape=shape, dtype=dtype)
     return repo
 
 

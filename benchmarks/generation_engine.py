@@ -35,7 +35,7 @@ import _common
 import numpy as np
 
 from batchline import demo_decoder
-from batchline.testing.decoder import Reference, mixed_prompts
+from batchline.testing.decoder import Reference, build_gpt, mixed_prompts
 from executor.generation_engine import GenerationEngine
 from executor.generation_model import load_decoder
 from executor.generation_sampling import SamplingParams
@@ -121,7 +121,8 @@ def main() -> None:
                         help="the graph built here: its cache updated in place, or gathered by the engine")
     parser.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                         help="the graph's type when built here (float16: in place, for the CUDA provider)")
-    parser.add_argument("--check", type=int, default=0, help="first compare N greedy answers with the CPU's")
+    parser.add_argument("--check", type=int, default=0,
+                        help="first compare N greedy answers with transformers' generate, token for token")
     parser.add_argument("--peer-setting", default="", metavar="THREADS,ATTENTION,BATCH_TOKENS",
                         help="add transformers' continuous batching at this setting, e.g. 1,eager,256")
     args = parser.parse_args()
@@ -146,13 +147,8 @@ def main() -> None:
     cpu_rates: dict[str, list[float]] = {name: [] for name, _, _ in modes}
     with tempfile.TemporaryDirectory() as tmp:
         shape = demo_decoder.SHAPES[args.shape]
-        if args.model:
-            model_dir = pathlib.Path(args.model)
-        else:
-            model_dir = pathlib.Path(tmp) / "gpt"
-            in_place = args.layout == "in-place"
-            demo_decoder.build(model_dir, shape, in_place, args.dtype)
-            (model_dir / "config.toml").write_text(shape.config(in_place))
+        model_dir = pathlib.Path(args.model) if args.model else build_gpt(
+            pathlib.Path(tmp), args.layout == "in-place", shape, args.dtype)
         print(f"decoder: {args.shape}, {args.layout}, {args.dtype}")
         if args.check:
             check(model_dir, args.provider, args.check, shape)

@@ -41,18 +41,18 @@ class SlotCache:
         self.max_context = max_context
         self.device = device
         shapes = [(self.slots, t.heads, max_context, t.head_dim) for t in tensors]
-        self.dtypes = [t.dtype for t in tensors]
         if device[0] == "cpu":
             self.arrays: list = [np.zeros(shape, t.dtype) for shape, t in zip(shapes, tensors)]
-            self._pointers = [a.ctypes.data for a in self.arrays]
+            pointers = [a.ctypes.data for a in self.arrays]
         else:  # device memory, only ever bound to runs in place (never gathered to the host)
             import onnxruntime as ort
 
             self.arrays = [ort.OrtValue.ortvalue_from_shape_and_type(shape, t.dtype, device[0], device[1])
                            for shape, t in zip(shapes, tensors)]
-            self._pointers = [v.data_ptr() for v in self.arrays]
-        self._row_bytes = [t.heads * max_context * t.head_dim * t.dtype.itemsize for t in tensors]
-        self._row_shapes = [shape[1:] for shape in shapes]
+            pointers = [v.data_ptr() for v in self.arrays]
+        # Per array: where row 0 lies, one row's bytes, its shape and type (what `rows` binds).
+        self._layout = [(pointer, int(np.prod(shape[1:])) * t.dtype.itemsize, shape[1:], t.dtype)
+                        for pointer, shape, t in zip(pointers, shapes, tensors)]
         self._free = list(range(self.slots))  # a heap: the lowest free slot first
         # Where a run's past is gathered, kept from run to run: a fresh array of megabytes per
         # tensor per step costs more in page faults than the copy itself (4x, measured at 32
@@ -85,8 +85,7 @@ class SlotCache:
         """Where rows first..first+count-1 of each array lie: (address, shape, dtype), to bind in place."""
         if not (0 <= first and count >= 1 and first + count <= self.slots):
             raise ValueError(f"rows {first}..{first + count - 1} are not within the {self.slots} slots")
-        return [(pointer + first * row, (count, *shape), dtype)
-                for pointer, row, shape, dtype in zip(self._pointers, self._row_bytes, self._row_shapes, self.dtypes)]
+        return [(pointer + first * row, (count, *shape), dtype) for pointer, row, shape, dtype in self._layout]
 
     def gather(self, slots: Sequence[int], length: int) -> list[np.ndarray]:
         """The first `length` positions of `slots`, one [len(slots), heads, length, head_dim] array per tensor."""

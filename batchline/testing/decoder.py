@@ -9,13 +9,16 @@ import numpy as np
 from batchline import demo_decoder
 
 
-def build_gpt(root: pathlib.Path, in_place: bool = True) -> pathlib.Path:
-    """`root`/gpt, built as `batchline build-models` builds it (config.toml last, as the repository does);
-    `in_place=False`: the traced graph whose cache the engine gathers and writes back."""
+def build_gpt(root: pathlib.Path, in_place: bool = True, shape: demo_decoder.Shape = demo_decoder.DEMO,
+              dtype: str = "float32") -> pathlib.Path:
+    """`root`/gpt, built as `batchline build-models` builds it (config.toml last, as the repository does),
+    unless one of that shape and layout is there; `in_place=False`: the traced graph whose cache the
+    engine gathers and writes back; `dtype` float16: for the CUDA provider (in place only)."""
     model_dir = root / "gpt"
-    if not (model_dir / "config.toml").is_file():
-        demo_decoder.build(model_dir, in_place=in_place)
-        (model_dir / "config.toml").write_text(demo_decoder.DEMO.config(in_place))
+    config = model_dir / "config.toml"
+    if not config.is_file() or config.read_text() != shape.config(in_place):
+        demo_decoder.build(model_dir, shape, in_place, dtype)
+        config.write_text(shape.config(in_place))
     return model_dir
 
 
