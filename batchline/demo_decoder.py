@@ -59,9 +59,9 @@ tokenizer = "tokenizer"
 cache_in_place = {"true" if in_place else "false"}
 """
 
-    def cache_mb(self, sequences: int) -> float:
-        """MiB of key/value cache that `sequences` at the full context take (float32)."""
-        return sequences * MAX_CONTEXT * self.layers * 2 * self.embedding * 4 / 2**20
+    def cache_mb(self, sequences: int, dtype: str = "float32") -> float:
+        """MiB of key/value cache that `sequences` at the full context take in `dtype`."""
+        return sequences * MAX_CONTEXT * self.layers * 2 * self.embedding * {"float32": 4, "float16": 2}[dtype] / 2**20
 
 
 DEMO = Shape(layers=4, heads=4, embedding=128)

@@ -1,6 +1,6 @@
 """Generation through the mesh: continuous batching against request-level batching and one at a time.
 
-    python benchmarks/generation.py [--sequences 128] [--in-flight 8,32] [--rounds 3] [--quick]
+    python benchmarks/generation.py [--sequences 512] [--single 64] [--in-flight 8,32] [--rounds 3] [--quick]
                                     [--shape gpt2-small] [--executors 2 --threads 1]
 
 A mesh (`batchline up`: Redis, a gateway, the scheduler, one executor, or --executors of --threads
@@ -20,7 +20,8 @@ mean 32, 4 to 128 tokens, end-of-text ignored, greedy; a sequence also ends at t
   A static batch would also compute its ended sequences' rows to the longest; here they leave the
   running batch, so the emulation computes less than a request-level server: a baseline that can
   only look better than the real one (the ratios against it are lower bounds);
-- one at a time: continuous with C = 1;
+- one at a time: continuous with C = 1, on the first `--single` sequences (it is a reference, not
+  a target, and at a sequence at a time the whole set would take most of a round);
 - the engine alone, continuous C and request-level C (static batches: each group of C to its longest
   answer, benchmarks/generation_engine.py), in this process: a request-level mesh's CPU per token is
   composed from them, a static batch's compute plus the mesh's serving cost per token (continuous
@@ -33,6 +34,11 @@ mean 32, 4 to 128 tokens, end-of-text ignored, greedy; a sequence also ends at t
   to its longest sequence while newcomers wait, is a request-level batcher that really computes
   every row to the longest, in C++ with no serving around it (its continuous batching needs a
   graph from GenAI's own builder).
+A closed loop ends with a drain: once fewer than C sequences are left, each step carries fewer
+rows, and a run of S sequences spends about the longest answer's steps (up to 128) draining, for
+every mode that batches continuously. At S = 4 C that drain is a third of the steps, which is not
+"C in flight"; the default S = 16 C (512 at C = 32) makes it about an eighth. A static batch has
+no drain (each group of C is full). The peers' sweeps run on the first 128 sequences.
 Prints per mode and round the output tokens per second (tokens asked for, over the mode's wall
 time) and per CPU-second (the mesh's: every process of it and this client; the peer's: this
 process), time to first token and per output token (p50, p99, ms), then medians over rounds, the
@@ -63,6 +69,7 @@ from executor.generation_model import load_decoder
 from executor.settings import DEFAULT_PROVIDERS
 
 MODEL = "gpt"
+SWEEP = 128  # sequences a peer's sweep runs per setting: enough to rank its settings
 
 
 async def one(client, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[float]]:
@@ -149,7 +156,11 @@ IN_PROCESS = ("transformers", "engine", "GenAI")  # the modes that run beside th
 
 def main() -> int:
     p = _common.arg_parser(__doc__.splitlines()[0], progress=False)
-    p.add_argument("--sequences", type=int, default=128, help="sequences per mode and round (default: 128)")
+    p.add_argument("--sequences", type=int, default=512,
+                   help="sequences per mode and round (default: 512, so that the closing drain, when fewer than C "
+                        "are left, is a small part of a run at C = 32)")
+    p.add_argument("--single", type=int, default=64,
+                   help="sequences one at a time runs: the first of them (default: 64)")
     p.add_argument("--in-flight", default="8,32", help="the concurrencies C, comma-separated (default: 8,32)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, the order of the modes alternating (default: 3)")
     p.add_argument("--quick", action="store_true", help="12 short sequences at C=4, one round: a smoke check")
@@ -185,7 +196,7 @@ def main() -> int:
     else:
         repo = build_shape(args.shape, shape, args.dtype)
         # Cache slots for every sequence at once at the full context, as the demo's 64 MiB hold its own.
-        env["BATCHLINE_EXECUTOR_GENERATION_CACHE_MB"] = f"{shape.cache_mb(max(concurrencies)) * 1.05:.0f}"
+        env["BATCHLINE_EXECUTOR_GENERATION_CACHE_MB"] = f"{shape.cache_mb(max(concurrencies), args.dtype) * 1.05:.0f}"
     if args.threads:
         env["BATCHLINE_EXECUTOR_INTRA_OP_THREADS"] = str(args.threads)
     print(f"machine: {_common.machine()}; decoder {args.shape} ({shape.layers} layers x {shape.embedding}); "
@@ -200,12 +211,12 @@ def main() -> int:
         if args.peer_setting:
             peer.setting = args.peer_setting
         else:
-            peer.sweep(prompts, lengths, max(concurrencies))
+            peer.sweep(prompts[:SWEEP], lengths[:SWEEP], max(concurrencies))
         print(f"transformers' continuous batching at: {peer.setting}")
 
     genai = GenAIPeer(args.genai_python, repo / MODEL, shape) if args.genai_python else None
     if genai is not None:
-        genai.sweep(prompts, lengths, max(concurrencies))
+        genai.sweep(prompts[:SWEEP], lengths[:SWEEP], max(concurrencies))
         print(f"GenAI's static batching at: {genai.threads} thread(s)")
 
     # The executors' providers: on a GPU host the engine alone runs where the mesh's executors do.
@@ -213,15 +224,15 @@ def main() -> int:
     on_gpu = decoder.session.get_providers()[0] != "CPUExecutionProvider"
     print(f"the engine alone runs on {decoder.session.get_providers()[0]}")
 
-    def engine_alone(run, in_flight: int) -> list[Timed]:
-        tokens, _ = run(decoder, prompts, lengths, in_flight)
+    def engine_alone(run, in_flight: int, count: int = sequences) -> list[Timed]:
+        tokens, _ = run(decoder, prompts[:count], lengths[:count], in_flight)
         return [Timed(tokens, float("nan"), None)]
 
     with _common.mesh(repo, env, executors=args.executors, log_level=args.log_level) as address:
-        def through_mesh(run, in_flight: int) -> list[Timed]:
-            return asyncio.run(run(address, prompts, lengths, in_flight))
+        def through_mesh(run, in_flight: int, count: int = sequences) -> list[Timed]:
+            return asyncio.run(run(address, prompts[:count], lengths[:count], in_flight))
 
-        modes = [("one at a time", partial(through_mesh, continuous, 1))]
+        modes = [("one at a time", partial(through_mesh, continuous, 1, min(args.single, sequences)))]
         for c in concurrencies:
             modes += [(f"continuous C={c}", partial(through_mesh, continuous, c)),
                       (f"request-level C={c}", partial(through_mesh, request_level, c))]
@@ -236,8 +247,8 @@ def main() -> int:
         latency: dict[str, list[Timed]] = {name: [] for name, _ in modes}
         spent: dict[str, Counter] = {name: Counter() for name, _ in modes}
         made: Counter = Counter()
-        through_mesh(continuous, 2)  # warm: the mesh's first runs
-        engine_alone(engine_continuous, 2)  # and the engine's own (on a GPU, its first runs are slow)
+        through_mesh(continuous, 2, 8)  # warm: the mesh's first runs
+        engine_alone(engine_continuous, 2, 8)  # and the engine's own (on a GPU, its first runs are slow)
         for round_ in range(rounds):
             for name, run in modes if round_ % 2 == 0 else modes[::-1]:
                 before, start = _common.cpu_seconds(), time.perf_counter()

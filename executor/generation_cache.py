@@ -62,7 +62,7 @@ class SlotCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the slots (the budget's; the gathered past of one run comes on top)."""
-        return sum(a.nbytes for a in self.arrays)
+        return self.slots * sum(row_bytes for _, row_bytes, _, _ in self._layout)  # GPU OrtValues have no nbytes
 
     @property
     def free(self) -> int:

@@ -171,6 +171,18 @@ def test_the_decoder_spins_as_the_executor_setting_says(built, spinning):
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
+def test_a_float16_decoders_slots_take_half_the_bytes_the_shape_says_at_float32(tmp_path):
+    # generation.py --dtype float16 sizes the executors' cache budget from Shape.cache_mb.
+    shape = demo_decoder.Shape(layers=2, heads=2, embedding=64)
+    model_dir = tmp_path / "gpt"
+    demo_decoder.build(model_dir, shape, dtype="float16")
+    (model_dir / "config.toml").write_text(shape.config())
+    decoder = load_decoder(model_dir)
+    assert decoder.slot_bytes == shape.cache_mb(1, "float16") * 2**20 == shape.cache_mb(1) * 2**20 / 2
+    engine = GenerationEngine(decoder, 3 * decoder.slot_bytes + 1)
+    assert engine.cache.slots == 3 and engine.cache.nbytes == 3 * decoder.slot_bytes
+
+
 def test_a_decoder_of_another_shape_builds_loads_and_answers_as_transformers_does(tmp_path):
     # benchmarks/generation.py --shape builds GPT-2 small's shape this way; a tiny one checks the path.
     shape = demo_decoder.Shape(layers=2, heads=2, embedding=64)
