@@ -5,6 +5,7 @@ that does not fit is refused at load, with the file and the key, rather than at 
 """
 from __future__ import annotations
 
+import logging
 import pathlib
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,8 @@ from batchline.codec import DATATYPES, onnx_datatype
 from executor.model_config import ConfigError, GenerationConfig, read_model_config
 from executor.repository import RepositoryError
 from executor.sessions import choose_providers, create_session
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -131,4 +134,18 @@ def load_decoder(model_dir: pathlib.Path, version: str = "1", providers: list[st
     session = create_session(model_dir / version / "model.onnx", chosen, intra_op_threads, allow_spinning,
                              label=f"{model_dir.name} version {version}")
     cache = _cache_tensors(where, gen, session)
+    warning = slow_on_gpu(session.get_providers()[0], gen.cache_in_place, cache)
+    if warning:
+        log.warning("%s version %s: %s", model_dir.name, version, warning)
     return Decoder(model_dir.name, session, gen, cache, tokenizer, config.max_batch_size)
+
+
+def slow_on_gpu(provider: str, cache_in_place: bool, cache: list[CacheTensor]) -> str | None:
+    """Why a decoder on the GPU will run far slower than it should, if it will: its cache is float32 and
+    updated in place, and ONNX Runtime's CUDA provider has GroupQueryAttention (the in-place graphs'
+    attention) in float16 and bfloat16 only, so each layer's attention runs on the CPU."""
+    if provider != "CUDAExecutionProvider" or not cache_in_place or all(t.dtype != np.float32 for t in cache):
+        return None
+    return ("its cache is float32 and updated in place: ONNX Runtime's CUDA provider has GroupQueryAttention in "
+            "float16 and bfloat16 only, so attention runs on the CPU, each layer's cache copied there and back "
+            "(GPT-2 small's shape on an H100: 64 tokens/s against 4,390 in float16); export the graph in float16")

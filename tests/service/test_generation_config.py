@@ -8,13 +8,14 @@ import shutil
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import numpy as np
 import pytest
 
 from batchline import demo_decoder
 from batchline.testing.decoder import Reference, build_gpt, mixed_prompts
 from executor.generation_engine import GenerationEngine, PromptError
 from executor.generation_loop import GenerationLoop
-from executor.generation_model import load_decoder
+from executor.generation_model import CacheTensor, load_decoder, slow_on_gpu
 from executor.generation_sampling import SamplingError, SamplingParams
 from executor.model_config import ConfigError, read_model_config
 from executor.repository import RepositoryError, model_names
@@ -206,3 +207,14 @@ def test_a_decoder_of_another_shape_builds_loads_and_answers_as_transformers_doe
     assert [answers[str(i)] for i in range(len(prompts))] == [reference.greedy(p, 6) for p in prompts]
     with pytest.raises(ValueError, match="divisible by the heads"):
         demo_decoder.Shape(layers=2, heads=3, embedding=64)
+
+
+def test_a_float32_cache_in_place_on_cuda_is_named_as_slow_and_nothing_else_is():
+    def cache(dtype):
+        return [CacheTensor("past_key_0", "present_key_0", 2, 32, np.dtype(dtype))]
+
+    warning = slow_on_gpu("CUDAExecutionProvider", True, cache("float32"))
+    assert warning is not None and "float16" in warning and "CPU" in warning
+    assert slow_on_gpu("CUDAExecutionProvider", True, cache("float16")) is None
+    assert slow_on_gpu("CUDAExecutionProvider", False, cache("float32")) is None  # gathered: attention in the graph
+    assert slow_on_gpu("CPUExecutionProvider", True, cache("float32")) is None
