@@ -454,7 +454,10 @@ def test_a_view_that_read_a_request_before_its_gateway_heard_it_was_queued_count
     before the confirmation still counts it, and says so in seen_us, so the gateway stops counting it."""
     import gateway.views
 
-    monkeypatch.setattr(gateway.views, "IDLE_REFRESH_S", 60.0)  # the views below are read when set
+    # The views below are the gateway's as set, never read back: a read that a request asked for,
+    # begun before a publish and ending after it, would put the older view back in its place.
+    monkeypatch.setattr(gateway.views, "IDLE_REFRESH_S", 60.0)
+    monkeypatch.setattr(gateway.views, "LOAD_AGE_SHARE", 1e9)
     m = mesh_factory(models=["mlp"], gateway_overrides={"admission_headroom": 0.7})
     r = _hold_lease(m)  # nothing is dispatched: admitted requests stay queued
     gw = m.gateway.gateway
