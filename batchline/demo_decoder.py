@@ -61,7 +61,9 @@ cache_in_place = {"true" if in_place else "false"}
 
     def cache_mb(self, sequences: int, dtype: str = "float32") -> float:
         """MiB of key/value cache that `sequences` at the full context take in `dtype`."""
-        return sequences * MAX_CONTEXT * self.layers * 2 * self.embedding * {"float32": 4, "float16": 2}[dtype] / 2**20
+        import numpy as np
+
+        return sequences * MAX_CONTEXT * self.layers * 2 * self.embedding * np.dtype(dtype).itemsize / 2**20
 
 
 DEMO = Shape(layers=4, heads=4, embedding=128)

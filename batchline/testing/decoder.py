@@ -16,9 +16,12 @@ def build_gpt(root: pathlib.Path, in_place: bool = True, shape: demo_decoder.Sha
     engine gathers and writes back; `dtype` float16: for the CUDA provider (in place only)."""
     model_dir = root / "gpt"
     config = model_dir / "config.toml"
-    if not config.is_file() or config.read_text() != shape.config(in_place):
+    # The graph's type is not in the config's keys: a comment says it, so that a float32 graph is
+    # not taken for the float16 one asked for.
+    text = shape.config(in_place) + f"# the graph's type: {dtype}\n"
+    if not config.is_file() or config.read_text() != text:
         demo_decoder.build(model_dir, shape, in_place, dtype)
-        config.write_text(shape.config(in_place))
+        config.write_text(text)
     return model_dir
 
 

@@ -173,12 +173,11 @@ def test_the_decoder_spins_as_the_executor_setting_says(built, spinning):
 
 
 def test_a_float16_decoders_slots_take_half_the_bytes_the_shape_says_at_float32(tmp_path):
-    # generation.py --dtype float16 sizes the executors' cache budget from Shape.cache_mb.
+    # generation.py --dtype float16 sizes the executors' cache budget from Shape.cache_mb. The float32
+    # graph built first in the same place has the same config keys: build_gpt must not take it.
     shape = demo_decoder.Shape(layers=2, heads=2, embedding=64)
-    model_dir = tmp_path / "gpt"
-    demo_decoder.build(model_dir, shape, dtype="float16")
-    (model_dir / "config.toml").write_text(shape.config())
-    decoder = load_decoder(model_dir)
+    build_gpt(tmp_path, shape=shape)
+    decoder = load_decoder(build_gpt(tmp_path, shape=shape, dtype="float16"))
     assert decoder.slot_bytes == shape.cache_mb(1, "float16") * 2**20 == shape.cache_mb(1) * 2**20 / 2
     engine = GenerationEngine(decoder, 3 * decoder.slot_bytes + 1)
     assert engine.cache.slots == 3 and engine.cache.nbytes == 3 * decoder.slot_bytes
