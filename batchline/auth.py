@@ -22,7 +22,7 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from batchline.errors import PermissionDenied, Unauthenticated
 
@@ -56,6 +56,11 @@ class Grant:
     def check_admin(self, what: str) -> None:
         if not self.admin:
             raise PermissionDenied(f"{what} needs an admin token; tenant '{self.tenant}' has none")
+
+
+def visible(grant: Grant | None) -> Callable[[str], bool] | None:
+    """The model names a caller may learn of, as a refusal lists them (None: every one)."""
+    return grant.allows if grant is not None else None
 
 
 def parse(text: str, source: str = "the auth file") -> dict[str, Grant]:

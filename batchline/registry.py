@@ -7,6 +7,7 @@ Redis, so nothing about the fleet is held anywhere but Redis.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from batchline.contract.keys import ModelKey
 from batchline.contract.store import Store
@@ -81,12 +82,13 @@ class Registry:
         return [best[k] for k in sorted(best, key=lambda k: (k[0], _version_key(k[1]))) if k[1]
                 or k[0] not in versioned]
 
-    def resolve(self, name: str, version: str = "") -> pb.ModelInfo:
-        """The served ModelInfo for name/version ('' = the latest version)."""
+    def resolve(self, name: str, version: str = "", visible: Callable[[str], bool] | None = None) -> pb.ModelInfo:
+        """The served ModelInfo for name/version ('' = the latest version). `visible`: which model
+        names the caller may learn of (a token's scope); a refusal names no other."""
         versions = self.versions(name)
         if not versions:
             # (Why a model serves no version, when the repository says, is gateway/repository.py's absent.)
-            served = ", ".join(self.model_names()) or "none"
+            served = ", ".join(n for n in self.model_names() if visible is None or visible(n)) or "none"
             # Triton's wording up to the colon: its example clients look for it.
             raise NotFound(f"Request for unknown model: '{name}' is not served by any live executor (served models: "
                            f"{served})")

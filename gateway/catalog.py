@@ -2,6 +2,8 @@
 and version, the labels of a request's metrics, readiness and statistics."""
 from __future__ import annotations
 
+from typing import Callable
+
 from batchline.contract.gateway_store import GatewayStore
 
 from batchline.errors import NotFound, Unavailable
@@ -40,14 +42,15 @@ class Catalog:
         except NotFound:
             return (name, "") if name in self._served else ("", "")
 
-    async def model(self, name: str, version: str = "") -> pb.ModelInfo:
+    async def model(self, name: str, version: str = "", visible: Callable[[str], bool] | None = None) -> pb.ModelInfo:
+        """The served model (NotFound, Unavailable); `visible`: the names a refusal may list (a token's scope)."""
         try:
-            return self.registry.resolve(name, version)
+            return self.registry.resolve(name, version, visible)
         except NotFound:
             # An executor may have registered since the last refresh.
             await self.refresh_or_unavailable()
             try:
-                return self.registry.resolve(name, version)
+                return self.registry.resolve(name, version, visible)
             except NotFound:
                 why = absent(self.registry, name) if not self.registry.versions(name) else None
                 if why is not None:

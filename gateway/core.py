@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from dataclasses import replace
+from typing import Callable
 
 from batchline import metrics, regions, telemetry
 from batchline.contract.keys import ModelKey
@@ -201,11 +202,13 @@ class Gateway:
         tenant: str = "",
         weight: float = 1.0,
         on_partial: PartialSink | None = None,
+        visible: Callable[[str], bool] | None = None,
     ) -> ipb.ModelInferResponse | None:
         """The request's answer. A decoupled model's responses go to `on_partial` as they arrive
-        and the answer is None, unless its last response came with the end."""
+        and the answer is None, unless its last response came with the end. `visible`: the model
+        names a refusal may list (the caller's scope)."""
         started = time.perf_counter()
-        model = await self.catalog.model(request.model_name, request.model_version)
+        model = await self.catalog.model(request.model_name, request.model_version, visible)
         collected: list[ipb.ModelInferResponse] | None = None
         if model.generation and on_partial is None:
             collected = []  # a generative model's tokens, answered joined

@@ -9,7 +9,7 @@ import time
 from typing import Any, Sequence
 
 from batchline import metrics, telemetry
-from batchline.auth import Grant
+from batchline.auth import Grant, visible
 from batchline.errors import BatchlineError, Internal, grpc_status
 from batchline.protocol import inference_pb2 as ipb
 from gateway.core import Gateway
@@ -48,7 +48,7 @@ async def infer(gateway: Gateway, request: ipb.ModelInferRequest, remaining_s: f
             if grant is not None and grant.max_rate > 0:
                 await gateway.take_rate(grant.tenant, grant.max_rate, request.model_name)
             response = await gateway.infer(
-                request, remaining_s, *trace_headers(metadata), on_partial=on_partial,
+                request, remaining_s, *trace_headers(metadata), on_partial=on_partial, visible=visible(grant),
                 **({"tenant": grant.tenant, "weight": grant.weight} if grant is not None else {}))
         except BatchlineError as exc:
             failed(exc)

@@ -21,9 +21,20 @@ def _path_problem(path: str) -> str:
     parts = path.split("/")
     if not path or path.startswith("/") or any(p in ("", ".", "..") for p in parts):
         return "is not a relative path inside the model's directory"
+    if not _is_unicode(path):
+        return "is not valid Unicode (a lone surrogate)"
     if any(len(p.encode()) > NAME_MAX for p in parts):
         return f"has a path component longer than {NAME_MAX} bytes"
     return ""
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether `text` encodes as UTF-8: JSON may carry a lone surrogate escape (\\ud800), which it does not."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _value(param: Any) -> Any:
@@ -56,7 +67,8 @@ def override_maker(name: str, parameters: dict, max_bytes: int) -> Callable[[int
         problem = _path_problem(path)
         if problem:
             # Triton's words and status (its example checks both), then which parameter is wrong.
-            raise Internal(f"failed to poll from model repository: parameter '{key[:80]}' {problem}")
+            shown = key[:80] if _is_unicode(key) else ascii(key[:80])[1:-1]  # a message must encode too
+            raise Internal(f"failed to poll from model repository: parameter '{shown}' {problem}")
         files[path] = _file(name, key, _value(param))
     if "config" not in parameters:
         if files:
@@ -66,6 +78,8 @@ def override_maker(name: str, parameters: dict, max_bytes: int) -> Callable[[int
     text = _value(parameters["config"])
     if not isinstance(text, str):
         raise InvalidArgument(f"failed to load '{name}': parameter 'config' must be a string holding JSON")
+    if not _is_unicode(text):
+        raise InvalidArgument(f"failed to load '{name}': parameter 'config' is not valid Unicode (a lone surrogate)")
     try:
         parsed = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as exc:

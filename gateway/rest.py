@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 import zlib
 from typing import AsyncIterator
 
-from batchline.auth import Grant, Tokens
+from batchline.auth import Grant, Tokens, visible
 from batchline.errors import (RETRY_AFTER_KEY, BatchlineError, Internal, InvalidArgument, NotFound, Unauthenticated,
                               http_status)
 from batchline.protocol import inference_pb2 as ipb
@@ -49,7 +50,8 @@ def _json(value) -> tuple[int, list, bytes]:
     return 200, _JSON, json.dumps(value, separators=(",", ":")).encode()
 
 
-def _remaining_s(headers: dict[bytes, bytes]) -> float | None:
+def _deadline(headers: dict[bytes, bytes], arrived: float) -> float | None:
+    """When the client's deadline falls (time.monotonic), from its header and when the request arrived."""
     value = headers.get(TIMEOUT_HEADER)
     if value is None:
         return None
@@ -60,7 +62,13 @@ def _remaining_s(headers: dict[bytes, bytes]) -> float | None:
     if not math.isfinite(ms) or ms < 0:
         raise InvalidArgument(f"the {TIMEOUT_HEADER.decode()} header must be a number of milliseconds >= 0, "
                               f"got {value.decode('latin-1')!r}")
-    return ms / 1000
+    return arrived + ms / 1000
+
+
+def _left(deadline: float | None) -> float | None:
+    """What is left of the client's deadline now, as a gRPC call's time_remaining() says it: the body's
+    upload and the lookups before the call have spent their share."""
+    return None if deadline is None else deadline - time.monotonic()
 
 
 class RestApp:
@@ -72,10 +80,11 @@ class RestApp:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
+        arrived = time.monotonic()
         headers = dict(scope["headers"])
         events = None
         try:
-            status, answer_headers, body = await self._route(scope, headers, receive)
+            status, answer_headers, body = await self._route(scope, headers, receive, arrived)
             if not isinstance(body, bytes):
                 events, body = body, b""
         except ClientGone:
@@ -148,6 +157,11 @@ class RestApp:
         if len(out) > self.max_body_bytes:
             raise InvalidArgument(f"the request body is over the gateway's limit of {self.max_body_bytes} bytes "
                                   "(max_message_bytes) once decompressed")
+        if not inflater.eof or inflater.unused_data:
+            # A stream cut short (its checksum never checked) or bytes after it: not what was sent.
+            raise InvalidArgument(f"the request body is not valid {encoding} data: "
+                                  + ("it ends before the stream does" if not inflater.eof else
+                                     f"{len(inflater.unused_data)} bytes follow the end of the stream"))
         return out
 
     async def _json_body(self, headers, receive) -> dict:
@@ -162,17 +176,19 @@ class RestApp:
             raise InvalidArgument("the request body must be a JSON object")
         return value
 
-    def _allow(self, headers, model: str = "", admin: str = "") -> Grant | None:
+    def _allow(self, headers, model: str | None = None, admin: str = "") -> Grant | None:
+        """The caller's grant (None: no tokens), if it may call `model` (an empty name too: no scope
+        holds it) and is an admin's, for `admin`."""
         if self.tokens is None:
             return None
         grant = self.tokens.grant(headers.items())
         if admin:
             grant.check_admin(admin)
-        if model:
+        if model is not None:
             grant.check_model(model)
         return grant
 
-    async def _route(self, scope, headers, receive) -> tuple[int, list, bytes | AsyncIterator[bytes]]:
+    async def _route(self, scope, headers, receive, arrived: float) -> tuple[int, list, bytes | AsyncIterator[bytes]]:
         """The answer: its status, headers and body, or its events (generate_stream)."""
         method, path = scope["method"], scope["path"]
         parts = path.strip("/").split("/")
@@ -198,9 +214,9 @@ class RestApp:
                 version, rest = rest[1], rest[2:]
             action = "/".join(rest)
             if method == "POST" and action == "infer":
-                return await self._infer(headers, receive, name, version)
+                return await self._infer(headers, receive, name, version, arrived)
             if method == "POST" and action in ("generate", "generate_stream"):
-                return await self._generate(headers, receive, name, version, action == "generate_stream")
+                return await self._generate(headers, receive, name, version, action == "generate_stream", arrived)
             if method == "GET":
                 if action == "":
                     return await self._metadata(headers, name, version)
@@ -208,18 +224,18 @@ class RestApp:
                     self._allow(headers, name)
                     return (200 if await self.gateway.catalog.model_ready(name, version) else 400), [], b""
                 if action == "config":
-                    self._allow(headers, name)
-                    info = await self.gateway.catalog.model(name, version)
+                    grant = self._allow(headers, name)
+                    info = await self.gateway.catalog.model(name, version, visible(grant))
                     return _json(message_dict(model_config(info)))
                 if action == "stats":
                     return await self._statistics(headers, name, version)
         if method == "POST" and route[:1] == ["repository"]:
-            return await self._repository(headers, receive, route[1:], path)
+            return await self._repository(headers, receive, route[1:], path, arrived)
         raise NotFound(f"no such endpoint: {method} {path}")
 
     async def _metadata(self, headers, name: str, version: str):
-        self._allow(headers, name)
-        info = await self.gateway.catalog.model(name, version)
+        grant = self._allow(headers, name)
+        info = await self.gateway.catalog.model(name, version, visible(grant))
 
         def tensors(specs) -> list[dict]:
             return [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in specs]
@@ -233,10 +249,10 @@ class RestApp:
         answer = ipb.ModelStatisticsResponse(model_stats=[model_statistics(info, s) for info, s in entries])
         return _json(message_dict(answer))
 
-    async def _infer(self, headers, receive, name: str, version: str):
+    async def _infer(self, headers, receive, name: str, version: str, arrived: float):
         grant = self._allow(headers, name)
-        remaining = _remaining_s(headers)
-        model = await self.gateway.catalog.model(name, version)  # an unknown model is 404, whatever the body
+        deadline = _deadline(headers, arrived)
+        model = await self.gateway.catalog.model(name, version, visible(grant))  # 404 whatever the body
         if model.decoupled and not model.generation:
             raise InvalidArgument(f"HTTP end point doesn't support models with decoupled transaction policy: model "
                                   f"'{model.name}' answers with any number of responses; call ModelStreamInfer "
@@ -250,33 +266,33 @@ class RestApp:
         # What the trace context needs, not every header: this runs for every request.
         metadata = [(k.decode(), v.decode("latin-1")) for k in _TRACE_HEADERS if (v := headers.get(k)) is not None]
         response = await unless_gone(
-            receive, inference.infer(self.gateway, request, remaining, metadata, "HTTP ModelInfer", grant))
+            receive, inference.infer(self.gateway, request, _left(deadline), metadata, "HTTP ModelInfer", grant))
         body, header_length = infer_response(response, choice)
         if header_length is None:
             return 200, _JSON, body
         return 200, [(b"content-type", b"application/octet-stream"),
                      (HEADER_LENGTH, str(header_length).encode())], body
 
-    async def _generate(self, headers, receive, name: str, version: str, stream: bool):
+    async def _generate(self, headers, receive, name: str, version: str, stream: bool, arrived: float):
         grant = self._allow(headers, name)
-        remaining = _remaining_s(headers)
-        await self.gateway.catalog.model(name, version)
+        deadline = _deadline(headers, arrived)
+        await self.gateway.catalog.model(name, version, visible(grant))
         request = generate_request(await self._json_body(headers, receive), name, version)
         metadata = [(k.decode(), v.decode("latin-1")) for k in _TRACE_HEADERS if (v := headers.get(k)) is not None]
         if not stream:
             response = await unless_gone(
-                receive, inference.infer(self.gateway, request, remaining, metadata, "HTTP generate", grant))
+                receive, inference.infer(self.gateway, request, _left(deadline), metadata, "HTTP generate", grant))
             if response is None:
                 raise Internal(f"model '{name}' ended without a response: ask generate_stream for its responses")
             return _json(generate_answer(response))
 
         def run(on_partial):
-            return inference.infer(self.gateway, request, remaining, metadata, "HTTP generate_stream", grant,
+            return inference.infer(self.gateway, request, _left(deadline), metadata, "HTTP generate_stream", grant,
                                    on_partial)
 
         return 200, SSE_HEADERS, await unless_gone(receive, first_then_rest(run))
 
-    async def _repository(self, headers, receive, route: list[str], path: str):
+    async def _repository(self, headers, receive, route: list[str], path: str, arrived: float):
         if route == ["index"]:
             grant = self._allow(headers)
             ready = (await self._json_body(headers, receive)).get("ready", False)
@@ -286,14 +302,14 @@ class RestApp:
         if len(route) == 3 and route[0] == "models" and route[2] in ("load", "unload"):
             name, action = route[1], route[2]
             self._allow(headers, name, admin=f"{action}ing a model")
-            remaining = _remaining_s(headers)
+            deadline = _deadline(headers, arrived)
             body = await self._json_body(headers, receive)
             if action == "load":
                 parameters = body.get("parameters") or {}
                 if not isinstance(parameters, dict):
                     raise InvalidArgument("`parameters` must be an object")
-                await self.gateway.load_model(name, parameters, remaining)
+                await self.gateway.load_model(name, parameters, _left(deadline))
             else:
-                await self.gateway.unload_model(name, remaining)
+                await self.gateway.unload_model(name, _left(deadline))
             return 200, [], b""
         raise NotFound(f"no such endpoint: POST {path}")

@@ -27,6 +27,15 @@ _RESERVED = ("id", "parameters")
 
 
 def generate_request(body: dict, model: str, version: str) -> ipb.ModelInferRequest:
+    try:
+        return _request(body, model, version)
+    except UnicodeEncodeError:
+        # JSON may carry a lone surrogate (\ud800), which no protobuf string holds, nor UTF-8.
+        raise InvalidArgument("the body holds a string that is not valid Unicode (a lone surrogate escape such "
+                              "as \\ud800) in its id, a parameter or the prompt") from None
+
+
+def _request(body: dict, model: str, version: str) -> ipb.ModelInferRequest:
     request = ipb.ModelInferRequest(model_name=model, model_version=version)
     request_id = body.get("id", "")
     if not isinstance(request_id, str):
@@ -42,10 +51,11 @@ def generate_request(body: dict, model: str, version: str) -> ipb.ModelInferRequ
             continue
         if isinstance(value, str):
             array = np.array([value.encode()], dtype=object)
-        elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63
+                                             for v in value):
             array = np.array(value, dtype=np.int64)
         else:
-            raise InvalidArgument(f"input '{name}' must be a string or a list of integers, got "
+            raise InvalidArgument(f"input '{name}' must be a string or a list of 64-bit integers, got "
                                   f"{json.dumps(value)[:80]}")
         datatype, shape, raw = encode_array(array)
         request.inputs.add(name=name, datatype=datatype, shape=shape)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from batchline.codec import DATATYPES
+from batchline.codec import DATATYPES, element_count
 from batchline.errors import InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
 
@@ -23,6 +23,10 @@ from batchline.protocol import inference_pb2 as ipb
 _BINARY_OUTPUT = "binary_data_output"
 _BINARY = "binary_data"
 _BINARY_SIZE = "binary_data_size"
+# Triton's system shared memory parameters: the REST port serves no shared memory (its regions are
+# registered and answered on the gRPC port), so a REST request that names them is refused.
+_SHARED_MEMORY = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+_MAX_DIM = 2**63 - 1  # a dimension is an int64 on the wire
 
 
 @dataclass
@@ -41,9 +45,12 @@ def set_parameter(parameters, name: str, value) -> None:
     if isinstance(value, bool):
         param.bool_param = value
     elif isinstance(value, int):
-        if not -2**63 <= value < 2**63:
-            raise InvalidArgument(f"parameter '{name}': {value} does not fit a 64-bit signed integer")
-        param.int64_param = value
+        if -2**63 <= value < 2**63:
+            param.int64_param = value
+        elif 2**63 <= value < 2**64:
+            param.uint64_param = value  # as gRPC carries it (sequence_id, for one)
+        else:
+            raise InvalidArgument(f"parameter '{name}': {value} does not fit a 64-bit integer")
     elif isinstance(value, float):
         param.double_param = value
     elif isinstance(value, str):
@@ -110,7 +117,7 @@ def _json_data(tensor: dict, name: str, datatype: str, shape: list[int]) -> byte
     if "data" not in tensor:
         raise InvalidArgument(f"input '{name}' has neither `data` nor a `binary_data_size` parameter")
     values = _flatten(tensor["data"], name)
-    count = int(np.prod(shape)) if shape else 1
+    count = element_count(shape)
     if len(values) != count:
         raise InvalidArgument(f"input '{name}' has {len(values)} values in `data`, but its shape {shape} holds {count}")
     if datatype == "BYTES":
@@ -131,9 +138,17 @@ def _json_data(tensor: dict, name: str, datatype: str, shape: list[int]) -> byte
 
 def _shape(tensor: dict, name: str) -> list[int]:
     shape = tensor.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise InvalidArgument(f"input '{name}': `shape` must be an array of integers >= 0")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _MAX_DIM
+                                              for d in shape):
+        raise InvalidArgument(f"input '{name}': `shape` must be an array of integers from 0 to 2^63 - 1")
     return shape
+
+
+def _no_shared_memory(parameters: dict, what: str) -> None:
+    named = [k for k in _SHARED_MEMORY if k in parameters]
+    if named:
+        raise InvalidArgument(f"{what}: parameter '{named[0]}': the REST port serves no shared memory; register "
+                              "regions and send the requests that use them on the gRPC port")
 
 
 def infer_request(body: bytes, header_length: int | None, model: str,
@@ -141,6 +156,15 @@ def infer_request(body: bytes, header_length: int | None, model: str,
     """The ModelInferRequest of a REST infer body (InvalidArgument naming what is wrong), and
     which outputs go back binary."""
     header, binary = _json_header(body, header_length)
+    try:
+        return _request(header, binary, model, version)
+    except UnicodeEncodeError:
+        # JSON may carry a lone surrogate (\ud800), which no protobuf string holds.
+        raise InvalidArgument("the request's JSON header holds a string that is not valid Unicode (a lone "
+                              "surrogate escape such as \\ud800) in an id, a name or a parameter") from None
+
+
+def _request(header: dict, binary: memoryview, model: str, version: str) -> tuple[ipb.ModelInferRequest, OutputChoice]:
     request = ipb.ModelInferRequest(model_name=model, model_version=version)
     if "id" in header:
         if not isinstance(header["id"], str):
@@ -170,7 +194,7 @@ def _inputs(request: ipb.ModelInferRequest, inputs, binary) -> None:
         if not isinstance(name, str):
             raise InvalidArgument("every input needs a `name` (a string)")
         datatype = tensor.get("datatype")
-        if datatype not in DATATYPES:
+        if not isinstance(datatype, str) or datatype not in DATATYPES:
             raise InvalidArgument(f"input '{name}': `datatype` must be one of {sorted(DATATYPES)}, "
                                   f"got {json.dumps(datatype)}")
         shape = _shape(tensor, name)
@@ -178,6 +202,7 @@ def _inputs(request: ipb.ModelInferRequest, inputs, binary) -> None:
         tensor_parameters = tensor.get("parameters") or {}
         if not isinstance(tensor_parameters, dict):
             raise InvalidArgument(f"input '{name}': `parameters` must be an object")
+        _no_shared_memory(tensor_parameters, f"input '{name}'")
         size = None
         for key, value in tensor_parameters.items():
             if key == _BINARY_SIZE:
@@ -210,6 +235,7 @@ def _outputs(request: ipb.ModelInferRequest, outputs, choice: OutputChoice) -> N
         tensor_parameters = tensor.get("parameters") or {}
         if not isinstance(tensor_parameters, dict):
             raise InvalidArgument(f"output '{entry.name}': `parameters` must be an object")
+        _no_shared_memory(tensor_parameters, f"output '{entry.name}'")
         for key, value in tensor_parameters.items():
             if key == _BINARY:
                 choice.by_name[entry.name] = _flag(value, f"output '{entry.name}': parameter '{_BINARY}'")

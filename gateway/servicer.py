@@ -9,7 +9,7 @@ import grpc
 from batchline.errors import RETRY_AFTER_KEY, BatchlineError, grpc_status
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
-from batchline.auth import Grant, Tokens
+from batchline.auth import Grant, Tokens, visible
 from batchline.undecodable import Undecodable, tolerated
 from gateway.convert import inputs_of, model_config, model_statistics
 from gateway import inference
@@ -77,14 +77,15 @@ class InferenceServicer(SharedMemoryCalls, inference_pb2_grpc.GRPCInferenceServi
     async def _abort_with(self, context, exc: BatchlineError):
         await _abort(context, exc)
 
-    async def _allow(self, context, model: str = "", admin: str = "") -> Grant | None:
-        """Abort the call unless its token may call `model` (and is an admin's, for `admin`); its grant."""
+    async def _allow(self, context, model: str | None = None, admin: str = "") -> Grant | None:
+        """Abort the call unless its token may call `model` (and is an admin's, for `admin`); its grant.
+        A call that names a model is judged by its name, an empty one too (no scope holds it)."""
         try:
             grant = self._grant(context)
             if grant is not None:
                 if admin:
                     grant.check_admin(admin)
-                if model:
+                if model is not None:
                     grant.check_model(model)
             return grant
         except BatchlineError as exc:
@@ -98,7 +99,11 @@ class InferenceServicer(SharedMemoryCalls, inference_pb2_grpc.GRPCInferenceServi
 
     async def ModelReady(self, request, context):
         await self._allow(context, request.name)
-        return ipb.ModelReadyResponse(ready=await self.gateway.catalog.model_ready(request.name, request.version))
+        try:
+            ready = await self.gateway.catalog.model_ready(request.name, request.version)
+        except BatchlineError as exc:  # a version that is not a number: INVALID_ARGUMENT, as REST's 400
+            await _abort(context, exc)
+        return ipb.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(self, request, context):
         await self._allow(context)
@@ -106,9 +111,9 @@ class InferenceServicer(SharedMemoryCalls, inference_pb2_grpc.GRPCInferenceServi
                                           extensions=[*EXTENSIONS, "system_shared_memory"])
 
     async def ModelMetadata(self, request, context):
-        await self._allow(context, request.name)
+        grant = await self._allow(context, request.name)
         try:
-            info = await self.gateway.catalog.model(request.name, request.version)
+            info = await self.gateway.catalog.model(request.name, request.version, visible(grant))
         except BatchlineError as exc:
             await _abort(context, exc)
         tensor = ipb.ModelMetadataResponse.TensorMetadata
@@ -121,9 +126,9 @@ class InferenceServicer(SharedMemoryCalls, inference_pb2_grpc.GRPCInferenceServi
         )
 
     async def ModelConfig(self, request, context):
-        await self._allow(context, request.name)
+        grant = await self._allow(context, request.name)
         try:
-            info = await self.gateway.catalog.model(request.name, request.version)
+            info = await self.gateway.catalog.model(request.name, request.version, visible(grant))
         except BatchlineError as exc:
             await _abort(context, exc)
         return ipb.ModelConfigResponse(config=model_config(info))

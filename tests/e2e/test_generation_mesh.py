@@ -333,7 +333,7 @@ def test_rest_generate_refuses_bad_input_with_400(served):
                                          {"text_input": "x", "parameters": {"top_p": "2.0"}})
         assert status == 400 and "top_p must be in" in json.loads(body)["error"], body
     status, _, body = _post_generate(served.http_address, "/v2/models/gpt/generate", {"text_input": {"a": 1}})
-    assert status == 400 and "input 'text_input' must be a string or a list of integers" in json.loads(body)["error"]
+    assert status == 400 and "'text_input' must be a string or a list of 64-bit integers" in json.loads(body)["error"]
     status, _, body = _post_generate(served.http_address, "/v2/models/gpt/generate", {"parameters": {}})
     assert status == 400 and "`text_input` (a string)" in json.loads(body)["error"]
     status, _, body = _post_generate(served.http_address, "/v2/models/nope/generate", {"text_input": "x"})

@@ -281,7 +281,10 @@ def test_a_budget_too_short_is_504_as_deadline_exceeded_is(rest_mesh):
     status, _, answer = _post(rest_mesh.http_address, "/v2/models/simple/infer", body,
                               {"Inference-Header-Content-Length": str(length), "Batchline-Timeout-Ms": "0.001"})
     assert status == 504, answer
-    assert "budget" in json.loads(answer)["error"]
+    # Refused by admission (too short a budget), or found spent already: the header counts from the
+    # request's arrival, and reading it takes more than a microsecond.
+    error = json.loads(answer)["error"]
+    assert "budget" in error or "the request's deadline had passed" in error, error
 
 
 def test_a_client_that_hangs_up_while_its_request_is_queued_withdraws_it(mesh_factory, caplog):

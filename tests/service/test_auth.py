@@ -132,6 +132,29 @@ def test_bad_credentials_get_their_status_and_never_reach_redis(guarded):
     r.delete(contract.LEADER)
 
 
+def test_a_refusal_names_no_model_outside_the_tokens_scope(guarded):
+    m, _ = guarded
+    with tc.InferenceServerClient(m.address) as client:
+        # minilm is in OTHER's scope but served by nobody: NOT_FOUND, and mlp, served but outside
+        # the scope, goes unnamed (an admin's refusal names it).
+        for call in (lambda token: client.infer("minilm", [_input()], headers=_bearer(token)),
+                     lambda token: client.get_model_metadata("minilm", headers=_bearer(token)),
+                     lambda token: client.get_model_config("minilm", headers=_bearer(token))):
+            with pytest.raises(InferenceServerException) as info:
+                call(OTHER)
+            assert info.value.status() == "StatusCode.NOT_FOUND" and "(served models: none)" in info.value.message()
+            with pytest.raises(InferenceServerException) as info:
+                call(ADMIN)
+            assert "(served models: mlp)" in info.value.message()
+        # An empty name is judged by the scope like any other: no scope holds it.
+        denied = "StatusCode.PERMISSION_DENIED"
+        assert _status_of(lambda: client.infer("", [_input()], headers=_bearer(OTHER))) == denied
+        assert _status_of(lambda: client.get_model_metadata("", headers=_bearer(SEARCH))) == denied
+        # A version that is no number is the caller's mistake, not the server's.
+        assert _status_of(lambda: client.is_model_ready("mlp", "abc", headers=_bearer(SEARCH))) == \
+            "StatusCode.INVALID_ARGUMENT"
+
+
 def test_an_admin_token_reads_statistics(guarded):
     m, _ = guarded
     with tc.InferenceServerClient(m.address) as client:

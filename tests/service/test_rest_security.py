@@ -72,6 +72,15 @@ def test_tokens_and_scopes_are_the_grpc_ports(guarded):
     status, _, body = _request(port, "POST", "/v2/models/mlp/infer", BODY, _bearer(OTHER))
     assert status == 403 and json.loads(body)["error"] == "tenant 'other' may not call model 'mlp'"
     assert _request(port, "POST", "/v2/models/mlp/infer", BODY, _bearer(SEARCH))[0] == 200
+    # A model in the scope that nobody serves is 404 naming no served model outside the scope; an
+    # empty name is judged by the scope, which holds none.
+    for path in ("/v2/models/minilm/infer", "/v2/models/minilm", "/v2/models/minilm/config"):
+        method, body = ("POST", BODY) if path.endswith("infer") else ("GET", None)
+        status, _, answer = _request(port, method, path, body, _bearer(OTHER))
+        assert status == 404 and "(served models: none)" in json.loads(answer)["error"], (path, answer)
+        assert "(served models: mlp)" in json.loads(_request(port, method, path, body, _bearer(ADMIN))[2])["error"]
+    status, _, answer = _request(port, "POST", "/v2/models//infer", BODY, _bearer(OTHER))
+    assert status == 403 and json.loads(answer)["error"] == "tenant 'other' may not call model ''"
 
     with http_client(guarded.http_address) as client:
         inp = th.InferInput("features", [1, 32], "FP32")

@@ -77,11 +77,34 @@ def test_parameters_that_are_no_object_or_value_are_invalid_argument(header):
         infer_request(json.dumps(header).encode(), None, "m", "")
 
 
-@pytest.mark.parametrize("value", [2**63, -2**63 - 1])
+@pytest.mark.parametrize("value", [2**64, -2**63 - 1])
 def test_an_integer_parameter_past_64_bits_is_invalid_argument(value):
-    with pytest.raises(InvalidArgument, match=f"'timeout': {value} does not fit a 64-bit signed integer"):
+    with pytest.raises(InvalidArgument, match=f"'timeout': {value} does not fit a 64-bit integer"):
         infer_request(json.dumps({"inputs": [], "parameters": {"timeout": value}}).encode(), None, "m", "")
     infer_request(json.dumps({"inputs": [], "parameters": {"timeout": value // 2}}).encode(), None, "m", "")
+
+
+def test_an_unsigned_64_bit_parameter_is_carried_as_grpc_carries_it():
+    request, _ = infer_request(json.dumps({"inputs": [], "parameters": {"sequence_id": 2**63}}).encode(),
+                               None, "m", "")
+    assert request.parameters["sequence_id"].uint64_param == 2**63
+
+
+@pytest.mark.parametrize("body, says", [
+    (b'{"id": "\\ud800", "inputs": []}', "not valid Unicode"),
+    (b'{"inputs": [{"name": "x\\udc00", "datatype": "FP32", "shape": [1], "data": [1]}]}', "not valid Unicode"),
+    (b'{"parameters": {"k": "\\ud800"}, "inputs": []}', "not valid Unicode"),
+    (b'{"inputs": [{"name": "x", "datatype": [], "shape": [1], "data": [1]}]}', "`datatype` must be one of"),
+    (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [9223372036854775808], "data": [1]}]}',
+     r"integers from 0 to 2\^63 - 1"),
+    (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1], '
+     b'"parameters": {"shared_memory_region": "r"}}]}', "the REST port serves no shared memory"),
+    (b'{"inputs": [], "outputs": [{"name": "y", "parameters": {"shared_memory_byte_size": 4}}]}',
+     "the REST port serves no shared memory"),
+])
+def test_what_no_protobuf_or_rest_port_can_carry_is_invalid_argument(body, says):
+    with pytest.raises(InvalidArgument, match=says):
+        infer_request(body, None, "m", "")
 
 
 def test_deep_nesting_is_invalid_argument():
