@@ -21,6 +21,7 @@ from batchline.contract.executor_store import ExecutorStore
 from batchline.errors import Internal, status_value
 from batchline.heartbeats import HeartbeatTrust
 from batchline.protocol import internal_pb2 as pb
+from batchline.redis_client import REDIS_ERRORS
 from executor import outcome
 from executor.generation_requests import serve
 from executor.generation_serving import GenerationModel
@@ -51,6 +52,8 @@ async def run_batch(store: ExecutorStore, executor_id: str, batch: pb.Batch, mod
     members: list[Member] = []
     replies: dict[str, list[bytes]] = defaultdict(list)
     for (entry, _, _), reply in zip(live, results):
+        if isinstance(reply, REDIS_ERRORS):
+            raise reply  # nothing can be written now: the batch is left to recovery, which hands it back
         if isinstance(reply, BaseException):
             error = Internal(f"generation failed on executor {executor_id}: {reply}")
             reply = pb.Reply(request_id=entry.request_id, code=status_value(error), message=str(error))

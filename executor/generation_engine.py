@@ -52,6 +52,9 @@ class StepReport:
     prefill_tokens: int = 0
     decoded: int = 0  # sequences in the decode run
     preempted: list[str] = field(default_factory=list)
+    # Sequences ended by their own failure (drawing a token from their logits), each with why: the
+    # others in the step go on.
+    failed: list[tuple[str, Exception]] = field(default_factory=list)
 
 
 @dataclass(eq=False)  # one sequence is itself only: lists of them are searched by identity
@@ -131,11 +134,18 @@ class GenerationEngine:
         self._cancelled.add(request_id)
 
     def drop_all(self) -> None:
-        """Forget every sequence and free its slot (after a failed run, whose sequences' caches are unknown)."""
-        for seq in list(self.running):
-            self._release(seq)
+        """Forget every sequence and free its slot."""
+        self.drop_running()
         self.waiting.clear()
         self._cancelled.clear()
+
+    def drop_running(self) -> list[str]:
+        """Forget the running sequences and free their slots (after a failed run, whose caches are
+        unknown); the request ids dropped. Waiting ones were in no run and stay."""
+        dropped = [seq.request_id for seq in self.running]
+        for seq in list(self.running):
+            self._release(seq)
+        return dropped
 
     def step(self) -> StepReport:
         report = StepReport()
@@ -147,10 +157,15 @@ class GenerationEngine:
         if decoding:
             self._decode(decoding, sampled)
             report.decoded = len(decoding)
+        failed: list[Sequence] = []
         for seq, logits in sampled:
-            report.outputs.append(self._advance(seq, logits))
+            try:
+                report.outputs.append(self._advance(seq, logits))
+            except Exception as exc:  # noqa: BLE001 - one sequence's draw fails it alone, not the step
+                report.failed.append((seq.request_id, exc))
+                failed.append(seq)
         finished = {o.request_id for o in report.outputs if o.finished}
-        for seq in [s for s in self.running if s.request_id in finished]:
+        for seq in [s for s in self.running if s.request_id in finished] + failed:
             self._release(seq)
         return report
 

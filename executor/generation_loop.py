@@ -42,9 +42,15 @@ class GenerationLoop:
             await self._task
         except asyncio.CancelledError:
             pass
-        self._thread.shutdown(wait=True)
+        # The step running in the thread, if any, finishes there: waited for off the event loop, which
+        # serves the other models' streams and the heartbeat meanwhile.
+        await asyncio.to_thread(self._thread.shutdown, True)
         # No step comes any more, the one that would have retired the sequences cancelled meanwhile included.
         self.engine.drop_all()
+
+    def generating(self, request_id: str) -> bool:
+        """Whether a stream of this request id is open here."""
+        return request_id in self._streams
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        priority: int = 1, output: list[int] | None = None) -> AsyncIterator[Output]:
@@ -53,6 +59,10 @@ class GenerationLoop:
         elsewhere, which it continues from (GenerationEngine.add)."""
         if self._task is None or self._task.done():
             raise RuntimeError("the generation loop is not running (use it as `async with`)")
+        if self.generating(request_id):
+            # Checked before anything is registered or queued: the stream already here, its queue and
+            # its sequence are left alone.
+            raise ValueError(f"request id {request_id!r} is already generating on this executor")
         queue: asyncio.Queue[Output] = asyncio.Queue()
         self._streams[request_id] = queue
         now = self._clock() if self._clock else asyncio.get_running_loop().time()
@@ -96,9 +106,12 @@ class GenerationLoop:
             try:
                 report: StepReport = await loop.run_in_executor(self._thread, self.engine.step)
             except Exception as exc:  # noqa: BLE001 - a failed run ends every sequence in it, not the loop
-                for queue in self._streams.values():
-                    queue.put_nowait(exc)  # type: ignore[arg-type]
-                self.engine.drop_all()
+                # The model's run, not any one request, failed: no ValueError that would blame the caller.
+                error = RuntimeError(f"the model's run failed ({type(exc).__name__}: {exc})")
+                for request_id in self.engine.drop_running():
+                    queue = self._streams.get(request_id)
+                    if queue is not None:
+                        queue.put_nowait(error)  # type: ignore[arg-type]
                 continue
             self.steps += 1
             if self._on_step is not None:
@@ -107,3 +120,7 @@ class GenerationLoop:
                 queue = self._streams.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
+            for request_id, exc in report.failed:
+                queue = self._streams.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(exc)  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ from batchline.errors import BatchlineError, Internal, InvalidArgument, Unavaila
 from batchline.heartbeats import HeartbeatTrust
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
+from batchline.redis_client import REDIS_ERRORS
 from executor.generation_sampling import SamplingError, SamplingParams
 from executor.generation_trace import SequenceTrace
 from executor.generation_writes import StreamWrites
@@ -135,6 +136,7 @@ class Stream:
 
     def __post_init__(self) -> None:
         self.resumed = len(self.tokens)
+        self.flushed_at = time.monotonic()  # this stream's own flush clock
 
     @property
     def pushed(self) -> int:
@@ -147,10 +149,13 @@ class Stream:
 
     def due(self) -> bool:
         """Whether the held tokens go now: the first one made here at once (time to first token), then
-        when FLUSH_TOKENS are held or FLUSH_S has passed since the model's last write."""
+        when FLUSH_TOKENS are held or FLUSH_S has passed since this stream's last write, or with a write
+        another stream asked for in this turn (it costs no round trip more). Not a clock of the model's
+        writes: whichever stream reaches FLUSH_TOKENS every step would reset it, and hold the others'
+        tokens until they had as many."""
         held = sum(len(ids) for _, ids in self.held)
         return bool(held) and (self.pushed == self.resumed or held >= FLUSH_TOKENS
-                               or time.monotonic() - self.writes.written_at >= FLUSH_S)
+                               or time.monotonic() - self.flushed_at >= FLUSH_S or self.writes.asked)
 
     def take(self, limit: int | None = None) -> list[pb.Reply]:
         """The held outputs (whole, FLUSH_TOKENS tokens at most unless one output has more) as
@@ -178,6 +183,7 @@ class Stream:
         the request is still awaited (its payload is there and its gateway's heartbeat too) is read in
         the same round trip."""
         before = self.pushed
+        self.flushed_at = time.monotonic()
         replies = self.take(FLUSH_TOKENS)
         entry = self.entry
         self.awaited = await self.writes.write(
@@ -201,6 +207,11 @@ async def serve(store: ExecutorStore, model: GenerationModel, entry: pb.QueueEnt
     except BatchlineError as exc:
         return pb.Reply(request_id=request_id, code=status_value(exc), message=str(exc))
     made = np.frombuffer(sent, np.int64).tolist() if sent else []
+    if model.loop.generating(request_id):
+        # Delivered again while its first delivery still generates here (its batch was handed back
+        # while this executor looked gone): that one streams and answers it; this one adds nothing.
+        log.warning("request %s is already generating on this executor: its second delivery is dropped", request_id)
+        return None
     trace = SequenceTrace(entry, *key, len(prompt), len(made))
     finish = "cancelled"
     reply: pb.Reply | None = None
@@ -261,6 +272,8 @@ async def _generate(stream: Stream, trace: SequenceTrace, model: GenerationModel
             return pb.Reply(request_id=request_id, code=0, index=len(made)), "stop"  # it ended before the executor died
         error = InvalidArgument(str(exc))
         return pb.Reply(request_id=request_id, code=status_value(error), message=str(error)), "error"
+    except REDIS_ERRORS:
+        raise  # Redis stayed away through the writes' patience: the batch goes back to its queue by recovery
     except Exception as exc:  # noqa: BLE001 - a failed run ends the request, not the executor
         error = Internal(f"generation failed on the executor: {exc}")
         return pb.Reply(request_id=request_id, code=status_value(error), message=str(error)), "error"

@@ -49,7 +49,17 @@ def choose(logits: np.ndarray, params: SamplingParams, seed: int, index: int) ->
     """The next token from one position's logits [vocabulary]; `index` is its place in the output."""
     if params.temperature == 0:
         return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / params.temperature
+    scaled = logits.astype(np.float64)
+    scaled[np.isnan(scaled)] = -np.inf
+    top = scaled.max()
+    if top == np.inf:  # logits that overflowed (float16): those tokens are infinitely the likeliest
+        scaled = np.where(scaled == np.inf, 0.0, -np.inf)
+    elif top == -np.inf:
+        raise SamplingError("the model's logits hold no finite value to sample from")
+    else:
+        # Shifted before dividing: the largest is 0 whatever the temperature, so a tiny one makes the
+        # others -inf rather than inf - inf (NaN).
+        scaled = (scaled - top) / params.temperature
     if params.top_k and params.top_k < scaled.size:
         cutoff = np.partition(scaled, -params.top_k)[-params.top_k]
         scaled = np.where(scaled >= cutoff, scaled, -np.inf)

@@ -40,9 +40,15 @@ class OutputText:
         self.ids.append(token)
         before = self._decode(self.ids[self.prefix:self.read])
         after = self._decode(self.ids[self.prefix:])
-        if len(after) > len(before) and not after.endswith(REPLACEMENT):
+        new = len(before)
+        if before.endswith(REPLACEMENT):
+            # The prompt's ids may end inside a character (ids cut anywhere): a token that completes it
+            # turns its U+FFFD into the character, which is the output's. Bytes that stay invalid keep
+            # their U+FFFD, which is the prompt's.
+            new = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), new)
+        if len(after) > new and not after.endswith(REPLACEMENT):
             searched_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
-            self.text += after[len(before):]
+            self.text += after[new:]
             self.prefix, self.read = self.read, len(self.ids)
             found = [i for i in (self.text.find(s, searched_from) for s in self.stop) if i >= 0]
             if found:

@@ -9,12 +9,20 @@ one per stream.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 from batchline.contract.executor_store import ExecutorStore
 from batchline.contract.keys import ModelKey
+from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S
+
+log = logging.getLogger(__name__)
+
+# How long a write keeps trying through a Redis outage before the streams in it end with the error
+# (their batches then go back to their queues by recovery, and continue elsewhere).
+REDIS_PATIENCE_S = 5.0
 
 
 @dataclass
@@ -31,10 +39,14 @@ class StreamWrites:
     def __init__(self, store: ExecutorStore, model: ModelKey) -> None:
         self.store = store
         self.model = model
-        self.written_at = time.monotonic()  # when the last write went (the streams' flush clock)
         self.round_trips = 0
         self._asked: list[_Write] = []
         self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def asked(self) -> bool:
+        """Whether a write has been asked for in this turn of the loop (one more joins it for free)."""
+        return bool(self._asked)
 
     async def write(self, gateway_id: str, replies: list[bytes], request_id: str, sent: bytes,
                     watch_gateway: bool) -> bool:
@@ -58,16 +70,32 @@ class StreamWrites:
         for w in writes:
             if w.replies:
                 replies[w.gateway_id] += w.replies
-        self.written_at = time.monotonic()
-        self.round_trips += 1
-        try:
-            found = await self.store.stream_tokens(self.model, replies, {w.request_id: w.sent for w in writes},
-                                                   {w.request_id: w.gateway_id for w in writes if w.watch_gateway})
-        except Exception as exc:  # noqa: BLE001 - each stream's own write fails with it
-            for w in writes:
-                if not w.done.done():
-                    w.done.set_exception(exc)
-            return
+        give_up = time.monotonic() + REDIS_PATIENCE_S
+        while True:
+            self.round_trips += 1
+            try:
+                found = await self.store.stream_tokens(
+                    self.model, replies, {w.request_id: w.sent for w in writes},
+                    {w.request_id: w.gateway_id for w in writes if w.watch_gateway})
+                break
+            except REDIS_ERRORS as exc:
+                # A dropped connection (Redis failing over) must not end the streams: the same write again
+                # (a response pushed twice is dropped by the gateway, which forwards each index once).
+                if time.monotonic() < give_up:
+                    log.warning("generation writes of %s:%s: Redis failed (%s); trying again", *self.model, exc)
+                    await asyncio.sleep(WAIT_RETRY_S)
+                    continue
+                self._fail(writes, exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - each stream's own write fails with it
+                self._fail(writes, exc)
+                return
         for w in writes:
             if not w.done.done():
                 w.done.set_result(found[w.request_id])
+
+    @staticmethod
+    def _fail(writes: list[_Write], exc: Exception) -> None:
+        for w in writes:
+            if not w.done.done():
+                w.done.set_exception(exc)

@@ -145,7 +145,9 @@ class Executor(BatchWorker):
                 await asyncio.sleep(_DRAIN_POLL_S)
         except REDIS_ERRORS as exc:
             log.warning("drain: Redis failed (%s); handing back what is left", exc)
-        await stop_tasks(self._workers)
+        # Generations still running end here, before their batches go back: another executor continues
+        # each from the tokens recorded, and this one must stream no more of them meanwhile.
+        await stop_tasks(self._workers + list(self._generating))
         try:
             n = sum((await self.store.requeue_held_batches(self.executor_id, include_queued=True)).values())
             if n:

@@ -133,6 +133,37 @@ async def test_the_asyncio_loop_streams_concurrent_sequences_and_cancels_a_dropp
     assert loop.steps < 12 * 12  # steps were shared, not one sequence after another
 
 
+async def test_a_second_stream_of_one_request_id_is_refused_and_leaves_the_first_alone(built):
+    decoder = load_decoder(built)
+    engine = GenerationEngine(decoder, 4 * decoder.slot_bytes)
+    prompt = mixed_prompts(3, seed=9, longest=20)[2]
+    async with GenerationLoop(engine) as loop:
+        first = loop.generate("r1", prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        tokens = (await first.__anext__()).token_ids
+        assert loop.generating("r1")
+        with pytest.raises(ValueError, match="'r1' is already generating on this executor"):
+            await loop.generate("r1", prompt, SamplingParams(max_tokens=5)).__anext__()
+        reasons = []
+        async for out in first:  # the first stream runs to its end, cancelled by nothing
+            tokens += out.token_ids
+            reasons.append(out.finish_reason)
+    assert len(tokens) == 30 and reasons[-1] == "length" and not engine.has_work
+
+
+def test_a_temperature_near_zero_or_logits_that_overflowed_still_draw_a_token():
+    import numpy as np
+
+    from executor.generation_sampling import choose
+
+    logits = np.array([1.0, 3.0, 2.0], np.float32)
+    for temperature in (1e-308, 5e-324, 1e-6):
+        assert choose(logits, SamplingParams(temperature=temperature), 1, 0) == 1
+    overflowed = np.array([1.0, np.inf, np.nan, np.inf], np.float16)
+    assert choose(overflowed, SamplingParams(temperature=0.7), 1, 0) in (1, 3)
+    with pytest.raises(SamplingError, match="no finite value"):
+        choose(np.array([np.nan, -np.inf], np.float32), SamplingParams(temperature=0.7), 1, 0)
+
+
 def test_top_k_and_top_p_narrow_the_draw_to_the_likeliest_tokens():
     import numpy as np
 

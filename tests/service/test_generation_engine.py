@@ -210,6 +210,47 @@ def test_text_comes_whole_characters_at_a_time_from_tokens_that_split_them(decod
     assert "" in pieces  # a token that ended mid-character gave no text until the character was whole
 
 
+def test_a_prompt_of_ids_cut_inside_a_character_leaves_it_to_the_output_whole(decoder):
+    tokenizer = decoder.tokenizer
+    for text in ("naïve café au lait", "price 20€ now", "smile 🦊 again"):
+        ids = tokenizer.encode(text).ids
+        for cut in range(1, len(ids)):
+            out = OutputText(tokenizer, ids[:cut])
+            for token in ids[cut:]:
+                out.add(token)
+            # What the prompt's ids decode to, less a character they end inside, then the output.
+            assert tokenizer.decode(ids[:cut]).rstrip("\ufffd") + out.take(final=True) == text, (text, cut)
+    # Random ids: bytes that never make a character keep their U+FFFD in the prompt's text, not the output's.
+    for prompt, more in zip(mixed_prompts(20, seed=6, longest=12), mixed_prompts(20, seed=8, longest=12)):
+        out = OutputText(tokenizer, prompt)
+        for token in more:
+            out.add(token)
+        before, whole = tokenizer.decode(prompt), tokenizer.decode(prompt + more).rstrip("\ufffd")
+        common = next((i for i, (a, b) in enumerate(zip(before, whole)) if a != b), min(len(before), len(whole)))
+        assert out.take(final=True) == whole[common:], (prompt, more)
+
+
+def test_one_sequences_failing_draw_ends_it_alone(decoder, monkeypatch):
+    from executor import generation_engine
+
+    engine = engine_for(decoder, slots=4)
+    engine.add("good", PROMPTS[1], SamplingParams(max_tokens=8, **GREEDY))
+    engine.add("bad", PROMPTS[2], SamplingParams(max_tokens=8, temperature=0.5, seed=1))
+    real = generation_engine.choose
+
+    def failing(logits, params, seed, index):
+        if params.temperature == 0.5:
+            raise ValueError("a draw that fails")
+        return real(logits, params, seed, index)
+
+    monkeypatch.setattr(generation_engine, "choose", failing)
+    report = engine.step()
+    assert [(r, str(e)) for r, e in report.failed] == [("bad", "a draw that fails")]
+    assert [o.request_id for o in report.outputs] == ["good"]
+    assert [s.request_id for s in engine.running] == ["good"] and engine.cache.used == 1
+    assert len(drain(engine)["good"]) == 7
+
+
 def test_seeded_sampling_repeats_and_survives_preemption(decoder):
     params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=11)
     alone = engine_for(decoder)

@@ -14,7 +14,7 @@ from batchline.contract.executor_store import ExecutorStore
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import connect, connect_blocking
-from executor.generation_requests import FLUSH_TOKENS, Stream
+from executor.generation_requests import FLUSH_S, FLUSH_TOKENS, Stream
 from executor.generation_serving import GenerationModel
 from executor.generation_writes import StreamWrites
 
@@ -68,6 +68,22 @@ def test_held_tokens_go_as_responses_of_several_numbered_by_their_last():
     assert [_tokens(r) for r in rest] == [list(range(100 + FLUSH_TOKENS, 112))] and rest[0].index == 11
 
 
+def test_each_stream_flushes_on_its_own_clock_or_with_a_write_asked_in_its_turn():
+    first, second = _stream([]), _stream([])
+    first.writes = second.writes = StreamWrites(None, MODEL)  # type: ignore[arg-type]  # two streams of one model
+    for stream in (first, second):
+        stream.add("a", [1])
+        stream.take()  # the first token went at once
+        stream.add("b", [2])
+    assert not first.due() and not second.due()  # a token held, within its 50 ms
+    # The model's other stream writing every step does not hold this one's tokens back: its own
+    # clock says when 50 ms have passed since its own last write.
+    first.flushed_at -= FLUSH_S + 0.01
+    assert first.due() and not second.due()
+    first.writes._asked.append(object())  # a write asked for in this turn: joining it is free
+    assert second.due()
+
+
 def test_a_continued_stream_sends_its_first_tokens_one_a_response():
     # The executor before may have pushed up to a write's tokens past its record: the gateway drops
     # what it forwarded already by index, a whole response at a time, so those go one a response.
@@ -80,3 +96,30 @@ def test_a_continued_stream_sends_its_first_tokens_one_a_response():
     texts = [r.response.raw_output_contents[0][4:].decode() for r in replies]
     last = "".join(str(i) for i in range(FLUSH_TOKENS, FLUSH_TOKENS + 4))
     assert texts == [str(i) for i in range(FLUSH_TOKENS)] + [last], "each response carries its own tokens' text"
+
+
+def test_a_write_through_a_redis_blip_is_tried_again_and_the_streams_go_on(redis_server):
+    import redis
+
+    async def scenario() -> None:
+        client = connect(redis_server.url, 2)
+        store = ExecutorStore(client, connect_blocking(redis_server.url, 2))
+        real, failures = store.stream_tokens, []
+
+        async def once_dropped(*args):
+            if not failures:  # the connection drops once, as in a failover
+                failures.append(1)
+                raise redis.ConnectionError("Connection closed by server.")
+            return await real(*args)
+
+        store.stream_tokens = once_dropped  # type: ignore[method-assign]
+        writes = StreamWrites(store, MODEL)
+        request_id, gateway_id = uuid.uuid4().hex, f"gw-{uuid.uuid4().hex[:8]}"
+        await client.set(k.payload(MODEL, request_id), b"x", ex=60)
+        sent = np.arange(3, dtype=np.int64).tobytes()
+        assert await writes.write(gateway_id, [b"r1"], request_id, sent, False) is True
+        assert failures and writes.round_trips == 2
+        assert await client.lrange(k.reply(gateway_id), 0, -1) == [b"r1"]
+        await client.aclose()
+
+    asyncio.run(scenario())

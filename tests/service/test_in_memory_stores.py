@@ -127,3 +127,32 @@ def test_the_batch_path_answers_a_member_whose_deadline_passed_without_running_i
     (reply,) = [pb.Reply.FromString(r) for r in state.replies["gw"]]
     assert reply.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] and "was not run" in reply.message
     assert state.stats[MLP]["fail_count"] == 1 and state.stats[MLP]["success_count"] == 0
+
+
+def test_a_drain_out_of_time_ends_a_generation_before_its_batch_goes_back(mlp):
+    state = MemoryState()
+    executor = _executor(mlp, state)
+    store = executor.store
+    tasks: list[asyncio.Task] = []
+    seen: list[bool] = []
+    real = store.requeue_held_batches
+
+    async def requeue(executor_id, **kwargs):
+        seen.append(tasks[0].cancelled())  # handed back only once it streams no more
+        return await real(executor_id, **kwargs)
+
+    async def register(*args) -> None:  # the registry is not what this is about
+        pass
+
+    async def waiting_work(executor_id) -> int:
+        return 0
+
+    store.requeue_held_batches, store.register, store.waiting_work = requeue, register, waiting_work  # type: ignore
+
+    async def scenario() -> None:
+        tasks.append(asyncio.create_task(asyncio.sleep(3600)))  # a generation longer than the drain's time
+        executor._generating.add(tasks[0])
+        await executor.drain(0.1)
+
+    asyncio.run(scenario())
+    assert seen == [True]
