@@ -204,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="number of gateway processes, all on the gateway port (SO_REUSEPORT: the kernel spreads "
                     "connections over them); one gateway process uses about one core (default: 1)")
     up.add_argument("--max-restarts", type=int, default=5,
-                    help="a service that crashes more often than this within 60 s is in a crash loop: the mesh "
-                    "stops and names it; below that, crashed services are restarted (default: 5)")
+                    help="a service that crashes more often than this within 60 s, or in a row with no run "
+                    "lasting 30 s, is in a crash loop: the mesh stops and names it; below that, crashed services "
+                    "are restarted (default: 5)")
     up.add_argument("--gateway-port", type=int, default=8001,
                     help="gateway gRPC port; 0 = any free port (default: 8001)")
     up.add_argument("--http-port", type=int, default=8000,

@@ -80,6 +80,7 @@ class Mesh:
         self.initial_executors = min(self.slots,
                                      max(self.policy.low, args.executors)) if self.policy else args.executors
         self._read_at = 0.0
+        self._up = False  # start() has returned: the mesh serves, and may scale
         self._flags: list[str] = []  # what every executor is started with, besides its id and port
 
     @property
@@ -158,6 +159,7 @@ class Mesh:
                     gateway.cmd[gateway.cmd.index("--port") + 1] = str(port)
         address = self._wait_ready(store, gateway=f"gateway-{gateways - 1}")
         self.metrics_port = metrics.start_metrics_server(a.host, int(metrics_port(gateways + 1 + self.slots)))
+        self._up = True
         return address
 
     def _spawn_executor(self, slot: int) -> None:
@@ -171,9 +173,11 @@ class Mesh:
         return sorted(names, key=lambda n: int(n.rsplit("-", 1)[1]))
 
     def supervise(self) -> None:
-        """Restart the services that died (raises CrashLoop when one keeps dying); scale the executors."""
+        """Restart the services that died (raises CrashLoop when one keeps dying); scale the executors,
+        once the mesh is up: while the first executors load, no demand names their models, and
+        scaling down then would stop the executors start-up waits for."""
         self.supervisor.supervise()
-        if self.policy is not None and time.monotonic() - self._read_at >= READ_EVERY_S:
+        if self.policy is not None and self._up and time.monotonic() - self._read_at >= READ_EVERY_S:
             self._read_at = time.monotonic()
             self.autoscale(self._read_at)
 
@@ -191,6 +195,8 @@ class Mesh:
         if decision.direction == "up":
             taken = {s.name for s in self.supervisor.services if s.role == "executor"}  # retiring ones too
             free = [k for k in range(self.slots) if f"executor-{k}" not in taken]
+            if not free:
+                return None  # every slot holds one, some still draining: nothing to start, nothing to count
             for slot in free[:decision.target - len(running)]:
                 self._spawn_executor(slot)
         else:

@@ -4,8 +4,10 @@ A service that exits while the mesh runs is restarted under the same id (an
 executor then hands back the batches it held) after a backoff that doubles
 with each crash in a row, from RESTART_BACKOFF_S up to RESTART_BACKOFF_MAX_S,
 and starts over once the service has run STABLE_S. More than `max_restarts`
-crashes of one service within CRASH_LOOP_WINDOW_S is a crash loop: the mesh
-stops, and the message names the service and gives its last log lines. An
+crashes of one service within CRASH_LOOP_WINDOW_S, or in a row with no run
+reaching STABLE_S (a service that dies a little later after each start, which
+the backoff spreads past any window), is a crash loop: the mesh stops, and the
+message names the service and gives its last log lines. An
 embedded Redis is restarted the same way (the services reconnect by
 themselves); one that cannot start again stops the mesh, with a line that
 says why. Each restart is logged and counted in batchline_restarts_total on
@@ -61,8 +63,10 @@ class Service:
     restart_at: float | None = None  # when a crashed service is started again (time.monotonic())
     backoff_s: float = RESTART_BACKOFF_S
     crashes: deque = field(default_factory=deque)  # time.monotonic() of its recent crashes
+    unstable: int = 0  # crashes in a row, each before its run reached STABLE_S
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     retiring: bool = False  # asked to stop for good: not restarted once it exits
+    retiring_since: float = 0.0  # when it was asked (time.monotonic()): killed if it outlasts STOP_TIMEOUT_S
 
     @property
     def role(self) -> str:
@@ -116,7 +120,7 @@ class Supervisor:
     def retire(self, name: str) -> None:
         """Ask a service to stop for good (SIGTERM: it drains first); forgotten once it exits."""
         s = next(s for s in self.services if s.name == name)
-        s.retiring = True
+        s.retiring, s.retiring_since = True, time.monotonic()
         if s.proc is not None and s.proc.poll() is None:
             s.proc.send_signal(signal.SIGTERM)
 
@@ -125,6 +129,12 @@ class Supervisor:
         now = time.monotonic()
         if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
             self._restart_redis(now)
+        for s in [s for s in self.services if s.retiring and s.proc is not None and s.proc.poll() is None
+                  and now - s.retiring_since > STOP_TIMEOUT_S]:
+            # As `stop` does: a drain that hangs (a stuck run) would hold its slot for good.
+            say(self.args, f"batchline: killing {s.name} as it did not stop within {STOP_TIMEOUT_S:.0f} s")
+            s.proc.kill()
+            s.proc.wait()
         for s in [s for s in self.services if s.retiring and (s.proc is None or s.proc.poll() is not None)]:
             self.services.remove(s)
             code = s.proc.returncode if s.proc is not None else None
@@ -139,16 +149,20 @@ class Supervisor:
             code = s.proc.poll()
             if code is None:
                 if now - s.started_at >= STABLE_S:
-                    s.backoff_s = RESTART_BACKOFF_S
+                    s.backoff_s, s.unstable = RESTART_BACKOFF_S, 0
                 continue
             self._crashed(s, code, now)
 
     def _crashed(self, s: Service, code: int, now: float) -> None:
         pid, s.proc = s.proc.pid, None
-        if _too_many(s.crashes, now, self.max_restarts):
+        s.unstable = s.unstable + 1 if now - s.started_at < STABLE_S else 1
+        windowed = _too_many(s.crashes, now, self.max_restarts)
+        if windowed or s.unstable > self.max_restarts:
             last = "\n".join(f"  {line}" for line in s.tail) or "  (no output)"
-            raise CrashLoop(f"batchline: {s.name} crashed {len(s.crashes)} times within {CRASH_LOOP_WINDOW_S:.0f} s "
-                            f"(last: pid {pid}, exit code {code}); stopping the mesh. Its last output:\n{last}")
+            how = (f"{len(s.crashes)} times within {CRASH_LOOP_WINDOW_S:.0f} s" if windowed else
+                   f"{s.unstable} times in a row, each within {STABLE_S:.0f} s of its start")
+            raise CrashLoop(f"batchline: {s.name} crashed {how} (last: pid {pid}, exit code {code}); stopping the "
+                            f"mesh. Its last output:\n{last}")
         s.restart_at = now + s.backoff_s
         say(self.args, f"batchline: {s.name} (pid {pid}) exited with code {code}; restarting it in {s.backoff_s:.1f} s")
         s.backoff_s = min(RESTART_BACKOFF_MAX_S, s.backoff_s * 2)

@@ -128,9 +128,10 @@ class Demand:
                                scheduler_id=self.scheduler_id)
         needs: list[Need] = []
         for key in [k for k in self.rates if k not in models]:
-            del self.rates[key]  # no longer served
+            del self.rates[key]  # no longer served: nor its gauges
             self._capacity.pop(key, None)
             self._in_flight.pop(key, None)
+            self._remove_gauges(key)
         for key, total in zip(models, totals):
             rate = self._rate(key)
             rate.observe(now, total)
@@ -168,19 +169,26 @@ class Demand:
                 span.set_attribute("batchline.demand", explain(demand))
 
     def forget(self) -> None:
-        """Another scheduler led meanwhile: measure again from the next reads."""
+        """Another scheduler led meanwhile: measure again from the next reads (its sequences in flight
+        and capacities too, which this one's last term left)."""
         self.rates.clear()
+        self._in_flight.clear()
+        self._capacity.clear()
         self.last = None
 
     def forget_gauges(self) -> None:
         """The lease is lost: a standby wants nothing, so that max() over the schedulers is the leader's."""
         metrics.EXECUTORS_WANTED.set(0)
-        for key in self._capacity:
-            for gauge in (metrics.ARRIVAL_RATE_FORECAST, metrics.EXECUTOR_CAPACITY):
-                try:
-                    gauge.remove(*key)
-                except KeyError:
-                    pass
+        for key in self.rates:  # every model measured, generative ones (no batch capacity cached) included
+            self._remove_gauges(key)
+
+    @staticmethod
+    def _remove_gauges(key: ModelKey) -> None:
+        for gauge in (metrics.ARRIVAL_RATE_FORECAST, metrics.EXECUTOR_CAPACITY):
+            try:
+                gauge.remove(*key)
+            except KeyError:
+                pass
 
 
 def _rounded(x: float) -> float:

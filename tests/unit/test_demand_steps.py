@@ -73,6 +73,32 @@ def test_a_standby_wants_nothing():
                                                        {"model": "m", "version": "1"}) is None
 
 
+def test_the_gauges_go_with_a_model_no_longer_served_and_a_standbys_generative_ones_too():
+    state = MemoryState()
+    demand = Demand(MemorySchedulerStore(state), "s", DemandSettings())
+    gpt = ("gpt", "1")
+    reg = registry(("e0", 3.0))
+    reg.add(pb.ExecutorInfo(executor_id="e1", models=[pb.ModelInfo(
+        name="gpt", version="1", default_timeout_ms=30_000, generation=True, generation_slots=16,
+        generation_running=4, decode_step_s=0.01)]))
+    plans = {MODEL: (BatchingRule(32), COST, ["e0"], 1)}
+
+    def gauge(name: str, key: tuple[str, str]) -> float | None:
+        return prometheus_client.REGISTRY.get_sample_value(name, {"model": key[0], "version": key[1]})
+
+    for t in range(3):
+        state.arrivals[gpt] = state.arrivals[MODEL] = 10 * t
+        asyncio.run(demand.step(reg, plans, {MODEL: 0, gpt: 0}, float(t), {gpt: (["e1"], 4)}))
+    assert gauge("batchline_arrival_rate_forecast", gpt) is not None
+    asyncio.run(demand.step(reg, {}, {gpt: 0}, 3.0, {gpt: (["e1"], 4)}))  # m is served no more
+    assert gauge("batchline_arrival_rate_forecast", MODEL) is None
+    assert gauge("batchline_executor_capacity", MODEL) is None
+    demand.forget_gauges()  # the lease lost
+    assert gauge("batchline_arrival_rate_forecast", gpt) is None and gauge("batchline_executor_capacity", gpt) is None
+    demand.forget()  # and taken again: nothing of the last term stays
+    assert not demand.rates and not demand._in_flight and not demand._capacity
+
+
 def test_a_generative_model_wants_executors_by_its_sequences_in_flight():
     # 10 requests/s, 40 sequences in flight: each holds its slot 4 s; 16 slots an executor is
     # 4 requests/s each, so 10/s at 0.5 utilisation wants 5 executors.
