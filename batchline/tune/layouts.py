@@ -74,15 +74,66 @@ def _same(a: Layout, b: Layout, cores: int) -> bool:
 
 
 def set_config(text: str, key: str, value: str) -> str:
-    """Set a top-level `key = value` in config.toml text, keeping the rest: in place, or after the
-    last top-level key (before the first [table] and the comments that head it)."""
-    pattern = re.compile(rf"^{re.escape(key)}\s*=.*$", re.MULTILINE)
-    if pattern.search(text):
-        return pattern.sub(f"{key} = {value}", text, count=1)
+    """Set a top-level `key = value` in config.toml text, keeping the rest, comments included: in
+    place (a comment after the old value stays), or, for a key not there, just before the first
+    [table] and the comments that head it. A key written as a table (`[version_policy]`) is replaced
+    by the line. TuneError when the result is not the same config with `key` alone changed."""
+    import tomllib
+
+    from batchline.tune.run import TuneError
+
+    before = tomllib.loads(text)
     lines = text.splitlines(keepends=True)
-    first_table = next((i for i, line in enumerate(lines) if line.startswith("[")), len(lines))
-    keys = [i for i, line in enumerate(lines[:first_table]) if re.match(r"^[A-Za-z0-9_-]+\s*=", line)]
-    at = keys[-1] + 1 if keys else 0
-    if at and not lines[at - 1].endswith("\n"):
-        lines[at - 1] += "\n"
-    return "".join(lines[:at] + [f"{key} = {value}\n"] + lines[at:])
+    lines = _without_table(lines, key)
+    line = re.compile(rf"^{re.escape(key)}\s*=")
+    first_table = next((i for i, x in enumerate(lines) if x.lstrip().startswith("[") and _is_header(x)), len(lines))
+    at = next((i for i in range(first_table) if line.match(lines[i])), None)
+    if at is not None:
+        comment = _trailing_comment(lines[at])
+        lines[at] = f"{key} = {value}" + (f"  {comment}" if comment else "") + "\n"
+    else:
+        at = first_table
+        while at > 0 and (lines[at - 1].lstrip().startswith("#") or not lines[at - 1].strip()):
+            at -= 1  # the comments that head the first table stay with it
+        if at and not lines[at - 1].endswith("\n"):
+            lines[at - 1] += "\n"
+        lines.insert(at, f"{key} = {value}\n")
+    out = "".join(lines)
+    try:
+        after = tomllib.loads(out)
+    except tomllib.TOMLDecodeError as exc:
+        raise TuneError(f"setting {key} in config.toml would make it invalid TOML ({exc}): set it by hand") from None
+    expected = {**before, key: tomllib.loads(f"{key} = {value}")[key]}
+    if after != expected:
+        raise TuneError(f"setting {key} in config.toml would change more than {key}: set it by hand")
+    return out
+
+
+def _is_header(line: str) -> bool:
+    return bool(re.match(r"^\s*\[\[?\s*[A-Za-z0-9_.\"'-]+\s*\]\]?\s*(#.*)?$", line.rstrip("\n")))
+
+
+def _without_table(lines: list[str], key: str) -> list[str]:
+    """The lines without the table `[key]` (header and body) or its sub-tables, if there is one."""
+    header = re.compile(rf"^\s*\[\s*{re.escape(key)}\s*(\.[^\]]*)?\]\s*(#.*)?$")
+    out, dropping = [], False
+    for x in lines:
+        if _is_header(x):
+            dropping = bool(header.match(x.rstrip("\n")))
+        if not dropping:
+            out.append(x)
+    return out
+
+
+def _trailing_comment(line: str) -> str:
+    """The `# ...` comment after a one-line value (outside any string), or ''."""
+    quote = ""
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = ""
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#":
+            return line[i:].rstrip("\n").rstrip()
+    return ""

@@ -106,7 +106,8 @@ def _serve_copy(model_dir: pathlib.Path, layout: Layout, dest: pathlib.Path) -> 
     text = config.read_text()
     for key, value in layout.keys().items():
         text = set_config(text, key, value)
-    config.write_text(text)
+    # The copy holds this version alone: a policy pinning another would serve nothing.
+    config.write_text(set_config(text, "version_policy", "{ latest = 1 }"))
     return dest
 
 
@@ -137,6 +138,7 @@ def measure(o: Options, model_dir: pathlib.Path, layout: Layout, budget_ms: floa
 
 def tune(o: Options, measure_one: Callable[[Options, pathlib.Path, Layout, float], Measured] = measure) -> Report:
     """Measure, choose, and (unless a dry run, or the current layout is best) write config.toml."""
+    from executor.model_config import select_versions
     from executor.repository import RepositoryError, read_config
 
     started = time.monotonic()
@@ -150,9 +152,13 @@ def tune(o: Options, measure_one: Callable[[Options, pathlib.Path, Layout, float
     except RepositoryError as exc:
         raise TuneError(str(exc)) from None
     versions = _versions(model_dir)
+    served = select_versions(config["version_policy"], versions)
+    if not served:
+        raise TuneError(f"model '{o.model}': its version_policy {config['version_policy']} serves none of the "
+                        f"versions in {model_dir} ({', '.join(versions)})")
     cores = o.cores or len(os.sched_getaffinity(0))
     budget_ms = o.budget_ms or float(config["default_timeout_ms"])
-    current = current_layout(config, versions[-1])
+    current = current_layout(config, served[-1])
     layouts = candidates(current, versions, cores)
     bar = _bar(o.progress, len(layouts) + 2 * o.rounds)
     measured: list[Measured] = []
@@ -205,7 +211,7 @@ def tune(o: Options, measure_one: Callable[[Options, pathlib.Path, Layout, float
         if o.dry_run:
             report.why += "; --dry-run: nothing written"
         else:
-            write(model_dir, report.chosen.layout, versions[-1])
+            write(model_dir, report.chosen.layout, versions[-1], served[-1])
             report.written = True
     report.seconds = time.monotonic() - started
     if report.written:
@@ -213,17 +219,22 @@ def tune(o: Options, measure_one: Callable[[Options, pathlib.Path, Layout, float
     return report
 
 
-def write(model_dir: pathlib.Path, layout: Layout, latest: str) -> None:
-    """The layout into config.toml, whole or not at all (written beside it, then renamed over it)."""
+def write(model_dir: pathlib.Path, layout: Layout, latest: str, served: str) -> None:
+    """The layout into config.toml, whole or not at all (written beside it, then renamed over it);
+    `served`: the version its version_policy serves now (the latest, or one it pins)."""
     config = model_dir / "config.toml"
     text = config.read_text()
     for key, value in layout.keys().items():
         text = set_config(text, key, value)
-    if layout.version != latest:
-        text = set_config(text, "version_policy", f"{{ specific = [{int(layout.version)}] }}")
+    if layout.version != served:
+        policy = "{ latest = 1 }" if layout.version == latest else f"{{ specific = [{int(layout.version)}] }}"
+        text = set_config(text, "version_policy", policy)
     staging = model_dir / ".config.toml.tune"
-    staging.write_text(text)
-    os.replace(staging, config)
+    try:
+        staging.write_text(text)
+        os.replace(staging, config)
+    finally:
+        staging.unlink(missing_ok=True)
 
 
 def _bar(enabled: bool, total: int):

@@ -7,11 +7,14 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
+import tomllib
 
 import pytest
 
 from batchline.tune.layouts import Layout, candidates, refine, set_config, splits
-from batchline.tune.run import REPORT, Measured, Options, TuneError, table, tune
+from batchline.tune.run import REPORT, Measured, Options, TuneError, _serve_copy, table, tune
+from executor.model_config import select_versions
 from executor.repository import load_model, read_config
 
 
@@ -41,6 +44,23 @@ def test_set_config_keeps_comments_and_tables():
     text = "# a model\nmax_batch_size = 8\n# the padding\n[padding]\nx = 0\n"
     out = set_config(set_config(text, "max_batch_size", "16"), "instance_count", "2")
     assert out == "# a model\nmax_batch_size = 16\ninstance_count = 2\n# the padding\n[padding]\nx = 0\n"
+
+
+def test_set_config_keeps_a_comment_after_the_value_and_valid_toml_around_arrays_and_tables():
+    commented = "instance_count = 2  # batches of this model at once\nmax_batch_size = 8\n"
+    assert set_config(commented, "instance_count", "1") == \
+        "instance_count = 1  # batches of this model at once\nmax_batch_size = 8\n"
+    # A key not there goes after a multi-line array, not into it.
+    arrays = "max_batch_size = 8\npreferred_batch_sizes = [\n  4,\n  8,\n]\n# padding\n[padding]\nx = 0\n"
+    out = set_config(arrays, "intra_op_threads", "1")
+    assert tomllib.loads(out) == {**tomllib.loads(arrays), "intra_op_threads": 1} and "# padding\n[padding]" in out
+    # A key written as a table is replaced by the line, not declared twice.
+    table = "max_batch_size = 8\n[version_policy]\nspecific = [1]\n[padding]\nx = 0\n"
+    assert tomllib.loads(set_config(table, "version_policy", "{ specific = [2] }")) == \
+        {"max_batch_size": 8, "version_policy": {"specific": [2]}, "padding": {"x": 0}}
+    assert set_config('name = "a # b"  # c\n', "name", '"z"') == 'name = "z"  # c\n'
+    with pytest.raises(TuneError, match="invalid TOML"):
+        set_config("max_batch_size = 8\n", "max_batch_size", "[1,")
 
 
 @pytest.fixture
@@ -119,6 +139,28 @@ def test_an_older_version_that_serves_best_is_pinned(mlp):
     report = tune(Options("mlp", mlp, cores=2, progress=False), measure)
     assert report.written and report.chosen.layout.version == "1"
     assert read_config(mlp / "mlp")["version_policy"] == {"specific": [1]}
+
+
+def test_a_pinned_version_is_the_current_layout_and_a_latest_winner_unpins_it(mlp):
+    shutil.copytree(mlp / "mlp" / "1", mlp / "mlp" / "2")
+    config = mlp / "mlp" / "config.toml"
+    config.write_text(config.read_text() + "\n[version_policy]\nspecific = [1]\n")
+    served: set[str] = set()
+
+    def measure(o, model_dir, layout, budget_ms):
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = _serve_copy(model_dir, layout, pathlib.Path(tmp)) / "mlp"
+            held = [p.name for p in copy.iterdir() if p.name.isdigit()]
+            assert select_versions(read_config(copy)["version_policy"], held) == [layout.version]
+        served.add(layout.version)
+        return Measured(layout, 500.0 if layout.version == "2" else 100.0)
+
+    report = tune(Options("mlp", mlp, cores=2, progress=False), measure)
+    assert report.current.layout.version == "1"  # what the pin serves, not the latest
+    assert served == {"1", "2"}  # each copy serves the one version it holds
+    assert report.written and report.chosen.layout.version == "2"
+    assert read_config(mlp / "mlp")["version_policy"] == {"latest": 1}
+    assert not (mlp / "mlp" / ".config.toml.tune").exists()
 
 
 def test_an_unknown_model_says_where_it_looked(tmp_path):
