@@ -64,13 +64,18 @@ def mesh_args(model_repository: str | pathlib.Path, log_level: str = "WARNING", 
 
 @contextlib.contextmanager
 def mesh(model_repository: str | pathlib.Path, env: dict[str, str] | None = None, executors: int = 1,
-         log_level: str = "WARNING", gateways: int = 1, metrics_port: int = 0) -> Iterator[str]:
-    """Run a mesh for the duration of the block; yields the gateway address.
+         log_level: str = "WARNING", gateways: int = 1, metrics_port: int = 0,
+         protocol: str = "grpc") -> Iterator[str]:
+    """Run a mesh for the duration of the block; yields the gateway's address for `protocol`
+    (grpc, or http: its REST port, on a free port).
 
     `env` reaches the services' settings (e.g. BATCHLINE_SCHEDULER_POLICY=fifo): the
     children inherit os.environ, which is restored once they are started.
     """
-    m = Mesh(mesh_args(model_repository, log_level, executors, gateways, metrics_port))
+    if protocol not in ("grpc", "http"):
+        raise ValueError(f"protocol must be grpc or http, got {protocol!r}")
+    m = Mesh(mesh_args(model_repository, log_level, executors, gateways, metrics_port,
+                       http_port=0 if protocol == "http" else -1))
     saved = {k: os.environ.get(k) for k in env or {}}
     try:
         os.environ.update(env or {})
@@ -82,7 +87,7 @@ def mesh(model_repository: str | pathlib.Path, env: dict[str, str] | None = None
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        yield address
+        yield address if protocol == "grpc" else f"127.0.0.1:{m.http_port}"
     finally:
         m.stop()
 

@@ -1,9 +1,10 @@
 """Where the closed-loop tail comes from: each service stage's quantiles beside the client's.
 
-    python benchmarks/tail.py [--rounds 3] [--duration 15] [--workloads mlp 16 128]
+    python benchmarks/tail.py [--rounds 3] [--duration 15] [--workloads mlp 16 128] [--protocol grpc|http]
 
 Starts one mesh (metrics on known ports) and drives the demo models closed loop with 60 s budgets:
-mlp unary at 32 in flight, minilm at 16 and at 128 tokens at 32 in flight. Each step is warmed up
+mlp unary at 32 in flight, minilm at 16 and at 128 tokens at 32 in flight, over gRPC unary calls
+or, with --protocol http, over the REST port with binary tensors. Each step is warmed up
 first, then the gateway's, the scheduler's and the executor's /metrics are scraped before and
 after the measured window, and each stage's p50/p90/p99 is read from its histogram's delta
 (batchline_stage_*_seconds: enqueue, queue, dispatch, execute, reply; interpolated within a bucket,
@@ -89,10 +90,11 @@ def step(address: str, ports: list[int], name: str, args) -> dict:
     model, tokens, in_flight = WORKLOADS[name]
     inputs = InputOptions(seq_len=tokens) if tokens else InputOptions()
     # Warmed up in a step of its own, so that the scrapes bracket the measured window alone.
-    run_closed(address, model, in_flight, args.warmup, warmup=0.0, budget_ms=_common.CAPACITY_BUDGET_MS, inputs=inputs)
+    run_closed(address, model, in_flight, args.warmup, warmup=0.0, budget_ms=_common.CAPACITY_BUDGET_MS, inputs=inputs,
+               protocol=args.protocol)
     before = scrape(ports, model)
     result = run_closed(address, model, in_flight, args.duration, warmup=0.0,
-                        budget_ms=_common.CAPACITY_BUDGET_MS, inputs=inputs)
+                        budget_ms=_common.CAPACITY_BUDGET_MS, inputs=inputs, protocol=args.protocol)
     after = scrape(ports, model)
     row = {"req/s": result.throughput_rps, "batch": result.mean_batch_size}
     lat = result.latency_ms or {}
@@ -184,6 +186,8 @@ def main() -> int:
     p.add_argument("--compare", action="store_true",
                    help="batches evened over the lanes against each lane taking everything queued, "
                         "two meshes in alternating rounds")
+    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc",
+                   help="the clients' protocol: gRPC unary calls, or the REST port with binary tensors (default: grpc)")
     args = p.parse_args()
     print(f"machine: {_common.machine()}")
     names = [n for n in WORKLOADS if any(k in n for k in args.workloads)]
@@ -194,7 +198,8 @@ def main() -> int:
         meshes = {}
         for mode, env in modes.items():
             base = _common.free_base(ENDPOINTS)
-            address = stack.enter_context(_common.mesh(repo, env=env, log_level=args.log_level, metrics_port=base))
+            address = stack.enter_context(_common.mesh(repo, env=env, log_level=args.log_level, metrics_port=base,
+                                                       protocol=args.protocol))
             meshes[mode] = (address, [base + i for i in range(ENDPOINTS)])
         for r in range(args.rounds):
             for name in names:
