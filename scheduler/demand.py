@@ -78,6 +78,9 @@ class Demand:
         # The last capacity per model and what it was computed from: it is played again only when they change.
         self._capacity: dict[ModelKey, tuple[tuple, float]] = {}
         self._in_flight: dict[ModelKey, float] = {}  # generative models' sequences in flight, averaged
+        # Generative models' sequences sent to executors, per second: their throughput. Arrivals count
+        # refused requests too, so at saturation they would make each sequence's hold look short.
+        self._started: dict[ModelKey, ArrivalRate] = {}
 
     def due(self, now: float) -> bool:
         return now - self.stepped_at >= self.settings.step_s
@@ -100,11 +103,19 @@ class Demand:
             known = self._capacity[key] = (basis, executor_capacity(rule, cost, budget_s, lanes, length))
         return known[1]
 
-    def generation(self, key: ModelKey, registry: Registry, holders: list[str], in_flight: int, rate: float) -> float:
+    def generation(self, key: ModelKey, registry: Registry, holders: list[str], in_flight: int, started: int,
+                   now: float, arrivals: float) -> float:
         """One executor's capacity for a generative model (generation_capacity), from its holders'
-        registrations and the sequences in flight, averaged over the steps."""
+        registrations and the sequences in flight, averaged over the steps, each held for in flight
+        / sent per second (Little's law; `started`: the sequences sent so far, a count; `arrivals`,
+        the arrival rate, until sending is measured)."""
         held = self._in_flight[key] = in_flight if key not in self._in_flight else \
             self._in_flight[key] + IN_FLIGHT_WEIGHT * (in_flight - self._in_flight[key])
+        sent = self._started.setdefault(key, ArrivalRate())
+        sent.observe(now, started)
+        # Smoothed: a step of long generations may send none, and hold times are not that long.
+        level = sent.holt.level
+        rate = level if level is not None and level > 0 else arrivals
         infos = [m for e in holders if e in registry.executors for m in registry.executors[e].models
                  if (m.name, m.version) == key]
         slots = min((m.generation_slots for m in infos), default=0)
@@ -114,10 +125,11 @@ class Demand:
 
     async def step(self, registry: Registry, plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str], int]],
                    depths: dict[ModelKey, int], now: float,
-                   sequences: dict[ModelKey, tuple[list[str], int]] | None = None) -> pb.MeshDemand:
+                   sequences: dict[ModelKey, tuple[list[str], int, int]] | None = None) -> pb.MeshDemand:
         """Measure, forecast and publish. `plans`: per model served, its rule, its cost, its holders and
         its requests' typical elements per row (Profiles.length);
-        `sequences`: per generative model served, its holders and its sequences in flight."""
+        `sequences`: per generative model served, its holders, its sequences in flight and the
+        sequences sent to executors so far."""
         self.stepped_at = now
         sequences = sequences or {}
         models = sorted(set(plans) | set(sequences))
@@ -131,6 +143,7 @@ class Demand:
             del self.rates[key]  # no longer served: nor its gauges
             self._capacity.pop(key, None)
             self._in_flight.pop(key, None)
+            self._started.pop(key, None)
             self._remove_gauges(key)
         for key, total in zip(models, totals):
             rate = self._rate(key)
@@ -138,7 +151,7 @@ class Demand:
             forecast = rate.ahead(horizon)
             budget_s = registry.models[key].default_timeout_ms / 1000
             if key in sequences:
-                capacity = self.generation(key, registry, *sequences[key], rate.rate)
+                capacity = self.generation(key, registry, *sequences[key], now, rate.rate)
             else:
                 rule, cost, holders, length = plans[key]
                 capacity = self.capacity(key, rule, cost, budget_s, lanes_per_executor(registry, holders), length)
@@ -173,6 +186,7 @@ class Demand:
         and capacities too, which this one's last term left)."""
         self.rates.clear()
         self._in_flight.clear()
+        self._started.clear()
         self._capacity.clear()
         self.last = None
 

@@ -70,7 +70,8 @@ class Scheduler:
         # Per model served, what this step planned it by (rule, cost, holders): the demand step reads them.
         self._plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str], int]] = {}
         # Per generative model served, its holders and its sequences in flight: the demand step reads them.
-        self._generating: dict[ModelKey, tuple[list[str], int]] = {}
+        self._generating: dict[ModelKey, tuple[list[str], int, int]] = {}
+        self._sequences_sent: Counter[ModelKey] = Counter()  # generative requests sent, ever: their throughput
         self._scanned_at = 0.0  # when the last step began reading the queues
         self._held: dict[str, int] = {}  # batches each executor holds, as the last step read them
         # Sequences of each generative model each executor holds (its in-flight batches of it).
@@ -304,7 +305,8 @@ class Scheduler:
         holders = self._holders(key, free_at)
         free = {e: generation.slots(list(self.registry.executors[e].models), key) - self._sequences.get((e, key), 0)
                 for e in holders}
-        self._generating[key] = (holders, sum(n for (_, k), n in self._sequences.items() if k == key))
+        self._generating[key] = (holders, sum(n for (_, k), n in self._sequences.items() if k == key),
+                                 self._sequences_sent[key])
         queue, _ = self.queues.read(key, members)
         self.queues.report(key, info.priority_levels, queue)
         expired = [p for p in queue if p.deadline <= now]
@@ -313,6 +315,7 @@ class Scheduler:
         if expired:
             dispatch.shed(pipe, key, expired, self.queues.entries)
             shed[key] += len(expired)
+        self._sequences_sent[key] += len(placed)
         for eid, p in placed:
             planned = PlannedBatch((p,), p.rows, "generation", p.deadline - now, 0, now, now)
             # (not on the timeline: sequences take cache slots, not the executor's batch turns)

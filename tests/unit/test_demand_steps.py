@@ -88,9 +88,9 @@ def test_the_gauges_go_with_a_model_no_longer_served_and_a_standbys_generative_o
 
     for t in range(3):
         state.arrivals[gpt] = state.arrivals[MODEL] = 10 * t
-        asyncio.run(demand.step(reg, plans, {MODEL: 0, gpt: 0}, float(t), {gpt: (["e1"], 4)}))
+        asyncio.run(demand.step(reg, plans, {MODEL: 0, gpt: 0}, float(t), {gpt: (["e1"], 4, 10 * t)}))
     assert gauge("batchline_arrival_rate_forecast", gpt) is not None
-    asyncio.run(demand.step(reg, {}, {gpt: 0}, 3.0, {gpt: (["e1"], 4)}))  # m is served no more
+    asyncio.run(demand.step(reg, {}, {gpt: 0}, 3.0, {gpt: (["e1"], 4, 30)}))  # m is served no more
     assert gauge("batchline_arrival_rate_forecast", MODEL) is None
     assert gauge("batchline_executor_capacity", MODEL) is None
     demand.forget_gauges()  # the lease lost
@@ -112,7 +112,7 @@ def test_a_generative_model_wants_executors_by_its_sequences_in_flight():
             generation_running=13, decode_step_s=0.013)]))
     for t in range(10):
         state.arrivals[gpt] = 10 * t
-        d = asyncio.run(demand.step(reg, {}, {gpt: 0}, float(t), {gpt: (sorted(reg.executors), 40)}))
+        d = asyncio.run(demand.step(reg, {}, {gpt: 0}, float(t), {gpt: (sorted(reg.executors), 40, 10 * t)}))
     (m,) = d.models
     assert (m.name, m.arrival_rate) == ("gpt", pytest.approx(10.0))
     assert m.capacity == pytest.approx(4.0)
@@ -120,8 +120,27 @@ def test_a_generative_model_wants_executors_by_its_sequences_in_flight():
     # A 5 ms budget per token, with steps of 1 ms per sequence: 5 sequences at once, not 16.
     reg.models[gpt].tpot_ms = 5
     state.arrivals[gpt] = 100
-    d = asyncio.run(demand.step(reg, {}, {gpt: 0}, 10.0, {gpt: (sorted(reg.executors), 40)}))
+    d = asyncio.run(demand.step(reg, {}, {gpt: 0}, 10.0, {gpt: (sorted(reg.executors), 40, 100)}))
     assert d.models[0].capacity == pytest.approx(5 / 4)
+
+
+def test_a_saturated_generative_model_is_sized_by_what_it_serves_not_what_it_refuses():
+    # Every slot full (3 executors of 16), 100 requests/s arriving and 10/s sent: each sequence
+    # holds its slot 48 / 10 = 4.8 s, so one executor serves 16 / 4.8 a second. By arrivals (refused
+    # ones included) it would read 0.48 s and 33/s: N / utilisation executors, whatever the demand.
+    state = MemoryState()
+    demand = Demand(MemorySchedulerStore(state), "s", DemandSettings(target_utilisation=0.5))
+    gpt = ("gpt", "1")
+    reg = Registry()
+    for eid in ("e0", "e1", "e2"):
+        reg.add(pb.ExecutorInfo(executor_id=eid, models=[pb.ModelInfo(
+            name="gpt", version="1", default_timeout_ms=30_000, generation=True, generation_slots=16)]))
+    for t in range(10):
+        state.arrivals[gpt] = 100 * t
+        d = asyncio.run(demand.step(reg, {}, {gpt: 0}, float(t), {gpt: (sorted(reg.executors), 48, 10 * t)}))
+    (m,) = d.models
+    assert m.capacity == pytest.approx(16 / 4.8)
+    assert d.executors_wanted == 60  # 100 / (3.33 x 0.5)
 
 
 def test_the_capacity_is_played_with_the_reported_elements_per_row():
