@@ -24,28 +24,35 @@ def trace_headers(metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, str]
     return md.get("traceparent", ""), md.get("tracestate", "")
 
 
+def count_failure(gateway: Gateway, model: str, version: str, grant: Grant | None, error: BatchlineError) -> None:
+    """A refused or failed request in the failure counters (and its tenant's), as either port counts it."""
+    labels = gateway.catalog.labels(model, version)
+    reason = metrics.status_reason(grpc_status(error))
+    metrics.REQUEST_FAILURE.labels(*labels, reason).inc()
+    if grant is not None:
+        metrics.TENANT_REQUESTS.labels(labels[0], grant.tenant, reason).inc()
+
+
 async def infer(gateway: Gateway, request: ipb.ModelInferRequest, remaining_s: float | None,
                 metadata: Sequence[tuple[str, Any]] | None, name: str = "ModelInfer",
-                grant: Grant | None = None, on_partial: PartialSink | None = None) -> ipb.ModelInferResponse | None:
+                grant: Grant | None = None, on_partial: PartialSink | None = None,
+                rate_taken: bool = False) -> ipb.ModelInferResponse | None:
     """`metadata`: the call's gRPC metadata or HTTP headers (lowercase names), for the trace
     context; `remaining_s`: the client's deadline, if it set one. A decoupled model's responses go
     to `on_partial` (ModelStreamInfer), and its answer is None unless its end came with one.
-    Raises BatchlineError."""
+    `rate_taken`: the tenant's rate was charged already (the REST port charges it before it reads
+    the body, as gRPC charges it before the model is looked up). Raises BatchlineError."""
     started = time.perf_counter()
     traced = telemetry.enabled()
     with (telemetry.server_span(_tracer, name, metadata, {"batchline.model": request.model_name})
           if traced else contextlib.nullcontext()) as span:
         def failed(error: BatchlineError) -> None:
-            labels = gateway.catalog.labels(request.model_name, request.model_version)
-            reason = metrics.status_reason(grpc_status(error))
-            metrics.REQUEST_FAILURE.labels(*labels, reason).inc()
-            if grant is not None:
-                metrics.TENANT_REQUESTS.labels(labels[0], grant.tenant, reason).inc()
+            count_failure(gateway, request.model_name, request.model_version, grant, error)
             if traced:
                 telemetry.set_error(span, f"{grpc_status(error).name}: {error}")
 
         try:
-            if grant is not None and grant.max_rate > 0:
+            if grant is not None and grant.max_rate > 0 and not rate_taken:
                 await gateway.take_rate(grant.tenant, grant.max_rate, request.model_name)
             response = await gateway.infer(
                 request, remaining_s, *trace_headers(metadata), on_partial=on_partial, visible=visible(grant),

@@ -249,24 +249,40 @@ class RestApp:
         answer = ipb.ModelStatisticsResponse(model_stats=[model_statistics(info, s) for info, s in entries])
         return _json(message_dict(answer))
 
+    async def _before_infer(self, grant: Grant | None, name: str, version: str, checks):
+        """`checks` awaited after the tenant's rate is charged (as gRPC charges it first), each refusal
+        counted as the inference's own failures are."""
+        try:
+            if grant is not None and grant.max_rate > 0:
+                await self.gateway.take_rate(grant.tenant, grant.max_rate, name)
+            return await checks()
+        except BatchlineError as exc:
+            inference.count_failure(self.gateway, name, version, grant, exc)
+            raise
+
     async def _infer(self, headers, receive, name: str, version: str, arrived: float):
         grant = self._allow(headers, name)
-        deadline = _deadline(headers, arrived)
-        model = await self.gateway.catalog.model(name, version, visible(grant))  # 404 whatever the body
-        if model.decoupled and not model.generation:
-            raise InvalidArgument(f"HTTP end point doesn't support models with decoupled transaction policy: model "
-                                  f"'{model.name}' answers with any number of responses; call ModelStreamInfer "
-                                  f"on the gRPC port")
-        body = await self._body(headers, receive)
-        length = headers.get(HEADER_LENGTH)
-        if length is not None and not length.isdigit():
-            raise InvalidArgument(f"the Inference-Header-Content-Length header must be a byte count, "
-                                  f"got {length.decode('latin-1')!r}")
-        request, choice = infer_request(body, int(length) if length is not None else None, name, version)
+
+        async def checks():
+            deadline = _deadline(headers, arrived)
+            model = await self.gateway.catalog.model(name, version, visible(grant))  # 404 whatever the body
+            if model.decoupled and not model.generation:
+                raise InvalidArgument(f"HTTP end point doesn't support models with decoupled transaction policy: "
+                                      f"model '{model.name}' answers with any number of responses; call "
+                                      f"ModelStreamInfer on the gRPC port")
+            body = await self._body(headers, receive)
+            length = headers.get(HEADER_LENGTH)
+            if length is not None and not length.isdigit():
+                raise InvalidArgument(f"the Inference-Header-Content-Length header must be a byte count, "
+                                      f"got {length.decode('latin-1')!r}")
+            return deadline, *infer_request(body, int(length) if length is not None else None, name, version)
+
+        deadline, request, choice = await self._before_infer(grant, name, version, checks)
         # What the trace context needs, not every header: this runs for every request.
         metadata = [(k.decode(), v.decode("latin-1")) for k in _TRACE_HEADERS if (v := headers.get(k)) is not None]
         response = await unless_gone(
-            receive, inference.infer(self.gateway, request, _left(deadline), metadata, "HTTP ModelInfer", grant))
+            receive, inference.infer(self.gateway, request, _left(deadline), metadata, "HTTP ModelInfer", grant,
+                                     rate_taken=True))
         body, header_length = infer_response(response, choice)
         if header_length is None:
             return 200, _JSON, body
@@ -275,20 +291,25 @@ class RestApp:
 
     async def _generate(self, headers, receive, name: str, version: str, stream: bool, arrived: float):
         grant = self._allow(headers, name)
-        deadline = _deadline(headers, arrived)
-        await self.gateway.catalog.model(name, version, visible(grant))
-        request = generate_request(await self._json_body(headers, receive), name, version)
+
+        async def checks():
+            deadline = _deadline(headers, arrived)
+            await self.gateway.catalog.model(name, version, visible(grant))
+            return deadline, generate_request(await self._json_body(headers, receive), name, version)
+
+        deadline, request = await self._before_infer(grant, name, version, checks)
         metadata = [(k.decode(), v.decode("latin-1")) for k in _TRACE_HEADERS if (v := headers.get(k)) is not None]
         if not stream:
             response = await unless_gone(
-                receive, inference.infer(self.gateway, request, _left(deadline), metadata, "HTTP generate", grant))
+                receive, inference.infer(self.gateway, request, _left(deadline), metadata, "HTTP generate", grant,
+                                         rate_taken=True))
             if response is None:
                 raise Internal(f"model '{name}' ended without a response: ask generate_stream for its responses")
             return _json(generate_answer(response))
 
         def run(on_partial):
             return inference.infer(self.gateway, request, _left(deadline), metadata, "HTTP generate_stream", grant,
-                                   on_partial)
+                                   on_partial, rate_taken=True)
 
         return 200, SSE_HEADERS, await unless_gone(receive, first_then_rest(run))
 

@@ -13,6 +13,7 @@ import ssl
 import numpy as np
 import pytest
 import tritonclient.http as th
+from prometheus_client import REGISTRY
 from tritonclient.utils import InferenceServerException
 
 from batchline.testing.auth_files import ADMIN, OTHER, SEARCH, token_entry, write_auth_file
@@ -104,6 +105,20 @@ def test_a_tenant_over_its_rate_is_429_with_retry_after(guarded):
     headers, body = refused[0]
     assert "tenant 'capped' is over its rate of 1 requests/s" in json.loads(body)["error"]
     assert int(headers["retry-after"]) >= 1 and 0 < int(headers["retry-after-ms"]) <= 1000
+    # The rate is charged before the body is read, as gRPC charges it before the model is looked up.
+    status, _, body = _request(port, "POST", "/v2/models/mlp/infer", b"{not json", _bearer("capped-secret-4"))
+    assert status == 429, body
+
+
+def test_a_body_refused_before_it_is_queued_is_counted_as_a_failure(guarded):
+    def failures() -> float:
+        return REGISTRY.get_sample_value("batchline_request_failure_total",
+                                         {"model": "mlp", "version": "1", "reason": "invalid_argument"}) or 0.0
+
+    port = guarded.gateway.http_port
+    before = failures()
+    status, _, _ = _request(port, "POST", "/v2/models/mlp/infer", b"{not json", _bearer(SEARCH))
+    assert status == 400 and failures() == before + 1
 
 
 def _context(ca: str, cert: tuple[str, str] | None = None) -> ssl.SSLContext:
