@@ -111,6 +111,10 @@ def deserialize_bytes(buffer: bytes, count: int, name: str) -> np.ndarray:
     while offset < size:
         if offset + 4 > size:
             raise InvalidArgument(f"input '{name}': BYTES data is truncated inside a length prefix at byte {offset}")
+        if len(items) == count:
+            # More than the shape holds: refused now, not after walking what may be millions of elements.
+            raise InvalidArgument(f"input '{name}': shape needs {count} BYTES elements, the data holds more than "
+                                  f"{count} ({size - offset} bytes past the last)")
         (length,) = struct.unpack_from("<I", buffer, offset)
         offset += 4
         if offset + length > size:
@@ -176,7 +180,7 @@ def decode_tensor(name: str, datatype: str, shape: Sequence[int], raw: bytes | N
         else:
             check_raw_size(name, datatype, shape, len(raw))
             flat = np.frombuffer(raw, dtype=dtype)
-        return flat.reshape(tuple(shape))
+        return _shaped(flat, shape, name)
     field = CONTENTS_FIELD.get(datatype)
     if field is None:
         raise InvalidArgument(f"input '{name}': {datatype} can only be sent in raw_input_contents")
@@ -198,7 +202,14 @@ def decode_tensor(name: str, datatype: str, shape: Sequence[int], raw: bytes | N
             wide = np.array(values, dtype=np.int64)
             if not np.array_equal(wide, flat.astype(np.int64)):
                 raise InvalidArgument(f"input '{name}': a value in contents.{field} does not fit {datatype}")
-    return flat.reshape(tuple(shape))
+    return _shaped(flat, shape, name)
+
+
+def _shaped(flat: np.ndarray, shape: Sequence[int], name: str) -> np.ndarray:
+    try:
+        return flat.reshape(tuple(shape))
+    except ValueError:  # a dimension past what numpy indexes ([1, 0, 2**62]: no elements, yet too big)
+        raise InvalidArgument(f"input '{name}': shape {list(shape)} is too large to hold") from None
 
 
 def encode_array(array: np.ndarray) -> tuple[str, list[int], bytes]:

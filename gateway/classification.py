@@ -29,7 +29,7 @@ def requested(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> dict[str, 
             raise InvalidArgument(f"output '{out.name}': parameter '{PARAMETER}' must be an integer >= 1 "
                                   "(classes to return)")
         spec = specs.get(out.name)
-        if spec is not None and (spec.datatype == "BYTES" or spec.datatype not in DATATYPES):
+        if spec is not None and (spec.datatype in ("BYTES", "BOOL") or spec.datatype not in DATATYPES):
             raise InvalidArgument(f"output '{out.name}' of model '{model.name}' is {spec.datatype}: only a numeric "
                                   f"output can be classified")
         asked[out.name] = count
@@ -53,8 +53,9 @@ def classify(response: ipb.ModelInferResponse, model: pb.ModelInfo, asked: dict[
         rows = scores.reshape(out.shape[0], -1) if batched and out.shape else scores.reshape(1, -1)
         count = min(asked[out.name], rows.shape[1])
         labels = specs[out.name].labels if out.name in specs else []
-        # Stable, best first: equal scores keep the lower index first, as Triton's sort does.
-        top = np.argsort(-rows, axis=1, kind="stable")[:, :count]
+        # Stable, best first: equal scores keep the lower index first, as Triton's sort does. Ranked
+        # in float64: negating an unsigned or the lowest signed score would wrap.
+        top = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :count]
         entries = np.array([[_entry(row[j], int(j), labels) for j in idx] for row, idx in zip(rows, top)], dtype=object)
         response.raw_output_contents[i] = serialize_bytes(entries)
         out.datatype = "BYTES"

@@ -70,6 +70,11 @@ def override_maker(name: str, parameters: dict, max_bytes: int) -> Callable[[int
             shown = key[:80] if _is_unicode(key) else ascii(key[:80])[1:-1]  # a message must encode too
             raise Internal(f"failed to poll from model repository: parameter '{shown}' {problem}")
         files[path] = _file(name, key, _value(param))
+    folders = {"/".join(path.split("/")[:i]) for path in files for i in range(1, path.count("/") + 1)}
+    clash = sorted(folders & set(files))
+    if clash:
+        raise Internal(f"failed to poll from model repository: parameter 'file:{clash[0][:80]}' names a file where "
+                       "another parameter's path needs a folder")
     if "config" not in parameters:
         if files:
             raise InvalidArgument(f"failed to load '{name}': file parameters need a 'config' parameter with them "

@@ -49,8 +49,12 @@ class Replies:
         return fut
 
     def queued(self, request_id: str, model: ModelKey) -> None:
-        """Redis acknowledged the request's write: from now on a primary without it has lost it."""
-        self.acknowledged[request_id] = model
+        """Redis acknowledged the request's write: from now on a primary without it has lost it.
+        (Not when its answer came first, a fast executor's on a busy loop: nothing waits any more,
+        and an entry made now would stay for good.)"""
+        waiting = self.waiting.get(request_id)
+        if waiting is not None and not waiting.done():
+            self.acknowledged[request_id] = model
 
     def forget(self, request_id: str) -> None:
         self.waiting.pop(request_id, None)

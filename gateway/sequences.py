@@ -7,6 +7,9 @@ import asyncio
 import contextlib
 from typing import AsyncIterator
 
+import numpy as np
+
+from batchline.codec import DATATYPES
 from batchline.errors import InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
@@ -33,6 +36,11 @@ def check_sequence(request: ipb.ModelInferRequest, model: pb.ModelInfo, rows: in
         if c.kind == "corrid" and isinstance(flags.id, str) and c.datatype != "BYTES":
             raise InvalidArgument(f"model '{model.name}' takes integer sequence ids (its CORRID input '{c.name}' "
                                   f"is {c.datatype}); got the string {flags.id!r}")
+        if c.kind == "corrid" and isinstance(flags.id, int) and c.datatype in DATATYPES and c.datatype != "BYTES":
+            kind = np.iinfo(DATATYPES[c.datatype]) if DATATYPES[c.datatype].kind in "iu" else None
+            if kind is not None and not kind.min <= flags.id <= kind.max:
+                raise InvalidArgument(f"sequence id {flags.id} does not fit model '{model.name}''s CORRID input "
+                                      f"'{c.name}' ({c.datatype}: {kind.min} to {kind.max})")
     return flags
 
 

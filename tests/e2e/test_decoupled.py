@@ -106,6 +106,20 @@ def test_model_config_says_decoupled(served):
         assert client.get_model_config("repeat_int32").config.model_transaction_policy.decoupled
 
 
+def test_an_answer_read_before_its_write_was_acknowledged_leaves_nothing_behind():
+    # A fast executor on a busy loop: the reply is read before the writer resumes after its commit.
+    async def scenario() -> Replies:
+        replies = Replies(store=None, gateway_id="g")
+        fut = replies.expect("r")
+        replies._answer(pb.Reply(request_id="r").SerializeToString())
+        replies.queued("r", ("m", "1"))
+        await fut
+        return replies
+
+    replies = asyncio.run(scenario())
+    assert not replies.acknowledged and not replies.waiting
+
+
 def test_a_response_sent_twice_is_forwarded_once_in_order():
     # A batch run again (its executor died after sending some responses) sends them again.
     async def scenario() -> tuple[list[int], pb.Reply]:

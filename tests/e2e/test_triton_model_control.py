@@ -79,6 +79,11 @@ def test_a_model_loaded_from_files_serves_and_its_override_expires_in_redis(expl
     with pytest.raises(InferenceServerException) as escape:
         client.load_model("other", config="{}", files={"file:../model.onnx": onnx_bytes})
     assert "failed to poll from model repository" in escape.value.message()
+    # Paths where one is a file and the other needs it to be a folder: refused before any executor
+    # tries to write them.
+    with pytest.raises(InferenceServerException) as clash:
+        client.load_model("other", config="{}", files={"file:1": onnx_bytes, "file:1/model.onnx": onnx_bytes})
+    assert "'file:1' names a file where another parameter's path needs a folder" in clash.value.message()
 
     # Unloading drops the override from Redis.
     client.unload_model("from_files")

@@ -137,7 +137,20 @@ def test_wrong_bytes_element_count(count):
     with pytest.raises(InvalidArgument) as e:
         decode_tensor("text", "BYTES", [count], raw, None)
     msg = str(e.value)
-    assert "'text'" in msg and f"needs {count}" in msg and "holds 2" in msg
+    assert "'text'" in msg and f"needs {count}" in msg and ("holds 2" if count > 2 else "holds more than 1") in msg
+
+
+def test_bytes_past_the_shapes_elements_are_refused_without_walking_them():
+    raw = b"\x00" * (60 << 20)  # 15.7 M empty elements for a shape of one: walked, seconds on the event loop
+    with pytest.raises(InvalidArgument) as e:
+        decode_tensor("text", "BYTES", [1, 1], raw, None)
+    # Refused at the second element: every byte after the first element's is left unread.
+    assert f"holds more than 1 ({len(raw) - 4} bytes past the last)" in str(e.value)
+
+
+def test_a_shape_too_large_to_hold_is_invalid_argument_not_an_internal_error():
+    with pytest.raises(InvalidArgument, match="too large to hold"):
+        decode_tensor("x", "FP32", [1, 0, 2**62], b"", None)
 
 
 def test_wrong_typed_contents_count():
