@@ -58,10 +58,26 @@ def assemble(
     return groups
 
 
+class RowMismatch(ValueError):
+    """An output whose first dimension is not the run's rows: it cannot be split among its members."""
+
+
+def check_rows(outputs: Mapping[str, np.ndarray], rows: int) -> None:
+    """RowMismatch unless every output has `rows` rows (a batched model's outputs are per row)."""
+    wrong = {name: arr.shape[0] if arr.ndim else None for name, arr in outputs.items()
+             if not arr.ndim or arr.shape[0] != rows}
+    if wrong:
+        name, got = next(iter(wrong.items()))
+        raise RowMismatch(f"output '{name}' has {got} rows for a run of {rows}: a batched model answers a row "
+                          "for each row it is given (max_batch_size 0 serves one that does not)")
+
+
 def split(outputs: Mapping[str, np.ndarray], rows: Sequence[int], batched: bool) -> list[dict[str, np.ndarray]]:
-    """Per-member outputs: consecutive row ranges of every output."""
+    """Per-member outputs: consecutive row ranges of every output (RowMismatch when an output's rows
+    are not the members' together)."""
     if not batched:
         return [dict(outputs)]
+    check_rows(outputs, sum(rows))
     result: list[dict[str, np.ndarray]] = [{} for _ in rows]
     for name, arr in outputs.items():
         start = 0

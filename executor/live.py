@@ -114,6 +114,8 @@ class LiveRepository:
                 calls = await store.control_calls()
                 for name, (action, seq) in calls.items():
                     self.applied[name] = seq
+                    if s.models and name not in s.models:
+                        continue  # not this executor's to serve, as follow_calls leaves it
                     if action == "load" and not await self._override(name, seq, store):
                         continue
                     if action == "load" and name not in wanted:
@@ -268,7 +270,10 @@ class LiveRepository:
                                   "(its engine reads config.toml and the tokenizer from the repository); load it "
                                   "without them")
             await asyncio.to_thread(self.overrides.apply, name, blob, seq, self.root)
-        except ConfigError as exc:
+        except (ConfigError, OSError) as exc:
+            # A call's files that cannot be written (a path both a file and a folder) fail that load
+            # alone: the calls after it, and the releases, go on.
+            self.overrides.drop(name)
             reason = f"a reload failed: {exc}"
             versions = [key for key in self.slots if key[0] == name]
             for key in versions:

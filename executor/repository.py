@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import pathlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,8 +99,13 @@ def _triton_fields(model_dir: pathlib.Path, config: dict[str, Any], inputs: list
         {s.name: s for s in inputs}[name].format = "" if fmt == "FORMAT_NONE" else fmt
     for name, filename in config["label_filename"].items():
         spec = {s.name: s for s in outputs}[name]
+        # Judged by its name, not where links lead (a load's config alone links the repository's files):
+        # its lines are published as labels, and a name leading out of the model's directory is not the model's.
+        path = pathlib.Path(os.path.normpath(model_dir / filename))
+        if not path.is_relative_to(os.path.normpath(model_dir)):
+            raise RepositoryError(f"{where}: [label_filename] {name}: {filename!r} is outside the model's directory")
         try:
-            lines = (model_dir / filename).read_text().splitlines()
+            lines = path.read_text().splitlines()
         except OSError as exc:
             raise RepositoryError(f"{where}: [label_filename] {name}: cannot read {model_dir / filename} "
                                   f"({exc.strerror})") from None

@@ -16,7 +16,7 @@ from batchline.protocol import internal_pb2 as pb
 from batchline.sizing import row_length
 from batchline.regions import RegionUnreadable
 from executor import shared_memory
-from executor.batching import assemble, split
+from executor.batching import assemble, check_rows, split
 from executor.repository import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -77,16 +77,17 @@ async def run(model: LoadedModel, members: list[Member]) -> int:
         group_members = [members[i] for i in group.members]
         try:
             outputs = await asyncio.to_thread(_session_run, model, group.inputs)
+            parts = split(outputs, group.rows, batched)
         except Exception as exc:  # noqa: BLE001
             if len(group_members) == 1:
                 group_members[0].error = InvalidArgument(f"model '{model.name}' failed on this request: {exc}")
                 continue
-            # Someone in the group poisons the run: retry each alone so
-            # only the culprit fails.
+            # Someone in the group poisons the run (or its outputs cannot be split by rows): retry each
+            # alone so only the culprit fails.
             log.warning("%s: batch of %d failed (%s); retrying members one by one", model.name, len(group_members), exc)
             units += await _run_singly(model, group_members)
             continue
-        for m, out in zip(group_members, split(outputs, group.rows, batched)):
+        for m, out in zip(group_members, parts):
             m.outputs = out
     return units
 
@@ -97,7 +98,10 @@ async def _run_singly(model: LoadedModel, members: list[Member]) -> int:
     for m in members:
         units += m.entry.rows * row_length(model.info, {name: arr.shape for name, arr in m.inputs.items()})
         try:
-            m.outputs = await asyncio.to_thread(_session_run, model, m.inputs)
+            outputs = await asyncio.to_thread(_session_run, model, m.inputs)
+            if model.info.max_batch_size > 0:
+                check_rows(outputs, m.entry.rows)
+            m.outputs = outputs
         except Exception as exc:  # noqa: BLE001
             m.error = InvalidArgument(f"model '{model.name}' failed on this request: {exc}")
     return units

@@ -107,12 +107,19 @@ async def begin(store: ExecutorStore, model: LoadedModel, members: list[Member])
         else:
             step.before = list(saved.after)
         values = {"start": int(flags.start), "end": int(flags.end), "ready": 1, "corrid": flags.id}
-        for c in seq.controls:
-            dtype = DATATYPES[c.datatype]
-            m.inputs[c.name] = np.full(_feed_shape(shapes[c.name], batched), values[c.kind],
-                                       dtype=object if c.datatype == "BYTES" else dtype)
-        for s, raw in zip(seq.states, step.before):
-            m.inputs[s.input] = np.frombuffer(raw, DATATYPES[s.datatype]).reshape([1, *s.shape])
+        try:
+            for c in seq.controls:
+                dtype = DATATYPES[c.datatype]
+                m.inputs[c.name] = np.full(_feed_shape(shapes[c.name], batched), values[c.kind],
+                                           dtype=object if c.datatype == "BYTES" else dtype)
+            for s, raw in zip(seq.states, step.before):
+                m.inputs[s.input] = np.frombuffer(raw, DATATYPES[s.datatype]).reshape([1, *s.shape])
+        except (OverflowError, ValueError, TypeError) as exc:
+            # This member's id or saved state does not fit the model's inputs (an id past its CORRID
+            # type, a state saved under another shape): it alone is refused; its batch runs.
+            m.error = InvalidArgument(f"sequence {flags.id}: its controls or state do not fit model "
+                                      f"'{model.info.name}' ({exc})")
+            continue
         runnable.append(step)
     return runnable
 

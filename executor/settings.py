@@ -1,7 +1,7 @@
 """Executor settings (environment prefix BATCHLINE_EXECUTOR_)."""
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from batchline.settings import CommonSettings, ModelControlMode
@@ -75,9 +75,11 @@ class ExecutorSettings(CommonSettings):
         "MiB: it holds as many sequences at once as it has room for at the model's max_context (the scheduler "
         "places no more on it).", gt=0,
     )
-    heartbeat_interval_s: float = Field(1.0, description="Seconds between registrations in Redis.")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="Seconds between registrations in Redis.")
     heartbeat_ttl_s: float = Field(
-        3.0, description="Seconds without a heartbeat after which the executor is considered dead."
+        3.0, gt=0, description="Seconds without a heartbeat after which the executor is considered dead; more "
+        "than heartbeat_interval_s (else a live executor looks dead between beats and its batches run again "
+        "elsewhere)."
     )
     drain_timeout_s: float = Field(
         30.0,
@@ -87,6 +89,14 @@ class ExecutorSettings(CommonSettings):
     warmup: bool = Field(True, description="Run each model at load (once, then timed at batch sizes 1, 2, 4, ... "
         "up to its maximum) so the first request does not pay for it and the scheduler's latency profile starts "
         "from measurements.")
+
+    @model_validator(mode="after")
+    def _beats_within_their_ttl(self) -> "ExecutorSettings":
+        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            raise ValueError(f"heartbeat_ttl_s ({self.heartbeat_ttl_s:g}) must be more than heartbeat_interval_s "
+                             f"({self.heartbeat_interval_s:g}): between two beats the executor would look dead, and "
+                             "its batches would be handed back and run again")
+        return self
 
     @field_validator("executor_id")
     @classmethod

@@ -7,6 +7,7 @@ import queue
 import uuid
 from functools import partial
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -15,6 +16,7 @@ from tritonclient.utils import InferenceServerException
 from batchline import contract
 from batchline.contract.executor_store import ExecutorStore
 from batchline.protocol import inference_pb2 as ipb
+from batchline.protocol import inference_pb2_grpc
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import connect, connect_blocking, connect_sync
 from batchline.sequences import SequenceFlags
@@ -131,6 +133,42 @@ def test_a_string_id_is_refused_where_corrid_is_an_integer(served):
     with grpcclient.InferenceServerClient(served.address) as client:
         err = refused(lambda: client.infer("accumulator", value(1), sequence_id="abc", sequence_start=True))
     assert "StatusCode.INVALID_ARGUMENT" in str(err.status()) and "CORRID" in err.message()
+
+
+def test_an_id_past_the_corrid_type_is_refused_at_the_door_and_alone_on_the_executor(served, repo, redis_server):
+    request = ipb.ModelInferRequest(model_name="accumulator")
+    request.inputs.add(name="INPUT", datatype="INT32", shape=[1, 1])
+    request.raw_input_contents.append(np.array([[1]], np.int32).tobytes())
+    request.parameters["sequence_id"].uint64_param = 2**63 + 1  # past INT64, the CORRID's type
+    request.parameters["sequence_start"].bool_param = True
+    with grpc.insecure_channel(served.address) as channel:
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sequence id 9223372036854775809 does not fit" in info.value.details()
+    # One that reached an executor anyway (queued by an older gateway) fails alone: its batch runs.
+    model = load_model(repo / "accumulator", repo / "accumulator" / "1", read_config(repo / "accumulator"),
+                       ["CPUExecutionProvider"], "", 1)
+    seq_id = uuid.uuid4().int % 10**9
+    entries = [_step("ok-1", seq_id, 5, start=True), _step("bad", 0, 1, start=True), _step("ok-2", seq_id + 1, 2,
+                                                                                          start=True)]
+    bad = ipb.ModelInferRequest.FromString(entries[1][1])
+    bad.parameters["sequence_id"].uint64_param = 2**63 + 1
+    entries[1] = (entries[1][0], bad.SerializeToString())
+
+    async def begin() -> list:
+        store = ExecutorStore(connect(redis_server.url, 2), connect_blocking(redis_server.url, 2))
+        try:
+            members = [running.decoded(*e, model, pb.Batch(model_name="accumulator"), "e") for e in entries]
+            steps = await sequences.begin(store, model, members)
+            return [m.error for m in members], [s.member.entry.request_id for s in steps]
+        finally:
+            await store.aclose()
+
+    errors, runnable = asyncio.run(begin())
+    assert runnable == ["ok-1", "ok-2"] and errors[0] is None and errors[2] is None
+    assert "do not fit model 'accumulator'" in str(errors[1])
 
 
 def test_a_sequence_request_carries_one_row(served):

@@ -118,3 +118,19 @@ def test_dtype_differences_do_not_mix_even_when_padded():
     assert [g.members for g in groups] == [[0], [1]]
     assert groups[0].inputs["ids"].dtype == np.int64
     assert groups[1].inputs["ids"].dtype == np.int32
+
+
+def test_outputs_whose_rows_are_not_the_members_are_not_split():
+    import pytest
+
+    from executor.batching import RowMismatch
+
+    # A graph that answers one row whatever it is given: split, the second member would get nothing,
+    # and with six rows for two of three each, rows of the wrong member.
+    with pytest.raises(RowMismatch, match="output 'y' has 1 rows for a run of 2"):
+        split({"y": np.zeros((1, 4))}, [1, 1], batched=True)
+    with pytest.raises(RowMismatch, match="has 6 rows for a run of 4"):
+        split({"y": np.zeros((6, 2))}, [2, 2], batched=True)
+    with pytest.raises(RowMismatch, match="output 'y' has None rows"):
+        split({"y": np.float32(1.0)}, [1], batched=True)
+    assert [p["y"].shape for p in split({"y": np.zeros((3, 2))}, [1, 2], batched=True)] == [(1, 2), (2, 2)]

@@ -45,3 +45,13 @@ def test_an_executor_id_that_could_clash_with_a_lane_is_refused():
         parse_settings(ExecutorSettings, ["--executor-id", "gpu-0#1"], prog="ex", description="")
     assert parse_settings(ExecutorSettings, ["--executor-id", "gpu-0"], prog="ex",
                           description="").executor_id == "gpu-0"
+
+
+@pytest.mark.parametrize("flags", [["--heartbeat-ttl-s", "0"], ["--heartbeat-interval-s", "0"],
+                                   ["--heartbeat-ttl-s", "1", "--heartbeat-interval-s", "1"]])
+def test_an_executor_heartbeat_that_would_lapse_between_beats_is_refused(flags, capsys):
+    # A ttl within one interval makes a live executor look dead, and its batches run twice.
+    with pytest.raises(SystemExit):
+        parse_settings(ExecutorSettings, flags, prog="ex", description="")
+    assert parse_settings(ExecutorSettings, ["--heartbeat-ttl-s", "1.5", "--heartbeat-interval-s", "0.5"], prog="ex",
+                          description="").heartbeat_ttl_s == 1.5

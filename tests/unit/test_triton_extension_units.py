@@ -199,3 +199,43 @@ def test_a_tenant_sees_uses_and_unregisters_only_its_own_regions():
     finally:
         regions.close()
         os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_label_file_named_outside_the_model_directory_is_refused(tmp_path):
+    from batchline.protocol import internal_pb2 as pb
+    from executor.repository import RepositoryError, _triton_fields
+
+    model_dir = tmp_path / "repo" / "m"
+    model_dir.mkdir(parents=True)
+    (tmp_path / "secret.txt").write_text("do not publish\n")
+    (model_dir / "labels.txt").write_text("cat\ndog\n")
+    config = {"input_format": {}, "label_filename": {"probs": "../../secret.txt"}}
+    with pytest.raises(RepositoryError, match="'../../secret.txt' is outside the model's directory"):
+        _triton_fields(model_dir, config, [], [pb.TensorSpec(name="probs")])
+    # A link inside the directory (a load's config alone links the repository's files) is the model's.
+    (model_dir / "linked.txt").symlink_to(model_dir / "labels.txt")
+    outputs = [pb.TensorSpec(name="probs")]
+    _triton_fields(model_dir, {"input_format": {}, "label_filename": {"probs": "linked.txt"}}, [], outputs)
+    assert list(outputs[0].labels) == ["cat", "dog"]
+
+
+@pytest.mark.parametrize("datatype, scores, best", [
+    ("UINT8", [0, 5, 10], [b"10.000000:2", b"5.000000:1"]),  # negated, an unsigned score wraps
+    ("INT8", [-128, 5, 10], [b"10.000000:2", b"5.000000:1"]),  # and so does the lowest signed one
+    ("INT64", [-2**63, 0, 1], [b"1.000000:2", b"0.000000:1"]),
+])
+def test_classification_ranks_every_numeric_type_best_first(datatype, scores, best):
+    from batchline.codec import DATATYPES
+
+    model = pb.ModelInfo(name="m", max_batch_size=0, outputs=[pb.TensorSpec(name="scores", datatype=datatype)])
+    response = ipb.ModelInferResponse(outputs=[ipb.ModelInferResponse.InferOutputTensor(
+        name="scores", datatype=datatype, shape=[3])])
+    response.raw_output_contents.append(np.array(scores, DATATYPES[datatype]).tobytes())
+    classification.classify(response, model, classification.requested(_ask("scores", 2), model))
+    assert deserialize_bytes(response.raw_output_contents[0], 2, "scores").tolist() == best
+
+
+def test_a_bool_output_is_refused_for_classification_before_it_runs():
+    model = pb.ModelInfo(name="m", outputs=[pb.TensorSpec(name="flags", datatype="BOOL")])
+    with pytest.raises(InvalidArgument, match="is BOOL: only a numeric output"):
+        classification.requested(_ask("flags", 1), model)
