@@ -3,6 +3,11 @@ long as they stay queued; how much company arrivals bring (scheduler/company.py)
 pending-requests gauges it reports per priority level."""
 from __future__ import annotations
 
+import logging
+from typing import Callable
+
+from google.protobuf.message import DecodeError
+
 from batchline import metrics
 from batchline.contract import OVER_SHARE
 from batchline.contract.keys import ModelKey
@@ -14,6 +19,8 @@ from scheduler.load_views import LoadViews, pending_by_level
 # How long the scheduler keeps batches headed by over-share requests short after the last request
 # within its tenant's share arrived.
 IN_SHARE_MEMORY_S = 2.0
+
+log = logging.getLogger(__name__)
 
 
 class Queues:
@@ -27,21 +34,33 @@ class Queues:
         self._levels: dict[ModelKey, set[int]] = {}  # priority levels with a pending gauge
         self._shares: dict[ModelKey, tuple[float, float]] = {}  # shortest in-share budget lately, last seen
 
-    def read(self, key: ModelKey, members: list[bytes]) -> tuple[list[Pending], int]:
-        """The queue's scanned head as planning sees it, and how many of it are new since the last step."""
+    def read(self, key: ModelKey, members: list[bytes],
+             drop: Callable[[list[bytes]], None]) -> tuple[list[Pending], int]:
+        """The queue's scanned head as planning sees it, and how many of it are new since the last step.
+        A member that is no QueueEntry goes to `drop` (its removal, with the step's writes) and is left
+        out: one unreadable entry must not stop the scheduling of every queue, step after step."""
         arrivals = 0
         queue = []
+        unreadable = []
         for member in members:
             p = self.pending.get(member)
             if p is None:
+                try:
+                    e = pb.QueueEntry.FromString(member)
+                except DecodeError:
+                    unreadable.append(member)
+                    continue
                 arrivals += 1
-                e = self.entries[member] = pb.QueueEntry.FromString(member)
+                self.entries[member] = e
                 self.views.count(key, e)  # every view of this model from now on counts it, queued or sent on
                 p = self.pending[member] = Pending(e.request_id, e.rows, e.priority, e.deadline_us / 1e6,
                                                    e.enqueued_us / 1e6, member, e.length or 1)
                 if e.priority <= OVER_SHARE:
                     self._in_share(key, p)
             queue.append(p)
+        if unreadable:
+            log.warning("queue of %s:%s: %d entries that are no QueueEntry were removed", *key, len(unreadable))
+            drop(unreadable)
         return queue, arrivals
 
     def _in_share(self, key: ModelKey, p: Pending) -> None:

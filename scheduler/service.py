@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from functools import partial
 
 from batchline import contract, metrics
 from batchline.contract.keys import ModelKey
@@ -264,7 +265,7 @@ class Scheduler:
         holders = self._holders(key, free_at)
         await self.profiles.adopt([(*key, kind(self.registry, e, key)) for e in holders])
         cost = self.profiles.for_model(self.registry, key, holders).cost(self.settings.overhead_ms / 1000)
-        queue, arrivals = self.queues.read(key, members)
+        queue, arrivals = self.queues.read(key, members, partial(pipe.drop, key))
         # FIFO is the Triton baseline: it always waits max_queue_delay.
         company = self.queues.company(key, len(queue), arrivals, now) if self.settings.policy != FIFO else None
         self.queues.report(key, info.priority_levels, queue)
@@ -307,7 +308,7 @@ class Scheduler:
                 for e in holders}
         self._generating[key] = (holders, sum(n for (_, k), n in self._sequences.items() if k == key),
                                  self._sequences_sent[key])
-        queue, _ = self.queues.read(key, members)
+        queue, _ = self.queues.read(key, members, partial(pipe.drop, key))
         self.queues.report(key, info.priority_levels, queue)
         expired = [p for p in queue if p.deadline <= now]
         placed = generation.place([p for p in queue if p.deadline > now], free)

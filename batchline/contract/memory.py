@@ -120,6 +120,12 @@ class MemoryStepWrites:
             s.stats[model]["fail_count"] += len(members)
         self._writes.append(run)
 
+    def drop(self, model: ModelKey, members: Sequence[bytes]) -> None:
+        def run() -> None:
+            for m in members:
+                self.state.queues[model].pop(m, None)
+        self._writes.append(run)
+
     def publish_load(self, model: ModelKey, load: bytes) -> None:
         self._writes.append(lambda: self.state.loads.__setitem__(model, load))
 

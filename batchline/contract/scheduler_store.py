@@ -56,6 +56,10 @@ class StepWrites:
              replies: Mapping[str, Sequence[pb.Reply]]) -> None:
         calls.shed(self._pipe, model, members, request_ids, replies)
 
+    def drop(self, model: ModelKey, members: Sequence[bytes]) -> None:
+        """Remove queue members nobody can read (no request id to answer: their payloads expire)."""
+        self._pipe.zrem(k.queue(model), *members)
+
     def publish_load(self, model: ModelKey, load: bytes) -> None:
         """The model's ModelLoad, for the gateways' admission (short TTL)."""
         self._pipe.set(k.load(model), load, px=k.LOAD_TTL_MS)

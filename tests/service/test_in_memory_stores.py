@@ -63,6 +63,22 @@ def test_a_step_dispatches_what_is_due_and_sheds_what_cannot_make_its_deadline()
     assert scheduler.counts["batches"] == 1 and scheduler.counts["shed"] == 1
 
 
+def test_an_unreadable_queue_entry_is_dropped_and_the_rest_dispatched():
+    state = MemoryState()
+    _registered(state, "x1", pb.ModelInfo(name="mlp", version="1", max_batch_size=8, max_queue_delay_ms=0,
+                                          providers=["CPUExecutionProvider"]))
+    state.queues[MLP][b"\xff\xff not a QueueEntry"] = 0.0
+    state.enqueue(MLP, _entry("a", now_us() + 2_000_000), b"payload")
+    scheduler = Scheduler(SchedulerSettings(redis_url="redis://unused", policy="fifo"),
+                          store=MemorySchedulerStore(state))
+
+    asyncio.run(scheduler.step())
+
+    assert not state.queues[MLP]  # the unreadable one removed, the readable one sent
+    (blob,) = state.work["x1"]
+    assert [m.request_id for m in pb.Batch.FromString(blob).members] == ["a"]
+
+
 def test_a_step_leaves_a_queue_whose_only_executor_is_busy():
     state = MemoryState()
     _registered(state, "x1", pb.ModelInfo(name="mlp", version="1", max_batch_size=8, max_queue_delay_ms=0))
