@@ -118,9 +118,10 @@ class LatencyProfile:
                 a, b = 0.0, float(np.median(t))
         resid = t - (a * n + b)
         margin = max(0.0, float(np.quantile(resid, self._quantile)))
-        return (a, b, margin), self._class_margins(n, resid, a, b)
+        return (a, b, margin), self._class_margins(n, resid, a, b, float(t.max()))
 
-    def _class_margins(self, n: np.ndarray, resid: np.ndarray, a: float, b: float) -> tuple[float, ...]:
+    def _class_margins(self, n: np.ndarray, resid: np.ndarray, a: float, b: float,
+                       slowest_s: float) -> tuple[float, ...]:
         classes = np.maximum(0, np.floor(np.log2(np.maximum(n, 1)))).astype(int)
         top = int(classes.max())
         own: list[float | None] = []
@@ -139,6 +140,8 @@ class LatencyProfile:
         for k, m in enumerate(own):
             if m is None:
                 j = min(measured, key=lambda j: (abs(j - k), -j))
-                m = own[j] * typical(k) / typical(j)
+                # Scaled from the nearest class measured, but never past the slowest run seen: a fit
+                # whose line is near zero at class j (a negative intercept) would scale it ten-thousandfold.
+                m = min(own[j] * typical(k) / typical(j), slowest_s)
             table.append(m)
         return tuple(table)

@@ -39,6 +39,7 @@ class Profiles:
         self.margin_quantile = margin_quantile
         self.by_key: dict[ProfileKey, LatencyProfile] = {}
         self.lengths: dict[ModelKey, float] = {}  # elements per row, averaged over the batches reported
+        self._adopted: set[ProfileKey] = set()  # profiles whose saved samples this lease has read
         self.saved_at = time.monotonic()
 
     def of(self, key: ProfileKey) -> LatencyProfile:
@@ -73,16 +74,32 @@ class Profiles:
         return max(1, round(self.lengths.get(model, 1.0)))
 
     async def adopt(self, keys: list[ProfileKey]) -> None:
-        """Adopt the samples a previous scheduler saved, for profiles this one has not seen yet."""
-        missing = [k for k in keys if k not in self.by_key]
+        """Adopt the samples a previous scheduler saved, once per profile and lease: under the samples
+        this one observed already (a step's reports come in before its plan adopts), not instead of them.
+        A profile that skipped its saved samples would be saved over them a few seconds later."""
+        missing = [k for k in keys if k not in self._adopted]
         if not missing:
             return
         blobs = await self.store.saved_profiles(missing)
         for key, blob in zip(missing, blobs):
+            self._adopted.add(key)
+            if not blob:
+                self.of(key)
+                continue
+            seen = self.by_key.pop(key, None)
             profile = self.of(key)
-            if blob:
-                for units, seconds in _SAMPLE.iter_unpack(blob):
-                    profile.observe(abs(int(units)), float(seconds), warm_up=units < 0)
+            for units, seconds in _SAMPLE.iter_unpack(blob):
+                profile.observe(abs(int(units)), float(seconds), warm_up=units < 0)
+            if seen is not None:  # newer than the saved ones: observed on top of them
+                for units, seconds in seen.warm_up_samples():
+                    profile.observe(units, seconds, warm_up=True)
+                for units, seconds in seen.samples():
+                    profile.observe(units, seconds)
+
+    def forget(self) -> None:
+        """Another scheduler led meanwhile, and saved what it learned: adopt it again."""
+        self.by_key.clear()
+        self._adopted.clear()
 
     async def save(self) -> None:
         self.saved_at = time.monotonic()

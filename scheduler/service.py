@@ -146,6 +146,7 @@ class Scheduler:
                 self.queues.forget_steps()
                 self.fleet.read_again()
                 self.demand.forget()
+                self.profiles.forget()
             else:
                 self.queues.forget_gauges()
                 self.demand.forget_gauges()

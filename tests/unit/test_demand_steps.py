@@ -161,3 +161,24 @@ def test_the_capacity_is_played_with_the_reported_elements_per_row():
     one = demand.capacity(MODEL, BatchingRule(32), COST, 1.0, 1)
     sixteen = demand.capacity(MODEL, BatchingRule(32), COST, 1.0, 1, profiles.length(MODEL))
     assert sixteen < one / 4
+
+
+def test_a_new_leaders_profile_keeps_the_saved_samples_under_its_first_reports():
+    import struct
+
+    from scheduler.profiles import Profiles
+
+    state = MemoryState()
+    key = ("m", "1", "cpu")
+    # What the previous leader saved: 200 batches at 10 ms a unit.
+    state.profiles[key] = b"".join(struct.pack("<ff", u, u * 0.010) for u in [8, 16, 4, 32] * 50)
+    profiles = Profiles(MemorySchedulerStore(state), 0.005, 0.99)
+    profiles.of(key).observe(8, 0.080)  # this step's report, read before the plan adopts
+    asyncio.run(profiles.adopt([key]))
+    assert len(profiles.of(key)) == 201
+    assert profiles.of(key).predict(8) == pytest.approx(0.080, rel=0.05)
+    asyncio.run(profiles.save())
+    assert len(state.profiles[key]) == 201 * 8  # the saved ones kept, not overwritten by one
+    profiles.forget()  # the lease lost and taken again: what the other leader saved is read again
+    asyncio.run(profiles.adopt([key]))
+    assert len(profiles.of(key)) == 201

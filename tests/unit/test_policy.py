@@ -898,3 +898,18 @@ def test_the_cap_leaves_an_over_share_batch_a_slice_of_the_in_share_budget():
     assert over_share_rows(PER_ROW, IN_SHARE_BUDGET, 1, 8) == 2
     assert over_share_rows(PER_ROW, 10.0, 1, 8) == 0  # the whole batch fits: no cap
     assert over_share_rows(PER_ROW, None, 1, 8) == 0
+
+
+def test_a_size_class_borrowing_a_margin_never_gets_more_than_the_slowest_run_seen():
+    import numpy as np
+
+    # Text-like costs growing faster than linearly: the fit's line has a negative intercept and sits
+    # near zero at the smallest measured class, which every class without samples of its own borrows from.
+    profile = LatencyProfile(default=0.005, margin_quantile=0.99)
+    rng = np.random.default_rng(1)
+    for units, seconds, count in ((32, 0.0008, 20), (512, 0.015, 10), (4096, 0.41, 10)):
+        for _ in range(count):
+            profile.observe(units, seconds * (1 + 0.1 * rng.random()))
+    slowest = max(s for _, s in profile.samples())
+    margins = profile.cost().margin_by_size_s
+    assert margins and max(margins) <= slowest  # scaled from the class near zero: 7,287 s at 4096 units
