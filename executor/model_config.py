@@ -7,6 +7,7 @@ fails until the page is regenerated).
 """
 from __future__ import annotations
 
+import math
 import pathlib
 import tomllib
 from typing import Any, Literal
@@ -272,9 +273,32 @@ class ModelConfig(BaseModel):
     @field_validator("max_batch_size")
     @classmethod
     def _batch_size(cls, value: int) -> int:
-        if value < 0:
-            raise _problem("max_batch_size must be >= 0")
+        if not 0 <= value < 2**32:  # it travels as a uint32 (ModelInfo)
+            raise _problem(f"max_batch_size must be from 0 to {2**32 - 1} (got {value})")
         return value
+
+    @field_validator("priority_levels", "max_queue_size", "default_priority")
+    @classmethod
+    def _counts(cls, value: int, info: Any) -> int:
+        low = 1 if info.field_name == "default_priority" else 0
+        if not low <= value < 2**32:  # each travels as a uint32 (ModelInfo)
+            raise _problem(f"{info.field_name} must be from {low} to {2**32 - 1} (got {value})")
+        return value
+
+    @field_validator("preferred_batch_sizes")
+    @classmethod
+    def _preferred(cls, value: list[int]) -> list[int]:
+        bad = [v for v in value if not 1 <= v < 2**32]
+        if bad:
+            raise _problem(f"preferred_batch_sizes must be batch sizes >= 1 (got {bad})")
+        return value
+
+    @model_validator(mode="after")
+    def _priority_within_levels(self) -> "ModelConfig":
+        if self.priority_levels and self.default_priority > self.priority_levels:
+            raise _problem(f"default_priority {self.default_priority} is past priority_levels {self.priority_levels} "
+                           "(levels are 1, the highest, to priority_levels)")
+        return self
 
     @field_validator("instance_count", mode="before")
     @classmethod
@@ -287,16 +311,17 @@ class ModelConfig(BaseModel):
     @field_validator("default_timeout_ms")
     @classmethod
     def _default_timeout(cls, value: float) -> float:
-        if not value > 0:
+        if not (value > 0 and math.isfinite(value)):
             # Every request that names no budget would be refused as already past its deadline.
-            raise _problem("default_timeout_ms must be > 0 (it is the budget of requests that name none)")
+            raise _problem("default_timeout_ms must be a finite number > 0 (it is the budget of requests that name "
+                           "none)")
         return value
 
     @field_validator("max_queue_delay_ms")
     @classmethod
     def _queue_delay(cls, value: float) -> float:
-        if value < 0:
-            raise _problem("max_queue_delay_ms must be >= 0")
+        if not (value >= 0 and math.isfinite(value)):
+            raise _problem("max_queue_delay_ms must be a finite number >= 0")
         return value
 
 

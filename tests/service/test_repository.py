@@ -66,8 +66,17 @@ def test_config_errors_name_the_problem(tmp_path, model_repository):
     for text, problem in [
         ("max_batch_size = 4\nmax_batch = 3\n", "unknown keys.*max_batch"),
         ("max_batch_size = 4\n[padding]\ntokens = 0\n", "tokens"),
-        ("default_timeout_ms = 0\n", "default_timeout_ms must be > 0"),
-        ("max_queue_delay_ms = -1\n", "max_queue_delay_ms must be >= 0"),
+        ("default_timeout_ms = 0\n", "default_timeout_ms must be a finite number > 0"),
+        ("default_timeout_ms = inf\n", "default_timeout_ms must be a finite number > 0"),
+        ("max_queue_delay_ms = -1\n", "max_queue_delay_ms must be a finite number >= 0"),
+        ("max_queue_delay_ms = nan\n", "max_queue_delay_ms must be a finite number >= 0"),
+        # Each travels as a uint32: accepted, they failed the model's load as if ONNX Runtime had.
+        ("max_batch_size = 4294967296\n", "max_batch_size must be from 0 to 4294967295"),
+        ("priority_levels = -1\n", "priority_levels must be from 0"),
+        ("max_queue_size = -5\n", "max_queue_size must be from 0"),
+        ("default_priority = 0\n", "default_priority must be from 1"),
+        ("preferred_batch_sizes = [4, -2]\n", r"preferred_batch_sizes must be batch sizes >= 1 \(got \[-2\]\)"),
+        ("priority_levels = 2\ndefault_priority = 3\n", "default_priority 3 is past priority_levels 2"),
     ]:
         (model / "config.toml").write_text(text)
         with pytest.raises(RepositoryError, match=problem):
