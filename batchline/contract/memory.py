@@ -98,6 +98,8 @@ class MemoryStepWrites:
                  blob: bytes | None = None) -> None:
         def run() -> int:
             s, model = self.state, (batch.model_name, batch.model_version)
+            if not all(m in s.queues[model] for m in members):
+                return 0  # all of them or none, as DISPATCH_LUA on one Redis
             taken = [m for m in members if s.queues[model].pop(m, None) is not None]
             if taken:
                 stored = batch if blob is None else pb.Batch.FromString(blob)

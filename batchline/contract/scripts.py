@@ -18,9 +18,13 @@ end
 """
 
 # Moves queue members into a dispatched batch atomically, so that a request is
-# either still queued or in exactly one batch, whatever crashes. Members that
-# vanished meanwhile (their gateway gave up and removed them) are not taken;
-# the executor skips them too, as their payloads are gone. The Batch goes
+# either still queued or in exactly one batch, whatever crashes. With the
+# executor's keys (one Redis), all of them or none: a member gone meanwhile was
+# cancelled, or taken by another scheduler's batch around a lease change, and
+# the Batch carries every member, so an executor would run such a one twice;
+# those still queued go in the next step's plan. On a cluster (below) members
+# that vanished are not taken, and the executor skips those whose payloads are
+# gone. The Batch goes
 # under the batch key and into the model's in-flight set of its executor (what
 # recovery re-dispatches if that executor dies) and, given their keys, to the
 # executor (hand_over). Returns how many members were taken; with none,
@@ -35,6 +39,13 @@ end
 # KEYS: queue, batch key, in-flight set[, work list, served set]
 # ARGV: batch_id, batch ttl ms, work ttl s, Batch bytes, model tag, member bytes...
 DISPATCH_LUA = _HAND_OVER_FN + """
+if #KEYS == 5 then
+  for i = 6, #ARGV do
+    if not redis.call('ZSCORE', KEYS[1], ARGV[i]) then
+      return 0
+    end
+  end
+end
 local n = 0
 for i = 6, #ARGV do
   n = n + redis.call('ZREM', KEYS[1], ARGV[i])

@@ -212,3 +212,25 @@ def test_a_token_bucket_holds_its_burst_says_when_the_next_token_comes_and_expir
             assert 0 < r.pttl(contract.rate("t")) <= 4000  # gone once it would be full again
         finally:
             r.close()
+
+
+def test_a_dispatch_takes_all_its_members_or_none():
+    """DISPATCH_LUA on one Redis: a batch one of whose members left the queue (taken by another
+    scheduler's batch around a lease change) is not dispatched, so no executor runs that member
+    twice; its other members stay queued for the next plan."""
+    from batchline.contract import calls
+
+    with EmbeddedRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        try:
+            model = ("t-dispatch", "1")
+            r.zadd(contract.queue(model), {b"x": 1, b"z": 2})
+            first = pb.Batch(batch_id="b1", model_name="t-dispatch", model_version="1", executor_id="e1")
+            assert calls.dispatch(r, first, [b"x"], 60_000) == 1
+            second = pb.Batch(batch_id="b2", model_name="t-dispatch", model_version="1", executor_id="e2")
+            assert calls.dispatch(r, second, [b"x", b"z"], 60_000) == 0
+            assert r.zrange(contract.queue(model), 0, -1) == [b"z"]
+            assert r.get(contract.batch(model, "b2")) is None and r.llen(contract.work("e2")) == 0
+            assert r.llen(contract.work("e1")) == 1
+        finally:
+            r.close()
