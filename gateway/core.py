@@ -75,7 +75,8 @@ class Gateway:
         self.repository = RepositoryControl(self.store, settings.model_control_mode, settings.load_files_max_bytes)
         self.fair = FairShares()  # tenants' shares of each model (tokens' weights)
         self.tokenizers = Tokenizers(self.store)  # of the models that take text
-        self.shared_memory = SharedMemory()  # the regions clients registered with this gateway
+        # The regions clients registered with this gateway.
+        self.shared_memory = SharedMemory(settings.max_message_bytes)
         # Behind Sentinel or on a cluster, a Redis (a shard's primary) lost is most likely replaced by a replica.
         self.replicated = is_sentinel(settings.redis_url) or is_cluster_url(settings.redis_url)
         self._reconciling: set[asyncio.Task] = set()

@@ -11,13 +11,12 @@ other (docs/design/shared-memory.md).
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Callable
 
 from batchline.codec import decode_tensor, encode_array
-from batchline.errors import AlreadyExists, InvalidArgument
+from batchline.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from batchline.protocol import inference_pb2 as ipb
 from batchline.regions import OPEN_FLAGS, REF, WRITTEN, Ref, read_fd, shm_path, shrank, too_small, write_fd
 
@@ -132,8 +131,11 @@ class SharedMemory:
     """The regions registered with this gateway, by tenant and name: with tokens, a tenant sees, uses
     and unregisters only the regions it registered ('' is the tenant of an unauthenticated gateway)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_copy_bytes: int = 0) -> None:
         self.regions: dict[tuple[str, str], Region] = {}
+        # The most bytes a request's inputs may come to once copied from regions into its payload (0:
+        # no cap): the gateway's max_message_bytes, as if they had come in the message.
+        self.max_copy_bytes = max_copy_bytes
 
     def register(self, name: str, key: str, offset: int, byte_size: int, tenant: str = "") -> None:
         if not name:
@@ -242,6 +244,7 @@ class SharedMemory:
         del request.raw_input_contents[:]
         template = request.SerializeToString()
         if not by_reference:
+            self._check_copy(template, sources)
             return (*_copied(template, sources), None)
         raw: list = []
         for tensor, source in zip(request.inputs, sources):
@@ -255,7 +258,21 @@ class SharedMemory:
             if out.name in (targets or {}):
                 region, span = targets[out.name]  # type: ignore[index]
                 out.parameters[REF].string_param = region.ref(span)
-        return (*_spliced(request, raw), functools.partial(_copied, template, sources))
+        def copied() -> tuple[ipb.ModelInferRequest, bytes]:
+            self._check_copy(template, sources)
+            return _copied(template, sources)
+
+        return (*_spliced(request, raw), copied)
+
+    def _check_copy(self, template: bytes, sources: list) -> None:
+        """ResourceExhausted when the inputs, copied from their regions into the payload, would come to
+        more than max_copy_bytes: one payload past what the gateway takes in a message, and a write too
+        big for Redis would fail the whole group commit it went in, its neighbours with it."""
+        size = len(template) + sum(len(x) if not isinstance(x, tuple) else x[1].stop - x[1].start for x in sources)
+        if self.max_copy_bytes and size > self.max_copy_bytes:
+            raise ResourceExhausted(f"the request comes to {size} bytes with its inputs copied from shared memory, "
+                                    f"over the gateway's max_message_bytes of {self.max_copy_bytes}: a request whose "
+                                    "inputs are copied to the executors takes no more than one in a message")
 
     @staticmethod
     def write_outputs(response: ipb.ModelInferResponse, targets: dict[str, tuple[Region, slice]]) -> None:

@@ -205,3 +205,23 @@ def test_a_key_that_is_a_symbolic_link_is_refused_not_followed(region_file, tmp_
             regions.close()
     finally:
         os.unlink(link)
+
+
+def test_inputs_copied_from_regions_past_the_message_cap_are_refused_and_by_reference_are_not(region_file):
+    from batchline.errors import ResourceExhausted
+
+    name, _ = region_file
+    regions = SharedMemory(max_copy_bytes=256)  # a message of 256 bytes at most
+    regions.register("r", f"/{name}", 0, 1024)
+    try:
+        data = np.zeros((1, 100), dtype=np.float32)  # 400 bytes in the region
+        with pytest.raises(ResourceExhausted, match="over the gateway's max_message_bytes of 256"):
+            regions.read_inputs(_request(data), "", {}, by_reference=False)
+        # By reference only the reference travels; copying it later, should the executor not read the
+        # region, meets the same cap.
+        queued, _, copied = regions.read_inputs(_request(data), "", {}, by_reference=True)
+        assert REF in queued.inputs[0].parameters
+        with pytest.raises(ResourceExhausted, match="max_message_bytes"):
+            copied()
+    finally:
+        regions.close()
