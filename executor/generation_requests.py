@@ -12,7 +12,6 @@ sees it flagged final.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from batchline.heartbeats import HeartbeatTrust
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS
-from executor.generation_sampling import SamplingError, SamplingParams
+from batchline.sampling import SamplingParams, sampling_params
 from executor.generation_trace import SequenceTrace
 from executor.generation_writes import StreamWrites
 from executor.generation_serving import IDS_INPUT, TEXT_INPUT, TEXT_OUTPUT, TOKENS_OUTPUT, GenerationModel
@@ -36,61 +35,6 @@ log = logging.getLogger(__name__)
 
 FLUSH_TOKENS = 8
 FLUSH_S = 0.05
-
-# Request parameter -> (SamplingParams field, the InferParameter kinds it may come as).
-_INTS = ("int64_param", "uint64_param")
-PARAMETERS = {
-    "max_tokens": _INTS,
-    # tritonclient sends no floats (its parameters are bool, int and str): a number as text is taken too.
-    "temperature": ("double_param", *_INTS, "string_param"),
-    "top_p": ("double_param", *_INTS, "string_param"),
-    "top_k": _INTS,
-    "seed": _INTS,
-    "stop": ("string_param",),
-    "ignore_eos": ("bool_param",),
-}
-
-
-def sampling_params(request: ipb.ModelInferRequest, request_id: str) -> SamplingParams:
-    """The request's sampling parameters; InvalidArgument naming a bad one. A request without a seed
-    gets one from its request id, so that an executor that continues it draws as the first would."""
-    given: dict = {}
-    for name, kinds in PARAMETERS.items():
-        if name not in request.parameters:
-            continue
-        param = request.parameters[name]
-        kind = param.WhichOneof("parameter_choice")
-        if kind not in kinds:
-            raise InvalidArgument(f"parameter '{name}' must be a {kinds[0].removesuffix('_param')}, "
-                                  f"got {(kind or 'nothing').removesuffix('_param')}")
-        value = getattr(param, kind)
-        if name == "stop":
-            value = _stop_strings(value)
-        elif kind == "string_param":
-            try:
-                value = float(value)
-            except ValueError:
-                raise InvalidArgument(f"parameter '{name}' must be a number, got {value!r}") from None
-        given[name] = value
-    given.setdefault("seed", int(request_id[:15], 16) if request_id else 0)
-    try:
-        return SamplingParams(**given)
-    except SamplingError as exc:
-        raise InvalidArgument(str(exc)) from None
-
-
-def _stop_strings(value: str) -> tuple[str, ...]:
-    """`stop`: one string, or a JSON array of strings."""
-    if not value.startswith("["):
-        return (value,)
-    try:
-        parsed = json.loads(value)
-    except ValueError:
-        parsed = None
-    if not isinstance(parsed, list):
-        raise InvalidArgument(f"parameter 'stop' starts with '[' but is not a JSON array of strings: {value!r}")
-    return tuple(parsed)
-
 
 def prompt_ids(request: ipb.ModelInferRequest, model: GenerationModel) -> list[int]:
     """The prompt's token ids, from `input_ids` or from the text in `text_input`."""

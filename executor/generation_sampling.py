@@ -1,4 +1,4 @@
-"""A request's sampling parameters, checked, and the choice of each next token from the logits.
+"""The choice of each next token from the logits, by a request's sampling parameters (batchline/sampling.py).
 
 A token's draw depends only on the sequence's seed, the token's index in the output and the logits:
 a sequence preempted and recomputed here, or continued on another executor from the tokens already
@@ -6,43 +6,9 @@ sent, draws the same tokens as one that ran uninterrupted.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
 import numpy as np
 
-
-class SamplingError(ValueError):
-    """A sampling parameter out of range; the message names it and its range."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: every token
-    seed: int | None = None  # None: one drawn when the sequence is added
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SamplingError(f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise SamplingError(f"temperature must be a number >= 0; 0 chooses greedily (got {self.temperature!r})")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise SamplingError(f"top_p must be in (0, 1] (got {self.top_p!r})")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingError(f"top_k must be an integer >= 0; 0 keeps every token (got {self.top_k!r})")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise SamplingError(f"seed must be an integer >= 0 (got {self.seed!r})")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise SamplingError(f"stop must be non-empty strings (got {self.stop!r})")
-        object.__setattr__(self, "stop", tuple(self.stop))
+from batchline.sampling import SamplingError, SamplingParams
 
 
 def choose(logits: np.ndarray, params: SamplingParams, seed: int, index: int) -> int:

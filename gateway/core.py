@@ -25,6 +25,7 @@ from batchline.lifecycle import stop_tasks
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
+from batchline.sampling import sampling_params
 from batchline.cluster import is_cluster_url
 from batchline.sentinel import is_sentinel
 from gateway.admission import Calibration
@@ -277,6 +278,7 @@ class Gateway:
         if copied is not None:
             call = replace(call, copied=copied)
         if model.generation:
+            sampling_params(call.request, "")  # a bad one refused here, not after it was queued
             generation.admit(call.request, model, self._placed(model))
         self.arrivals.count(call.key)
         return call, targets, classes

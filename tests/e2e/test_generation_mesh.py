@@ -135,12 +135,14 @@ def test_64_concurrent_asyncio_requests_each_get_their_greedy_tokens(served, ref
 
 
 def test_bad_parameters_are_refused_with_what_to_fix(served):
+    sent = served.scheduler.scheduler.counts["requests"]
     with grpcclient.InferenceServerClient(served.address) as client:
         with pytest.raises(InferenceServerException, match="top_p must be in") as err:
             client.infer("gpt", text_input("x"), parameters={"top_p": "2.0"})
         assert "INVALID_ARGUMENT" in str(err.value.status())
         with pytest.raises(InferenceServerException, match="parameter 'max_tokens' must be a int64"):
             client.infer("gpt", text_input("x"), parameters={"max_tokens": "many"})
+    assert served.scheduler.scheduler.counts["requests"] == sent  # refused at the door: none was queued
 
 
 def test_seeded_sampling_is_repeatable(served):
