@@ -129,9 +129,15 @@ def load_model(
     options[tensorrt.PROVIDER] = tensorrt_options(options.get(tensorrt.PROVIDER, {}), name, version, version_dir,
                                                   trt_cache_dir)
     chosen = choose_providers(config["providers"] or providers, options, ort.get_available_providers())
-    for provider, opts in chosen:
+    for provider, opts in list(chosen):
         if provider == tensorrt.PROVIDER:
-            place_calibration_table(opts, version_dir)
+            try:
+                place_calibration_table(opts, version_dir)
+            except OSError as exc:
+                # An engine cache it cannot write (a read-only file system): the next provider serves.
+                log.warning("%s version %s: TensorRT left out, its INT8 calibration table cannot be placed in %s "
+                            "(%s)", name, version, opts.get("trt_engine_cache_path"), exc)
+                chosen = [(p, o) for p, o in chosen if p != tensorrt.PROVIDER]
     instances = int(config["instance_count"])
     threads = intra_op_threads_for(instances, int(config["intra_op_threads"]) or intra_op_threads, cpu_cores)
     session = create_session(path, chosen, threads, allow_spinning,
@@ -143,6 +149,16 @@ def load_model(
         for spec in [*inputs, *outputs]:
             if not spec.shape:
                 raise RepositoryError(f"{path}: max_batch_size > 0 but '{spec.name}' has no batch dimension")
+        for arg in session.get_inputs():
+            first = arg.shape[0] if arg.shape else None
+            fixed = isinstance(first, int) and first >= 0
+            if fixed and not (first == 1 and config["max_batch_size"] == 1):
+                # A fixed first dimension takes that many rows a run, whatever the batch: a warm-up or a batch
+                # of another size would fail in ONNX Runtime.
+                raise RepositoryError(
+                    f"{path}: input '{arg.name}' has a fixed first dimension of {first}, but max_batch_size "
+                    f"{config['max_batch_size']} batches requests along it: export the graph with a dynamic "
+                    "batch dimension, or set max_batch_size = 0 in config.toml (each request then runs alone)")
     _triton_fields(model_dir, config, inputs, outputs)
     padding = dict(config["padding"])
     unknown_pad = set(padding) - {s.name for s in inputs}

@@ -110,3 +110,21 @@ def test_instance_count_splits_the_cores_between_runs_unless_threads_are_configu
     assert loaded.instances == 3
     (model / "config.toml").write_text("")
     assert load_repository(tmp_path)[0].instances == 1
+
+
+def test_a_graph_with_a_fixed_first_dimension_is_batched_only_as_it_allows(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = tmp_path / "fixed"
+    (model / "1").mkdir(parents=True)
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "fixed",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model / "1" / "model.onnx")
+    # Batched by default (max_batch_size 8): a warm-up or a batch of two would fail in ONNX Runtime.
+    with pytest.raises(RepositoryError, match="input 'x' has a fixed first dimension of 1, but max_batch_size 8"):
+        load_repository(tmp_path)
+    (model / "config.toml").write_text("max_batch_size = 0\n")
+    (loaded,) = load_repository(tmp_path)
+    assert loaded.info.max_batch_size == 0
