@@ -310,14 +310,22 @@ def _preferred_prefix(members: Sequence[Pending], preferred: Sequence[int]) -> i
 
 def _most_on_time(members: list[Pending], start: float, cost: Cost) -> tuple[list[Pending], list[Pending]]:
     """The head of `members` that finishes the most of them by their deadlines (the shortest such),
-    split into those to send and those already hopeless in it."""
+    split into those to send and those already hopeless in it; but never one that makes a request
+    late that could be in time, for requests of a lower priority: those wait for the next batch.
+    (A member is judged savable in the shortest batch that holds it, it and those ahead of it.)"""
     best_n, best_on_time, rows, longest = 1, -1, 0, 0
     deadlines: list[float] = []
+    savable: dict[int, float] = {}  # per priority level, the earliest deadline of its savable members
     for n, m in enumerate(members, 1):
         rows += m.rows
         longest = max(longest, m.length)
+        finish = start + cost.predict(rows * longest)
+        if any(level < m.priority and deadline < finish for level, deadline in savable.items()):
+            break  # a request of a better priority, in time without this one, would be late with it
+        if m.deadline >= finish:
+            savable[m.priority] = min(savable.get(m.priority, m.deadline), m.deadline)
         insort(deadlines, m.deadline)
-        on_time = n - bisect_left(deadlines, start + cost.predict(rows * longest))
+        on_time = n - bisect_left(deadlines, finish)
         if on_time > best_on_time:
             best_n, best_on_time = n, on_time
     chosen = members[:best_n]

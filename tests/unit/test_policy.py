@@ -636,6 +636,18 @@ def test_one_urgent_member_does_not_shrink_a_batch_it_would_cost_more_than_it_sa
     assert [e.request_id for e in p.expired] == ["urgent"]  # late even in the batch that serves most
 
 
+def test_a_request_that_can_be_in_time_is_not_shed_for_requests_of_a_lower_priority():
+    # A priority-1 request due in 10 ms ahead of 25 priority-2 ones due in 100 ms; 5 ms + 1 ms a row.
+    # The batch that serves the most at once (all 26: 31 ms) would shed it; a batch that keeps it in
+    # time goes first, and the rest, lower priority, after it, all in time.
+    policy = ModelPolicy(BatchingRule(32), max_queue_delay=0.0)
+    queue = [req("vip", deadline=0.010)] + [req(f"r{i}", deadline=0.100, priority=2) for i in range(25)]
+    p = plan(0.0, queue, policy, free_at=IDLE, cost=FunctionCost(lambda rows: 0.005 + 0.001 * rows))
+    assert not p.expired
+    assert ids(p.batches[0])[0] == "vip" and len(p.batches[0].members) == 5  # 10 ms: vip and four more
+    # Within one priority the batch that gets the most done still wins (the next test's case).
+
+
 def test_hopeless_request_is_shed_by_the_central_estimate_not_the_margin():
     policy = ModelPolicy(BatchingRule(1), max_queue_delay=10.0)
     queue = [req("tight", deadline=1.25), req("hopeless", deadline=1.0625)]
