@@ -8,6 +8,7 @@ import time
 
 
 from batchline.contract.keys import ModelKey
+from batchline.planning import BatchCost
 from batchline.contract.scheduler_store import ProfileKey, SchedulerStore
 from batchline.protocol import internal_pb2 as pb
 from batchline.registry import Registry
@@ -49,10 +50,11 @@ class Profiles:
             p = self.by_key[key] = LatencyProfile(default=self.default_s, margin_quantile=self.margin_quantile)
         return p
 
-    def for_model(self, registry: Registry, model: ModelKey, holders: list[str]) -> LatencyProfile:
-        """The profile to plan with: the slowest kind among the holders errs late, not early."""
-        profiles = [self.of((*model, kind(registry, e, model))) for e in holders] or [self.of((*model, UNKNOWN_KIND))]
-        return max(profiles, key=lambda p: p.predict(1))
+    def cost_for_model(self, registry: Registry, model: ModelKey, holders: list[str], overhead_s: float) -> BatchCost:
+        """The cost to plan with: no less than any holder kind's at any size, so that plans err late,
+        not early (kinds differ in slope: a GPU's fixed cost is higher and its per-unit cost lower)."""
+        kinds = {kind(registry, e, model) for e in holders} or {UNKNOWN_KIND}
+        return BatchCost.upper([self.of((*model, k)).cost(overhead_s) for k in sorted(kinds)])
 
     def observe(self, registry: Registry, report: pb.ExecutionReport) -> None:
         model = (report.model_name, report.model_version)

@@ -265,7 +265,7 @@ class Scheduler:
             return None
         holders = self._holders(key, free_at)
         await self.profiles.adopt([(*key, kind(self.registry, e, key)) for e in holders])
-        cost = self.profiles.for_model(self.registry, key, holders).cost(self.settings.overhead_ms / 1000)
+        cost = self.profiles.cost_for_model(self.registry, key, holders, self.settings.overhead_ms / 1000)
         queue, arrivals = self.queues.read(key, members, partial(pipe.drop, key))
         # FIFO is the Triton baseline: it always waits max_queue_delay.
         company = self.queues.company(key, len(queue), arrivals, now) if self.settings.policy != FIFO else None

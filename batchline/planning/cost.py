@@ -16,7 +16,7 @@ this code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from batchline.protocol import internal_pb2 as pb
 from batchline.sizing import margin_for
@@ -48,6 +48,18 @@ class BatchCost:
 
     def predict(self, units: int) -> float:
         return self.typical(units) + self.margin(units)
+
+    @classmethod
+    def upper(cls, costs: Sequence["BatchCost"]) -> "BatchCost":
+        """A cost no less than any of `costs` at any size (the executors of one model on different
+        hardware): the largest per-unit and fixed costs, and per size class the largest margin."""
+        if len(costs) == 1:
+            return costs[0]
+        classes = max(len(c.margin_by_size_s) for c in costs)
+        table = tuple(max(c.margin_by_size_s[min(k, len(c.margin_by_size_s) - 1)] if c.margin_by_size_s
+                          else c.margin_s for c in costs) for k in range(classes))
+        return cls(max(c.per_unit_s for c in costs), max(c.fixed_s for c in costs), max(c.margin_s for c in costs),
+                   table, max(c.overhead_s for c in costs))
 
     @classmethod
     def of_load(cls, load: pb.ModelLoad) -> "BatchCost":

@@ -925,3 +925,15 @@ def test_a_size_class_borrowing_a_margin_never_gets_more_than_the_slowest_run_se
     slowest = max(s for _, s in profile.samples())
     margins = profile.cost().margin_by_size_s
     assert margins and max(margins) <= slowest  # scaled from the class near zero: 7,287 s at 4096 units
+
+
+def test_a_model_on_two_kinds_of_executor_is_planned_by_a_cost_no_less_than_either():
+    from batchline.planning import BatchCost
+
+    gpu = BatchCost(per_unit_s=0.00001, fixed_s=0.005)  # a high fixed cost, a low slope
+    cpu = BatchCost(per_unit_s=0.001, fixed_s=0.001, margin_by_size_s=(0.0, 0.002, 0.004))
+    both = BatchCost.upper([gpu, cpu])
+    for units in (1, 2, 8, 64, 4096):
+        assert both.predict(units) >= max(gpu.predict(units), cpu.predict(units))
+    # By one unit alone the GPU's would be taken: 64 units planned at 5.6 ms where the CPU takes 65.
+    assert gpu.predict(1) > cpu.predict(1) and gpu.predict(64) < cpu.predict(64)
