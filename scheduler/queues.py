@@ -4,7 +4,7 @@ pending-requests gauges it reports per priority level."""
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Iterable
 
 from google.protobuf.message import DecodeError
 
@@ -106,12 +106,14 @@ class Queues:
         for level in levels:
             metrics.PENDING_REQUESTS.labels(key[0], key[1], str(level)).set(by_priority.get(level, 0))
 
-    def forget_gauges(self) -> None:
-        """Drop the queue depths this scheduler reported: only the leader's count (an autoscaler sums them)."""
-        for (name, version), levels in self._levels.items():
-            for level in levels:
+    def forget_gauges(self, keep: Iterable[ModelKey] = ()) -> None:
+        """Drop the queue depths this scheduler reported but those of `keep`: all of them when the lease
+        is lost (only the leader's count: an autoscaler sums them), a model's when it is served no more."""
+        kept = set(keep)
+        for key in [k for k in self._levels if k not in kept]:
+            for level in self._levels.pop(key):
                 try:
-                    metrics.PENDING_REQUESTS.remove(name, version, str(level))
+                    metrics.PENDING_REQUESTS.remove(key[0], key[1], str(level))
                 except KeyError:
                     pass
-        self._levels.clear()
+            self.depths.pop(key, None)

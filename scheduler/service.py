@@ -164,6 +164,7 @@ class Scheduler:
         if self.fleet.due():
             await self._refresh_registry()
         models = sorted(self.registry.models)
+        self.queues.forget_gauges(keep=models)  # of models served no more: their last depths would stay
         executors = sorted(self.registry.executors)
         # The load view is "as of" before the read: a request whose enqueue a gateway saw
         # confirmed by then is in it, any later one the gateway still counts itself.

@@ -79,6 +79,26 @@ def test_an_unreadable_queue_entry_is_dropped_and_the_rest_dispatched():
     assert [m.request_id for m in pb.Batch.FromString(blob).members] == ["a"]
 
 
+def test_a_model_served_no_more_leaves_no_pending_gauge_behind():
+    from prometheus_client import REGISTRY
+
+    state = MemoryState()
+    _registered(state, "x1", pb.ModelInfo(name="gone-model", version="1", max_batch_size=8, max_queue_delay_ms=0))
+    scheduler = Scheduler(SchedulerSettings(redis_url="redis://unused", policy="fifo"),
+                          store=MemorySchedulerStore(state))
+    asyncio.run(scheduler.step())
+
+    def gauge() -> float | None:
+        return REGISTRY.get_sample_value("batchline_pending_requests",
+                                         {"model": "gone-model", "version": "1", "priority": "1"})
+
+    assert gauge() == 0.0 and ("gone-model", "1") in scheduler.depths
+    state.registrations.clear()  # its executor gone: the model is served no more
+    scheduler.fleet.read_again()
+    asyncio.run(scheduler.step())
+    assert gauge() is None and ("gone-model", "1") not in scheduler.depths
+
+
 def test_a_step_leaves_a_queue_whose_only_executor_is_busy():
     state = MemoryState()
     _registered(state, "x1", pb.ModelInfo(name="mlp", version="1", max_batch_size=8, max_queue_delay_ms=0))
