@@ -24,6 +24,7 @@ from batchline import logs, metrics, telemetry, tracecontext
 from batchline.contract.keys import ModelKey
 from batchline.contract.executor_store import ExecutorStore
 from batchline.clock import now_us
+from batchline.errors import Internal, status_value
 from batchline.heartbeats import HeartbeatTrust
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S
@@ -138,12 +139,33 @@ class BatchWorker:
         started = time.monotonic()
         try:
             with logs.context(batch_id=batch.batch_id, trace_id=tracecontext.trace_id(batch.traceparent) or ""):
-                await self._process(batch)
+                try:
+                    await self._process(batch)
+                except REDIS_ERRORS:
+                    raise  # tried again by the worker; if Redis stays away, the orphan sweep hands it back
+                except Exception as exc:  # noqa: BLE001 - answered once, not handed back to fail again
+                    await self._fail(batch, exc)
         finally:
             self.busy_s += time.monotonic() - started
             self.busy_batches -= 1
             self.running[key] -= 1
             self.executed_batches += 1
+
+    async def _fail(self, batch: pb.Batch, exc: Exception) -> None:
+        """Answer every member of a batch whose processing failed unforeseen INTERNAL, and write it as
+        done: left to the orphan sweep, it would go back to its queue and fail again, batch after batch,
+        until its members' deadlines passed (each member's own failures are answered in its reply)."""
+        log.exception("batch %s failed; its %d requests are answered INTERNAL", batch.batch_id, len(batch.members))
+        error = Internal(f"executor {self.executor_id} failed on this request's batch ({type(exc).__name__}: {exc})")
+        members = [Member(e) for e in batch.members]
+        replies: dict[str, list[bytes]] = defaultdict(list)
+        for m in members:
+            m.error = error
+            reply = pb.Reply(request_id=m.entry.request_id, code=status_value(error), message=str(error))
+            replies[m.entry.gateway_id].append(reply.SerializeToString())
+        model = self.models.get((batch.model_name, batch.model_version))
+        await outcome.write(self.store, self.executor_id, batch, model, members, replies, Timing(now_us(), 0, 0, 0),
+                            self.written)
 
     async def _process(self, batch: pb.Batch) -> None:
         model = self.models.get((batch.model_name, batch.model_version))

@@ -192,3 +192,26 @@ def test_a_drain_out_of_time_ends_a_generation_before_its_batch_goes_back(mlp):
 
     asyncio.run(scenario())
     assert seen == [True]
+
+
+def test_a_batch_that_fails_unforeseen_is_answered_once_not_handed_back(mlp, monkeypatch):
+    from executor import running as running_module
+
+    state = MemoryState()
+    state.gateways["gw"] = "127.0.0.1:1"
+    entry = _entry("a", now_us() + 30_000_000)
+    state.payloads[(MLP, "a")] = _request(1).SerializeToString()
+    batch = pb.Batch(batch_id="b9", model_name="mlp", model_version="1", members=[entry], executor_id="x1",
+                     dispatched_us=now_us(), attempt=1)
+    state.batches["b9"] = batch
+    state.inflight[("x1", MLP)].add(b"b9")
+
+    async def broken(model, members):
+        raise RuntimeError("a bug nobody foresaw")
+
+    monkeypatch.setattr(running_module, "run", broken)
+    asyncio.run(_executor(mlp, state).process(batch))
+
+    (reply,) = [pb.Reply.FromString(r) for r in state.replies["gw"]]
+    assert reply.code == grpc.StatusCode.INTERNAL.value[0] and "a bug nobody foresaw" in reply.message
+    assert "b9" not in state.batches and not state.inflight[("x1", MLP)]  # done: nothing for the sweep
