@@ -99,17 +99,24 @@ def test_the_gauges_go_with_a_model_no_longer_served_and_a_standbys_generative_o
     assert not demand.rates and not demand._in_flight and not demand._capacity
 
 
-def test_a_generative_model_wants_executors_by_its_sequences_in_flight():
-    # 10 requests/s, 40 sequences in flight: each holds its slot 4 s; 16 slots an executor is
-    # 4 requests/s each, so 10/s at 0.5 utilisation wants 5 executors.
+GPT = ("gpt", "1")
+
+
+def _generative(**learned) -> tuple[MemoryState, Demand, Registry]:
+    """A generative model of 16 slots an executor on three executors, a demand at utilisation 0.5."""
     state = MemoryState()
-    demand = Demand(MemorySchedulerStore(state), "s", DemandSettings(target_utilisation=0.5))
-    gpt = ("gpt", "1")
     reg = Registry()
     for eid in ("e0", "e1", "e2"):
         reg.add(pb.ExecutorInfo(executor_id=eid, models=[pb.ModelInfo(
-            name="gpt", version="1", default_timeout_ms=30_000, generation=True, generation_slots=16,
-            generation_running=13, decode_step_s=0.013)]))
+            name="gpt", version="1", default_timeout_ms=30_000, generation=True, generation_slots=16, **learned)]))
+    return state, Demand(MemorySchedulerStore(state), "s", DemandSettings(target_utilisation=0.5)), reg
+
+
+def test_a_generative_model_wants_executors_by_its_sequences_in_flight():
+    # 10 requests/s, 40 sequences in flight: each holds its slot 4 s; 16 slots an executor is
+    # 4 requests/s each, so 10/s at 0.5 utilisation wants 5 executors.
+    state, demand, reg = _generative(generation_running=13, decode_step_s=0.013)
+    gpt = GPT
     for t in range(10):
         state.arrivals[gpt] = 10 * t
         d = asyncio.run(demand.step(reg, {}, {gpt: 0}, float(t), {gpt: (sorted(reg.executors), 40, 10 * t)}))
@@ -128,13 +135,8 @@ def test_a_saturated_generative_model_is_sized_by_what_it_serves_not_what_it_ref
     # Every slot full (3 executors of 16), 100 requests/s arriving and 10/s sent: each sequence
     # holds its slot 48 / 10 = 4.8 s, so one executor serves 16 / 4.8 a second. By arrivals (refused
     # ones included) it would read 0.48 s and 33/s: N / utilisation executors, whatever the demand.
-    state = MemoryState()
-    demand = Demand(MemorySchedulerStore(state), "s", DemandSettings(target_utilisation=0.5))
-    gpt = ("gpt", "1")
-    reg = Registry()
-    for eid in ("e0", "e1", "e2"):
-        reg.add(pb.ExecutorInfo(executor_id=eid, models=[pb.ModelInfo(
-            name="gpt", version="1", default_timeout_ms=30_000, generation=True, generation_slots=16)]))
+    state, demand, reg = _generative()
+    gpt = GPT
     for t in range(10):
         state.arrivals[gpt] = 100 * t
         d = asyncio.run(demand.step(reg, {}, {gpt: 0}, float(t), {gpt: (sorted(reg.executors), 48, 10 * t)}))
