@@ -64,12 +64,11 @@ class RowMismatch(ValueError):
 
 def check_rows(outputs: Mapping[str, np.ndarray], rows: int) -> None:
     """RowMismatch unless every output has `rows` rows (a batched model's outputs are per row)."""
-    wrong = {name: arr.shape[0] if arr.ndim else None for name, arr in outputs.items()
-             if not arr.ndim or arr.shape[0] != rows}
-    if wrong:
-        name, got = next(iter(wrong.items()))
-        raise RowMismatch(f"output '{name}' has {got} rows for a run of {rows}: a batched model answers a row "
-                          "for each row it is given (max_batch_size 0 serves one that does not)")
+    for name, arr in outputs.items():
+        got = arr.shape[0] if arr.ndim else None
+        if got != rows:
+            raise RowMismatch(f"output '{name}' has {got} rows for a run of {rows}: a batched model answers a row "
+                              "for each row it is given (max_batch_size 0 serves one that does not)")
 
 
 def split(outputs: Mapping[str, np.ndarray], rows: Sequence[int], batched: bool) -> list[dict[str, np.ndarray]]:

@@ -36,11 +36,12 @@ def check_sequence(request: ipb.ModelInferRequest, model: pb.ModelInfo, rows: in
         if c.kind == "corrid" and isinstance(flags.id, str) and c.datatype != "BYTES":
             raise InvalidArgument(f"model '{model.name}' takes integer sequence ids (its CORRID input '{c.name}' "
                                   f"is {c.datatype}); got the string {flags.id!r}")
-        if c.kind == "corrid" and isinstance(flags.id, int) and c.datatype in DATATYPES and c.datatype != "BYTES":
-            kind = np.iinfo(DATATYPES[c.datatype]) if DATATYPES[c.datatype].kind in "iu" else None
-            if kind is not None and not kind.min <= flags.id <= kind.max:
+        dtype = DATATYPES.get(c.datatype)
+        if c.kind == "corrid" and isinstance(flags.id, int) and dtype is not None and dtype.kind in "iu":
+            bounds = np.iinfo(dtype)
+            if not bounds.min <= flags.id <= bounds.max:
                 raise InvalidArgument(f"sequence id {flags.id} does not fit model '{model.name}''s CORRID input "
-                                      f"'{c.name}' ({c.datatype}: {kind.min} to {kind.max})")
+                                      f"'{c.name}' ({c.datatype}: {bounds.min} to {bounds.max})")
     return flags
 
 
