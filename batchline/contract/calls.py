@@ -203,3 +203,16 @@ def take_token(client: Any, tenant: str, rate_per_s: float, burst: float) -> Any
     """Take one request's token from the tenant's bucket (scripts.TAKE_TOKEN_LUA): its result is
     [1, 0] when taken, else [0, milliseconds until a token is there]."""
     return client.eval(scripts.TAKE_TOKEN_LUA, 1, k.rate(tenant), rate_per_s, burst)
+
+
+def hand_back(client: Any, executor_id: str, batch: pb.Batch) -> Any:
+    """Requeue a dispatched batch's live members, if this call is the one that takes the batch off
+    the executor's in-flight set (scripts.HAND_BACK_LUA): its result is how many went back, -1
+    when another party had handed it back or it was answered."""
+    model = (batch.model_name, batch.model_version)
+    keys = [k.inflight(model, executor_id), k.batch(model, batch.batch_id), k.queue(model)]
+    keys += (k.payload(model, e.request_id) for e in batch.members)
+    args: list = [batch.batch_id, k.QUEUE_TTL]
+    for e in batch.members:
+        args += (k.queue_score(e.priority, e.deadline_us), e.SerializeToString())
+    return client.eval(scripts.HAND_BACK_LUA, len(keys), *keys, *args)

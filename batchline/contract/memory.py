@@ -69,11 +69,14 @@ class _MemoryStore:
 
     async def hand_back(self, executor_id: str, batch: pb.Batch) -> int:
         s, model = self.state, (batch.model_name, batch.model_version)
-        live = [e for e in batch.members if (model, e.request_id) in s.payloads]
+        s.batches.pop(batch.batch_id, None)
+        held = s.inflight[(executor_id, model)]
+        # Only the party that takes the batch off the in-flight set requeues it (HAND_BACK_LUA).
+        live = [e for e in batch.members if (model, e.request_id) in s.payloads] \
+            if batch.batch_id.encode() in held else []
+        held.discard(batch.batch_id.encode())
         for e in live:
             s.queues[model][e.SerializeToString()] = queue_score(e.priority, e.deadline_us)
-        s.batches.pop(batch.batch_id, None)
-        s.inflight[(executor_id, model)].discard(batch.batch_id.encode())
         s.reports.append(pb.ExecutionReport(executor_id=executor_id).SerializeToString())
         return len(live)
 

@@ -5,9 +5,10 @@ an executor at start-up for the batches a previous incarnation with the same
 id had taken but not answered. Members whose payload is gone were answered
 or abandoned meanwhile and are not requeued; the others go back with their
 original score (priority, deadline), so they are first in line again and
-the policy sheds those that can no longer make their deadline. Requeueing is
-idempotent (a queue is a set), so a recovery interrupted by a crash is
-simply done again.
+the policy sheds those that can no longer make their deadline. A batch goes
+back only through the call that takes it off the executor's in-flight set
+(one script per batch), so two parties recovering the same batch requeue it
+once, and a recovery interrupted by a crash is simply done again.
 """
 from __future__ import annotations
 
@@ -63,26 +64,15 @@ class RecoveryStore(Store):
             ordered = sorted(expired + [b.batch_id for b in batches])
             if not ordered:
                 return Counter()
-        entries = [(b, e) for b in batches for e in b.members]
-        payloads = [k.payload((b.model_name, b.model_version), e.request_id) for b, e in entries]
-        alive = await self.client.exists(*payloads) if entries else 0
-        # EXISTS counts; fetch per key only when some are gone.
-        if entries and alive != len(entries):
-            async with self.client.pipeline(transaction=False) as pipe:
-                for key in payloads:
-                    pipe.exists(key)
-                flags = await pipe.execute()
-            entries = [pair for pair, flag in zip(entries, flags) if flag]
         # Each model's requeue and clean-up land before the report that wakes the scheduler for them.
         rounds = Rounds(self.client, atomic=True)
         pipe = rounds.next()
-        for b, e in entries:
-            key = k.queue((b.model_name, b.model_version))
-            pipe.zadd(key, {e.SerializeToString(): k.queue_score(e.priority, e.deadline_us)})
-            pipe.expire(key, k.QUEUE_TTL)
+        for b in batches:
+            calls.hand_back(pipe, executor_id, b)
+        handed = {b.batch_id for b in batches}
         for bid in ordered:
-            pipe.delete(k.batch(model_of[bid], bid))
-            pipe.srem(k.inflight(model_of[bid], executor_id), bid)
+            if bid not in handed:
+                pipe.srem(k.inflight(model_of[bid], executor_id), bid)
         pipe = rounds.next()
         if include_queued:
             pipe.delete(k.work(executor_id))
@@ -91,21 +81,18 @@ class RecoveryStore(Store):
         # An event for the scheduler, which listens to reports always (not to the arrivals of a
         # queue that waits for a busy executor): this executor holds fewer batches now.
         calls.report(pipe, pb.ExecutionReport(executor_id=executor_id).SerializeToString())
-        await rounds.execute()
-        return Counter((b.model_name, b.model_version) for b, _ in entries)
+        results = await rounds.execute()
+        requeued: Counter[ModelKey] = Counter()
+        for b, n in zip(batches, results):
+            if int(n) > 0:
+                requeued[(b.model_name, b.model_version)] += int(n)
+        return requeued
 
     async def hand_back(self, executor_id: str, batch: pb.Batch) -> int:
         """Put one batch sent to `executor_id` back in its queue, untouched (it no longer serves the
-        model); returns how many members went back."""
-        model = (batch.model_name, batch.model_version)
-        key = k.queue(model)
+        model); returns how many members went back (none when recovery had taken it already)."""
         rounds = Rounds(self.client, atomic=True)
-        pipe = rounds.next()
-        if batch.members:
-            pipe.zadd(key, {e.SerializeToString(): k.queue_score(e.priority, e.deadline_us) for e in batch.members})
-            pipe.expire(key, k.QUEUE_TTL)
-        pipe.delete(k.batch(model, batch.batch_id))
-        pipe.srem(k.inflight(model, executor_id), batch.batch_id)
+        calls.hand_back(rounds.next(), executor_id, batch)
         calls.report(rounds.next(), pb.ExecutionReport(executor_id=executor_id).SerializeToString())
-        await rounds.execute()
-        return len(batch.members)
+        n, *_ = await rounds.execute()
+        return max(0, int(n))

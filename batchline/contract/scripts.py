@@ -68,6 +68,34 @@ hand_over(1, ARGV[1], ARGV[2], ARGV[3])
 """
 
 
+# Hands one dispatched batch back to its queue, by whoever takes it off the executor's in-flight
+# set: two parties handing back the same batch (the scheduler for an executor it thinks dead, the
+# executor's own sweep) requeue its members once, and never after the batch is answered or once
+# its members were dispatched again. Members whose payload is gone (answered, abandoned) stay out.
+# All keys are in the model's slot.
+# KEYS: in-flight set, batch key, queue, then each member's payload key.
+# ARGV: batch id, queue ttl s, then per member its score and QueueEntry bytes.
+# Returns how many members went back (-1: another party had handed the batch back or answered it).
+HAND_BACK_LUA = """
+redis.call('DEL', KEYS[2])
+if redis.call('SREM', KEYS[1], ARGV[1]) == 0 then
+  return -1
+end
+local n = 0
+for i = 4, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    local a = 3 + (i - 4) * 2
+    redis.call('ZADD', KEYS[3], ARGV[a], ARGV[a + 1])
+    n = n + 1
+  end
+end
+if n > 0 then
+  redis.call('EXPIRE', KEYS[3], ARGV[2])
+end
+return n
+"""
+
+
 # The scheduler lease: renewed only by its holder, so a scheduler that lost
 # it (paused past the TTL) cannot extend another's.
 # KEYS: leader key; ARGV: scheduler id, ttl ms. Returns 1 when held.

@@ -234,3 +234,53 @@ def test_a_dispatch_takes_all_its_members_or_none():
             assert r.llen(contract.work("e1")) == 1
         finally:
             r.close()
+
+
+def test_a_batch_handed_back_twice_is_requeued_once_and_never_after_its_redispatch():
+    """Recovery for an executor the scheduler thinks dead and that executor's own hand-back race
+    on one batch: its member goes back once; a hand-back arriving after the member was dispatched
+    again leaves it out of the queue (else it would run twice), and an answered batch is not
+    requeued at all."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from batchline.contract import calls
+    from batchline.contract.recovery import RecoveryStore
+
+    model = ("t-handback", "1")
+    entry = pb.QueueEntry(request_id="r1", gateway_id="g", model_version="1", rows=1,
+                          deadline_us=2**50, priority=1)
+    member = entry.SerializeToString()
+    batch = pb.Batch(batch_id="b1", model_name=model[0], model_version="1", executor_id="e1",
+                     members=[entry])
+
+    async def run(url: str) -> None:
+        client = aioredis.Redis.from_url(url)
+        store = RecoveryStore(client)
+        r = redis.Redis.from_url(url)
+        try:
+            r.set(contract.payload(model, "r1"), b"tensors", px=60_000)
+            r.zadd(contract.queue(model), {member: 1})
+            assert calls.dispatch(r, batch, [member], 60_000) == 1
+            # The scheduler's recovery takes the batch back...
+            assert (await store.requeue_held_batches("e1", include_queued=True))[model] == 1
+            assert r.zrange(contract.queue(model), 0, -1) == [member]
+            # ... and dispatches its member again, to another executor.
+            again = pb.Batch(batch_id="b2", model_name=model[0], model_version="1", executor_id="e2",
+                             members=[entry])
+            assert calls.dispatch(r, again, [member], 60_000) == 1
+            # The first executor's own hand-back of the old batch, late: nothing goes back.
+            assert await store.hand_back("e1", batch) == 0
+            assert r.zcard(contract.queue(model)) == 0
+            # The second executor answers (the batch leaves its in-flight set); a hand-back then
+            # finds it gone too.
+            r.srem(contract.inflight(model, "e2"), "b2")
+            assert await store.hand_back("e2", again) == 0
+            assert r.zcard(contract.queue(model)) == 0
+        finally:
+            r.close()
+            await client.aclose()
+
+    with EmbeddedRedis() as server:
+        asyncio.run(run(server.url))
