@@ -83,7 +83,7 @@ class Gateway:
         self._reconciling: set[asyncio.Task] = set()
         self.arrivals = Arrivals(self.store)  # what the scheduler's demand forecast reads
         self.sequences = SequenceOrder()  # each sequence's requests, one after another
-        self.queueing = Queueing(self.gateway_id, self.commit, self.replies)
+        self.queueing = Queueing(self.gateway_id, self.commit, self.replies, self.store)
 
     @property
     def loads(self) -> dict[ModelKey, pb.ModelLoad]:
@@ -228,8 +228,9 @@ class Gateway:
                 if reply.region_unreadable and call.copied is not None:
                     reply = await queued.copied_and_queued(call, ticket, traceparent, tracestate, started)
             else:
-                async with self.sequences.turn(model.name, model.version, flags):
-                    reply = await queued.queue_and_wait(call, ticket, traceparent, tracestate, started, on_partial)
+                async with self.sequences.turn(model.name, model.version, flags) as turn:
+                    reply = await queued.queue_and_wait(call, ticket, traceparent, tracestate, started, on_partial,
+                                                        turn)
         except BaseException:
             if ticket is not None:
                 ticket.over()

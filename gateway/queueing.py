@@ -5,25 +5,29 @@ executor spends time on a request nobody waits for."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import replace
 
 from batchline import contract, logs, metrics, telemetry, tracecontext
 from batchline.clock import now_us
-from batchline.errors import DeadlineExceeded, duration_text
+from batchline.contract.gateway_store import GatewayStore
+from batchline.errors import DeadlineExceeded, ResourceExhausted, duration_text
 from batchline.protocol import internal_pb2 as pb
 from gateway.commit import GroupCommit
 from gateway.ledger import Ticket
 from gateway.replies import PartialSink, Replies
 from gateway.request import Call, queue_entry
+from gateway.sequences import Turn
 
 log = logging.getLogger(__name__)
 
 
 class Queueing:
-    def __init__(self, gateway_id: str, commit: GroupCommit, replies: Replies) -> None:
+    def __init__(self, gateway_id: str, commit: GroupCommit, replies: Replies, store: GatewayStore) -> None:
         self.gateway_id = gateway_id
+        self.store = store
         self.commit = commit
         self.replies = replies
 
@@ -45,18 +49,21 @@ class Queueing:
         return await self.queue_and_wait(call, ticket, traceparent, tracestate, started)
 
     async def queue_and_wait(self, call: Call, ticket: Ticket | None, traceparent: str, tracestate: str,
-                             started: float, on_partial: PartialSink | None = None) -> pb.Reply:
-        """Write the request to Redis with the next group commit and wait for its reply."""
+                             started: float, on_partial: PartialSink | None = None,
+                             turn: Turn | None = None) -> pb.Reply:
+        """Write the request to Redis with the next group commit and wait for its reply. `turn`: a
+        sequence request's, held when it gives up while an executor may still run it."""
         enqueued = now_us()
         deadline = enqueued + int(call.run_budget_s * 1e6)
         entry = queue_entry(call, self.gateway_id, enqueued, deadline, traceparent, tracestate)
         if not logs.structured():
-            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started, on_partial)
+            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started, on_partial, turn)
         with logs.context(request_id=entry.request_id, trace_id=tracecontext.trace_id(entry.traceparent) or ""):
-            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started, on_partial)
+            return await self._write_and_wait(call, entry, enqueued, deadline, ticket, started, on_partial, turn)
 
     async def _write_and_wait(self, call: Call, entry: pb.QueueEntry, enqueued: int, deadline: int,
-                              ticket: Ticket | None, started: float, on_partial: PartialSink | None) -> pb.Reply:
+                              ticket: Ticket | None, started: float, on_partial: PartialSink | None,
+                              turn: Turn | None) -> pb.Reply:
         """`started`: the request's arrival (perf_counter), where its enqueue stage begins."""
         member = entry.SerializeToString()
         fut = self.replies.expect(entry.request_id, on_partial if call.model.decoupled else None)
@@ -65,12 +72,14 @@ class Queueing:
         write = contract.QueueWrite(entry.request_id, call.key, call.payload or call.request.SerializeToString(),
                                     contract.payload_ttl_ms(deadline, enqueued), member,
                                     contract.queue_score(call.priority, deadline), call.model.max_queue_size)
+        committed = False
         try:
             if telemetry.enabled():
                 with telemetry.tracer("batchline.gateway").start_as_current_span("enqueue"):
                     await self.commit.write(write, deadline, call.run_budget_s)
             else:
                 await self.commit.write(write, deadline, call.run_budget_s)
+            committed = True
             self.replies.queued(entry.request_id, write.model)
             metrics.STAGE_ENQUEUE.labels(*call.key).observe(time.perf_counter() - started)
             if ticket is not None:
@@ -92,17 +101,46 @@ class Queueing:
                 # Measured once this coroutine runs again, so a busy event loop shows up here.
                 metrics.STAGE_REPLY.labels(*call.key).observe(max(0, now_us() - reply.ran_until_us) / 1e6)
             return reply
-        except BaseException:
+        except BaseException as exc:
             # Timed out, cancelled by the client, refused, or Redis failed: make
             # sure no executor spends time on a request nobody waits for.
             if ticket is not None and now_us() >= deadline:
                 # Unanswered at its deadline, whether our timer or the client's (a cancellation) fired first.
                 ticket.over(in_time=False)
             self.replies.forget(entry.request_id)
+            ran = fut.done() and not fut.cancelled() and fut.exception() is None
             if fut.done() and not fut.cancelled():
                 fut.exception()  # failed by an outage while we were still queueing: already answered
-            self.commit.abandon(entry.request_id, call.key, member)
+            refused = isinstance(exc, ResourceExhausted) and not committed  # its queue was full
+            if turn is None or ran or refused:
+                self.commit.abandon(entry.request_id, call.key, member)
+            else:
+                # Its late reply must find a future from now on (the reader may run before the task).
+                ghost = self.replies.expect(entry.request_id)
+                turn.hold(asyncio.ensure_future(self._settle(call, entry, member, committed, ghost)))
             raise
+
+    async def _settle(self, call: Call, entry: pb.QueueEntry, member: bytes, committed: bool,
+                      ghost: asyncio.Future) -> None:
+        """A sequence request given up on: over once it is known not to run (taken out of its queue
+        before any dispatch), once its reply comes (it ran), or once its run would have ended (an
+        executor starts nothing past its deadline: its deadline plus its budget)."""
+        try:
+            removed = False
+            if committed:
+                try:
+                    removed = await self.store.withdraw(call.key, entry.request_id, member)
+                except Exception as exc:  # noqa: BLE001 - the commit withdraws it, and the turn waits
+                    log.warning("withdrawing sequence request %s failed: %s", entry.request_id, exc)
+                    self.commit.abandon(entry.request_id, call.key, member)
+            else:
+                self.commit.abandon(entry.request_id, call.key, member)  # after its write, if that lands
+            if not removed:
+                bound_s = entry.deadline_us / 1e6 + call.run_budget_s - time.time()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(ghost), max(0.0, bound_s))
+        finally:
+            self.replies.forget(entry.request_id)
 
 
 def _time_out(fut: asyncio.Future) -> None:

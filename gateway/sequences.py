@@ -45,32 +45,56 @@ def check_sequence(request: ipb.ModelInferRequest, model: pb.ModelInfo, rows: in
     return flags
 
 
+class Turn:
+    """A request's turn in its sequence. `hold(fate)`: the request gave up while an executor may
+    still run it; the sequence's next request waits for `fate` too (the earlier one's run over, or
+    known never to come), else it could run beside it, on a state it has not saved yet."""
+
+    def __init__(self) -> None:
+        self.fate: asyncio.Future | None = None
+
+    def hold(self, fate: asyncio.Future) -> None:
+        self.fate = fate
+
+
 class SequenceOrder:
     """Each sequence's requests on this gateway, in arrival order: one waits for the one before it."""
 
     def __init__(self) -> None:
         self._last: dict[tuple[str, str, str], asyncio.Future] = {}  # (model, version, key) -> its newest request
+        self._releasing: set[asyncio.Task] = set()  # turns held past their request's end
 
     def __len__(self) -> int:
         return len(self._last)
 
     @contextlib.asynccontextmanager
-    async def turn(self, model: str, version: str, flags: SequenceFlags) -> AsyncIterator[None]:
+    async def turn(self, model: str, version: str, flags: SequenceFlags) -> AsyncIterator[Turn]:
         """Until the sequence's previous request here is over; then the caller's request runs."""
         key = (model, version, flags.key)
         before = self._last.get(key)
         mine = asyncio.get_running_loop().create_future()
         self._last[key] = mine
+        turn = Turn()
         try:
             if before is not None:
                 await asyncio.shield(before)  # (a cancelled wait must not cancel the request before)
-            yield
+            yield turn
         finally:
             # The next one goes after this one and the one before it, even when this one gave up early.
-            if before is None or before.done():
+            pending = [f for f in (before, turn.fate) if f is not None and not f.done()]
+            if not pending:
                 _over(self._last, key, mine)
             else:
-                before.add_done_callback(lambda _: _over(self._last, key, mine))
+                task = asyncio.ensure_future(_after(pending, self._last, key, mine))
+                self._releasing.add(task)
+                task.add_done_callback(self._releasing.discard)
+
+
+async def _after(pending: list[asyncio.Future], last: dict, key: tuple, fut: asyncio.Future) -> None:
+    try:
+        await asyncio.wait(pending)
+    finally:
+        _over(last, key, fut)
 
 
 def _over(last: dict, key: tuple, fut: asyncio.Future) -> None:

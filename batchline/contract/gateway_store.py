@@ -47,6 +47,15 @@ class GatewayStore(Store):
             addresses = await pipe.execute() if ids else []
         return any(a is not None and a.decode() == address for a in addresses)
 
+    async def withdraw(self, model: ModelKey, request_id: str, member: bytes) -> bool:
+        """Take a request out of its queue and drop its payload; whether it was still queued (else
+        it was dispatched, and an executor may be running it)."""
+        async with self.client.pipeline(transaction=False) as pipe:  # (both in the model's slot)
+            pipe.zrem(k.queue(model), member)
+            pipe.delete(k.payload(model, request_id))
+            removed, _ = await pipe.execute()
+        return bool(removed)
+
     async def enqueue(self, gateway_id: str, address: str, heartbeat_ttl_ms: int, writes: Sequence[QueueWrite],
                       abandoned: Sequence[Abandoned] = ()) -> list[int]:
         """The group commit (contract.enqueue): per write, 1 when queued, 0 when its queue was full."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 import uuid
 from functools import partial
 
@@ -236,6 +237,66 @@ def test_a_step_run_again_gives_the_same_answer_and_a_stale_run_is_refused(repo,
     answer, error = asyncio.run(run(second))    # a slow executor's run, after the sequence moved on
     assert answer is None and "ran already" in error
     assert asyncio.run(run(_step("d", seq_id, 10))) == (19, "")
+
+
+def _seq_request(seq_id: int, v: int, start: bool) -> ipb.ModelInferRequest:
+    request = ipb.ModelInferRequest(model_name="accumulator", id=f"{seq_id}/{v}")
+    request.parameters["sequence_id"].int64_param = seq_id
+    request.parameters["sequence_start"].bool_param = start
+    request.parameters["timeout"].int64_param = 30_000_000  # a bound far past what the test waits
+    tensor = request.inputs.add(name="INPUT", datatype="INT32", shape=[1, 1])
+    tensor.contents.int_contents.append(v)
+    return request
+
+
+def _queued_ids(r, key: str) -> list[str]:
+    return [pb.QueueEntry.FromString(m).request_id for m in r.zrange(key, 0, -1)]
+
+
+def test_a_sequence_request_given_up_after_its_dispatch_holds_the_next_until_it_has_run(repo):
+    """A client gives up on a sequence request an executor has taken: the sequence's next request
+    waits until that one's reply says it ran (else it could run beside it, on a state not saved
+    yet); one given up while still queued is taken out at once and holds nothing."""
+    from batchline.testing.in_process import InProcessMesh
+
+    # A scheduler that gives no executor any batch: the test plays the dispatch by hand.
+    with InProcessMesh(None, str(repo), max_batches_per_executor=0) as m:
+        r = connect_sync(m.redis_url, 2)
+        key = contract.queue(("accumulator", "1"))
+        channel = grpc.insecure_channel(m.address)
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            # Given up while queued: withdrawn, and the next is queued without waiting for its bound.
+            first = stub.ModelInfer.future(_seq_request(41, 1, True), timeout=60)
+            poll(lambda: len(_queued_ids(r, key)) == 1, 10, "the first request was never queued")
+            payload = contract.payload(("accumulator", "1"), _queued_ids(r, key)[0])
+            first.cancel()
+            second = stub.ModelInfer.future(_seq_request(41, 2, False), timeout=60)
+            poll(lambda: len(_queued_ids(r, key)) == 1 and not r.exists(payload), 10,
+                 "the next request waited for a request that was only queued")
+            second.cancel()
+            poll(lambda: r.zcard(key) == 0, 10, "the second request was never withdrawn")
+
+            # Given up after an executor took it (its entry left the queue, as a dispatch takes it).
+            third = stub.ModelInfer.future(_seq_request(42, 1, True), timeout=60)
+            poll(lambda: r.zcard(key) == 1, 10, "the third request was never queued")
+            member = r.zrange(key, 0, -1)[0]
+            taken = pb.QueueEntry.FromString(member)
+            r.zrem(key, member)
+            third.cancel()
+            fourth = stub.ModelInfer.future(_seq_request(42, 2, False), timeout=60)
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:  # it keeps to its turn while the third may run
+                assert r.zcard(key) == 0, "the next request went while the one before could still run"
+                time.sleep(0.05)
+            # The executor's reply to the third (it ran): the fourth goes.
+            reply = pb.Reply(request_id=taken.request_id, code=0)
+            contract.push_with_ttl(r, contract.reply(taken.gateway_id), contract.REPLY_TTL, [reply.SerializeToString()])
+            poll(lambda: r.zcard(key) == 1, 10, "the next request never went after the one before ran")
+            fourth.cancel()
+        finally:
+            channel.close()
+            r.close()
 
 
 # -- the gateway's order and the config's checks, as pure units ------------------------------------
