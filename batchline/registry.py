@@ -15,6 +15,19 @@ from batchline.errors import InvalidArgument, NotFound
 from batchline.protocol import internal_pb2 as pb
 
 
+def model_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a model of the repository (None: it can). A model is a directory
+    of the repository, and a name the executors join to its path: one that walks out of it
+    (`..`, a separator) would read, write or delete files elsewhere, another tenant's model's too."""
+    if not name:
+        return "it is empty"
+    if name in (".", "..") or any(c in name for c in "/\\:\0"):
+        return "a model's name is one directory of the repository: no '/', '\\', ':' or NUL, not '.' or '..'"
+    if len(name.encode()) > 255:
+        return "it is longer than a directory name may be (255 bytes)"
+    return None
+
+
 def _version_key(version: str) -> tuple[int, str]:
     return (int(version), "") if version.isdigit() else (-1, version)
 

@@ -35,7 +35,7 @@ from batchline.contract.executor_store import ExecutorStore
 from batchline.contract.keys import ModelKey
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, connect
-from batchline.registry import Registry
+from batchline.registry import Registry, model_name_problem
 from executor.generation_serving import GenerationModel, generation_names, load_generation, load_generation_models
 from executor.repository import (
     LoadedModel, ModelDir, RepositoryError, load_model, load_repository, model_names, scan_model,
@@ -114,7 +114,7 @@ class LiveRepository:
                 calls = await store.control_calls()
                 for name, (action, seq) in calls.items():
                     self.applied[name] = seq
-                    if s.models and name not in s.models:
+                    if (s.models and name not in s.models) or model_name_problem(name):
                         continue  # not this executor's to serve, as follow_calls leaves it
                     if action == "load" and not await self._override(name, seq, store):
                         continue
@@ -166,8 +166,8 @@ class LiveRepository:
         for name, (action, seq) in sorted(calls.items(), key=lambda kv: kv[1][1]):
             if seq <= self.applied.get(name, 0):
                 continue
-            if self.settings.models and name not in self.settings.models:
-                pass  # not this executor's to serve: applied, so that the caller need not wait for it
+            if (self.settings.models and name not in self.settings.models) or model_name_problem(name):
+                pass  # not this executor's to serve (or no model's name): applied, so no caller waits for it
             elif action == "load":
                 if await self._override(name, seq, self.app.executor.store):
                     names = await asyncio.to_thread(self._names)
@@ -264,6 +264,10 @@ class LiveRepository:
         """Take load call `seq`'s config and files, if it had any; False when its config cannot be
         served (the call fails with the reason; what serves goes on as it was)."""
         blob = await store.control_override(name)
+        problem = model_name_problem(name)
+        if problem is not None:  # (the gateway refuses such a call; a write to Redis by hand is not)
+            log.error("repository call %d for %r ignored: %s", seq, name, problem)
+            return False
         try:
             if blob and pb.ModelOverride.FromString(blob).seq == seq and declares_generation(self.root / name):
                 raise ConfigError(f"model '{name}' is generative: a load call's config or files do not apply to it "

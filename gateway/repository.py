@@ -15,7 +15,7 @@ from batchline.contract.gateway_store import GatewayStore
 from batchline.errors import InvalidArgument, NotFound, Unavailable
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS
-from batchline.registry import Registry
+from batchline.registry import Registry, model_name_problem
 from gateway.load_override import override_maker
 
 # How often a load or unload looks whether the executors have applied it.
@@ -87,8 +87,9 @@ class RepositoryControl:
 
     async def _call(self, name: str, action: str, override=None) -> int:
         self._explicit(action, name)
-        if not name or ":" in name:
-            raise InvalidArgument(f"model name {name!r} is not a model's name (empty, or contains ':')")
+        problem = model_name_problem(name)
+        if problem is not None:
+            raise InvalidArgument(f"model name {name!r} is not a model's name: {problem}")
         try:
             seq = await self.store.control_call(name, action, override)
         except REDIS_ERRORS as exc:

@@ -85,6 +85,18 @@ def test_a_model_loaded_from_files_serves_and_its_override_expires_in_redis(expl
         client.load_model("other", config="{}", files={"file:1": onnx_bytes, "file:1/model.onnx": onnx_bytes})
     assert "'file:1' names a file where another parameter's path needs a folder" in clash.value.message()
 
+    # A name that walks out of the repository (into another model's directory) is no model's
+    # name: refused at the door, on load and unload, with nothing written for the executors.
+    for call in (lambda n: client.load_model(n, config="{}", files={"file:1/model.onnx": onnx_bytes}),
+                 client.load_model, client.unload_model):
+        for name in ("x/../simple", "..", "simple\\..\\x"):
+            with pytest.raises(InferenceServerException) as outside:
+                call(name)
+            assert outside.value.status() == "StatusCode.INVALID_ARGUMENT", (name, outside.value)
+            assert "one directory of the repository" in outside.value.message()
+    controlled = {n.decode() for n in explicit_mesh.probe.redis.hkeys(contract.keys.CONTROL)}
+    assert controlled <= {"simple", "from_files", "other"}, controlled
+
     # Unloading drops the override from Redis.
     client.unload_model("from_files")
     assert not explicit_mesh.probe.redis.exists(contract.keys.override("from_files"))

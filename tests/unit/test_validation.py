@@ -334,3 +334,13 @@ def test_priority_without_levels_is_capped_where_queue_order_stays_exact():
         req.parameters["priority"].uint64_param = huge
         with pytest.raises(InvalidArgument, match="levels are 1 \\(highest\\) to 900"):
             request_priority(req, mlp_model())
+
+
+@pytest.mark.parametrize("name, ok", [
+    ("mlp", True), ("team-a.model_2", True), ("", False), (".", False), ("..", False),
+    ("team-a-x/../team-b", False), ("a\\b", False), ("a:b", False), ("a\0b", False), ("x" * 256, False),
+])
+def test_a_models_name_is_one_directory_of_the_repository(name, ok):
+    from batchline.registry import model_name_problem
+
+    assert (model_name_problem(name) is None) == ok
