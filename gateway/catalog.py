@@ -79,17 +79,19 @@ class Catalog:
             return False
         return True
 
-    async def statistics(self, name: str, version: str) -> list[tuple[pb.ModelInfo, dict[str, int]]]:
+    async def statistics(self, name: str, version: str, visible: Callable[[str], bool] | None = None,
+                         ) -> list[tuple[pb.ModelInfo, dict[str, int]]]:
         """Each served version's counters (every version of `name` when `version` is empty, every
-        model when `name` is)."""
+        model `visible` lets the caller see when `name` is)."""
         if name:
-            first = await self.model(name, version)
+            first = await self.model(name, version, visible)
             # Like Triton: no version means every served version.
             versions = [version] if version else self.registry.versions(name)
             models = [first] if version else [self.registry.models[(name, v)] for v in versions]
         else:
             await self.refresh_or_unavailable()
-            models = [self.registry.models[k] for k in sorted(self.registry.models)]
+            models = [self.registry.models[k] for k in sorted(self.registry.models)
+                      if visible is None or visible(k[0])]
         try:
             counters = await self.store.statistics([(m.name, m.version) for m in models])
         except REDIS_ERRORS as exc:

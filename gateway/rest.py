@@ -244,8 +244,8 @@ class RestApp:
                       "platform": info.platform, "inputs": tensors(inputs_of(info)), "outputs": tensors(info.outputs)})
 
     async def _statistics(self, headers, name: str, version: str):
-        self._allow(headers, admin="statistics")
-        entries = await self.gateway.catalog.statistics(name, version)
+        grant = self._allow(headers, name or None, admin="statistics")
+        entries = await self.gateway.catalog.statistics(name, version, visible(grant))
         answer = ipb.ModelStatisticsResponse(model_stats=[model_statistics(info, s) for info, s in entries])
         return _json(message_dict(answer))
 

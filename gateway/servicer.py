@@ -153,6 +153,8 @@ class InferenceServicer(SharedMemoryCalls, inference_pb2_grpc.GRPCInferenceServi
             # The stream's token is read once; what it may do is judged for every message by the
             # auth file as it is then (a token revoked mid-stream is refused from its next message).
             digest = self.tokens.digest(context.invocation_metadata()) if self.tokens is not None else None
+            if digest is not None:
+                self.tokens.lookup(digest)  # an unknown token opens no stream (as a unary call is refused)
         except BatchlineError as exc:
             await _abort(context, exc)
         answers: asyncio.Queue = asyncio.Queue()
@@ -201,9 +203,10 @@ class InferenceServicer(SharedMemoryCalls, inference_pb2_grpc.GRPCInferenceServi
                 t.cancel()
 
     async def ModelStatistics(self, request, context):
-        await self._allow(context, admin="statistics")
+        # A named model is judged by the token's scope; every model means every one it may see.
+        grant = await self._allow(context, request.name or None, admin="statistics")
         try:
-            entries = await self.gateway.catalog.statistics(request.name, request.version)
+            entries = await self.gateway.catalog.statistics(request.name, request.version, visible(grant))
         except BatchlineError as exc:
             await _abort(context, exc)
         return ipb.ModelStatisticsResponse(model_stats=[model_statistics(info, s) for info, s in entries])

@@ -162,6 +162,41 @@ def test_an_admin_token_reads_statistics(guarded):
     assert [s.name for s in stats.model_stats] == ["mlp"]
 
 
+def test_statistics_show_an_admin_only_the_models_in_its_scope(guarded):
+    m, path = guarded
+    scoped = "scoped-admin-token"
+    write_auth_file(path, token_entry(ADMIN, "ops", ["*"], admin=True),
+                    token_entry(scoped, "ops-minilm", ["minilm*"], admin=True))
+    with tc.InferenceServerClient(m.address) as client:
+        assert [s.name for s in client.get_inference_statistics("", headers=_bearer(ADMIN)).model_stats] == ["mlp"]
+        assert list(client.get_inference_statistics("", headers=_bearer(scoped)).model_stats) == []
+        assert _status_of(lambda: client.get_inference_statistics("mlp", headers=_bearer(scoped))) == \
+            "StatusCode.PERMISSION_DENIED"
+    import tritonclient.http as th
+
+    with th.InferenceServerClient(m.http_address) as client:
+        assert client.get_inference_statistics("", headers=_bearer(scoped))["model_stats"] == []
+        with pytest.raises(InferenceServerException) as denied:
+            client.get_inference_statistics("mlp", headers=_bearer(scoped))
+        assert "may not call model 'mlp'" in denied.value.message()
+
+
+def test_a_stream_with_an_unknown_token_is_refused_when_it_opens(guarded):
+    m, _ = guarded
+    channel = grpc.insecure_channel(m.address)
+    try:
+        from batchline.protocol import inference_pb2_grpc
+
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+        # No message sent: the stream itself is ended, not left open to answer each message.
+        stream = stub.ModelStreamInfer(iter(()), metadata=(("authorization", "Bearer junk"),), timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stream)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        channel.close()
+
+
 def test_the_repository_shows_a_token_only_its_models_and_takes_loads_only_from_admins(guarded):
     m, _ = guarded
     with tc.InferenceServerClient(m.address) as client:
