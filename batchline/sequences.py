@@ -25,6 +25,12 @@ class SequenceFlags:
         return f"i:{self.id}" if isinstance(self.id, int) else f"s:{self.id}"
 
 
+def sequence_key(flags: SequenceFlags, tenant: str) -> str:
+    """The sequence's key: its id within its tenant's (a tenant's token), so that another tenant
+    sending the same id can neither read, continue nor end it."""
+    return f"t{len(tenant)}:{tenant}:{flags.key}" if tenant else flags.key
+
+
 def _flag(request: ipb.ModelInferRequest, name: str) -> bool:
     if name not in request.parameters:
         return False

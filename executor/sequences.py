@@ -18,7 +18,7 @@ from batchline.codec import DATATYPES
 from batchline.contract.executor_store import ExecutorStore
 from batchline.errors import InvalidArgument, Unavailable
 from batchline.protocol import internal_pb2 as pb
-from batchline.sequences import SequenceFlags, sequence_flags
+from batchline.sequences import SequenceFlags, sequence_flags, sequence_key
 from executor.repository import LoadedModel
 from executor.running import Member
 
@@ -36,6 +36,10 @@ class Step:
     before: list[bytes]  # the state this step runs from, one raw tensor per state
     again: bool = False  # the saved state's last step is this one: it runs again
     saved: pb.SequenceState | None = None  # as read
+
+    @property
+    def key(self) -> str:
+        return sequence_key(self.flags, self.member.entry.tenant)
 
 
 def is_sequence_model(model: LoadedModel | None) -> bool:
@@ -75,16 +79,17 @@ async def begin(store: ExecutorStore, model: LoadedModel, members: list[Member])
         except InvalidArgument as exc:  # (the gateway checked them: a payload not from a gateway)
             m.error = exc
             continue
-        if flags.key in seen:
+        key = sequence_key(flags, m.entry.tenant)
+        if key in seen:
             # The gateway runs a sequence's requests one after another; two gateways may not.
             m.error = Unavailable(f"another request of sequence {flags.id} is in the same batch; send a sequence's "
                                   "requests one after another, through one gateway")
             continue
-        seen.add(flags.key)
+        seen.add(key)
         steps.append(Step(m, flags, 0, []))
     if not steps:
         return []
-    blobs = await store.sequence_states((model.name, model.version), [s.flags.key for s in steps])
+    blobs = await store.sequence_states((model.name, model.version), [s.key for s in steps])
     batched = model.info.max_batch_size > 0
     shapes = _graph_shapes(model)
     initial = [np.zeros([1, *s.shape], DATATYPES[s.datatype]).tobytes() for s in seq.states]
@@ -135,7 +140,7 @@ async def finish(store: ExecutorStore, model: LoadedModel, steps: list[Step]) ->
         after = [np.ascontiguousarray(m.outputs[st.output], DATATYPES[st.datatype]).tobytes() for st in seq.states]
         state = pb.SequenceState(request_id=m.entry.request_id, before=s.before, after=after, ended=s.flags.end,
                                  steps=s.found if s.again else s.found + 1, earlier=_earlier(s))
-        writes.append((s.flags.key, s.found, state.steps, state.SerializeToString()))
+        writes.append((s.key, s.found, state.steps, state.SerializeToString()))
     ttl_ms = max(1, seq.max_idle_us // 1000)
     saved = await store.save_sequence_states((model.name, model.version), writes, ttl_ms)
     for s, ok in zip(done, saved):

@@ -20,7 +20,7 @@ from batchline.contract.keys import ModelKey
 from batchline.contract.gateway_store import GatewayStore
 from batchline.clock import now_us
 from batchline.errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable, from_status_value)
-from batchline.sequences import sequence_flags
+from batchline.sequences import sequence_flags, sequence_key
 from batchline.lifecycle import stop_tasks
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
@@ -221,6 +221,8 @@ class Gateway:
         arrived_us = now_us()
         call, ticket = self._admit(call, model, tenant, weight, arrived_us)
         flags = sequence_flags(call.request) if model.HasField("sequence") else None
+        if flags is not None and tenant:
+            call = replace(call, tenant=tenant)
         queued = self.queueing
         try:
             if flags is None:
@@ -228,7 +230,7 @@ class Gateway:
                 if reply.region_unreadable and call.copied is not None:
                     reply = await queued.copied_and_queued(call, ticket, traceparent, tracestate, started)
             else:
-                async with self.sequences.turn(model.name, model.version, flags) as turn:
+                async with self.sequences.turn(model.name, model.version, sequence_key(flags, tenant)) as turn:
                     reply = await queued.queue_and_wait(call, ticket, traceparent, tracestate, started, on_partial,
                                                         turn)
         except BaseException:

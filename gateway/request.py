@@ -31,6 +31,7 @@ class Call:
     # Its inputs' bytes copied in place of the shared-memory regions it references: what is queued
     # again when an executor cannot read them (gateway/shared_memory.py); None: it references none.
     copied: Copied | None = None
+    tenant: str = ""      # a sequence request's tenant (its sequence is that tenant's)
 
     @property
     def key(self) -> ModelKey:
@@ -86,6 +87,7 @@ def queue_entry(call: Call, gateway_id: str, enqueued_us: int, deadline_us: int,
         deadline_us=deadline_us,
         enqueued_us=enqueued_us,
         priority=call.priority,
+        tenant=call.tenant,
         traceparent=span_parent or tracecontext.child(traceparent),
         tracestate=span_state if span_parent else (tracestate if tracecontext.parse(traceparent) else ""),
     )

@@ -68,9 +68,10 @@ class SequenceOrder:
         return len(self._last)
 
     @contextlib.asynccontextmanager
-    async def turn(self, model: str, version: str, flags: SequenceFlags) -> AsyncIterator[Turn]:
-        """Until the sequence's previous request here is over; then the caller's request runs."""
-        key = (model, version, flags.key)
+    async def turn(self, model: str, version: str, sequence: str) -> AsyncIterator[Turn]:
+        """Until the sequence's previous request here is over; then the caller's request runs.
+        `sequence`: its key (batchline.sequences.sequence_key)."""
+        key = (model, version, sequence)
         before = self._last.get(key)
         mine = asyncio.get_running_loop().create_future()
         self._last[key] = mine

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class QueueEntry(_message.Message):
-    __slots__ = ("request_id", "gateway_id", "model_version", "rows", "deadline_us", "enqueued_us", "priority", "traceparent", "tracestate", "length")
+    __slots__ = ("request_id", "gateway_id", "model_version", "rows", "deadline_us", "enqueued_us", "priority", "traceparent", "tracestate", "length", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class QueueEntry(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     TRACESTATE_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     gateway_id: str
     model_version: str
@@ -29,7 +30,8 @@ class QueueEntry(_message.Message):
     traceparent: str
     tracestate: str
     length: int
-    def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., model_version: _Optional[str] = ..., rows: _Optional[int] = ..., deadline_us: _Optional[int] = ..., enqueued_us: _Optional[int] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., model_version: _Optional[str] = ..., rows: _Optional[int] = ..., deadline_us: _Optional[int] = ..., enqueued_us: _Optional[int] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ..., length: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("batch_id", "model_name", "model_version", "members", "executor_id", "dispatched_us", "reason", "attempt", "traceparent")

@@ -299,6 +299,28 @@ def test_a_sequence_request_given_up_after_its_dispatch_holds_the_next_until_it_
             r.close()
 
 
+def test_a_sequence_is_its_tenants_another_tenant_with_the_same_id_has_its_own(repo, tmp_path):
+    from batchline.testing.auth_files import token_entry, write_auth_file
+    from batchline.testing.in_process import InProcessMesh
+
+    auth = tmp_path / "auth.toml"
+    write_auth_file(auth, token_entry("token-a", "a", ["accumulator"]), token_entry("token-b", "b", ["accumulator"]))
+    with InProcessMesh(None, str(repo), gateway_overrides={"auth_file": str(auth)}) as m, \
+            grpcclient.InferenceServerClient(m.address) as client:
+        def step(token: str, v: int, start: bool = False) -> int:
+            result = client.infer("accumulator", value(v), sequence_id=7, sequence_start=start,
+                                  headers={"authorization": f"Bearer {token}"})
+            return int(result.as_numpy("OUTPUT")[0, 0])
+
+        assert step("token-a", 5, start=True) == 5
+        # Tenant b cannot continue tenant a's sequence 7: for b, none is running.
+        refused_continue = refused(lambda: step("token-b", 100))
+        assert "START" in refused_continue.message()
+        assert step("token-b", 100, start=True) == 100  # b's own sequence 7
+        assert step("token-a", 1) == 6                  # a's goes on, untouched
+        assert step("token-b", 1) == 101
+
+
 # -- the gateway's order and the config's checks, as pure units ------------------------------------
 
 
@@ -309,7 +331,7 @@ def test_a_request_that_gives_up_while_waiting_still_keeps_the_next_behind_the_o
         first_may_end = asyncio.Event()
 
         async def request(name: str, hold: asyncio.Event | None = None) -> None:
-            async with order.turn("m", "1", flags):
+            async with order.turn("m", "1", flags.key):
                 log.append(f"{name} runs")
                 if hold is not None:
                     await hold.wait()
