@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+import redis.exceptions
+
 from batchline.contract import calls, scripts
 from batchline.contract import keys as k
 from batchline.contract.calls import FinishedBatch
 from batchline.contract.keys import ModelKey
 from batchline.contract.recovery import RecoveryStore
 from batchline.contract.slots import Rounds, get_many
+from batchline.contract.waits import as_outage
 
 
 class ExecutorStore(RecoveryStore):
@@ -51,7 +54,10 @@ class ExecutorStore(RecoveryStore):
 
     async def take_work(self, executor_id: str, timeout_s: int) -> bytes | None:
         """The next Batch sent to the executor, waiting up to `timeout_s` (on the blocking client)."""
-        item = await self.blocking.blpop([k.work(executor_id)], timeout=timeout_s)
+        try:
+            item = await self.blocking.blpop([k.work(executor_id)], timeout=timeout_s)
+        except redis.exceptions.ResponseError as exc:
+            raise as_outage(exc) from exc
         return None if item is None else item[1]
 
     async def fetch(self, model: ModelKey, request_ids: Sequence[str],

@@ -75,9 +75,10 @@ class RecoveryStore(Store):
                 pipe.srem(k.inflight(model_of[bid], executor_id), bid)
         pipe = rounds.next()
         if include_queued:
-            pipe.delete(k.work(executor_id))
-            for m in models:
-                pipe.delete(k.inflight(m, executor_id))
+            # Only what was read: a batch dispatched since (the scheduler has not seen the executor
+            # go yet) stays, in its work list and in-flight set, for the next recovery.
+            for blob in queued:
+                pipe.lrem(k.work(executor_id), 1, blob)
         # An event for the scheduler, which listens to reports always (not to the arrivals of a
         # queue that waits for a busy executor): this executor holds fewer batches now.
         calls.report(pipe, pb.ExecutionReport(executor_id=executor_id).SerializeToString())

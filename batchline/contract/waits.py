@@ -31,7 +31,21 @@ class ListPop:
         if self.all_at_once:
             try:
                 return await self._blocking.execute_command("BLMPOP", timeout, len(keys), *keys, "LEFT", "COUNT", count)
-            except redis.exceptions.ResponseError:
+            except redis.exceptions.ResponseError as exc:
+                if "unknown command" not in str(exc).lower():
+                    raise as_outage(exc) from exc
                 self.all_at_once = False
-        item = await self._blocking.blpop(keys, timeout=timeout)
+        try:
+            item = await self._blocking.blpop(keys, timeout=timeout)
+        except redis.exceptions.ResponseError as exc:
+            raise as_outage(exc) from exc
         return item and (item[0], [item[1]])
+
+
+def as_outage(exc: redis.exceptions.ResponseError) -> Exception:
+    """A blocking wait's error as the outage it is, when it is one: a primary demoted under its
+    waits ends them `UNBLOCKED`, as a failover ends a connection (and is retried as one)."""
+    text = str(exc)
+    if text.startswith(("UNBLOCKED", "MASTERDOWN", "LOADING")):
+        return redis.exceptions.ConnectionError(f"Redis ended the wait: {text}")
+    return exc

@@ -36,3 +36,38 @@ def test_connections_parse_replies_with_hiredis(redis_server):
     assert parsers == [True, True]
     assert values == [b"\x00binary", b"text", b"3"]
     assert popped == [b"t:hiredis", [b"\x00binary", b"text", b"3"]]
+
+
+def test_a_wait_that_redis_ends_unblocked_is_an_outage_not_a_refusal(redis_server):
+    """A primary demoted under a blocking wait ends it `-UNBLOCKED`, as CLIENT UNBLOCK ... ERROR
+    does: the wait fails as a connection error (retried as one), and it keeps BLMPOP (a refusal
+    of an unknown command is what turns to BLPOP)."""
+    import redis.exceptions
+
+    from batchline.contract.waits import ListPop
+
+    async def run() -> None:
+        blocking, client = connect_blocking(redis_server.url, 2), connect(redis_server.url, 2)
+        try:
+            pop = ListPop(blocking)
+            wait = asyncio.ensure_future(pop(["test:unblocked"], 10, timeout=10))
+            blocked: list = []
+            for _ in range(200):
+                blocked = [c for c in await client.client_list() if c.get("cmd") == "blmpop"]
+                if blocked:
+                    break
+                await asyncio.sleep(0.01)
+            assert blocked, "the wait never blocked"
+            await client.execute_command("CLIENT", "UNBLOCK", blocked[0]["id"], "ERROR")
+            try:
+                await wait
+            except redis.exceptions.ConnectionError as exc:
+                assert "UNBLOCKED" in str(exc)
+            else:
+                raise AssertionError("the ended wait returned")
+            assert pop.all_at_once
+        finally:
+            await blocking.aclose()
+            await client.aclose()
+
+    asyncio.run(run())
