@@ -14,11 +14,13 @@ key                                    type         holds
 =====================================  ===========  ==================================================
 bl:q:{M}                               sorted set   QueueEntry, scored priority-major, deadline-minor
 bl:req:{M}:<request_id>                string       the ModelInferRequest (tensors); TTL = budget + grace
+bl:gen:{M}:<request_id>                string       the output token ids a generation request was sent so far
+                                                    (int64): where a takeover continues from; TTL = REPLY_TTL
 bl:batch:{M}:<batch_id>                string       Batch while dispatched; TTL = latest deadline + grace
 bl:inflight:{M}:<executor_id>          set          ids of that model's batches dispatched to the executor, not yet
                                                     answered
 bl:seq:{M}:<sequence id>               hash         a sequence's state: steps (count), state (SequenceState); TTL = its
-idle timeout
+                                                    idle timeout
 bl:stats:{M}                           hash         Triton-style statistics counters
 bl:load:{M}                            string       ModelLoad, the scheduler's view for admission; short TTL
 bl:arrivals:{M}                        string       requests the gateways received for it, refused included (INCRBY)
@@ -89,7 +91,9 @@ PAYLOAD_GRACE_MS = 5_000        # a payload outlives its deadline by this much
 QUEUE_TTL = MAX_BUDGET_S + 3_600
 REPLY_TTL = 60                  # a gateway that died leaves its replies this long
 GATEWAYS_TTL = 60               # the gateway set, once the last gateway is gone
-WORK_TTL = 3_600
+# An executor's work list, served set and in-flight sets: they must outlive the longest batch
+# (a budget), or recovery could not find a dead executor's batches to hand back.
+WORK_TTL = MAX_BUDGET_S + 3_600
 STATS_TTL = 7 * 24 * 3_600
 REGISTRY_TTL = 24 * 3_600
 LOAD_TTL_MS = 2_000             # admission ignores a load view older than this
@@ -117,7 +121,7 @@ def override(name: str) -> str:
 
 
 def parse_control(record: bytes | str) -> tuple[str, int]:
-    """(action, sequence number) of a bl:control:models value."""
+    """(action, sequence number) of a bl:control:{s}:models value."""
     text = record.decode() if isinstance(record, bytes) else record
     action, _, seq = text.partition(":")
     return action, int(seq)
@@ -223,7 +227,7 @@ def rate(tenant: str) -> str:
 
 
 def profile(model: ModelKey, kind: str) -> str:
-    # Not "profile:": samples saved under that name counted rows, whatever the sequence length.
+    # Samples are in units (rows × length); a name of its own keeps row-counted samples from being read as units.
     return f"{PREFIX}profile-units:{model_tag(model)}:{kind}"
 
 
