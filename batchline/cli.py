@@ -5,7 +5,7 @@
     batchline optimize MODEL     write a faster version of a model that passes an accuracy gate
     batchline tune MODEL         measure one executor's layouts for a model here, write the best to config.toml
     batchline build-models PATH  build the demo model repository (minilm, mlp, gpt) into PATH
-    batchline bench ...          load a KServe v2 gRPC endpoint, closed or open loop (see --help)
+    batchline bench ...          load a KServe v2 gRPC or HTTP endpoint, closed or open loop (see --help)
 """
 from __future__ import annotations
 
@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--metrics-port", type=int, default=8002,
                     help="Prometheus endpoints on consecutive ports from this one: gateway-0, gateway-1, ..., the "
                     "scheduler, executor-0, executor-1, ... (as many as --executors, or MAX with --autoscale), "
-                    "then `batchline up` "
-                    "itself (batchline_restarts_total, batchline_scale_events_total); "
+                    "then `batchline up` itself (batchline_restarts_total, batchline_scale_events_total, "
+                    "batchline_demand_reads_total); "
                     "0 = any free ports, -1 = none (default: 8002)")
     up.add_argument("--log-level", default=os.environ.get("BATCHLINE_LOG_LEVEL", "INFO"),
                     help="log level of the services (default: $BATCHLINE_LOG_LEVEL, else INFO)")

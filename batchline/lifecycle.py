@@ -75,9 +75,9 @@ def run_service(service: str, start: Callable[[], Awaitable[Callable[[], Awaitab
                 raise SystemExit(2) from None
         stop = await start()
         # What start-up built (modules, sessions, protobuf descriptors) lives as long as the process:
-        # moved out of the collector's reach, a full collection no longer walks it. The full
-        # collections that walked it were mlp's longest stalls: p99 at 32 in flight fell from 29 to
-        # 24 ms with it (median of three alternating pairs, benchmarks/mlp_overhead.py's load).
+        # frozen, it is out of the collector's reach, so full collections do not walk it. Full
+        # collections walking it are mlp's longest stalls: p99 at 32 in flight is 24 ms with the
+        # freeze, 29 ms without (median of three alternating pairs, benchmarks/mlp_overhead.py's load).
         gc.collect()
         gc.freeze()
         try:

@@ -1,9 +1,10 @@
 """Prometheus metrics of every service, defined once in the default registry.
 
 Each service serves them at http://HOST:PORT/metrics (`start_metrics_server`).
-A service only ever touches its own metrics, so a process exposes the
-families of all three but fills in only its own; the in-process test mesh
-runs all three in one process and one endpoint shows everything.
+A service only ever touches its own metrics, so a process exposes every
+family but fills in only its own (``batchline up`` itself: its supervisor's
+and autoscaler's, in their section below); the in-process test mesh runs all
+three services in one process and one endpoint shows everything.
 
 Label values: ``model``/``version`` are the resolved model name and version
 (a failed request's too: the version that would have served it; a name no
@@ -89,9 +90,9 @@ STAGE_REPLY = Histogram(
     "executor to the gateway resuming the request with its answer (encoding, the write to Redis, the gateway's read, "
     "its event loop).", _MV, buckets=STAGE_BUCKETS,
 )
-REDIS_ROUNDTRIP = Histogram(
-    "batchline_redis_roundtrip_seconds", "Duration of a Redis round trip (command or pipeline), failed ones included.",
-    ("service", "op"), buckets=LATENCY_BUCKETS,
+FAILOVER_LOST = Counter(
+    "batchline_redis_failover_lost_requests",
+    "Queued requests the gateway answered UNAVAILABLE because a new Redis primary lacked them.",
 )
 
 # -- scheduler ----------------------------------------------------------------------------------
@@ -177,19 +178,6 @@ COMPUTE_OUTPUT_DURATION = Histogram(
     "batchline_compute_output_duration_seconds", "Splitting, encoding and writing a batch's outputs.", _MV,
     buckets=LATENCY_BUCKETS,
 )
-RESTARTS = Counter(
-    "batchline_restarts", "Services `batchline up` restarted after they exited (redis: the embedded Redis).",
-    ("service",)
-)
-SCALE_EVENTS = Counter(
-    "batchline_scale_events", "Decisions of `batchline up --autoscale` to start executors (direction up) or stop them "
-    "(down), by reason: forecast or backlog (what the leader's demand asked for), cool_down (fewer wanted for a whole "
-    "cool-down), bounds (outside MIN:MAX).", ("direction", "reason"),
-)
-DEMAND_READS = Counter(
-    "batchline_demand_reads", "Times `batchline up --autoscale` read the leader's demand and decided (a decision to "
-    "change nothing included): flat while it runs means the autoscaler is stuck.",
-)
 EXECUTOR_BUSY = Counter(
     "batchline_executor_busy_seconds", "Seconds spent executing batches (its rate is the busy fraction).", ("executor",)
 )
@@ -218,19 +206,34 @@ GENERATION_PREEMPTIONS = Counter(
     "batchline_generation_preemptions", "Running sequences preempted by one of better priority (recomputed when "
     "readmitted).", _MV,
 )
+BATCHES_REWRITTEN = Counter(
+    "batchline_redis_failover_rewritten_batches",
+    "Finished batches an executor wrote again because a new Redis primary lacked their answers.",
+)
 
 # -- every service ------------------------------------------------------------------------------
+REDIS_ROUNDTRIP = Histogram(
+    "batchline_redis_roundtrip_seconds", "Duration of a Redis round trip (command or pipeline), failed ones included.",
+    ("service", "op"), buckets=LATENCY_BUCKETS,
+)
 REDIS_FAILOVERS = Counter(
     "batchline_redis_failovers",
     "Times this service found Redis answering from a new primary (a Sentinel failover, or a restarted Redis).",
 )
-FAILOVER_LOST = Counter(
-    "batchline_redis_failover_lost_requests",
-    "Queued requests the gateway answered UNAVAILABLE because a new Redis primary lacked them.",
+
+# -- batchline up -------------------------------------------------------------------------------
+RESTARTS = Counter(
+    "batchline_restarts", "Services `batchline up` restarted after they exited (redis: the embedded Redis).",
+    ("service",)
 )
-BATCHES_REWRITTEN = Counter(
-    "batchline_redis_failover_rewritten_batches",
-    "Finished batches an executor wrote again because a new Redis primary lacked their answers.",
+SCALE_EVENTS = Counter(
+    "batchline_scale_events", "Decisions of `batchline up --autoscale` to start executors (direction up) or stop them "
+    "(down), by reason: forecast or backlog (what the leader's demand asked for), cool_down (fewer wanted for a whole "
+    "cool-down), bounds (outside MIN:MAX).", ("direction", "reason"),
+)
+DEMAND_READS = Counter(
+    "batchline_demand_reads", "Times `batchline up --autoscale` read the leader's demand and decided (a decision to "
+    "change nothing included): flat while it runs means the autoscaler is stuck.",
 )
 
 def _exposed_name(metric: MetricWrapperBase) -> str:

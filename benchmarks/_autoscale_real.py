@@ -2,8 +2,8 @@
 mesh (`batchline up`'s Mesh, in this process) whose executors the policy under test scales.
 
 Predictive is the mesh's own `--autoscale` (Mesh.autoscale with batchline.autoscale.ScalePolicy,
-which the simulated mode runs too); reactive swaps in a policy that reads the queue depth as
-today's KEDA trigger does; the static ones start their executors and leave them. Executor-seconds
+which the simulated mode runs too); reactive swaps in a policy that reads the queue depth (ceil(queued / 32),
+as a plain KEDA queue-length scaler would); the static ones start their executors and leave them. Executor-seconds
 count every executor process from its start (starting ones included, as in the simulation).
 Refused requests are not sent again: each counts once.
 """

@@ -13,7 +13,7 @@ The traces (per-second Poisson rates from documented parameters, fixed seeds; BA
 
 The policies, all with the same executor start time and cool-down:
 - static-min: MIN executors; static-peak: as many as the trace's peak needs at a utilisation of 0.7;
-- reactive: today's KEDA trigger, ceil(queued requests / 32) executors;
+- reactive: a queue-depth trigger, ceil(queued / 32) executors, as a plain KEDA queue-length scaler would do;
 - predictive: what `batchline up --autoscale` does, by the same code: the leader's forecast and need
   (batchline.planning.forecast.ArrivalRate.ahead, batchline.planning.capacity.need, at
   scheduler.demand.TARGET_UTILISATION) and the supervisor's policy (batchline.autoscale.ScalePolicy);
@@ -164,7 +164,8 @@ class Result:
 
 
 class Reactive:
-    """Today's KEDA trigger: ceil(queued / threshold), up at once, down after the cool-down."""
+    """A queue-depth trigger, ceil(queued / threshold), as a plain KEDA queue-length scaler would do: up at once,
+    down after the cool-down."""
 
     def __init__(self, low: int, high: int, cool_down_s: float, threshold: int = KEDA_THRESHOLD) -> None:
         self.low, self.high, self.cool_down_s, self.threshold = low, high, cool_down_s, threshold

@@ -208,7 +208,9 @@ class ModelConfig(BaseModel):
         "engine (docs/design/generation.md) rather than in batches of whole requests. Keys: `cache_inputs` and "
         "`cache_outputs` (required, paired in order), `eos_token_ids`, `max_context` (required), `tokenizer` "
         "(required: the directory of tokenizer.json), `ids_input`, `positions_input`, `mask_input`, `logits_output`, "
-        "`cache_in_place` (false: the engine gathers the cache into each run), `prefill_chunk` (256).",
+        "`cache_in_place` (false: the engine gathers the cache into each run), `prefill_chunk` (256), `ttft_ms` and "
+        "`tpot_ms` (0 = none: the time to first token and per output token a request must meet unless it sets its "
+        "own).",
     )
     optimize: OptimizeConfig | None = Field(
         None, description="An `[optimize]` table for `batchline optimize` (the executors ignore it): "

@@ -176,8 +176,7 @@ def metrics_page() -> str:
         kind = metric._type
         name = metric._name + ("_total" if kind == "counter" else "")
         labels = ", ".join(f"`{label}`" for label in metric._labelnames) or "—"
-        service = "every service" if "service" in metric._labelnames else services.get(var, "")
-        rows.append(f"| `{name}` | {kind} | {labels} | {service} | {_cell(metric._documentation)} |")
+        rows.append(f"| `{name}` | {kind} | {labels} | {services.get(var, '')} | {_cell(metric._documentation)} |")
         if kind == "histogram":
             bounds = ", ".join(f"{b:g}" for b in metric._upper_bounds if b != float("inf"))
             buckets.append(f"| `{name}` | {bounds} |")
@@ -187,9 +186,10 @@ def metrics_page() -> str:
     return "\n".join([
         "# Metrics reference", "", GENERATED, "",
         "Every service serves Prometheus text at `http://HOST:PORT/metrics` (`--metrics-port`: gateway 8002,",
-        "scheduler 8003, executor 8004; `batchline up` counts up from `--metrics-port`). A process exposes",
-        "every family but fills in only its own service's. Histograms also export `_bucket`, `_sum` and",
-        "`_count` series. The guide: [observability](../guides/observability.md).", "",
+        "scheduler 8003, executor 8004; `batchline up` counts up from `--metrics-port`, its own endpoint last).",
+        "A process exposes every family but fills in only those whose service column names it (or every",
+        "service). Histograms also export `_bucket`, `_sum` and `_count` series. The guide:",
+        "[observability](../guides/observability.md).", "",
         "| metric | type | labels | service | meaning |", "|---|---|---|---|---|", *rows, "",
         " ".join(labels_note.replace("``", "`").split()), "",
         "## Service stages", "",

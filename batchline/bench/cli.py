@@ -75,8 +75,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     m.add_argument("--duration", type=float, default=10.0, help="measured seconds per step (default: 10)")
     m.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each step (default: 2)")
     m.add_argument("--budget-ms", type=float, default=None,
-                   help="per-request latency budget: the gRPC deadline and the KServe `timeout` parameter "
-                        "(µs on the wire); goodput counts OK answers within it (default: none)")
+                   help="per-request latency budget: the KServe `timeout` parameter (µs on the wire) and, over "
+                        "gRPC, the call's deadline; over HTTP, the Batchline-Timeout-Ms header and the client's wait "
+                        "for the answer; goodput counts OK answers within it (default: none)")
     m.add_argument("--priority", type=int, default=0, help="KServe `priority` parameter, 1 = highest (default: unset)")
     m.add_argument("--streaming", action="store_true",
                    help="send on ModelStreamInfer streams instead of unary calls (like perf_analyzer --streaming): "
@@ -84,16 +85,17 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "carrying every request, answers matched by id. The budget travels only in the `timeout` "
                    "parameter; a request unanswered 1 s past it counts DEADLINE_EXCEEDED")
     m.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
-                   help="gRPC metadata sent with every call, e.g. authorization='Bearer TOKEN' (repeatable)")
+                   help="sent with every call: gRPC metadata, or with --protocol http an HTTP header, e.g. "
+                   "authorization='Bearer TOKEN' (repeatable)")
     m.add_argument("--connections", type=int, default=1,
                    help="gRPC connections to open, calls and streams spread over them round robin: a server that "
-                   "runs several gateway processes on one port (SO_REUSEPORT) spreads connections, not calls "
-                   "(default: 1)")
+                   "runs several gateway processes on one port (SO_REUSEPORT) spreads connections, not calls; "
+                   "--protocol http opens one per request in flight instead (default: 1)")
     m.add_argument("--no-retry-after", dest="retry_after", action="store_false",
                    help="closed loop: resend a refused request at once, as perf_analyzer does (default: a worker "
                    "whose request was refused with a `retry-after-ms` hint, as batchline's admission control sends "
-                   "(trailing metadata of a unary call, a parameter of a stream's error answer), "
-                   "waits that long first)")
+                   "(trailing metadata of a unary call, a parameter of a stream's error answer, an HTTP answer's "
+                   "header), waits that long first)")
     m.add_argument("--max-outstanding", type=int, default=10_000,
                    help="open loop: requests due while this many are outstanding are counted as NOT_SENT "
                         "(default: 10000)")
@@ -123,7 +125,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register `bench` on the `batchline` subcommand parsers."""
-    p = sub.add_parser("bench", help="benchmark a KServe v2 gRPC endpoint (closed/open loop)",
+    p = sub.add_parser("bench", help="benchmark a KServe v2 gRPC or HTTP endpoint (closed/open loop)",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     configure(p)
     return p
