@@ -95,7 +95,7 @@ def distance(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray],
             total += float(np.mean(1.0 - cosines(ref64.reshape(len(ref64), -1), got64.reshape(len(got64), -1))))
         else:
             total += float(np.mean(np.abs(ref64 - got64)) / max(float(np.mean(np.abs(ref64))), 1e-12))
-    return total
+    return total if np.isfinite(total) else float("inf")  # a broken choice ranks last
 
 
 def judge(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray], t: Thresholds,
@@ -104,6 +104,12 @@ def judge(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray], t:
     outputs, failed = {}, []
     for name, ref in reference.items():
         got = candidate[name]
+        # Every comparison with NaN is False: a NaN or infinity where FP32 has a number would
+        # pass each threshold below unseen.
+        broken = int(np.count_nonzero(~np.isfinite(got) & np.isfinite(ref))) \
+            if np.issubdtype(got.dtype, np.floating) else 0
+        if broken:
+            failed.append(f"{name}: {broken} values are NaN or infinite where FP32's are finite")
         if kinds[name] == "embedding":
             ref2, got2 = ref.reshape(len(ref), -1), got.reshape(len(got), -1)
             c = cosines(ref2, got2)
@@ -112,18 +118,18 @@ def judge(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray], t:
             checks = [("mean_cosine", t.min_mean_cosine), ("p1_cosine", t.min_p1_cosine),
                       ("neighbour_overlap", t.min_neighbour_overlap)]
             failed += [f"{name}: {key} {m[key]:.4f} < {floor} (short by {floor - m[key]:.4f})"
-                       for key, floor in checks if m[key] < floor]
+                       for key, floor in checks if not m[key] >= floor]
         else:
             ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
             err = np.abs(ref64 - got64)
             m = {"kind": kinds[name], "max_abs_error": float(err.max(initial=0.0)),
                  "max_rel_error": float((err / np.maximum(np.abs(ref64), 1e-6)).max(initial=0.0))}
-            if m["max_abs_error"] > t.max_abs_error:
+            if not m["max_abs_error"] <= t.max_abs_error:
                 failed.append(f"{name}: max_abs_error {m['max_abs_error']:.4g} > {t.max_abs_error} "
                               f"(over by {m['max_abs_error'] - t.max_abs_error:.4g})")
             if kinds[name] == "classes" and ref.ndim >= 2 and ref.shape[-1] > 1:
                 m["argmax_agreement"] = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
-                if m["argmax_agreement"] < t.min_argmax_agreement:
+                if not m["argmax_agreement"] >= t.min_argmax_agreement:
                     failed.append(f"{name}: argmax_agreement {m['argmax_agreement']:.4f} < {t.min_argmax_agreement}")
         outputs[name] = m
     return {"passed": not failed, "outputs": outputs, "failed": failed}

@@ -294,3 +294,20 @@ def test_the_search_keeps_the_harmful_matmul_in_fp32_and_quantizes_the_rest(tmp_
     ops = {n.name: n.op_type for n in onnx.load(str(tmp_path / "sensitive" / "2" / "model.onnx")).graph.node}
     assert ops["middle"] == "MatMul" and "first" not in ops and "last" not in ops
     assert sum(op == "MatMulInteger" for op in ops.values()) == 2
+
+
+@pytest.mark.parametrize("kind", ["embedding", "values", "classes"])
+def test_nan_or_infinity_where_fp32_has_numbers_fails_the_gate(kind):
+    from batchline.optimize.gate import Thresholds, distance, judge
+
+    rng = np.random.default_rng(0)
+    reference = rng.random((200, 8)).astype(np.float32)
+    reference /= reference.sum(-1, keepdims=True)
+    broken = reference.copy()
+    broken[:2] = np.nan  # an fp16 overflow in two rows
+    verdict = judge({"out": reference}, {"out": broken}, Thresholds(), {"out": kind})
+    assert not verdict["passed"]
+    assert any("NaN or infinite" in why for why in verdict["failed"]), verdict["failed"]
+    assert not judge({"out": reference}, {"out": np.full_like(reference, np.inf)}, Thresholds(), {"out": kind})["passed"]
+    assert distance({"out": reference}, {"out": broken}, {"out": kind}) == float("inf")
+    assert judge({"out": reference}, {"out": reference.copy()}, Thresholds(), {"out": kind})["passed"]
