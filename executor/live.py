@@ -130,10 +130,14 @@ class LiveRepository:
         for name in names:
             try:
                 scanned = await asyncio.to_thread(self._scan, name)
-                for version, print_ in scanned.versions.items():
-                    models.append(await self._load(scanned, version, print_))
             except RepositoryError as exc:
                 self._failed(name, str(exc))
+                continue
+            for version, print_ in scanned.versions.items():
+                try:  # a version that fails, fails alone: the model's others load
+                    models.append(await self._load(scanned, version, print_))
+                except RepositoryError as exc:
+                    self._failed(name, str(exc))
         return models
 
     async def run(self) -> None:

@@ -332,7 +332,8 @@ KEYS = sorted(ModelConfig.model_fields)
 
 def select_versions(policy: dict[str, Any], available: list[str]) -> list[str]:
     """The version directories (numeric names) that `policy` serves, ascending."""
-    numbered = sorted((v for v in available if v.isdigit()), key=int)
+    # ASCII digits only: str.isdigit() takes '²', which int() does not.
+    numbered = sorted((v for v in available if v.isascii() and v.isdigit()), key=int)
     (kind, arg), = policy.items()
     if kind == "latest":
         return numbered[-arg:]

@@ -272,12 +272,17 @@ def scan_model(model_dir: pathlib.Path, config: dict[str, Any] | None = None,
         raise RepositoryError(f"{model_dir}: a model name may not contain ':'")
     if not model_dir.is_dir():
         raise RepositoryError(f"model '{model_dir.name}' is not in the repository {model_dir.parent}")
-    if config is None:
-        config = read_config(model_dir)
-    present = [p.name for p in model_dir.iterdir() if p.is_dir() and (p / "model.onnx").exists()]
-    selected = select_versions(config["version_policy"], present)
-    config_path = model_dir / config_file
-    return ModelDir(model_dir, config, {v: fingerprint(config_path, model_dir / v / "model.onnx") for v in selected})
+    try:
+        if config is None:
+            config = read_config(model_dir)
+        present = [p.name for p in model_dir.iterdir() if p.is_dir() and (p / "model.onnx").exists()]
+        selected = select_versions(config["version_policy"], present)
+        config_path = model_dir / config_file
+        prints = {v: fingerprint(config_path, model_dir / v / "model.onnx") for v in selected}
+    except OSError as exc:
+        # A folder this executor may not read (an ext4 volume's lost+found) is that model's failure alone.
+        raise RepositoryError(f"model '{model_dir.name}' cannot be read: {exc}") from None
+    return ModelDir(model_dir, config, prints)
 
 
 def load_repository(

@@ -206,3 +206,31 @@ def test_load_model_flags_repeat_and_list():
     settings = parse_settings(ExecutorSettings, ["--load-model", "a", "--load-model", "b", "c",
                                                  "--model-control-mode", "explicit"], "executor", "")
     assert settings.load_model == ["a", "b", "c"] and settings.model_control_mode == "explicit"
+
+
+def test_a_version_or_a_folder_that_cannot_be_read_fails_alone_at_start(repository):
+    """Poll mode's start: a version ONNX Runtime cannot load leaves the model's next version
+    serving; a folder that cannot be read (its config.toml a directory here, as lost+found is for
+    a non-root executor) and a version named with a non-ASCII digit fail alone."""
+    import asyncio
+    import types
+
+    from executor.live import LiveRepository
+    from executor.settings import ExecutorSettings
+
+    mlp = repository / "mlp"
+    (mlp / "config.toml").write_text("version_policy = { all = true }\n" + (mlp / "config.toml").read_text())
+    shutil.copytree(mlp / "1", mlp / "2")
+    shutil.copytree(mlp / "1", mlp / "\u00b2")           # '²'.isdigit(), but no int()
+    (mlp / "1" / "model.onnx").write_bytes(b"not a graph")
+    (repository / "unreadable" / "config.toml").mkdir(parents=True)
+
+    settings = ExecutorSettings(model_repository=str(repository), model_control_mode="poll")
+    live = LiveRepository(types.SimpleNamespace(settings=settings))  # initial() reads only the settings
+    models = asyncio.run(live.initial())
+    assert [(m.name, m.version) for m in models] == [("mlp", "2")]
+    entries = {(e.name, e.version): (e.state, e.reason) for e in live.entries()}
+    assert entries[("mlp", "2")][0] == "READY"
+    assert entries[("mlp", "1")][0] == "UNAVAILABLE" and "ONNX Runtime" in entries[("mlp", "1")][1]
+    assert entries[("unreadable", "")][0] == "UNAVAILABLE"
+    assert "cannot be read" in entries[("unreadable", "")][1]
