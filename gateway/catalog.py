@@ -6,7 +6,7 @@ from typing import Callable
 
 from batchline.contract.gateway_store import GatewayStore
 
-from batchline.errors import NotFound, Unavailable
+from batchline.errors import InvalidArgument, NotFound, Unavailable
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS
 from batchline.registry import Registry
@@ -39,7 +39,7 @@ class Catalog:
         try:
             info = self.registry.resolve(name, version)
             return info.name, info.version
-        except NotFound:
+        except (NotFound, InvalidArgument):  # (a version that is no number: counted as an unknown one)
             return (name, "") if name in self._served else ("", "")
 
     async def model(self, name: str, version: str = "", visible: Callable[[str], bool] | None = None) -> pb.ModelInfo:

@@ -76,6 +76,9 @@ async def test_requests_show_up_in_the_metrics(mesh, metrics_port):
         with pytest.raises(InferenceServerException) as err:
             await client.infer("no-such-model", [bad])
         assert "NOT_FOUND" in str(err.value.status())
+        with pytest.raises(InferenceServerException) as err:
+            await client.infer("mlp", [bad], model_version="abc")  # a version that is no number
+        assert "INVALID_ARGUMENT" in str(err.value.status())
     finally:
         await client.close()
 
@@ -106,8 +109,8 @@ async def test_requests_show_up_in_the_metrics(mesh, metrics_port):
     # Gateway: every request counted once, by outcome.
     assert d("batchline_request_success_total", **mlp) == N
     assert d("batchline_request_duration_seconds_count", **mlp) == N
-    assert d("batchline_request_failure_total", reason="invalid_argument", **mlp) == 1
-    assert d("batchline_request_failure_total", **mlp) == 1
+    assert d("batchline_request_failure_total", reason="invalid_argument", **mlp) == 2
+    assert d("batchline_request_failure_total", **mlp) == 2
     # The client named no version: its failure counts under the version that served the rest, so
     # a goodput panel dividing by (model, version) lines up; an unknown name adds no series of its own.
     served = {dict(lbls)["version"] for (n, lbls), v in after.items()
@@ -115,6 +118,7 @@ async def test_requests_show_up_in_the_metrics(mesh, metrics_port):
     assert served and "" not in served
     assert sum(d("batchline_request_failure_total", model="mlp", version=v) for v in served) == 1
     assert d("batchline_request_failure_total", model="", version="", reason="not_found") == 1
+    assert d("batchline_request_failure_total", model="mlp", version="", reason="invalid_argument") == 1
     assert not present(after, "batchline_request_failure_total", model="no-such-model")
 
     # Executor: rows and batches agree with each other and with the scheduler's view.
