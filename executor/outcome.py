@@ -92,7 +92,9 @@ async def write(store: ExecutorStore, executor_id: str, batch: pb.Batch, model: 
         await store.batch_done(done)
     if written is not None:
         written.add(done)
-    metrics.EXECUTOR_BUSY.labels(executor_id).inc((now_us() - timing.start_us) / 1e6)
+    # On the wall clock (the start is an epoch time): one stepped back must not make the counter
+    # raise, after the batch's answers are written.
+    metrics.EXECUTOR_BUSY.labels(executor_id).inc(max(0, now_us() - timing.start_us) / 1e6)
     if succeeded:
         labels = (model.name, model.version)
         metrics.INFERENCE_COUNT.labels(*labels).inc(rows)
