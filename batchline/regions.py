@@ -49,7 +49,7 @@ def shm_path(key: str) -> str | None:
     """The file of a shm_open key like '/data': one path component under /dev/shm (nothing else
     on the host is reachable); None for a key that is not one."""
     name = key[1:] if key.startswith("/") else key
-    if not name or "/" in name or name in (".", ".."):
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
         return None
     return os.path.join(SHM_ROOT, name)
 

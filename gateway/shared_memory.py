@@ -23,6 +23,9 @@ from batchline.regions import OPEN_FLAGS, REF, WRITTEN, Ref, read_fd, shm_path, 
 REGION = "shared_memory_region"
 BYTE_SIZE = "shared_memory_byte_size"
 OFFSET = "shared_memory_offset"
+# Regions one tenant may hold registered: each keeps a file open on the gateway, whose open files
+# every client's connections share.
+MAX_REGIONS = 256
 
 # The request as queued with its inputs' bytes copied in (request, payload): what the gateway
 # queues again when an executor could not read the regions a request references.
@@ -142,6 +145,9 @@ class SharedMemory:
             raise InvalidArgument("a shared memory region needs a name")
         if (tenant, name) in self.regions:
             raise AlreadyExists(f"shared memory region '{name}' already in manager: unregister it first")
+        if len(self._names(tenant)) >= MAX_REGIONS:
+            raise ResourceExhausted(f"shared memory region '{name}': {MAX_REGIONS} regions are registered already "
+                                    "(each holds a file open on the gateway): unregister some first")
         path = shm_path(key)
         if path is None:
             raise InvalidArgument(f"shared memory region '{name}': key {key!r} is not a shm_open name like '/data'")
@@ -152,6 +158,11 @@ class SharedMemory:
                                   f"({exc.strerror}): create it on this gateway's host before registering") from None
         try:
             stat = os.fstat(fd)
+            if any(r.ino == stat.st_ino and t != tenant for (t, _), r in self.regions.items()):
+                # Another tenant's memory: read as an input or written as an output, it would cross
+                # tenants. Worded as a key that cannot be opened, so as to say nothing of the other.
+                raise InvalidArgument(f"shared memory region '{name}': unable to open shared memory key {key!r}: "
+                                      "create a key of your own on this gateway's host before registering")
             if byte_size == 0 or offset + byte_size > stat.st_size:
                 raise InvalidArgument(f"shared memory region '{name}': "
                                       f"offset {offset} + byte size {byte_size} does not "

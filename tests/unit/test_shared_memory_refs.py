@@ -225,3 +225,25 @@ def test_inputs_copied_from_regions_past_the_message_cap_are_refused_and_by_refe
             copied()
     finally:
         regions.close()
+
+
+def test_a_tenant_cannot_register_another_tenants_memory_nor_hold_files_without_bound(region_file, monkeypatch):
+    import gateway.shared_memory as gateway_shm
+    from batchline.errors import ResourceExhausted
+
+    name, _ = region_file
+    regions = SharedMemory()
+    try:
+        regions.register("mine", f"/{name}", 0, 1024, tenant="a")
+        # Tenant b, under any region name: its inputs would be a's bytes, its outputs written over them.
+        with pytest.raises(InvalidArgument, match="unable to open shared memory key"):
+            regions.register("x", f"/{name}", 0, 64, tenant="b")
+        regions.register("again", f"/{name}", 0, 64, tenant="a")  # a's own, twice: as Triton allows
+        # A NUL in a key is a key that is no shm_open name, not a server error.
+        with pytest.raises(InvalidArgument, match="not a shm_open name"):
+            regions.register("nul", "/a\0b", 0, 64, tenant="a")
+        monkeypatch.setattr(gateway_shm, "MAX_REGIONS", 2)
+        with pytest.raises(ResourceExhausted, match="2 regions are registered already"):
+            regions.register("third", f"/{name}", 0, 64, tenant="a")
+    finally:
+        regions.close()
