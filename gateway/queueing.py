@@ -116,7 +116,7 @@ class Queueing:
                 self.commit.abandon(entry.request_id, call.key, member)
             else:
                 # Its late reply must find a future from now on (the reader may run before the task).
-                ghost = self.replies.expect(entry.request_id)
+                ghost = self.replies.watch(entry.request_id)
                 turn.hold(asyncio.ensure_future(self._settle(call, entry, member, committed, ghost)))
             raise
 
@@ -140,7 +140,7 @@ class Queueing:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(asyncio.shield(ghost), max(0.0, bound_s))
         finally:
-            self.replies.forget(entry.request_id)
+            self.replies.unwatch(entry.request_id)
 
 
 def _time_out(fut: asyncio.Future) -> None:

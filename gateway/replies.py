@@ -40,6 +40,9 @@ class Replies:
         # A decoupled model's requests: where their responses go as they arrive, and the index of
         # the next one (a batch run twice sends its responses twice).
         self.partial: dict[str, tuple[PartialSink, int]] = {}
+        # Requests nobody waits for any more whose late reply is still looked for (a sequence
+        # request given up on: its reply says it ran). Not counted as waiting, nor failed.
+        self.watched: dict[str, asyncio.Future] = {}
 
     def expect(self, request_id: str, on_partial: PartialSink | None = None) -> asyncio.Future:
         """The future of the request's (final) reply; `on_partial` takes the responses before it."""
@@ -55,6 +58,14 @@ class Replies:
         waiting = self.waiting.get(request_id)
         if waiting is not None and not waiting.done():
             self.acknowledged[request_id] = model
+
+    def watch(self, request_id: str) -> asyncio.Future:
+        """A future its reply will complete, for a request nobody waits for any more."""
+        fut = self.watched[request_id] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def unwatch(self, request_id: str) -> None:
+        self.watched.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
         self.waiting.pop(request_id, None)
@@ -128,6 +139,8 @@ class Replies:
         self.acknowledged.pop(reply.request_id, None)
         # A second answer to the same request (a batch re-dispatched
         # while the first executor was only slow) finds no future.
+        if fut is None:
+            fut = self.watched.pop(reply.request_id, None)
         if fut is not None and not fut.done():
             fut.set_result(reply)
 
