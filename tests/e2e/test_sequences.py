@@ -284,6 +284,9 @@ def test_a_sequence_request_given_up_after_its_dispatch_holds_the_next_until_it_
             taken = pb.QueueEntry.FromString(member)
             r.zrem(key, member)
             third.cancel()
+            replies = m.gateway.gateway.replies
+            poll(lambda: taken.request_id in replies.watched, 10, "the gateway never watched for the third's reply")
+            assert taken.request_id not in replies.waiting  # nobody waits: a drain does not wait for it
             fourth = stub.ModelInfer.future(_seq_request(42, 2, False), timeout=60)
             deadline = time.monotonic() + 1.0
             while time.monotonic() < deadline:  # it keeps to its turn while the third may run
@@ -293,6 +296,7 @@ def test_a_sequence_request_given_up_after_its_dispatch_holds_the_next_until_it_
             reply = pb.Reply(request_id=taken.request_id, code=0)
             contract.push_with_ttl(r, contract.reply(taken.gateway_id), contract.REPLY_TTL, [reply.SerializeToString()])
             poll(lambda: r.zcard(key) == 1, 10, "the next request never went after the one before ran")
+            assert taken.request_id not in replies.watched
             fourth.cancel()
         finally:
             channel.close()
