@@ -137,17 +137,18 @@ def connect(url: str, timeout: float) -> aioredis.Redis:
     return aioredis.Redis.from_pool(pool)
 
 
-def connect_blocking(url: str, timeout: float) -> aioredis.Redis:
-    """For BLPOP-style waits: the read may last as long as the wait itself."""
+def connect_blocking(url: str, timeout: float, waits: int = 8) -> aioredis.Redis:
+    """For BLPOP-style waits: the read may last as long as the wait itself. `waits`: how many the
+    caller may have under way at once (each holds a connection)."""
     if cluster.is_cluster_url(url):
         return cluster.connect(url, timeout, blocking_reads=True)
     if sentinel.is_sentinel(url):
-        return sentinel.connect(url, timeout, max_connections=8, blocking_reads=True)
+        return sentinel.connect(url, timeout, max_connections=max(8, waits), blocking_reads=True)
     return aioredis.Redis.from_url(
         url,
         socket_timeout=None,
         socket_connect_timeout=timeout,
-        max_connections=8,
+        max_connections=max(8, waits),
     )
 
 

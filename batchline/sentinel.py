@@ -137,6 +137,8 @@ async def masters_known(url: str, timeout: float) -> tuple[int, bool]:
         client = aioredis.Redis(host=host, port=port, **target.sentinel_kwargs, **_socket(timeout, timeout))
         try:
             masters = await client.sentinel_masters()
+        except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError):
+            raise  # answered, refusing the credentials (both are ConnectionErrors): no retry helps
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
             if "CERTIFICATE_VERIFY_FAILED" in str(exc):
                 raise  # answered, with a certificate this client does not trust: no retry helps

@@ -44,7 +44,9 @@ class Executor(BatchWorker):
         self.generators = {(g.name, g.version): g for g in generators or []}
         self._generating: set[asyncio.Task] = set()
         self.store = store or ExecutorStore(connect(settings.redis_url, settings.redis_timeout_s),
-                                            connect_blocking(settings.redis_url, settings.redis_timeout_s))
+                                            # each of its batch workers waits for work on its own connection
+                                            connect_blocking(settings.redis_url, settings.redis_timeout_s,
+                                                             settings.concurrent_batches + 1))
         self.address = ""
         self.started_us = now_us()
         self.start_s = 0.0  # process start to its first registration (ExecutorApp sets it)

@@ -121,6 +121,11 @@ def count(client: Any, model: ModelKey, field: str, increment: int) -> Any:
     return client.eval(scripts.COUNT_WITH_TTL_LUA, 1, k.stats(model), k.STATS_TTL, field, increment)
 
 
+def incr_with_ttl(client: Any, key: str, increment: int, ttl_s: int) -> Any:
+    """Add to a counter and set its expiry in one command."""
+    return client.eval(scripts.INCR_WITH_TTL_LUA, 1, key, ttl_s, increment)
+
+
 def report(client: Any, blob: bytes) -> Any:
     """Append an execution report for the scheduler (scripts.REPORT_LUA)."""
     return client.eval(scripts.REPORT_LUA, 1, k.REPORTS, blob, k.REPORTS_CAP, k.QUEUE_TTL)

@@ -63,10 +63,11 @@ class GatewayStore(Store):
 
     async def add_arrivals(self, counts: dict[ModelKey, int]) -> None:
         """Add to each model's count of requests received (the scheduler's demand forecast reads them)."""
+        # Each count and its expiry in one command (calls.count_with_ttl's script): a gateway killed
+        # between the two must not leave a count that never expires.
         async with self.client.pipeline(transaction=False) as pipe:
             for model, n in counts.items():
-                pipe.incrby(k.arrivals(model), n)
-                pipe.expire(k.arrivals(model), k.ARRIVALS_TTL)
+                calls.incr_with_ttl(pipe, k.arrivals(model), n, k.ARRIVALS_TTL)
             await pipe.execute()
 
     async def take_token(self, tenant: str, rate_per_s: float, burst: float) -> tuple[bool, int]:

@@ -130,6 +130,13 @@ redis.call('HINCRBY', KEYS[1], ARGV[2], ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 """
 
+# Adds to a counter and sets its expiry in one command, for the same reason.
+# KEYS: the counter; ARGV: ttl s, increment.
+INCR_WITH_TTL_LUA = """
+redis.call('INCRBY', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+"""
+
 # Gives the lease up at shutdown so a standby takes over at once.
 RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then

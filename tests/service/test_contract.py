@@ -328,3 +328,26 @@ def test_a_recovery_leaves_a_batch_dispatched_after_its_read(monkeypatch):
 
     with EmbeddedRedis() as server:
         asyncio.run(run(server.url))
+
+
+def test_arrival_counts_are_written_with_their_expiry_in_one_command():
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from batchline.contract.gateway_store import GatewayStore
+
+    async def run(url: str) -> None:
+        client = aioredis.Redis.from_url(url)
+        try:
+            store = GatewayStore(client)
+            await store.add_arrivals({("t-arrivals", "1"): 3})
+            await store.add_arrivals({("t-arrivals", "1"): 2})
+            key = contract.arrivals(("t-arrivals", "1"))
+            assert int(await client.get(key)) == 5
+            assert 0 < await client.ttl(key) <= contract.ARRIVALS_TTL
+        finally:
+            await client.aclose()
+
+    with EmbeddedRedis() as server:
+        asyncio.run(run(server.url))

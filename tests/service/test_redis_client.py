@@ -71,3 +71,29 @@ def test_a_wait_that_redis_ends_unblocked_is_an_outage_not_a_refusal(redis_serve
             await client.aclose()
 
     asyncio.run(run())
+
+
+def test_sentinels_that_refuse_their_password_stop_the_service_at_start():
+    """The sentinels' own password wrong (sentinel_password=): refused as credentials at start, as
+    the primary's are, not taken for sentinels that cannot be reached (kept trying for ever)."""
+    import pytest
+
+    from batchline.embedded_redis import EmbeddedRedis
+    from batchline.redis_client import RedisAccessError, check_access
+
+    # A password-protected Redis in the sentinels' place: the refusal comes at AUTH, before any command.
+    with EmbeddedRedis(password="the-right-secret") as guarded:
+        url = f"redis+sentinel://127.0.0.1:{guarded.port}/mymaster?sentinel_password=a-wrong-secret"
+        with pytest.raises(RedisAccessError, match="refuse the credentials"):
+            asyncio.run(check_access(url, 2))
+
+
+def test_a_blocking_client_holds_a_connection_for_each_wait_it_is_sized_for(redis_server):
+    """An executor lane's batch workers each wait for work on a connection of their own: more of
+    them than the default pool would leave the rest retrying for ever."""
+    client = connect_blocking(redis_server.url, 2, waits=12)
+    try:
+        assert client.connection_pool.max_connections == 12
+        assert connect_blocking(redis_server.url, 2).connection_pool.max_connections == 8
+    finally:
+        asyncio.run(client.aclose())
