@@ -308,6 +308,7 @@ def test_nan_or_infinity_where_fp32_has_numbers_fails_the_gate(kind):
     verdict = judge({"out": reference}, {"out": broken}, Thresholds(), {"out": kind})
     assert not verdict["passed"]
     assert any("NaN or infinite" in why for why in verdict["failed"]), verdict["failed"]
-    assert not judge({"out": reference}, {"out": np.full_like(reference, np.inf)}, Thresholds(), {"out": kind})["passed"]
+    infinite = np.full_like(reference, np.inf)
+    assert not judge({"out": reference}, {"out": infinite}, Thresholds(), {"out": kind})["passed"]
     assert distance({"out": reference}, {"out": broken}, {"out": kind}) == float("inf")
     assert judge({"out": reference}, {"out": reference.copy()}, Thresholds(), {"out": kind})["passed"]
