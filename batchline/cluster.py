@@ -57,12 +57,13 @@ def parse(url: str) -> ClusterTarget:
 
 
 def connect(url: str, timeout: float, blocking_reads: bool = False) -> aiocluster.RedisCluster:
-    """An asyncio client of the cluster of `url`. With `blocking_reads` its reads have no timeout
-    (BLMPOP-style waits); a connection still waits at most `timeout`."""
+    """An asyncio client of the cluster of `url`. With `blocking_reads` its reads wait as long as a
+    blocking wait may, and a little longer; a connection still waits at most `timeout`."""
     target = parse(url)
     return aiocluster.RedisCluster(
         startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in target.nodes],
-        socket_timeout=None if blocking_reads else timeout, socket_connect_timeout=timeout, **target.kwargs)
+        socket_timeout=redis_url.blocking_read_timeout(timeout) if blocking_reads else timeout,
+        socket_connect_timeout=timeout, **target.kwargs)
 
 
 def connect_sync(url: str, timeout: float) -> redis.cluster.RedisCluster:

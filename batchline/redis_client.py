@@ -13,7 +13,7 @@ import urllib.parse
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from batchline import cluster, sentinel
+from batchline import cluster, redis_url, sentinel
 
 # What a lost or stalled Redis raises: callers turn these into UNAVAILABLE or retry.
 # On a cluster, a shard without a primary (until its replica is promoted) and a slot being moved
@@ -146,7 +146,7 @@ def connect_blocking(url: str, timeout: float, waits: int = 8) -> aioredis.Redis
         return sentinel.connect(url, timeout, max_connections=max(8, waits), blocking_reads=True)
     return aioredis.Redis.from_url(
         url,
-        socket_timeout=None,
+        socket_timeout=redis_url.blocking_read_timeout(timeout),
         socket_connect_timeout=timeout,
         max_connections=max(8, waits),
     )

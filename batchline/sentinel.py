@@ -109,11 +109,13 @@ def _socket(timeout: float | None, connect_timeout: float) -> dict:
 
 def connect(url: str, timeout: float, max_connections: int, blocking_reads: bool = False) -> aioredis.Redis:
     """An asyncio client of the primary behind the sentinels of `url`. With `blocking_reads` its
-    reads have no timeout (BLMPOP-style waits); a connection still waits at most `timeout`."""
+    reads wait as long as a blocking wait may (redis_url.BLOCKING_WAIT_S) and a little longer; a
+    connection still waits at most `timeout`."""
     target = parse(url)
     sentinel = aiosentinel.Sentinel(target.sentinels,
                                     sentinel_kwargs={**target.sentinel_kwargs, **_socket(timeout, timeout)})
-    options = {**target.master_kwargs, **_socket(None if blocking_reads else timeout, timeout)}
+    read_timeout = redis_url.blocking_read_timeout(timeout) if blocking_reads else timeout
+    options = {**target.master_kwargs, **_socket(read_timeout, timeout)}
     if blocking_reads:
         return sentinel.master_for(target.master, connection_pool_class=_FollowingPool,
                                    max_connections=max_connections, **options)

@@ -28,6 +28,7 @@ from batchline.errors import Internal, status_value
 from batchline.heartbeats import HeartbeatTrust
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S
+from batchline.redis_url import BLOCKING_WAIT_S
 from executor import decoupled, generation_batches, outcome, running, sequences
 from executor.generation_serving import GenerationModel
 from executor.outcome import Timing
@@ -40,7 +41,7 @@ _tracer = telemetry.tracer("batchline.executor")
 # all: a failover promotes a replica within a few seconds, and the batch's requests wait on it.
 _REDIS_PATIENCE_S = 5.0
 # The longest wait for work in one blocking pop (s): a stopping worker notices within it.
-_WORK_WAIT_S = 1
+_WORK_WAIT_S = BLOCKING_WAIT_S
 # How long after releasing a model version a batch of it is handed back rather than failed.
 _HAND_BACK_S = 30.0
 

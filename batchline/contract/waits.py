@@ -6,6 +6,7 @@ from typing import Any
 import redis.exceptions
 
 from batchline.contract.slots import on_cluster
+from batchline.redis_url import BLOCKING_WAIT_S
 
 
 class ListPop:
@@ -20,7 +21,8 @@ class ListPop:
         self._blocking = blocking
         self.all_at_once = True
 
-    async def __call__(self, keys: list[str], count: int, timeout: int = 1) -> tuple[bytes, list[bytes]] | None:
+    async def __call__(self, keys: list[str], count: int,
+                       timeout: int = BLOCKING_WAIT_S) -> tuple[bytes, list[bytes]] | None:
         """(list, elements) of the first list with any, or None after `timeout` seconds."""
         if on_cluster(self._blocking):
             # The keys share a slot (the contract's layout): the wait goes to the node serving it.

@@ -97,3 +97,35 @@ def test_a_blocking_client_holds_a_connection_for_each_wait_it_is_sized_for(redi
         assert connect_blocking(redis_server.url, 2).connection_pool.max_connections == 8
     finally:
         asyncio.run(client.aclose())
+
+
+def test_a_blocking_wait_on_a_server_that_never_answers_times_out():
+    """A primary gone without closing its connections (its host lost): a blocking wait's read
+    times out a little past the longest wait, instead of holding the connection for ever."""
+    import socket
+    import time
+
+    import pytest
+    import redis.exceptions
+
+    from batchline.contract.waits import ListPop
+    from batchline.redis_url import blocking_read_timeout
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts (in the kernel's backlog) and never answers a byte
+
+    async def run() -> float:
+        client = connect_blocking(f"redis://127.0.0.1:{silent.getsockname()[1]}", 0.5)
+        began = time.monotonic()
+        try:
+            with pytest.raises(redis.exceptions.TimeoutError):
+                await ListPop(client)(["never"], 1)
+        finally:
+            await client.aclose()
+        return time.monotonic() - began
+
+    try:
+        assert asyncio.run(run()) < blocking_read_timeout(0.5) + 5  # bounded: the read gave up
+    finally:
+        silent.close()
