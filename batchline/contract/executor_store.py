@@ -93,16 +93,20 @@ class ExecutorStore(RecoveryStore):
         push, so it never holds a token its client was not sent."""
         ids = list(sent)
         watched = [r for r in ids if gateways and r in gateways]
-        async with self.client.pipeline(transaction=False) as pipe:
-            for gateway_id, blobs in replies.items():
-                calls.push_with_ttl(pipe, k.reply(gateway_id), k.REPLY_TTL, blobs)
-            for request_id in ids:
-                pipe.set(k.generated(model, request_id), sent[request_id], ex=k.REPLY_TTL)
-            for request_id in ids:
-                pipe.exists(k.payload(model, request_id))
-            for request_id in watched:
-                pipe.exists(k.gateway(gateways[request_id]))  # type: ignore[index]
-            found = await pipe.execute()
+        # In rounds: on a cluster a pipeline's shards run at once, and a record landed without its
+        # push would have a takeover skip tokens the client never got.
+        rounds = Rounds(self.client)
+        pipe = rounds.next()
+        for gateway_id, blobs in replies.items():
+            calls.push_with_ttl(pipe, k.reply(gateway_id), k.REPLY_TTL, blobs)
+        pipe = rounds.next()
+        for request_id in ids:
+            pipe.set(k.generated(model, request_id), sent[request_id], ex=k.REPLY_TTL)
+        for request_id in ids:
+            pipe.exists(k.payload(model, request_id))
+        for request_id in watched:
+            pipe.exists(k.gateway(gateways[request_id]))  # type: ignore[index]
+        found = await rounds.execute()
         alive = dict(zip(watched, found[len(found) - len(watched):]))
         payloads = found[len(found) - len(watched) - len(ids):len(found) - len(watched)]
         return {r: bool(n) and bool(alive.get(r, 1)) for r, n in zip(ids, payloads)}
