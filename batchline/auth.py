@@ -128,15 +128,17 @@ class Tokens:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._stamp = self._stat()  # before the read: a change in between is read at the next request
         self._grants = load(path)
-        self._stamp = self._stat()
 
-    def _stat(self) -> tuple[int, int] | None:
+    def _stat(self) -> tuple[int, ...] | None:
         try:
             st = os.stat(self.path)
         except OSError:
             return None
-        return st.st_mtime_ns, st.st_size
+        # The change time and inode too: one token's hash swapped for another keeps the size, and
+        # `cp -p` or `rsync -t` keep the modification time.
+        return st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_size
 
     def _reload_if_changed(self) -> None:
         # A stat per request: a revoked token is refused from the first request after the change.

@@ -47,7 +47,9 @@ class TlsFiles:
         return paths + ([("tls_client_ca_file", self.client_ca_file)] if self.client_ca_file else [])
 
     def _stamp(self) -> tuple:
-        return tuple(os.stat(p).st_mtime_ns for _, p in self._paths())
+        # Change times and inodes too: `cp -p` keeps a modification time.
+        return tuple((st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                     for st in (os.stat(p) for _, p in self._paths()))
 
     def _configuration(self) -> grpc.ServerCertificateConfiguration:
         with open(self.key_file, "rb") as key, open(self.cert_file, "rb") as cert:

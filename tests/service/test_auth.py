@@ -297,3 +297,24 @@ def test_a_tenants_max_rate_is_one_bucket_across_gateways(mesh_factory, tmp_path
                     status="resource_exhausted") - tenant_before == refused
     assert _counted("request_failure", model="mlp", version="1",
                     reason="resource_exhausted") - failures_before == refused
+
+
+def test_a_token_swapped_in_place_with_its_time_kept_is_revoked(tmp_path):
+    """One token's hash swapped for another's (the same size) and the modification time kept, as
+    `cp -p` or `rsync -t` keep it: the change is still seen, and the old token refused."""
+    import os
+
+    path = tmp_path / "auth.toml"
+    path.write_text(token_entry(SEARCH, "search", ["ml*"]))
+    tokens = auth.Tokens(str(path))
+    old = hashlib.sha256(SEARCH.encode()).hexdigest()
+    assert tokens.lookup(old).tenant == "search"
+    before = os.stat(path)
+    new_token = "b" * len(SEARCH)
+    with open(path, "r+") as f:  # in place: the same file, the same size
+        f.write(token_entry(new_token, "search", ["ml*"]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(path).st_size == before.st_size and os.stat(path).st_mtime_ns == before.st_mtime_ns
+    with pytest.raises(Unauthenticated):
+        tokens.lookup(old)
+    assert tokens.lookup(hashlib.sha256(new_token.encode()).hexdigest()).tenant == "search"
