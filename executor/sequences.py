@@ -140,14 +140,14 @@ async def finish(store: ExecutorStore, model: LoadedModel, steps: list[Step]) ->
         after = [np.ascontiguousarray(m.outputs[st.output], DATATYPES[st.datatype]).tobytes() for st in seq.states]
         state = pb.SequenceState(request_id=m.entry.request_id, before=s.before, after=after, ended=s.flags.end,
                                  steps=s.found if s.again else s.found + 1, earlier=_earlier(s))
-        writes.append((s.key, s.found, state.steps, state.SerializeToString()))
+        writes.append((s.key, m.entry.request_id, s.found, state.steps, state.SerializeToString()))
     ttl_ms = max(1, seq.max_idle_us // 1000)
     saved = await store.save_sequence_states((model.name, model.version), writes, ttl_ms)
     for s, ok in zip(done, saved):
         if not ok:
             s.member.outputs = None
-            s.member.error = Unavailable(f"sequence {s.flags.id} moved on while this request ran (it ran twice); "
-                                         "its first run's answer stands")
+            s.member.error = Unavailable(f"sequence {s.flags.id} moved on while this request ran (it ran twice, "
+                                         "or its client gave up on it): its step is not applied")
 
 
 

@@ -118,16 +118,18 @@ class ExecutorStore(RecoveryStore):
                 pipe.hget(k.sequence(model, key), "state")
             return list(await pipe.execute())
 
-    async def save_sequence_states(self, model: ModelKey, writes: Sequence[tuple[str, int, int, bytes]],
+    async def save_sequence_states(self, model: ModelKey, writes: Sequence[tuple[str, str, int, int, bytes]],
                                    ttl_ms: int) -> list[bool]:
-        """Save (sequence key, steps read, steps after, SequenceState) each, unless another run
-        moved its step count on meanwhile; whether each was saved."""
+        """Save (sequence key, request id, steps read, steps after, SequenceState) each, unless
+        another run moved its step count on meanwhile or the request is over (answered by another
+        run, or given up); whether each was saved."""
         if not writes:
             return []
         args: list = [ttl_ms]
-        for _, expected, after, blob in writes:
+        for _, _, expected, after, blob in writes:
             args += (expected, after, blob)
-        names = [k.sequence(model, key) for key, _, _, _ in writes]
+        names = [k.sequence(model, key) for key, _, _, _, _ in writes]
+        names += [k.payload(model, request_id) for _, request_id, _, _, _ in writes]
         saved = await self.client.eval(scripts.SAVE_SEQUENCES_LUA, len(names), *names, *args)
         return [bool(n) for n in saved]
 

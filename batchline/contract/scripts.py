@@ -320,16 +320,20 @@ return {0, math.ceil((1 - tokens) * 1000 / rate)}
 """
 
 # Save sequences' states after a step, each only if its step count is still the one the step
-# read (a stale run, of a batch handed to another executor while this one was only slow, must
-# not overwrite a later step's state).
-# KEYS: each sequence's hash; ARGV: TTL ms, then per key: the steps expected, the steps after, the state.
-# Returns, per key, 1 when saved, 0 when the count had moved on.
+# read and its request is still awaited (its payload there): a stale run, of a batch handed to
+# another executor while this one was only slow, must not overwrite a later step's state, however
+# many steps later (the other run's answer deleted the payload), nor a given-up request's step
+# land after its gateway moved the sequence on.
+# KEYS: each sequence's hash, then each request's payload key (as many); ARGV: TTL ms, then per
+# sequence: the steps expected, the steps after, the state.
+# Returns, per sequence, 1 when saved, 0 when the count had moved on or the request is over.
 SAVE_SEQUENCES_LUA = """
 local saved = {}
-for i = 1, #KEYS do
+local n = #KEYS / 2
+for i = 1, n do
   local a = 2 + (i - 1) * 3
   local steps = redis.call('HGET', KEYS[i], 'steps') or '0'
-  if steps == ARGV[a] then
+  if steps == ARGV[a] and redis.call('EXISTS', KEYS[n + i]) == 1 then
     redis.call('HSET', KEYS[i], 'steps', ARGV[a + 1], 'state', ARGV[a + 2])
     redis.call('PEXPIRE', KEYS[i], ARGV[1])
     saved[i] = 1

@@ -214,9 +214,15 @@ def test_a_step_run_again_gives_the_same_answer_and_a_stale_run_is_refused(repo,
     model = load_model(repo / "accumulator", repo / "accumulator" / "1", read_config(repo / "accumulator"),
                        ["CPUExecutionProvider"], "", 1)
     seq_id = uuid.uuid4().int % 10**9
+    r = connect_sync(redis_server.url, 2)
 
-    async def run(entry_blob) -> tuple[int | None, str]:
+    async def run(entry_blob, awaited: bool = True) -> tuple[int | None, str]:
         store = ExecutorStore(connect(redis_server.url, 2), connect_blocking(redis_server.url, 2))
+        payload = contract.payload(("accumulator", "1"), entry_blob[0].request_id)
+        if awaited:  # its payload there, as its gateway queued it; else answered or given up meanwhile
+            r.set(payload, entry_blob[1], px=60_000)
+        else:
+            r.delete(payload)
         try:
             member = running.decoded(*entry_blob, model, pb.Batch(model_name="accumulator"), "e")
             steps = await sequences.begin(store, model, [member])
@@ -229,14 +235,19 @@ def test_a_step_run_again_gives_the_same_answer_and_a_stale_run_is_refused(repo,
         finally:
             await store.aclose()
 
-    first, second, third = _step("a", seq_id, 5, start=True), _step("b", seq_id, 3), _step("c", seq_id, 1)
+    first, second, third = (_step(f"a{seq_id}", seq_id, 5, start=True), _step(f"b{seq_id}", seq_id, 3),
+                            _step(f"c{seq_id}", seq_id, 1))
     assert asyncio.run(run(first)) == (5, "")
     assert asyncio.run(run(second)) == (8, "")
     assert asyncio.run(run(second)) == (8, "")  # its executor died before answering: run again, same answer
     assert asyncio.run(run(third)) == (9, "")   # and the sequence goes on from the state it left
     answer, error = asyncio.run(run(second))    # a slow executor's run, after the sequence moved on
     assert answer is None and "ran already" in error
-    assert asyncio.run(run(_step("d", seq_id, 10))) == (19, "")
+    # A run whose request is over (its gateway gave up, or another run answered it): not applied.
+    answer, error = asyncio.run(run(_step(f"e{seq_id}", seq_id, 100), awaited=False))
+    assert answer is None and "its step is not applied" in error
+    assert asyncio.run(run(_step(f"d{seq_id}", seq_id, 10))) == (19, "")
+    r.close()
 
 
 def _seq_request(seq_id: int, v: int, start: bool) -> ipb.ModelInferRequest:
