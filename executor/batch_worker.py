@@ -227,7 +227,7 @@ class BatchWorker:
             runnable = running.expire_late(runnable, now_us(), batch.model_name, self.executor_id)
             if runnable:
                 with _phase("infer", traced):
-                    units = await running.run(model, runnable)
+                    units = await running.run(model, runnable, self.executor_id)
                 if units:
                     real = sum(m.entry.rows * max(1, m.entry.length) for m in runnable)
                     efficiency = min(1.0, real / units)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchline.clock import now_us
 from batchline.codec import decode_inputs, encode_array, onnx_strings
 from batchline.errors import BatchlineError, DeadlineExceeded, Internal, InvalidArgument, Unavailable, status_value
 from batchline.protocol import inference_pb2 as ipb
@@ -67,14 +68,18 @@ def expire_late(members: list[Member], now_us: int, model_name: str, executor_id
     return [m for m in members if m.error is None]
 
 
-async def run(model: LoadedModel, members: list[Member]) -> int:
-    """Run the members (in as few model runs as their shapes allow); return the units run."""
+async def run(model: LoadedModel, members: list[Member], executor_id: str = "") -> int:
+    """Run the members (in as few model runs as their shapes allow); return the units run. A
+    member whose deadline passes before its run begins is answered without running (its gateway
+    gave up: nothing may run for it after its deadline, docs/design/sequences.md)."""
     batched = model.info.max_batch_size > 0
     groups = assemble([m.inputs for m in members], model.padding, batched)
     units = 0
-    for group in groups:
-        units += sum(group.rows) * row_length(model.info, {name: arr.shape for name, arr in group.inputs.items()})
+    for n, group in enumerate(groups):
         group_members = [members[i] for i in group.members]
+        if n and not expire_late(group_members, now_us(), model.name, executor_id):
+            continue
+        units += sum(group.rows) * row_length(model.info, {name: arr.shape for name, arr in group.inputs.items()})
         try:
             outputs = await asyncio.to_thread(_session_run, model, group.inputs)
             parts = split(outputs, group.rows, batched)
@@ -85,17 +90,19 @@ async def run(model: LoadedModel, members: list[Member]) -> int:
             # Someone in the group poisons the run (or its outputs cannot be split by rows): retry each
             # alone so only the culprit fails.
             log.warning("%s: batch of %d failed (%s); retrying members one by one", model.name, len(group_members), exc)
-            units += await _run_singly(model, group_members)
+            units += await _run_singly(model, group_members, executor_id)
             continue
         for m, out in zip(group_members, parts):
             m.outputs = out
     return units
 
 
-async def _run_singly(model: LoadedModel, members: list[Member]) -> int:
+async def _run_singly(model: LoadedModel, members: list[Member], executor_id: str) -> int:
     """Run each member alone; return the units run (the batch's time counts these runs too)."""
     units = 0
     for m in members:
+        if not expire_late([m], now_us(), model.name, executor_id):
+            continue
         units += m.entry.rows * row_length(model.info, {name: arr.shape for name, arr in m.inputs.items()})
         try:
             outputs = await asyncio.to_thread(_session_run, model, m.inputs)

@@ -531,3 +531,34 @@ def test_every_key_expires(mesh, client, rdb):
     assert keys
     forever = [k.decode() for k in keys if rdb.ttl(k) == -1]
     assert not forever, f"keys without a TTL: {forever}"
+
+
+def test_members_retried_one_by_one_past_their_deadline_are_not_run(model_repository):
+    """A batch one member poisons is retried member by member: one whose deadline passed meanwhile
+    is answered DEADLINE_EXCEEDED without running (its gateway gave up; a sequence's next request
+    may already run), not run late."""
+    import asyncio
+
+    from batchline.clock import now_us
+    from batchline.protocol import internal_pb2 as pb
+    from executor import running
+    from executor.repository import load_model, read_config
+
+    repo = model_repository / "minilm"
+    model = load_model(repo, repo / "1", read_config(repo), ["CPUExecutionProvider"], "", 1)
+
+    def member(request_id: str, ids: np.ndarray, deadline_us: int) -> running.Member:
+        request = ipb.ModelInferRequest(model_name="minilm", id=request_id)
+        for name, value in (("input_ids", ids), ("attention_mask", np.ones_like(ids))):
+            request.inputs.add(name=name, datatype="INT64", shape=list(value.shape))
+            request.raw_input_contents.append(value.tobytes())
+        entry = pb.QueueEntry(request_id=request_id, rows=1, gateway_id="g", deadline_us=deadline_us)
+        return running.decoded(entry, request.SerializeToString(), model, pb.Batch(model_name="minilm"), "e")
+
+    valid = np.arange(1000, 1006, dtype=np.int64).reshape(1, 6)
+    poisoned = np.full((1, 6), 10**9, np.int64)
+    late = now_us() - 1  # passed by the time the batched run has failed
+    members = [member("ok", valid, late), member("bad", poisoned, late)]
+    asyncio.run(running.run(model, members, "e"))
+    assert all(m.outputs is None for m in members)
+    assert all("deadline exceeded" in str(m.error) for m in members), [str(m.error) for m in members]
