@@ -19,7 +19,12 @@ def replies(model: LoadedModel, m: Member) -> tuple[list[pb.Reply], pb.Reply]:
         error = m.error or Internal("the model produced no output for this request")
         return [], pb.Reply(request_id=request_id, code=status_value(error), message=str(error))
     wanted = [o.name for o in m.request.outputs] or [o.name for o in model.info.outputs]
-    counts = {name: (m.outputs[name].shape[0] if m.outputs[name].ndim else 1) for name in wanted}
+    scalars = [name for name in wanted if not m.outputs[name].ndim]
+    if scalars:
+        error = InvalidArgument(f"decoupled model '{model.name}' gave the scalar output(s) {scalars}: each row of a "
+                                "decoupled model's outputs' first dim is one response, so a scalar is none")
+        return [], pb.Reply(request_id=request_id, code=status_value(error), message=str(error))
+    counts = {name: m.outputs[name].shape[0] for name in wanted}
     if len(set(counts.values())) > 1:
         error = InvalidArgument(f"decoupled model '{model.name}' gave outputs with different numbers of responses "
                                 f"(rows of their first dim): {counts}")

@@ -192,3 +192,19 @@ def test_rest_infer_refuses_a_decoupled_model_in_tritons_http_words(served):
     assert err.value.status() == "400"
     assert "HTTP end point doesn't support models with decoupled transaction policy" in err.value.message()
     assert "ModelStreamInfer" in err.value.message()
+
+
+def test_a_scalar_output_fails_its_request_alone_with_what_is_wrong():
+    """A decoupled model whose graph gives a scalar has no first dim to count responses by: that
+    request is refused, named, and no exception fails the batch INTERNAL."""
+    import types
+
+    from executor import decoupled
+    from executor.running import Member
+
+    info = pb.ModelInfo(name="scalar", version="1", outputs=[pb.TensorSpec(name="OUT", datatype="INT32")])
+    model = types.SimpleNamespace(name="scalar", version="1", info=info)  # replies() reads only these
+    m = Member(pb.QueueEntry(request_id="r"))
+    m.request, m.outputs = ipb.ModelInferRequest(model_name="scalar"), {"OUT": np.array(3, np.int32)}
+    partial, final = decoupled.replies(model, m)  # type: ignore[arg-type]
+    assert partial == [] and final.code != 0 and "scalar output(s) ['OUT']" in final.message
