@@ -61,6 +61,7 @@ class Slot:
     reason: str = ""
     fingerprint: tuple[int, ...] = ()
     since: float = 0.0  # time.monotonic() it entered the state
+    failed: tuple[int, ...] = ()  # the files a reload of it failed on (what serves is `fingerprint`'s)
 
 
 class LiveRepository:
@@ -197,8 +198,11 @@ class LiveRepository:
             self.notes.pop(name, None)
             for version, print_ in scanned.versions.items():
                 slot = self.slots.get((name, version))
-                # A version that failed is tried again when its files change (or on an explicit load).
-                if slot is None or slot.fingerprint != print_ or slot.state == UNLOADING or (
+                # A version that failed is tried again when its files change (or on an explicit load);
+                # so is a reload that failed, its old files serving meanwhile.
+                changed = slot is not None and slot.fingerprint != print_ and (
+                    slot.failed != print_ or self.mode == "explicit")
+                if slot is None or changed or slot.state == UNLOADING or (
                         slot.state == UNAVAILABLE and (self.mode == "explicit" or slot.reason == UNLOADED)):
                     await self._load_and_place(scanned, version, print_)
             if any(self.slots.get((name, v), Slot("")).state == READY for v in scanned.versions):
@@ -339,7 +343,8 @@ class LiveRepository:
             log.error("could not load %s", reason)
             if serving is not None:
                 # The version already served goes on; the new files are tried again when they change.
-                self.slots[key] = Slot(serving.state, f"a reload failed: {reason}", print_, serving.since)
+                self.slots[key] = Slot(serving.state, f"a reload failed: {reason}", serving.fingerprint, serving.since,
+                                       failed=print_)
             else:
                 self.slots[key] = Slot(UNAVAILABLE, self.slots[key].reason or reason, print_, time.monotonic())
             return

@@ -234,3 +234,51 @@ def test_a_version_or_a_folder_that_cannot_be_read_fails_alone_at_start(reposito
     assert entries[("mlp", "1")][0] == "UNAVAILABLE" and "ONNX Runtime" in entries[("mlp", "1")][1]
     assert entries[("unreadable", "")][0] == "UNAVAILABLE"
     assert "cannot be read" in entries[("unreadable", "")][1]
+
+
+def test_an_explicit_load_tries_again_a_reload_that_failed(repository, monkeypatch):
+    """A reload that failed for a passing reason (out of GPU memory while the old session held it),
+    the old files serving on: the next explicit load tries it again instead of answering that the
+    model is loaded; poll mode waits for the files to change."""
+    import asyncio
+    import types
+
+    import executor.live as live_module
+    from executor.live import LiveRepository
+    from executor.settings import ExecutorSettings
+
+    placed: list = []
+
+    async def place(model) -> None:
+        placed.append(model)
+
+    async def nothing(*_) -> None:
+        pass
+
+    def app(mode: str):
+        settings = ExecutorSettings(model_repository=str(repository), model_control_mode=mode, warmup=False)
+        return types.SimpleNamespace(settings=settings, place=place, announce=nothing, mark_unloading=nothing)
+
+    real_load = live_module.load_model
+    failing = {"once": False}
+
+    def load_model(*args, **kwargs):
+        if failing["once"]:
+            failing["once"] = False
+            raise RuntimeError("CUDA out of memory (passing)")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(live_module, "load_model", load_model)
+    onnx_file = repository / "mlp" / "1" / "model.onnx"
+    for mode, retried in (("explicit", True), ("poll", False)):
+        placed.clear()
+        live = LiveRepository(app(mode))  # type: ignore[arg-type]
+        asyncio.run(live.sync("mlp"))
+        assert len(placed) == 1 and live.slots[("mlp", "1")].state == "READY"
+        onnx_file.write_bytes(onnx_file.read_bytes())  # new files (a new time), the same graph
+        failing["once"] = True
+        asyncio.run(live.sync("mlp"))
+        assert len(placed) == 1 and live.slots[("mlp", "1")].reason.startswith("a reload failed")
+        asyncio.run(live.sync("mlp"))  # the load called again, its files unchanged
+        assert len(placed) == (2 if retried else 1), mode
+        assert live.slots[("mlp", "1")].reason.startswith("a reload failed") != retried
