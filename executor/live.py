@@ -191,7 +191,8 @@ class LiveRepository:
             except RepositoryError as exc:
                 if not self._dir(name).is_dir():
                     self.listed.discard(name)
-                    self._unload_versions(name, {})
+                    if self._unload_versions(name, {}):
+                        await self.app.announce()  # advertised as unloading before its grace runs out
                     return
                 self._failed(name, str(exc))
                 return
@@ -206,23 +207,29 @@ class LiveRepository:
                         slot.state == UNAVAILABLE and (self.mode == "explicit" or slot.reason == UNLOADED)):
                     await self._load_and_place(scanned, version, print_)
             if any(self.slots.get((name, v), Slot("")).state == READY for v in scanned.versions):
-                self._unload_versions(name, scanned.versions)
+                if self._unload_versions(name, scanned.versions):
+                    await self.app.announce()
 
     def unload(self, name: str) -> None:
         self._unload_versions(name, {})
         if not any(n == name for n, _ in self.slots):
             self.notes[name] = UNLOADED
 
-    def _unload_versions(self, name: str, keep: dict[str, tuple[int, ...]]) -> None:
+    def _unload_versions(self, name: str, keep: dict[str, tuple[int, ...]]) -> bool:
+        """Mark the versions of `name` not in `keep` unloading; whether any was (the caller
+        announces it: the release's grace counts from now)."""
+        unloading = False
         for (n, v), slot in list(self.slots.items()):
             if n != name or v in keep:
                 continue
             if slot.state == READY:
                 self.slots[(n, v)] = Slot(UNLOADING, fingerprint=slot.fingerprint, since=time.monotonic())
                 self.app.mark_unloading((n, v))
+                unloading = True
                 log.info("unloading %s version %s: it finishes what is queued for it first", n, v)
             elif slot.state == UNAVAILABLE and not (slot.reason == UNLOADED and (self._dir(n) / v).is_dir()):
                 del self.slots[(n, v)]  # a failed version, or one whose directory is gone
+        return unloading
 
     async def release_finished(self) -> None:
         for key, slot in list(self.slots.items()):

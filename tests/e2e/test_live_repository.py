@@ -282,3 +282,34 @@ def test_an_explicit_load_tries_again_a_reload_that_failed(repository, monkeypat
         asyncio.run(live.sync("mlp"))  # the load called again, its files unchanged
         assert len(placed) == (2 if retried else 1), mode
         assert live.slots[("mlp", "1")].reason.startswith("a reload failed") != retried
+
+
+def test_poll_mode_announces_a_version_unloading_when_it_marks_it(repository):
+    """A version a poll takes out of service is advertised as unloading at once: its release's
+    grace counts from the mark, and a heartbeat as late as its interval would leave the gateways
+    sending to it into that grace."""
+    import asyncio
+    import types
+
+    from executor.live import LiveRepository
+    from executor.settings import ExecutorSettings
+
+    events: list[str] = []
+
+    async def place(model) -> None:
+        events.append(f"place {model.version}")
+
+    async def announce() -> None:
+        events.append("announce")
+
+    async def check() -> None:
+        settings = ExecutorSettings(model_repository=str(repository), model_control_mode="poll", warmup=False)
+        app = types.SimpleNamespace(settings=settings, place=place, announce=announce,
+                                    mark_unloading=lambda key, on=True: events.append(f"unloading {key[1]}"))
+        live = LiveRepository(app)  # type: ignore[arg-type]
+        await live.sync("mlp")
+        shutil.copytree(repository / "mlp" / "1", repository / "mlp" / "2")  # the newest version: 1 goes
+        await live.sync("mlp")
+
+    asyncio.run(check())
+    assert events[-2:] == ["unloading 1", "announce"], events
