@@ -3,6 +3,7 @@ fastest that passes as the model's next version, with its report (optimize.json)
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 import tempfile
 import time
@@ -18,6 +19,8 @@ from batchline.optimize.variants import Int8Options, build
 from executor import providers as gpu
 from executor.repository import RepositoryError, load_model, read_config
 from executor.settings import DEFAULT_PROVIDERS
+
+log = logging.getLogger(__name__)
 
 GATE_BATCH = 16  # rows per run when judging: a batch, but one any batched model takes
 TENSORRT_INT8 = "tensorrt-int8"
@@ -128,7 +131,11 @@ def optimize(o: Options) -> dict:
     results = []
     for step in steps:
         begun = time.perf_counter()
-        result = _tensorrt_int8(ctx, step) if step.variant == TENSORRT_INT8 else _variant(ctx, step)
+        try:
+            result = _tensorrt_int8(ctx, step) if step.variant == TENSORRT_INT8 else _variant(ctx, step)
+        except Exception as exc:  # one variant that cannot be built is that variant's result
+            log.exception("variant %s failed", step.variant)
+            result = {"name": step.variant, "skipped": f"failed: {type(exc).__name__}: {exc}"}
         results.append({**result, "seconds": round(time.perf_counter() - begun, 1)} if "gate" in result else result)
     chosen, why = providers.choose(results, str(info.max_batch_size), o.min_gain, serves_on)
     report = {"model": o.model, "source_version": source.name, "written_version": None, "chosen": chosen,

@@ -98,6 +98,24 @@ def test_the_report_names_the_provider_each_variant_ran_on(tmp_path):
         assert report["chosen"] == "graph"
 
 
+def test_a_variant_that_cannot_be_built_is_that_variants_result_alone(tmp_path, monkeypatch):
+    from batchline.optimize import variants
+
+    _classifier(tmp_path)
+    real = variants.build
+
+    def build(name, *args, **kwargs):
+        if name == "graph":
+            raise RuntimeError("an operator the optimizer does not know")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr("batchline.optimize.run.build", build)
+    report = optimize(Options("classifier", tmp_path, variants=("graph", "int8-dynamic"), min_gain=0.0))
+    graph, int8 = report["variants"]
+    assert graph["skipped"] == "failed: RuntimeError: an operator the optimizer does not know"
+    assert "gate" in int8  # judged all the same
+
+
 # ---------------------------------------------------------------- what each output is (8)
 
 
