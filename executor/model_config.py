@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from batchline.contract.keys import CLIENT_PRIORITY_LEVELS
 from executor.sequence_config import SequenceBatchingConfig
 
 
@@ -155,7 +156,8 @@ class ModelConfig(BaseModel):
         1, description="Priority level of a request whose `priority` parameter is absent or 0 (1 is the highest).",
     )
     priority_levels: int = Field(
-        0, description="Priority levels a request may ask for, 1 to this; 0 = 1 to 900.",
+        0, description="Priority levels a request may ask for, 1 to this (at most 450); 0 = 1 to 450. The 450 "
+        "levels below are where a tenant over its fair share queues (docs/guides/security.md).",
     )
     max_queue_size: int = Field(
         0, description="Queued requests beyond which new ones are refused with RESOURCE_EXHAUSTED; 0 = no cap.",
@@ -293,6 +295,14 @@ class ModelConfig(BaseModel):
         bad = [v for v in value if not 1 <= v < 2**32]
         if bad:
             raise _problem(f"preferred_batch_sizes must be batch sizes >= 1 (got {bad})")
+        return value
+
+    @field_validator("priority_levels")
+    @classmethod
+    def _client_levels(cls, value: int) -> int:
+        if value > CLIENT_PRIORITY_LEVELS:
+            raise _problem(f"priority_levels must be at most {CLIENT_PRIORITY_LEVELS} (got {value}): the levels "
+                           "below are where a tenant over its fair share queues")
         return value
 
     @model_validator(mode="after")

@@ -40,7 +40,7 @@ def request_priority(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int
         raise InvalidArgument(f"parameter 'priority' must be >= 0, got {value}")
     if value == 0:
         return max(1, model.default_priority)
-    levels = model.priority_levels or contract.MAX_PRIORITY_LEVELS
+    levels = model.priority_levels or contract.CLIENT_PRIORITY_LEVELS
     if value > levels:
         raise InvalidArgument(
             f"priority {value} is out of range for model '{model.name}': levels are 1 (highest) to {levels}"

@@ -73,13 +73,15 @@ DEMAND = f"{PREFIX}demand:{SHARED}"
 # earliest deadline. deadline_ms is ~1.8e12, so a 1e13 stride keeps both exact
 # in a double (the score type) for hundreds of priority levels (MAX_PRIORITY_LEVELS).
 _PRIORITY_STRIDE = 10**13
-# The most priority levels a queue's score keeps apart (a model without priority_levels accepts them all).
+# The most priority levels a queue's score keeps apart.
 MAX_PRIORITY_LEVELS = 900
 # A request of a tenant over its weighted share queues this many levels below the level it asked
-# for (gateway/fairness.py): below every level a client normally uses. A batch whose head is that
-# low may be capped (ModelLoad.over_share_rows) so that the tenants within their shares, queued
-# above it, wait little for the executor it takes.
+# for (gateway/fairness.py): below every level a client may ask for, since clients ask for 1 to
+# CLIENT_PRIORITY_LEVELS (a model without priority_levels accepts them all). A batch whose head is
+# that low may be capped (ModelLoad.over_share_rows) so that the tenants within their shares,
+# queued above it, wait little for the executor it takes.
 OVER_SHARE = MAX_PRIORITY_LEVELS // 2
+CLIENT_PRIORITY_LEVELS = OVER_SHARE
 
 # The longest latency budget a request can have (the gateway caps longer ones).
 MAX_BUDGET_S = 24 * 3_600

@@ -12,6 +12,7 @@ import numpy as np
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
+from batchline.contract import CLIENT_PRIORITY_LEVELS
 from gateway.fairness import IDLE_S, OVER_SHARE, FairShares
 
 MODEL = ("m", "1")
@@ -73,10 +74,12 @@ def test_shares_are_per_model():
     assert fair.level(("other", "1"), "a", 1.0, 1, 1, 0.0) == 1
 
 
-def test_demotion_stays_within_the_queue_scores_levels():
+def test_demotion_stays_within_the_queue_scores_levels_and_below_every_clients():
     fair = FairShares()
     _serve(fair, 0.0, {"a": 90, "b": 10})
-    assert fair.level(MODEL, "a", 1.0, 899, 1, 0.0) == 900
+    assert fair.level(MODEL, "a", 1.0, 450, 1, 0.0) == 900
+    # The lowest level a client may ask for is above the highest an over-share tenant gets.
+    assert fair.level(MODEL, "a", 1.0, 1, 1, 0.0) > CLIENT_PRIORITY_LEVELS
 
 
 def test_admission_learns_the_headroom_of_over_share_requests_apart():

@@ -326,14 +326,23 @@ def test_error_subclass_inherits_parent_code():
     assert errors.grpc_status(TooBig("x")) is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_priority_without_levels_is_capped_where_queue_order_stays_exact():
+def test_priority_without_levels_is_capped_above_the_over_share_levels():
+    # Clients ask for 1 to 450: 451 to 900 are where a tenant over its share queues, below them all.
     req = request(features=features(1))
-    req.parameters["priority"].uint64_param = 900
-    assert request_priority(req, mlp_model()) == 900
-    for huge in (901, 2**32, 2**64 - 1):
+    req.parameters["priority"].uint64_param = 450
+    assert request_priority(req, mlp_model()) == 450
+    for huge in (451, 900, 2**32, 2**64 - 1):
         req.parameters["priority"].uint64_param = huge
-        with pytest.raises(InvalidArgument, match="levels are 1 \\(highest\\) to 900"):
+        with pytest.raises(InvalidArgument, match="levels are 1 \\(highest\\) to 450"):
             request_priority(req, mlp_model())
+
+
+def test_a_model_may_not_declare_the_over_share_levels_its_clients():
+    from executor.model_config import ConfigError, check_model_config
+
+    assert check_model_config({"priority_levels": 450}, "here")["priority_levels"] == 450
+    with pytest.raises(ConfigError, match="priority_levels must be at most 450"):
+        check_model_config({"priority_levels": 451}, "here")
 
 
 @pytest.mark.parametrize("name, ok", [
