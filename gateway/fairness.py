@@ -1,8 +1,9 @@
 """Weighted fair shares of a model between tenants, on top of priorities and deadlines.
 
-Each gateway keeps, per model, two decaying counts per tenant over about WINDOW_S: the rows the
-tenant offered and the rows admitted for it. Among the tenants that offered anything in the last
-IDLE_S, a tenant whose share of the admitted rows is above its weight's share is *over its
+Each gateway keeps, per model, two decaying counts per tenant over about WINDOW_S: the work the
+tenant offered and the work admitted for it, in the latency profile's units (rows × length, so a
+row of a long text counts for what it costs). Among the tenants that offered anything in the last
+IDLE_S, a tenant whose share of the admitted work is above its weight's share is *over its
 share*: its requests are queued OVER_SHARE levels below the priority they asked for (the queue
 is ordered by level, then deadline).
 
@@ -52,7 +53,7 @@ class FairShares:
     _models: dict[ModelKey, dict[str, _Counts]] = field(default_factory=dict)
     _weights: dict[str, float] = field(default_factory=dict)
 
-    def level(self, model: ModelKey, tenant: str, weight: float, priority: int, rows: int, now: float) -> int:
+    def level(self, model: ModelKey, tenant: str, weight: float, priority: int, units: int, now: float) -> int:
         """The level to queue a request of `tenant` at (its `priority`, or OVER_SHARE below it); counts it as
         offered."""
         tenants = self._models.setdefault(model, {})
@@ -60,7 +61,7 @@ class FairShares:
         mine = tenants.setdefault(tenant, _Counts(at=now))
         for counts in tenants.values():
             counts.decay(now, self.window_s)
-        mine.offered += rows
+        mine.offered += units
         mine.last_offer = now
         for name in [n for n, c in tenants.items() if now - c.last_offer > self.idle_s]:
             del tenants[name]
@@ -72,14 +73,14 @@ class FairShares:
             return priority
         return min(priority + OVER_SHARE, MAX_PRIORITY_LEVELS)
 
-    def admitted(self, model: ModelKey, tenant: str, rows: int, now: float) -> None:
+    def admitted(self, model: ModelKey, tenant: str, units: int, now: float) -> None:
         counts = self._models.get(model, {}).get(tenant)
         if counts is not None:
             counts.decay(now, self.window_s)
-            counts.admitted += rows
+            counts.admitted += units
 
     def shares(self, model: ModelKey) -> dict[str, float]:
-        """Each active tenant's share of the rows admitted in the window (for tests and status)."""
+        """Each active tenant's share of the work admitted in the window (for tests and status)."""
         tenants = self._models.get(model, {})
         total = sum(c.admitted for c in tenants.values())
         return {n: (c.admitted / total if total else 0.0) for n, c in tenants.items()}

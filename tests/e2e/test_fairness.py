@@ -160,3 +160,27 @@ def test_a_flooding_tenant_is_refused_while_a_light_one_is_served(model_reposito
     assert b["OK"] / sum(b.values()) > a["OK"] / sum(a.values()), (a, b)
     a_failed = sum(a.values()) - a["OK"]
     assert a["StatusCode.RESOURCE_EXHAUSTED"] >= 0.8 * a_failed, a  # refused up front, not timed out
+
+
+def test_shares_count_the_work_a_request_brings_not_its_rows(redis_server):
+    """Two tenants sending one row each, one of 512 tokens and one of 16: the long one takes 32
+    times the executor's time, and is the one over its share."""
+    from gateway.core import Gateway
+    from gateway.request import Call
+    from gateway.settings import GatewaySettings
+    from batchline.protocol import inference_pb2 as ipb
+    from batchline.protocol import internal_pb2 as pb
+
+    gateway = Gateway(GatewaySettings(redis_url=redis_server.url, admission_control=False))
+    model = pb.ModelInfo(name="text", version="1", max_batch_size=8)
+
+    def call(length: int) -> Call:
+        return Call(ipb.ModelInferRequest(model_name="text"), model, rows=1, length=length, priority=1,
+                    budget_s=1.0, run_budget_s=1.0)
+
+    levels = {}
+    for i in range(20):  # the same number of requests, and of rows, each
+        now_us = 1_000_000 + i * 10_000
+        levels["long"] = gateway._admit(call(512), model, "long", 1.0, now_us)[0].priority
+        levels["short"] = gateway._admit(call(16), model, "short", 1.0, now_us)[0].priority
+    assert levels == {"long": 1 + OVER_SHARE, "short": 1}
