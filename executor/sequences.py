@@ -89,7 +89,10 @@ async def begin(store: ExecutorStore, model: LoadedModel, members: list[Member])
         steps.append(Step(m, flags, 0, []))
     if not steps:
         return []
-    blobs = await store.sequence_states((model.name, model.version), [s.key for s in steps])
+    # The idle time counts again from here: a step that reads its state just before it expires
+    # must not find it gone when it saves, having run.
+    blobs = await store.sequence_states((model.name, model.version), [s.key for s in steps],
+                                        max(1, seq.max_idle_us // 1000))
     batched = model.info.max_batch_size > 0
     shapes = _graph_shapes(model)
     initial = [np.zeros([1, *s.shape], DATATYPES[s.datatype]).tobytes() for s in seq.states]

@@ -111,12 +111,17 @@ class ExecutorStore(RecoveryStore):
         payloads = found[len(found) - len(watched) - len(ids):len(found) - len(watched)]
         return {r: bool(n) and bool(alive.get(r, 1)) for r, n in zip(ids, payloads)}
 
-    async def sequence_states(self, model: ModelKey, sequence_keys: Sequence[str]) -> list[bytes | None]:
-        """Each sequence's saved state (a SequenceState; None: none, or it expired)."""
+    async def sequence_states(self, model: ModelKey, sequence_keys: Sequence[str],
+                              idle_ms: int = 0) -> list[bytes | None]:
+        """Each sequence's saved state (a SequenceState; None: none, or it expired); with `idle_ms`,
+        its expiry pushed that far off, so that it does not expire while this step runs."""
         async with self.client.pipeline(transaction=False) as pipe:
             for key in sequence_keys:
                 pipe.hget(k.sequence(model, key), "state")
-            return list(await pipe.execute())
+                if idle_ms:
+                    pipe.pexpire(k.sequence(model, key), idle_ms)
+            found = await pipe.execute()
+        return list(found[::2] if idle_ms else found)
 
     async def save_sequence_states(self, model: ModelKey, writes: Sequence[tuple[str, str, int, int, bytes]],
                                    ttl_ms: int) -> list[bool]:

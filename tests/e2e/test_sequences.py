@@ -381,3 +381,22 @@ def test_a_sequence_config_that_does_not_fit_the_graph_names_what_is_wrong(confi
         outputs=[pb.TensorSpec(name="OUTPUT", datatype="INT32", shape=[-1, -1])])
     with pytest.raises(ValueError, match=problem):
         split_graph("m/config.toml", info, config, decoupled=False)
+
+
+def test_a_state_read_for_a_step_does_not_expire_while_the_step_runs(redis_server):
+    store = ExecutorStore(connect(redis_server.url, 2), connect_blocking(redis_server.url, 2))
+    r = connect_sync(redis_server.url, 2)
+    key = contract.sequence(("accumulator", "1"), "i:77")
+    r.hset(key, mapping={"steps": 1, "state": b"saved"})
+    r.pexpire(key, 50)  # about to expire, idle nearly as long as the model allows
+
+    async def read() -> list:
+        try:
+            return await store.sequence_states(("accumulator", "1"), ["i:77", "i:78"], 5_000)
+        finally:
+            await store.aclose()
+
+    assert asyncio.run(read()) == [b"saved", None]
+    assert r.pttl(key) > 1_000  # the idle time counts again from the read
+    r.delete(key)
+    r.close()
