@@ -196,6 +196,9 @@ class LiveRepository:
                     return
                 self._failed(name, str(exc))
                 return
+            if self._config_vanished(name, scanned):
+                log.warning("model %s: its config.toml is gone (being rewritten?): what serves stays as it is", name)
+                return
             self.notes.pop(name, None)
             for version, print_ in scanned.versions.items():
                 slot = self.slots.get((name, version))
@@ -209,6 +212,14 @@ class LiveRepository:
             if any(self.slots.get((name, v), Slot("")).state == READY for v in scanned.versions):
                 if self._unload_versions(name, scanned.versions):
                     await self.app.announce()
+
+    def _config_vanished(self, name: str, scanned: ModelDir) -> bool:
+        """Whether the model serves from a config.toml that is not there now: rewritten by a tool
+        that unlinks it first (a moment of every default), not a change to serve."""
+        missing = (0, -1)  # repository.fingerprint of a file that is not there
+        served = [s for (n, _), s in self.slots.items() if n == name and s.state == READY and s.fingerprint]
+        return bool(served) and any(p[:2] == missing for p in scanned.versions.values()) \
+            and all(s.fingerprint[:2] != missing for s in served)
 
     def unload(self, name: str) -> None:
         self._unload_versions(name, {})

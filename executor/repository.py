@@ -249,6 +249,13 @@ def fingerprint(*paths: pathlib.Path) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _version_files(version_dir: pathlib.Path) -> list[pathlib.Path]:
+    """The files of a version whose change is a new version: model.onnx first, then every other
+    file beside it (a graph's external weights, a calibration table, labels), by name."""
+    others = sorted(p for p in version_dir.iterdir() if p.name != "model.onnx" and p.is_file())
+    return [version_dir / "model.onnx", *others]
+
+
 def model_names(root: pathlib.Path, only: list[str] | None = None) -> list[str]:
     """The model directories of the repository (those in `only`, when given) that batches of whole requests serve.
 
@@ -278,7 +285,7 @@ def scan_model(model_dir: pathlib.Path, config: dict[str, Any] | None = None,
         present = [p.name for p in model_dir.iterdir() if p.is_dir() and (p / "model.onnx").exists()]
         selected = select_versions(config["version_policy"], present)
         config_path = model_dir / config_file
-        prints = {v: fingerprint(config_path, model_dir / v / "model.onnx") for v in selected}
+        prints = {v: fingerprint(config_path, *_version_files(model_dir / v)) for v in selected}
     except OSError as exc:
         # A folder this executor may not read (an ext4 volume's lost+found) is that model's failure alone.
         raise RepositoryError(f"model '{model_dir.name}' cannot be read: {exc}") from None

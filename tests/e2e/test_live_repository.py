@@ -313,3 +313,40 @@ def test_poll_mode_announces_a_version_unloading_when_it_marks_it(repository):
 
     asyncio.run(check())
     assert events[-2:] == ["unloading 1", "announce"], events
+
+
+def test_a_file_beside_the_graph_is_part_of_the_version_and_a_vanished_config_keeps_it(repository):
+    """A version's other files (external weights, labels) changing is a new version; its
+    config.toml gone for a moment (a tool that unlinks before it writes) is not a version with
+    every default, and what serves stays."""
+    import asyncio
+    import types
+
+    from executor.live import LiveRepository
+    from executor.settings import ExecutorSettings
+
+    placed: list = []
+
+    async def place(model) -> None:
+        placed.append(model)
+
+    async def nothing(*_) -> None:
+        pass
+
+    settings = ExecutorSettings(model_repository=str(repository), model_control_mode="poll", warmup=False)
+    live = LiveRepository(types.SimpleNamespace(settings=settings, place=place, announce=nothing,  # type: ignore
+                                                mark_unloading=lambda *_: None))
+    config = repository / "mlp" / "config.toml"
+    asyncio.run(live.sync("mlp"))
+    assert len(placed) == 1
+    (repository / "mlp" / "1" / "labels.txt").write_text("no\nyes\n")
+    asyncio.run(live.sync("mlp"))
+    assert len(placed) == 2  # reloaded: a file of the version changed
+    text = config.read_text()
+    config.unlink()
+    asyncio.run(live.sync("mlp"))
+    assert len(placed) == 2 and live.slots[("mlp", "1")].state == "READY"
+    assert placed[-1].info.max_batch_size == 64  # as config.toml says, not the default
+    config.write_text(text)
+    asyncio.run(live.sync("mlp"))
+    assert live.slots[("mlp", "1")].state == "READY" and placed[-1].info.max_batch_size == 64
