@@ -24,12 +24,12 @@ from batchline import logs, metrics, telemetry, tracecontext
 from batchline.contract.keys import ModelKey
 from batchline.contract.executor_store import ExecutorStore
 from batchline.clock import now_us
-from batchline.errors import Internal, status_value
+from batchline.errors import DeadlineExceeded, Internal, status_value
 from batchline.heartbeats import HeartbeatTrust
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S
 from batchline.redis_url import BLOCKING_WAIT_S
-from executor import decoupled, generation_batches, outcome, running, sequences
+from executor import decoupled, generation_batches, outcome, running, sequences, shared_memory
 from executor.generation_serving import GenerationModel
 from executor.outcome import Timing
 from executor.running import Member
@@ -244,6 +244,7 @@ class BatchWorker:
         replies: dict[str, list[bytes]] = defaultdict(list)
         ahead: dict[str, list[bytes]] = defaultdict(list)  # a decoupled model's responses
         is_decoupled = model is not None and model.info.decoupled
+        await self._drop_unawaited_region_writes(batch, taken.members)
         for m in taken.members:
             if is_decoupled and model is not None:
                 partial, r = decoupled.replies(model, m)
@@ -269,6 +270,22 @@ class BatchWorker:
                                       attributes={"batchline.batch_id": batch.batch_id, "batchline.batch_size": rows,
                                                   "batchline.executor_id": self.executor_id,
                                                   "batchline.provider": provider})
+
+
+    async def _drop_unawaited_region_writes(self, batch: pb.Batch, members: list[Member]) -> None:
+        """Outputs go into a client's regions only while the client still awaits them: one that was
+        answered (its deadline) or gave up may be using the region again, for its retry."""
+        writing = [m for m in members if m.error is None and m.outputs is not None
+                   and shared_memory.writes_outputs(m.request)]
+        if not writing:
+            return
+        awaited = await self.store.awaited((batch.model_name, batch.model_version),
+                                           [m.entry.request_id for m in writing])
+        for m, ok in zip(writing, awaited):
+            if not ok:
+                m.outputs = None
+                m.error = DeadlineExceeded("nobody awaits this request any more (answered, or given up): its output "
+                                           "regions were left as they were")
 
 
 @dataclass(slots=True)

@@ -30,6 +30,11 @@ def read_inputs(request: ipb.ModelInferRequest) -> dict[str, np.ndarray] | None:
     return arrays
 
 
+def writes_outputs(request: ipb.ModelInferRequest | None) -> bool:
+    """Whether the request has outputs to write into regions."""
+    return request is not None and any(REF in o.parameters for o in request.outputs)
+
+
 def write_outputs(request: ipb.ModelInferRequest, response: ipb.ModelInferResponse) -> None:
     """Write the outputs the request references into their regions; the answer keeps how many
     bytes each took instead of them. Raises InvalidArgument for a region too small (or shrunk)."""

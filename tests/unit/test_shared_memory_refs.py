@@ -247,3 +247,40 @@ def test_a_tenant_cannot_register_another_tenants_memory_nor_hold_files_without_
             regions.register("third", f"/{name}", 0, 64, tenant="a")
     finally:
         regions.close()
+
+
+def test_outputs_go_into_regions_only_while_the_request_is_awaited(redis_server):
+    """A request answered at its deadline (or given up) meanwhile: its client may be using the
+    region again for its retry, and the late run's outputs must not land in it."""
+    import asyncio
+
+    from batchline import contract
+    from batchline.contract.executor_store import ExecutorStore
+    from batchline.redis_client import connect, connect_sync
+    from batchline.regions import REF as REF_PARAM
+    from executor.batch_worker import BatchWorker
+    from executor.running import Member
+
+    def member(request_id: str) -> Member:
+        m = Member(pb.QueueEntry(request_id=request_id))
+        m.request = ipb.ModelInferRequest(model_name="m")
+        m.request.outputs.add(name="OUTPUT0").parameters[REF_PARAM].string_param = "a reference"
+        m.outputs = {"OUTPUT0": np.zeros((1, 2), np.float32)}
+        return m
+
+    r = connect_sync(redis_server.url, 2)
+    r.set(contract.payload(("m", "1"), "awaited"), b"x", px=60_000)
+    members = [member("awaited"), member("answered")]
+
+    async def run() -> None:
+        worker = BatchWorker.__new__(BatchWorker)
+        worker.store = ExecutorStore(connect(redis_server.url, 2))
+        try:
+            await worker._drop_unawaited_region_writes(pb.Batch(model_name="m", model_version="1"), members)
+        finally:
+            await worker.store.aclose()
+
+    asyncio.run(run())
+    r.close()
+    assert members[0].outputs is not None and members[0].error is None
+    assert members[1].outputs is None and "left as they were" in str(members[1].error)
