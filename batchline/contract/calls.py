@@ -126,6 +126,17 @@ def incr_with_ttl(client: Any, key: str, increment: int, ttl_s: int) -> Any:
     return client.eval(scripts.INCR_WITH_TTL_LUA, 1, key, ttl_s, increment)
 
 
+def next_call(client: Any) -> Any:
+    """The next repository call's sequence number (scripts.NEXT_CALL_LUA)."""
+    return client.eval(scripts.NEXT_CALL_LUA, 1, k.CONTROL_SEQ, k.CONTROL_TTL)
+
+
+def record_call(client: Any, name: str, action: str, seq: int) -> Any:
+    """Record repository call `seq` of model `name`, unless a later one is there (scripts.RECORD_CALL_LUA)."""
+    return client.eval(scripts.RECORD_CALL_LUA, 2, k.CONTROL, k.CONTROL_SEQ, name, k.control_record(action, seq),
+                       seq, k.CONTROL_TTL)
+
+
 def report(client: Any, blob: bytes) -> Any:
     """Append an execution report for the scheduler (scripts.REPORT_LUA)."""
     return client.eval(scripts.REPORT_LUA, 1, k.REPORTS, blob, k.REPORTS_CAP, k.QUEUE_TTL)

@@ -107,14 +107,10 @@ class GatewayStore(Store):
         `override` makes a load's ModelOverride for its sequence number; written before the call,
         so that an executor that sees the call finds it. Any other call drops the model's override.
         """
-        seq = int(await self.client.incr(k.CONTROL_SEQ))
+        seq = int(await calls.next_call(self.client))
         if override is not None:
             await self.client.set(k.override(name), override(seq), ex=k.CONTROL_TTL)
         else:
             await self.client.delete(k.override(name))
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hset(k.CONTROL, name, k.control_record(action, seq))
-            pipe.expire(k.CONTROL, k.CONTROL_TTL)
-            pipe.expire(k.CONTROL_SEQ, k.CONTROL_TTL)
-            await pipe.execute()
+        await calls.record_call(self.client, name, action, seq)
         return seq

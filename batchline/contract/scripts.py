@@ -137,6 +137,31 @@ redis.call('INCRBY', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 """
 
+# A repository call's sequence number: the next one, the counter never left without its expiry.
+# KEYS: the counter; ARGV: ttl s. Returns the number.
+NEXT_CALL_LUA = """
+local seq = redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return seq
+"""
+
+# Records a repository call unless a later one of the same model is recorded already: two calls
+# racing (a load and an unload) land as their numbers say, not as their writes arrive.
+# KEYS: the calls hash, the counter; ARGV: model name, "action:seq", seq, ttl s. Returns 1 when recorded.
+RECORD_CALL_LUA = """
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+if current then
+  local at = tonumber(string.match(current, ':(%d+)$'))
+  if at and at > tonumber(ARGV[3]) then
+    return 0
+  end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+return 1
+"""
+
 # Gives the lease up at shutdown so a standby takes over at once.
 RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then

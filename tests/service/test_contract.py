@@ -351,3 +351,22 @@ def test_arrival_counts_are_written_with_their_expiry_in_one_command():
 
     with EmbeddedRedis() as server:
         asyncio.run(run(server.url))
+
+
+def test_repository_calls_land_in_their_numbers_order_whatever_order_their_writes_arrive():
+    """A load and an unload of one model racing: the load took number 5, the unload 6, and the
+    unload's record was written first. The load's, arriving late, must not replace it (executors
+    that applied 6 would skip 5, the others load: a split mesh)."""
+    from batchline.contract import calls
+
+    with EmbeddedRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        try:
+            load, unload = int(calls.next_call(r)), int(calls.next_call(r))
+            assert unload == load + 1 and 0 < r.ttl(contract.CONTROL_SEQ) <= contract.CONTROL_TTL
+            assert calls.record_call(r, "m", "unload", unload) == 1
+            assert calls.record_call(r, "m", "load", load) == 0
+            assert contract.parse_control(r.hget(contract.CONTROL, "m")) == ("unload", unload)
+            assert 0 < r.ttl(contract.CONTROL) <= contract.CONTROL_TTL
+        finally:
+            r.close()
