@@ -40,7 +40,8 @@ bl:exec:{s}:<executor_id>              string       ExecutorInfo; TTL = heartbea
 bl:executors:{s}                       set          executor ids ever seen (members pruned when stale)
 bl:gateway:{s}:<gateway_id>            string       the gateway's address; TTL = heartbeat TTL
 bl:demand:{s}                          string       MeshDemand: the executors the mesh wants (leader scheduler); TTL
-bl:gateways:{s}                        sorted set   gateway ids scored by their last heartbeat (ms): how many are live
+bl:gateways:{s}                        sorted set   gateway ids scored by when their heartbeat expires (ms): how many
+                                                    are live
 bl:control:{s}:models                  hash         model name -> "load:<seq>" | "unload:<seq>": the latest repository
                                                     call
 bl:control:{s}:seq                     string       the sequence number of the latest repository call (INCR)
