@@ -26,6 +26,14 @@ def warm_up(model: LoadedModel, executor_id: str) -> list[pb.ExecutionReport]:
     t = time.perf_counter()
     model.session.run(None, warmup_inputs(model))
     log.info("warmed up %s:%s in %.1f ms", model.name, model.version, (time.perf_counter() - t) * 1e3)
+    ran_on = list(model.session.get_providers())
+    if ran_on != list(model.info.providers):
+        # A provider that failed in the run (TensorRT's engine build) made ONNX Runtime fall back:
+        # what the status, the provider gauge and the latency profiles say follows where it runs.
+        log.warning("model %s:%s: %s failed in its first run; it runs on %s", model.name, model.version,
+                    model.info.providers[0] if model.info.providers else "its provider", ran_on[0])
+        del model.info.providers[:]
+        model.info.providers.extend(ran_on)
     reports = []
     for rows in batch_sizes(model.info.max_batch_size):
         feeds = warmup_inputs(model, rows)

@@ -350,3 +350,18 @@ def test_a_file_beside_the_graph_is_part_of_the_version_and_a_vanished_config_ke
     config.write_text(text)
     asyncio.run(live.sync("mlp"))
     assert live.slots[("mlp", "1")].state == "READY" and placed[-1].info.max_batch_size == 64
+
+
+def test_a_provider_that_falls_back_in_the_warm_up_is_what_the_model_shows(repository):
+    """ONNX Runtime falls back when a provider fails in a run (TensorRT's engine build, on the
+    first run): the model's providers, which the status, the provider gauge and the profiles'
+    kind read, follow where it runs. No GPU here: the session is a real CPU one, told that it
+    was loaded for TensorRT first."""
+    from executor.repository import load_model, read_config
+    from executor.warmup import warm_up
+
+    mlp = repository / "mlp"
+    model = load_model(mlp, mlp / "1", read_config(mlp), ["CPUExecutionProvider"], "", 1)
+    model.info.providers.insert(0, "TensorrtExecutionProvider")  # as loaded, before the first run failed
+    reports = warm_up(model, "e")
+    assert list(model.info.providers) == ["CPUExecutionProvider"] and reports
