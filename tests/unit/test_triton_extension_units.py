@@ -178,12 +178,13 @@ def test_a_region_unregistered_or_shrunk_under_a_request_is_refused_not_read():
 
 def test_a_tenant_sees_uses_and_unregisters_only_its_own_regions():
     regions = SharedMemory()
-    name = f"bl_unit_{uuid.uuid4().hex[:8]}"
-    with open(f"/dev/shm/{name}", "wb") as f:
-        f.write(b"\0" * 64)
+    name, bobs = f"bl_unit_{uuid.uuid4().hex[:8]}", f"bl_unit_{uuid.uuid4().hex[:8]}"
+    for key in (name, bobs):
+        with open(f"/dev/shm/{key}", "wb") as f:
+            f.write(b"\0" * 64)
     try:
         regions.register("in", f"/{name}", 0, 64, tenant="alice")
-        regions.register("in", f"/{name}", 0, 32, tenant="bob")  # the same name, a region of its own
+        regions.register("in", f"/{bobs}", 0, 32, tenant="bob")  # the same name, a region (and file) of its own
         assert [r.byte_size for r in regions.status("", "alice")] == [64]
         assert [r.byte_size for r in regions.status("in", "bob")] == [32]
         assert regions.status("", "carol") == []
@@ -199,6 +200,7 @@ def test_a_tenant_sees_uses_and_unregisters_only_its_own_regions():
     finally:
         regions.close()
         os.unlink(f"/dev/shm/{name}")
+        os.unlink(f"/dev/shm/{bobs}")
 
 
 def test_a_label_file_named_outside_the_model_directory_is_refused(tmp_path):
