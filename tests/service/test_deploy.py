@@ -180,7 +180,23 @@ def test_compose_services(compose):
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
         assert env["OTEL_TRACES_EXPORTER"] == "otlp"
         assert services[name]["command"] == [name]
+        # Restarted when it dies (docs/guides/failures.md), and stopped only once its drain could end.
+        assert services[name]["restart"] == "unless-stopped", name
+        drain = SETTINGS[name].model_fields.get("drain_timeout_s")
+        if drain is not None:
+            grace = _seconds(services[name]["stop_grace_period"])
+            assert grace > float(env.get(prefix + "DRAIN_TIMEOUT_S", drain.default)), name
     assert services["executor"]["environment"]["BATCHLINE_EXECUTOR_MODEL_REPOSITORY"] == "/models"
+
+
+def _seconds(duration: str | int | float) -> float:
+    """A compose duration such as "45s" or "1m30s", in seconds."""
+    import re
+
+    if isinstance(duration, (int, float)):
+        return float(duration)
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    return sum(float(n) * units[u] for n, u in re.findall(r"([\d.]+)(ms|h|m|s)", duration))
 
 
 def test_compose_builds_reference_existing_dockerfiles(compose):
@@ -656,6 +672,10 @@ def test_k8s_gateway_service_scheduler_replicas_gpu_and_autoscaling():
     assert docs[("Deployment", "scheduler")]["spec"]["replicas"] == 2
     gpu = docs[("Deployment", "executor-gpu")]["spec"]["template"]["spec"]["containers"][0]
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1 and gpu["image"] == "batchline:cuda"
+    gpu_env = {e["name"]: e.get("value") for e in gpu["env"]}
+    assert gpu_env["BATCHLINE_EXECUTOR_CPU_CORES"] == gpu["resources"]["limits"]["cpu"]
+    # KEDA's HPA owns the executors' replicas: a number in the Deployment would reset them at each apply.
+    assert "replicas" not in docs[("Deployment", "executor")]["spec"]
     scaled = docs[("ScaledObject", "executor")]
     assert ("Deployment", scaled["spec"]["scaleTargetRef"]["name"]) in docs
     (trigger,) = scaled["spec"]["triggers"]
@@ -676,8 +696,11 @@ def test_k8s_gateway_service_scheduler_replicas_gpu_and_autoscaling():
 
 def test_k8s_services_reach_redis_with_the_password_of_its_secret():
     docs = {(d["kind"], d["metadata"]["name"]): d for _, d in k8s_documents()}
-    generated = {g["name"] for g in load_yaml(K8S / "kustomization.yaml")["secretGenerator"]}
+    kustomization = load_yaml(K8S / "kustomization.yaml")
+    generated = {g["name"] for g in kustomization["secretGenerator"]}
     assert "batchline-redis" in generated
+    # Named as the files outside kustomize's rewriting (executor-gpu.yaml, the Helm values) name it.
+    assert kustomization["generatorOptions"]["disableNameSuffixHash"] is True
 
     def password_from_secret(env: list[dict]) -> bool:
         (entry,) = [e for e in env if e["name"] == "REDIS_PASSWORD"]
