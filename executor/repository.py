@@ -164,6 +164,8 @@ def load_model(
     unknown_pad = set(padding) - {s.name for s in inputs}
     if unknown_pad:
         raise RepositoryError(f"{model_dir}/config.toml: [padding] names unknown inputs {sorted(unknown_pad)}")
+    if padding:
+        _check_unpadded_outputs(f"{model_dir}/config.toml", session, padding)
     info = pb.ModelInfo(
         name=name,
         version=version,
@@ -192,6 +194,21 @@ def load_model(
     log.info("loaded %s version %s on %s (max_batch_size %d, %d instance(s))",
              name, version, list(info.providers), info.max_batch_size, instances)
     return LoadedModel(info=info, session=session, padding=padding, instances=instances, tokenizer_json=tokenizer_json)
+
+
+def _check_unpadded_outputs(where: str, session: ort.InferenceSession, padding: dict[str, Any]) -> None:
+    """Refuse [padding] where an output has a padded axis: outputs are split back by rows only, so
+    a member's answer would have its batch's longest length, and depend on its neighbours."""
+    padded = {d for arg in session.get_inputs() if arg.name in padding
+              for d in (arg.shape or [])[1:] if isinstance(d, str)}
+    for out in session.get_outputs():
+        shared = sorted(padded & {d for d in (out.shape or [])[1:] if isinstance(d, str)})
+        if shared:
+            raise RepositoryError(
+                f"{where}: [padding] pads the axis {shared} that output '{out.name}' carries too: each request would "
+                "get an answer as long as its batch's longest member. Pad only models whose outputs do not have the "
+                "padded length (pooled embeddings, classifiers), or remove [padding]: requests of other lengths "
+                "then run in groups of their own")
 
 
 def _text_input(model_dir: pathlib.Path, tok: dict[str, Any], info: pb.ModelInfo) -> bytes:

@@ -128,3 +128,32 @@ def test_a_graph_with_a_fixed_first_dimension_is_batched_only_as_it_allows(tmp_p
     (model / "config.toml").write_text("max_batch_size = 0\n")
     (loaded,) = load_repository(tmp_path)
     assert loaded.info.max_batch_size == 0
+
+
+def test_padding_is_refused_where_an_output_carries_the_padded_axis(tmp_path):
+    """Outputs are split back by rows only: a token-level output of a padded batch would give each
+    request its batch's longest length. A pooled output (no padded axis) may be padded."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    def save(name: str, pooled: bool) -> None:
+        (tmp_path / name / "1").mkdir(parents=True)
+        nodes = [helper.make_node("Cast", ["ids"], ["tokens"], to=TensorProto.FLOAT)]
+        out = "tokens"
+        if pooled:
+            nodes.append(helper.make_node("ReduceSum", ["tokens"], ["pooled"], keepdims=0, axes=[1]))  # opset 11
+            out = "pooled"
+        shape = ["batch"] if pooled else ["batch", "sequence"]
+        graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("ids", TensorProto.INT64,
+                                                                             ["batch", "sequence"])],
+                                  [helper.make_tensor_value_info(out, TensorProto.FLOAT, shape)])
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)]),
+                  tmp_path / name / "1" / "model.onnx")
+        (tmp_path / name / "config.toml").write_text("[padding]\nids = 0\n")
+
+    save("tokens", pooled=False)
+    with pytest.raises(RepositoryError, match="pads the axis \\['sequence'\\] that output 'tokens' carries too"):
+        load_repository(tmp_path, ["tokens"])
+    save("pooled", pooled=True)
+    (loaded,) = load_repository(tmp_path, ["pooled"])
+    assert loaded.padding == {"ids": 0}
