@@ -180,6 +180,11 @@ def decode_tensor(name: str, datatype: str, shape: Sequence[int], raw: bytes | N
         else:
             check_raw_size(name, datatype, shape, len(raw))
             flat = np.frombuffer(raw, dtype=dtype)
+            if datatype == "BOOL" and flat.size and flat.view(np.uint8).max() > 1:
+                # numpy reads any non-zero byte as True, ONNX Runtime's operators do not (Not of 2 is
+                # true, Cast of it 2): a byte that is no bool would answer differently from its value.
+                raise InvalidArgument(f"input '{name}': BOOL raw bytes must be 0 or 1, got "
+                                      f"{int(flat.view(np.uint8).max())}")
         return _shaped(flat, shape, name)
     field = CONTENTS_FIELD.get(datatype)
     if field is None:

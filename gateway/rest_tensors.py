@@ -131,8 +131,10 @@ def _json_data(tensor: dict, name: str, datatype: str, shape: list[int]) -> byte
     elif dtype.kind == "f" and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         raise InvalidArgument(f"input '{name}' is {datatype}: `data` must hold numbers")
     try:
-        return np.array(values, dtype=dtype).tobytes()
-    except OverflowError:
+        # A float past the type's range would otherwise become infinity, with only a warning.
+        with np.errstate(over="raise"):
+            return np.array(values, dtype=dtype).tobytes()
+    except (OverflowError, FloatingPointError):
         raise InvalidArgument(f"input '{name}': a value of `data` is out of the range of {datatype}") from None
 
 

@@ -271,3 +271,14 @@ def test_onnx_datatype(onnx_type, datatype):
 def test_onnx_datatype_unsupported(onnx_type):
     with pytest.raises(ValueError, match="no KServe datatype"):
         onnx_datatype(onnx_type)
+
+
+def test_bool_raw_bytes_other_than_0_and_1_are_refused():
+    """numpy reads byte 2 as True; ONNX Runtime's Not of it is true and its Cast is 2: such a
+    byte would be answered as no bool is."""
+    from batchline.codec import decode_tensor
+    from batchline.errors import InvalidArgument
+
+    assert decode_tensor("b", "BOOL", [3], b"\x01\x00\x01", None).tolist() == [True, False, True]
+    with pytest.raises(InvalidArgument, match="BOOL raw bytes must be 0 or 1, got 2"):
+        decode_tensor("b", "BOOL", [3], b"\x02\x01\x00", None)

@@ -129,3 +129,13 @@ def test_json_data_and_binary_answers_round_trip(datatype, values):
     if datatype not in ("BYTES", "BOOL"):
         dtype = {"FP16": "<f2", "FP32": "<f4", "UINT64": "<u8", "INT8": "<i1"}[datatype]
         assert np.frombuffer(as_binary[length:], dtype).tolist() == values
+
+
+@pytest.mark.parametrize("datatype, value", [("FP16", 70000.0), ("FP32", 1e39)])
+def test_a_float_past_its_types_range_in_json_is_refused_not_made_infinite(datatype, value):
+    body = json.dumps({"inputs": [{"name": "x", "datatype": datatype, "shape": [2], "data": [1.0, value]}]})
+    with pytest.raises(InvalidArgument, match=f"out of the range of {datatype}"):
+        infer_request(body.encode(), None, "m", "")
+    ok = json.dumps({"inputs": [{"name": "x", "datatype": datatype, "shape": [1], "data": [1.5]}]})
+    request, _ = infer_request(ok.encode(), None, "m", "")
+    assert np.frombuffer(request.raw_input_contents[0], np.float16 if datatype == "FP16" else np.float32) == 1.5
