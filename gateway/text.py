@@ -14,12 +14,13 @@ import numpy as np
 from batchline.contract.gateway_store import GatewayStore
 from tokenizers import Tokenizer
 
-from batchline.codec import decode_tensor
+from batchline.codec import decode_inputs
 from batchline.errors import InvalidArgument, Unavailable
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS
 from batchline.text_inputs import configured, first_too_long, token_arrays
+from gateway.validation import check_raw_or_typed
 
 
 class Tokenizers:
@@ -80,8 +81,9 @@ def _strings(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> list[str]:
     if model.max_batch_size and shape[0] > model.max_batch_size:
         raise InvalidArgument(f"input '{text.name}': batch size {shape[0]} is outside 1..{model.max_batch_size} "
                               f"(max_batch_size of model '{model.name}')")
-    raw = request.raw_input_contents[0] if request.raw_input_contents else None
-    items = decode_tensor(text.name, "BYTES", shape, raw, tensor.contents).reshape(-1)
+    # As every request is checked (gateway/validation.py): the text request is rebuilt before that.
+    check_raw_or_typed(request, model)
+    items = decode_inputs(request)[text.name].reshape(-1)
     strings = []
     for i, item in enumerate(items):
         try:

@@ -47,6 +47,16 @@ def request_priority(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int
         )
     return value
 
+def check_raw_or_typed(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> None:
+    """InvalidArgument for a request with raw and typed contents both (Triton's words)."""
+    if request.raw_input_contents:
+        typed = [t.name for t in request.inputs if t.HasField("contents")]
+        if typed:
+            raise InvalidArgument(
+                f"contents field must not be specified when using raw_input_contents for '{typed[0]}' for model "
+                f"'{model.name}': send every input raw (raw_input_contents) or every input typed (contents), not both")
+
+
 def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
     """Check the request against `model`; return its batch size (rows)."""
     specs = {s.name: s for s in model.inputs}
@@ -64,12 +74,7 @@ def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
     if unknown:
         raise InvalidArgument(f"model '{model.name}' has no input(s) {unknown}; its inputs are {list(specs)}")
 
-    if request.raw_input_contents:
-        typed = [t.name for t in request.inputs if t.HasField("contents")]
-        if typed:
-            raise InvalidArgument(
-                f"contents field must not be specified when using raw_input_contents for '{typed[0]}' for model "
-                f"'{model.name}': send every input raw (raw_input_contents) or every input typed (contents), not both")
+    check_raw_or_typed(request, model)
 
     batched = model.max_batch_size > 0
     rows = None

@@ -144,6 +144,30 @@ def test_bad_text_is_refused_naming_the_element(served):
         ids = tc.InferInput("input_ids", [1, 2], "INT64").set_data_from_numpy(np.ones((1, 2), np.int64))
         code, message = _status(lambda: client.infer("minilm", [_text(["x"]), ids]))
         assert code == "StatusCode.INVALID_ARGUMENT" and "sent alone" in message
+    # Raw bytes beyond the inputs, or raw and typed both: refused as for any request, not read in part.
+    from batchline.codec import serialize_bytes
+    from batchline.protocol import inference_pb2 as ipb
+    from batchline.protocol import inference_pb2_grpc
+
+    def raw_request(extra_raw: bool, typed: bool) -> ipb.ModelInferRequest:
+        request = ipb.ModelInferRequest(model_name="minilm")
+        tensor = request.inputs.add(name="text", datatype="BYTES", shape=[1])
+        request.raw_input_contents.append(serialize_bytes(np.array([b"hello"], dtype=object)))
+        if extra_raw:
+            request.raw_input_contents.append(b"more")
+        if typed:
+            tensor.contents.bytes_contents.append(b"hello")
+        return request
+
+    import grpc
+
+    with grpc.insecure_channel(m.address) as channel:
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for extra_raw, typed, says in ((True, False, "raw_input_contents has 2 entries for 1 inputs"),
+                                       (False, True, "contents field must not be specified")):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ModelInfer(raw_request(extra_raw, typed), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in refused.value.details()
 
 
 def test_a_model_that_refuses_long_text_says_which_element(model_repository, tmp_path):
