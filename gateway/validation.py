@@ -101,6 +101,14 @@ def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
                 raise InvalidArgument(f"inputs disagree on the batch size: '{tensor.name}' has {n}, others {rows}")
             rows = n
 
+    if len(model.padded_inputs) > 1:
+        # Padded inputs are padded each to the batch's longest: ids and a mask of different lengths
+        # would be evened out by a neighbour's length, answered where alone they fail.
+        padded = {t.name: list(t.shape) for t in request.inputs if t.name in model.padded_inputs}
+        if len({tuple(s) for s in padded.values()}) > 1:
+            raise InvalidArgument(f"model '{model.name}' pads {sorted(padded)} together: they must have one shape, "
+                                  f"got {padded}")
+
     for out in request.outputs:
         if out.name not in {s.name for s in model.outputs}:
             raise InvalidArgument(

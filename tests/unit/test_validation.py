@@ -353,3 +353,16 @@ def test_a_models_name_is_one_directory_of_the_repository(name, ok):
     from batchline.registry import model_name_problem
 
     assert (model_name_problem(name) is None) == ok
+
+
+def test_inputs_padded_together_must_have_one_shape():
+    """ids of 7 tokens with a mask of 3: alone ONNX Runtime refuses it, batched a neighbour's length
+    would pad the mask and answer it. Refused at the door, so it fails the same either way."""
+    model = pair_model()
+    model.padded_inputs.extend(["input_ids", "attention_mask"])
+    ok = request("pair", input_ids=np.ones((1, 7), np.int64), attention_mask=np.ones((1, 7), np.int64))
+    assert validate(ok, model) == 1
+    bad = request("pair", input_ids=np.ones((1, 7), np.int64), attention_mask=np.ones((1, 3), np.int64))
+    with pytest.raises(InvalidArgument, match="pads \\['attention_mask', 'input_ids'\\] together: they must have one"):
+        validate(bad, model)
+    assert validate(bad, pair_model()) == 1  # unpadded, the model itself judges its inputs
