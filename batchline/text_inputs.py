@@ -35,11 +35,18 @@ def first_too_long(encodings: list[Encoding], text: pb.TextInput) -> tuple[int, 
     return None
 
 
-def token_arrays(encodings: list[Encoding], text: pb.TextInput) -> list[tuple[str, np.ndarray]]:
-    """The graph's token inputs for `encodings`, INT64, padded with zeros (masked) to the longest:
-    ids, attention mask, and token types (zeros) when the model takes them."""
+def fixed_width(info: pb.ModelInfo) -> int:
+    """The token inputs' length when the graph fixes it (exported at, say, 128 tokens); 0: any."""
+    spec = next((s for s in info.inputs if s.name == info.text.ids_input), None)
+    return spec.shape[1] if spec is not None and len(spec.shape) == 2 and spec.shape[1] > 0 else 0
+
+
+def token_arrays(encodings: list[Encoding], text: pb.TextInput, width: int = 0) -> list[tuple[str, np.ndarray]]:
+    """The graph's token inputs for `encodings`, INT64, padded with zeros (masked) to the longest,
+    or to `width` where the graph fixes the length (fixed_width): ids, attention mask, and token
+    types (zeros) when the model takes them."""
     lengths = [len(e.ids) for e in encodings]
-    width = max(lengths)
+    width = max(*lengths, width)
     ids = np.zeros((len(encodings), width), np.int64)
     mask = np.zeros((len(encodings), width), np.int64)
     for i, (e, n) in enumerate(zip(encodings, lengths)):

@@ -234,6 +234,10 @@ def _text_input(model_dir: pathlib.Path, tok: dict[str, Any], info: pb.ModelInfo
     expected = set(filter(None, (tok["ids_input"], tok["mask_input"], tok["type_ids_input"])))
     if set(names) != expected:
         raise RepositoryError(f"{where}: the graph's inputs {sorted(names)} are not the tokenizer's {sorted(expected)}")
+    fixed = names[tok["ids_input"]].shape[1] if len(names[tok["ids_input"]].shape) == 2 else -1
+    if fixed > 0 and tok["max_length"] > fixed:
+        raise RepositoryError(f"{where}: max_length {tok['max_length']} is more than the {fixed} tokens the graph's "
+                              f"input {tok['ids_input']!r} takes: set max_length = {fixed}")
     info.text.CopyFrom(pb.TextInput(
         name=tok["input"], max_length=tok["max_length"], truncate=tok["truncate"], ids_input=tok["ids_input"],
         mask_input=tok["mask_input"], type_ids_input=tok["type_ids_input"],

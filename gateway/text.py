@@ -19,7 +19,7 @@ from batchline.errors import InvalidArgument, Unavailable
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS
-from batchline.text_inputs import configured, first_too_long, token_arrays
+from batchline.text_inputs import configured, first_too_long, fixed_width, token_arrays
 from gateway.validation import check_raw_or_typed
 
 
@@ -61,7 +61,7 @@ class Tokenizers:
             i, n = too_long
             raise InvalidArgument(f"input '{text.name}': element {i} is {n} tokens, more than the {text.max_length} "
                                   f"model '{model.name}' takes (its [tokenizer] does not truncate)")
-        return _with_inputs(request, token_arrays(encodings, text))
+        return _with_inputs(request, token_arrays(encodings, text, fixed_width(model)))
 
 
 def _strings(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> list[str]:

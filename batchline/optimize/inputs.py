@@ -10,7 +10,7 @@ import numpy as np
 
 from batchline.codec import DATATYPES
 from batchline.protocol import internal_pb2 as pb
-from batchline.text_inputs import configured, first_too_long, token_arrays
+from batchline.text_inputs import configured, first_too_long, fixed_width, token_arrays
 
 GENERATED_ROWS = 256
 GENERATED_LENGTH = 128  # for the variable dims of generated inputs (a sequence length)
@@ -92,7 +92,7 @@ def from_texts(path: pathlib.Path, tokenizer_json: bytes, info: pb.ModelInfo, ba
     dtypes = {s.name: DATATYPES[s.datatype] for s in info.inputs}
 
     def feeds(chosen: list) -> dict[str, np.ndarray]:
-        return {name: array.astype(dtypes[name]) for name, array in token_arrays(chosen, text)}
+        return {name: array.astype(dtypes[name]) for name, array in token_arrays(chosen, text, fixed_width(info))}
 
     by_length = sorted(encodings, key=lambda e: len(e.ids))
     batches = [feeds(by_length[i:i + batch]) for i in range(0, len(lines), batch)]

@@ -197,3 +197,38 @@ def test_a_tokenizer_table_that_does_not_fit_the_graph_stops_the_load(model_repo
     config.write_text(original.replace('path = "tokenizer"', 'path = "nowhere"'))
     with pytest.raises(RepositoryError, match="cannot read .*nowhere/tokenizer.json"):
         load_repository(repo)
+
+
+def test_text_for_a_graph_of_a_fixed_length_is_padded_to_it(model_repository, tmp_path):
+    """A graph exported at a fixed sequence length (8 here): texts are padded (masked) to it, not to
+    their longest; a max_length past it stops the load."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from batchline.testing.in_process import InProcessMesh
+    from executor.repository import RepositoryError, load_repository
+
+    repo = tmp_path / "repository"
+    (repo / "fixed" / "1").mkdir(parents=True)
+    shutil.copytree(model_repository / "minilm" / "tokenizer", repo / "fixed" / "tokenizer")
+    # tokens: the mask's sum, each row (how many tokens the text has, padding masked out).
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["attention_mask"], ["m"], to=TensorProto.FLOAT),
+         helper.make_node("ReduceSum", ["m"], ["tokens"], keepdims=1, axes=[1]),
+         helper.make_node("Identity", ["input_ids"], ["ids"])],
+        "fixed",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", 8]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", 8])],
+        [helper.make_tensor_value_info("tokens", TensorProto.FLOAT, ["batch", 1]),
+         helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 8])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)]),
+              repo / "fixed" / "1" / "model.onnx")
+    config = repo / "fixed" / "config.toml"
+    config.write_text('max_batch_size = 8\n[tokenizer]\npath = "tokenizer"\nmax_length = 16\n')
+    with pytest.raises(RepositoryError, match="max_length 16 is more than the 8 tokens"):
+        load_repository(repo)
+    config.write_text('max_batch_size = 8\n[tokenizer]\npath = "tokenizer"\nmax_length = 8\n')
+    with InProcessMesh(None, str(repo), models=["fixed"]) as m, tc.InferenceServerClient(m.address) as client:
+        result = client.infer("fixed", [_text(["a b", "one two three four"])])
+    assert result.as_numpy("tokens")[:, 0].tolist() == [4.0, 6.0]  # [CLS] a b [SEP]; [CLS] 4 words [SEP]
+    assert result.as_numpy("ids").shape == (2, 8) and result.as_numpy("ids")[0, 4:].tolist() == [0] * 4
