@@ -109,9 +109,12 @@ class Supervisor:
         self.hurry = False  # set (e.g. by a second Ctrl-C) to kill what is still stopping at once
 
     def spawn(self, name: str, module: str, *flags: str) -> Service:
-        cmd = [sys.executable, "-m", module, "--redis-url", self.redis_url, "--host", self.args.host,
+        cmd = [sys.executable, "-m", module, "--host", self.args.host,
                "--log-level", self.args.log_level, "--log-format", getattr(self.args, "log_format", "text"), *flags]
-        service = Service(name, cmd, self.env)
+        # The Redis URL, with its password, goes in the child's environment, which only this user may
+        # read, not on its command line, which `ps` shows everyone (BATCHLINE_<SERVICE>_REDIS_URL).
+        env = {**self.env, f"BATCHLINE_{module.upper()}_REDIS_URL": self.redis_url}
+        service = Service(name, cmd, env)
         service.start()
         self.services.append(service)
         say(self.args, f"batchline: started {name} (pid {service.proc.pid})")

@@ -93,6 +93,9 @@ def test_up_serves_and_ctrl_c_stops_everything(model_repository):
         assert registered == {"executor-0", "executor-1"}
         redis_pids = [c.pid for c in psutil.Process(proc.pid).children() if "redis-server" in c.name()]
         assert len(redis_pids) == 1
+        # Nor on any process's command line, which every user of the host may read (ps).
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            assert REDIS_PASSWORD not in " ".join(child.cmdline()), child.cmdline()
         # Requests in flight when Ctrl-C comes are answered: the gateway drains while the scheduler
         # and the executors still run. 128-token minilm rows keep the four lanes busy for a second or two.
         ids = np.random.default_rng(0).integers(1000, 29000, size=(1, 128), dtype=np.int64)
