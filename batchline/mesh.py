@@ -38,7 +38,16 @@ def build_demo(path: pathlib.Path) -> None:
     from batchline.demo_models import build_repository
 
     print(f"batchline: building the demo model repository in {path} ...", flush=True)
+    # Marked unfinished until it is: a build cut short (Ctrl-C) is finished by the next `up`,
+    # instead of serving (and crash-looping on) a half-built repository.
+    path.mkdir(parents=True, exist_ok=True)
+    (path / BUILDING).touch()
     build_repository(path)
+    (path / BUILDING).unlink()
+
+
+# In a demo repository whose build has not finished.
+BUILDING = ".building"
 
 
 def _server_ready(address: str) -> bool:
@@ -104,7 +113,7 @@ class Mesh:
             # Chosen here, not by gateway-0: every gateway (and each restart) serves the same one.
             self.http_port = ports.free_port(a.host)
         repo = pathlib.Path(a.model_repository).resolve()
-        if not repo.exists():
+        if not repo.exists() or (repo / BUILDING).exists():
             build_demo(repo)
         if a.redis_url:
             self.redis_url = a.redis_url

@@ -184,3 +184,24 @@ def test_up_without_the_demo_extra_says_what_to_install(monkeypatch, tmp_path):
     message = str(exc.value.code)
     assert "batchline_no_such_module" in message and "pip install 'batchline[demo]'" in message
     assert "--model-repository" in message and "\n" not in message
+
+
+def test_a_demo_build_cut_short_is_marked_unfinished_until_a_build_ends(monkeypatch, tmp_path):
+    """Ctrl-C during the first `up`'s build leaves the repository marked: the next `up` builds
+    again (finishing what is missing) instead of serving a half-built repository."""
+    from batchline import demo_models, mesh
+
+    repo = tmp_path / "repository"
+
+    def cut_short(path, **_):
+        (path / "mlp" / "1").mkdir(parents=True)  # half of a model: no config.toml
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo_models, "build_repository", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        mesh.build_demo(repo)
+    assert (repo / mesh.BUILDING).exists()
+    built: list = []
+    monkeypatch.setattr(demo_models, "build_repository", lambda path, **_: built.append(path))
+    mesh.build_demo(repo)
+    assert built == [repo] and not (repo / mesh.BUILDING).exists()
