@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         "scheduler, then the executors, Redis last; a second Ctrl-C kills what is left.",
     )
     up.add_argument("--model-repository", default=DEFAULT_REPOSITORY,
-                    help="model repository to serve; the demo models are built there if it does not exist (default: "
+                    help="model repository to serve; the demo models are built there if it does not exist, or its "
+                         "demo build was cut short (default: "
                          f"{DEFAULT_REPOSITORY})")
     up.add_argument("--model-control-mode", choices=("none", "poll", "explicit"), default="none",
                     help="none: serve what the repository holds at start; poll: re-scan it every --repository-poll-s "
