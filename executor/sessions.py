@@ -38,7 +38,11 @@ def tensorrt_options(configured: dict[str, Any], model: str, version: str, versi
     trt = dict(configured)
     trt.setdefault("trt_fp16_enable", True)
     trt.setdefault("trt_engine_cache_enable", True)
-    trt.setdefault("trt_engine_cache_path", trt_cache_dir or str(version_dir / "trt_cache"))
+    # A shared cache directory gets a folder per version: TensorRT names a cached engine by the
+    # graph's file name and structure, not its weights, so a retrained version of the same
+    # architecture would run on the last one's engine.
+    cache = pathlib.Path(trt_cache_dir) / model / version if trt_cache_dir else version_dir / "trt_cache"
+    trt.setdefault("trt_engine_cache_path", str(cache))
     if (version_dir / tensorrt.TABLE).exists():
         trt.setdefault("trt_int8_enable", True)
         # Named per version: a cache directory may be shared by every model.

@@ -44,7 +44,8 @@ class ExecutorSettings(CommonSettings):
         description="ONNX Runtime execution providers in order of preference; those the host lacks are skipped.",
     )
     trt_engine_cache_dir: str = Field(
-        "", description="TensorRT engine cache directory (default: <repo>/<model>/<version>/trt_cache)."
+        "", description="TensorRT engine cache directory, a folder per model and version in it (default: "
+        "<repo>/<model>/<version>/trt_cache)."
     )
     intra_op_threads: int = Field(
         0, description="ONNX Runtime intra-op threads of every run (0 = cpu_cores / the model's instance_count, or "

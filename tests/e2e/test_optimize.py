@@ -202,9 +202,13 @@ def test_tensorrt_int8_writes_its_calibration_table_and_is_skipped_without_tenso
     version = repository / "mlp" / "1"
     shutil.copyfile(table, version / "calibration.flatbuffers")
     trt = tensorrt_options({}, "mlp", "1", version, str(tmp_path / "cache"))
-    assert trt["trt_int8_enable"] and trt["trt_fp16_enable"] and trt["trt_engine_cache_path"] == str(tmp_path / "cache")
+    # A cache directory shared by every model keeps a folder per version: an engine of version 1
+    # must not serve version 2 of the same architecture.
+    cache = tmp_path / "cache" / "mlp" / "1"
+    assert trt["trt_int8_enable"] and trt["trt_fp16_enable"] and trt["trt_engine_cache_path"] == str(cache)
+    assert tensorrt_options({}, "mlp", "2", version, str(tmp_path / "cache"))["trt_engine_cache_path"] != str(cache)
     place_calibration_table(trt, version)
-    assert (tmp_path / "cache" / trt["trt_int8_calibration_table_name"]).read_bytes() == table.read_bytes()
+    assert (cache / trt["trt_int8_calibration_table_name"]).read_bytes() == table.read_bytes()
     # config.toml's own options win; without a table, no INT8.
     assert tensorrt_options({"trt_int8_enable": False}, "mlp", "1", version, "")["trt_int8_enable"] is False
     assert "trt_int8_enable" not in tensorrt_options({}, "mlp", "1", repository / "minilm" / "1", "")
