@@ -42,6 +42,7 @@ from executor.repository import (
 )
 from executor.load_override import OVERRIDE_JSON, Overrides
 from executor.model_config import ConfigError, declares_generation
+from executor.service import until_redis
 from executor.warmup import warm_up
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ class LiveRepository:
             # Before the lanes (and their Redis clients) exist: a client of its own for these reads.
             store = ExecutorStore(connect(s.redis_url, s.redis_timeout_s))
             try:
-                calls = await store.control_calls()
+                calls = await until_redis("reading the repository calls", store.control_calls)
                 for name, (action, seq) in calls.items():
                     self.applied[name] = seq
                     if (s.models and name not in s.models) or model_name_problem(name):

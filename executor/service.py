@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Callable
+from typing import Awaitable, Callable, TypeVar
 
 from batchline import regions
 from batchline.contract.keys import ModelKey
@@ -20,7 +20,7 @@ from batchline.clock import now_us
 from batchline.lifecycle import stop_tasks
 from batchline.heartbeats import HeartbeatTrust
 from batchline.protocol import internal_pb2 as pb
-from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
+from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, connect, connect_blocking
 from executor import outcome
 from executor.batch_worker import BatchWorker
 from executor.generation_serving import GenerationModel
@@ -29,10 +29,25 @@ from executor.warmup import warm_up
 from executor.settings import ExecutorSettings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # How often drain() looks whether the batches sent here are done.
 _DRAIN_POLL_S = 0.05
 _ORPHAN_SWEEP_S = 2.0  # also the age below which a batch may still be on its way to a worker
 
+
+
+async def until_redis(what: str, call: Callable[[], Awaitable[T]]) -> T:
+    """`call()`, tried again until Redis answers: an executor that starts before Redis (a pod
+    scheduled before it, a Sentinel group still electing) waits for it instead of exiting and
+    loading its models again."""
+    delay = WAIT_RETRY_S
+    while True:
+        try:
+            return await call()
+        except REDIS_ERRORS as exc:
+            log.warning("%s: Redis is unreachable (%s); trying again in %.1f s", what, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
 
 class Executor(BatchWorker):
     def __init__(self, settings: ExecutorSettings, models: list[LoadedModel], executor_id: str,
@@ -114,12 +129,14 @@ class Executor(BatchWorker):
         self.address = address
         # A previous process with this id may have died holding batches it
         # had taken off its work list: hand those back (the rest it runs now).
-        n = sum((await self.store.requeue_held_batches(self.executor_id, include_queued=False)).values())
+        requeued = await until_redis("handing back what it held", lambda: self.store.requeue_held_batches(
+            self.executor_id, include_queued=False))
+        n = sum(requeued.values())
         if n:
             log.warning("requeued %d requests a previous %s had taken but not answered", n, self.executor_id)
-        await self.register()
-        await self.publish_reports(self._warmup_reports)
-        await self.publish_tokenizers(list(self.models.values()))
+        await until_redis("registering", self.register)
+        await until_redis("publishing its warm-up runs", lambda: self.publish_reports(self._warmup_reports))
+        await until_redis("publishing tokenizers", lambda: self.publish_tokenizers(list(self.models.values())))
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         for i in range(max(1, self.settings.concurrent_batches)):
             self._workers.append(asyncio.create_task(self._work_loop(), name=f"worker-{i}"))

@@ -121,3 +121,19 @@ def test_a_request_lost_in_a_quick_redis_restart_is_answered_unavailable(mesh_fa
     assert info.value.status() == "StatusCode.UNAVAILABLE"
     assert "Redis changed primary" in info.value.message() or "lost contact with Redis" in info.value.message()
     client.close()
+
+
+def test_an_executor_started_before_redis_waits_for_it(model_repository, tmp_path):
+    """A pod scheduled before Redis (or a Sentinel group still electing its primary): the executor
+    loads its models, finds Redis unreachable, and waits for it rather than exiting (and loading
+    its models again at each restart)."""
+    from batchline.testing.processes import ProcessMesh
+
+    with ProcessMesh(model_repository, tmp_path / "logs", models=["mlp"]) as mesh:
+        name = mesh.add_executor()
+        executor = mesh.services[name]
+        poll(lambda: "Redis is unreachable" in executor.tail(50), 60, "the executor to find Redis unreachable",
+             check=mesh.check_alive)
+        mesh.start_redis()
+        mesh.probe.wait_for_executors(1, timeout=30)
+        mesh.check_alive()
