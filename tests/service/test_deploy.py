@@ -662,7 +662,12 @@ def test_k8s_liveness_outlives_redis_and_pods_get_to_drain():
             drain = SETTINGS[service].model_fields.get("drain_timeout_s")
             if drain is not None:
                 configured = float(env.get(prefix + "DRAIN_TIMEOUT_S", drain.default))
-                assert pod["spec"].get("terminationGracePeriodSeconds", 30) > configured, name
+                # The grace period counts the preStop pause too.
+                pause = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+                paused = float(pause[1]) if pause[:1] == ["sleep"] else 0.0
+                assert pod["spec"].get("terminationGracePeriodSeconds", 30) > paused + configured, name
+            if service == "gateway":
+                assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep", name
 
 
 def test_k8s_gateway_service_scheduler_replicas_gpu_and_autoscaling():
