@@ -126,6 +126,8 @@ class Gateway:
 
     async def stop(self) -> None:
         await stop_tasks(self._tasks)
+        # Sequence turns held for requests given up on: nothing follows them once the gateway stops.
+        await stop_tasks([*self.queueing.settling, *self.sequences.releasing])
         self.give_up()
         self.shared_memory.close()
         try:

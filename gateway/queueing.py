@@ -28,6 +28,7 @@ class Queueing:
     def __init__(self, gateway_id: str, commit: GroupCommit, replies: Replies, store: GatewayStore) -> None:
         self.gateway_id = gateway_id
         self.store = store
+        self.settling: set[asyncio.Task] = set()  # sequence requests given up on, until their fate is known
         self.commit = commit
         self.replies = replies
 
@@ -117,7 +118,10 @@ class Queueing:
             else:
                 # Its late reply must find a future from now on (the reader may run before the task).
                 ghost = self.replies.watch(entry.request_id)
-                turn.hold(asyncio.ensure_future(self._settle(call, entry, member, committed, ghost)))
+                settle = asyncio.ensure_future(self._settle(call, entry, member, committed, ghost))
+                self.settling.add(settle)
+                settle.add_done_callback(self.settling.discard)
+                turn.hold(settle)
             raise
 
     async def _settle(self, call: Call, entry: pb.QueueEntry, member: bytes, committed: bool,

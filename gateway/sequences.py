@@ -62,7 +62,7 @@ class SequenceOrder:
 
     def __init__(self) -> None:
         self._last: dict[tuple[str, str, str], asyncio.Future] = {}  # (model, version, key) -> its newest request
-        self._releasing: set[asyncio.Task] = set()  # turns held past their request's end
+        self.releasing: set[asyncio.Task] = set()  # turns held past their request's end
 
     def __len__(self) -> int:
         return len(self._last)
@@ -87,8 +87,8 @@ class SequenceOrder:
                 _over(self._last, key, mine)
             else:
                 task = asyncio.ensure_future(_after(pending, self._last, key, mine))
-                self._releasing.add(task)
-                task.add_done_callback(self._releasing.discard)
+                self.releasing.add(task)
+                task.add_done_callback(self.releasing.discard)
 
 
 async def _after(pending: list[asyncio.Future], last: dict, key: tuple, fut: asyncio.Future) -> None:
