@@ -91,9 +91,11 @@ async def _closed_loop(address: str, a: argparse.Namespace, warmup_s: float, sec
 
         async def client(k: int) -> None:
             nonlocal good
-            while time.monotonic() < end:
-                code, _, retry_after = await ep.infer_hinted(pool.requests[k % len(pool)], a.budget_ms / 1000 + 1.0)
-                good += code == "OK" and time.monotonic() > begin
+            while (sent := time.monotonic()) < end:
+                code, latency, retry_after = await ep.infer_hinted(pool.requests[k % len(pool)],
+                                                                   a.budget_ms / 1000 + 1.0)
+                # Capacity within the budget: sent in the window and answered in time.
+                good += code == "OK" and sent >= begin and latency <= a.budget_ms / 1000
                 k += 1
                 if code != "OK":
                     # As the hint says: clients that resend a refusal at once measure how fast the
@@ -156,8 +158,11 @@ async def _play(address: str, rate: Callable[[float, random.Random], float], see
         pool = build_pool(a.model, await ep.inputs(), InputOptions(seq_len=a.seq_len), budget_ms=a.budget_ms)
         pending: set[asyncio.Task] = set()
 
-        async def one(payload: bytes) -> None:
-            code, latency, _ = await ep.infer_hinted(payload, a.budget_ms / 1000 + 1.0)
+        async def one(payload: bytes, due: float) -> None:
+            # Timed from when it was due: a client that fell behind must not hide its own queue.
+            late = max(0.0, time.monotonic() - due)
+            code, latency, _ = await ep.infer_hinted(payload, max(0.001, a.budget_ms / 1000 + 1.0 - late))
+            latency += late
             if code == "OK":
                 r.answered += 1
                 r.latencies.append((latency, 1))
@@ -173,7 +178,7 @@ async def _play(address: str, rate: Callable[[float, random.Random], float], see
             now_rate = rate(t, rng)
             t += rng.expovariate(now_rate) if now_rate > 0 else 0.01
             await asyncio.sleep(max(0.0, start + t - time.monotonic()))
-            task = asyncio.create_task(one(pool.requests[rng.randrange(len(pool))]))
+            task = asyncio.create_task(one(pool.requests[rng.randrange(len(pool))], start + t))
             pending.add(task)
             task.add_done_callback(pending.discard)
         await asyncio.gather(*pending)

@@ -334,7 +334,9 @@ async def closed_step(
         for task in stuck:
             task.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
-        window = time.perf_counter() - t0
+        # The requests counted are those sent in the window: a rate over its length, not over the
+        # time their last answers took to come (which would favour the server with the shorter tail).
+        window = duration
         after = await ep.counts()
     finally:
         ticker.cancel()
@@ -398,10 +400,16 @@ async def open_step(
     mux = ep.stream_mux() if streaming else None
     infer = mux.infer if mux else ep.infer
 
-    async def one(payload: bytes, record: bool) -> None:
-        code, latency = await infer(payload, timeout)
+    async def one(payload: bytes, record: bool, due: float) -> None:
+        # Timed from when it was due, not from when this client got to send it: a client that falls
+        # behind (its event loop stalled) must not hide the wait in its own queue (coordinated
+        # omission); and its budget, the deadline it carries, counts from then too.
+        late = max(0.0, time.perf_counter() - due)
+        remaining = None if timeout is None else max(0.001, timeout - late)
+        code, latency = await infer(payload, remaining)
         if record:
-            rec.add(code, latency)
+            rec.add(code, latency + late)
+            rec.lags.append(late)
 
     try:
         i = 0
@@ -414,12 +422,11 @@ async def open_step(
                     if record:
                         rec.codes[NOT_SENT] += 1
                 else:
-                    task = asyncio.create_task(one(pool.requests[i % n], record))
+                    task = asyncio.create_task(one(pool.requests[i % n], record, start + schedule[i]))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
                     if record:
                         measured.add(task)
-                        rec.lags.append(now - schedule[i])
                 i += 1
             if i < len(schedule):
                 await asyncio.sleep(max(0.0, schedule[i] - (time.perf_counter() - start)))
