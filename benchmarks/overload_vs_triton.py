@@ -7,10 +7,11 @@ queue cap swept, as the offered load rises past capacity.
    the best goodput with 99% of the requests, or of the admitted ones, answered OK within --budget-ms).
 2. For each factor f of --factors, open-loop Poisson arrivals at f x that capacity, every request
    with a --budget-ms deadline:
-   - the sweep: Triton (benchmarks/peers/pytriton_server.py, at the best setting vs_triton.py found
-     for minilm 16 tokens on a 2-core host: two instances of one thread, spinning off, 0.5 ms delay)
-     with its REJECT queue policy at each `max_queue_size` of --queue-caps, the queue timeout at the
-     budget (a request queued longer is rejected rather than run late), one run each;
+   - the sweep: Triton (benchmarks/peers/pytriton_server.py) with its REJECT queue policy, the queue
+     timeout at the budget (a request queued longer is rejected rather than run late): first its
+     layout on this host (instances x threads 1x2 and 2x1, ONNX Runtime spinning off and on, at
+     --triton-delay-ms, max_queue_size 16) by goodput at the first factor of 2 or more, then with
+     that layout each `max_queue_size` of --queue-caps, one run each per factor;
    - the comparison: batchline, untuned, against Triton at the cap that served the most good
      requests, --rounds rotating rounds.
    It prints the sweep, then per factor the median goodput (OK answers within the budget per
@@ -29,12 +30,13 @@ import overload
 from batchline.bench import InputOptions, StepResult, run_closed, run_open
 from vs_triton import DEFAULT_PEER_PYTHON, PeerDown, Setting, Triton
 
-# minilm 16 tokens' best Triton setting in vs_triton.py's sweep on a 2-core host (benchmarks/README.md).
-LAYOUT = Setting(2, 1, False, 0.5)
+# Triton's layouts swept on the host (instances x threads, spinning), at the queue cap the layout is judged at.
+LAYOUTS = [(1, 2), (2, 1)]
+LAYOUT_CAP = 16
 
 
-def peer_flags(cap: int, budget_ms: float) -> tuple[str, ...]:
-    return ("--models", "minilm", *LAYOUT.flags, "--max-queue-size", str(cap), "--queue-timeout-ms", f"{budget_ms:g}")
+def peer_flags(layout: Setting, cap: int, budget_ms: float) -> tuple[str, ...]:
+    return ("--models", "minilm", *layout.flags, "--max-queue-size", str(cap), "--queue-timeout-ms", f"{budget_ms:g}")
 
 
 def main() -> int:
@@ -44,6 +46,8 @@ def main() -> int:
     p.add_argument("--factors", default="1,2,3,4", help="offered load / batchline's capacity (default: 1,2,3,4)")
     p.add_argument("--queue-caps", default="8,16,32,64", help="Triton's max_queue_size values (default: 8,16,32,64)")
     p.add_argument("--sweep-duration", type=float, default=8.0, help="measured seconds per sweep run (default: 8)")
+    p.add_argument("--triton-delay-ms", type=float, default=0.5,
+                   help="Triton's max_queue_delay (default: 0.5, its best for minilm 16 tokens in vs_triton.py)")
     p.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON,
                    help=f"the Python of the virtualenv with nvidia-pytriton (default: {DEFAULT_PEER_PYTHON})")
     _common.step_args(p, duration=10.0, rounds=3)
@@ -74,11 +78,23 @@ def main() -> int:
         capacity = max(cap.goodput_rps, admitted_cap)
         print(f"batchline's capacity at the budget: {capacity:.0f} req/s (best of {sweep} in flight)", flush=True)
         try:
+            judged_at = next((f for f in factors if f >= 2), factors[-1]) * capacity
+            layouts = []
+            for (instances, threads) in LAYOUTS:
+                for spinning in (False, True):
+                    setting = Setting(instances, threads, spinning, args.triton_delay_ms)
+                    peer.serve(peer_flags(setting, LAYOUT_CAP, args.budget_ms))
+                    st = offered(peer.address, judged_at, args.sweep_duration)
+                    layouts.append((setting, st))
+                    print(f"sweep layout at {judged_at:.0f}/s, max_queue_size {LAYOUT_CAP}: {setting.name}: goodput "
+                          f"{st.goodput_rps:.0f}/s {st.status_counts}", flush=True)
+            layout = max(layouts, key=lambda ls: ls[1].goodput_rps)[0]
+            print(f"Triton's layout here: {layout.name}", flush=True)
             for factor in factors:
                 rate = factor * capacity
                 sweeps[factor] = []
                 for q in caps:
-                    peer.serve(peer_flags(q, args.budget_ms))
+                    peer.serve(peer_flags(layout, q, args.budget_ms))
                     st = offered(peer.address, rate, args.sweep_duration)
                     sweeps[factor].append((q, st))
                     print(f"sweep {factor:g}x ({rate:.0f}/s) Triton max_queue_size {q:3d}: goodput "
@@ -87,7 +103,7 @@ def main() -> int:
                 for r in range(args.rounds):
                     for side in (("batchline", "Triton") if r % 2 == 0 else ("Triton", "batchline")):
                         if side == "Triton":
-                            peer.serve(peer_flags(best, args.budget_ms))
+                            peer.serve(peer_flags(layout, best, args.budget_ms))
                         st = offered(ours if side == "batchline" else peer.address, rate, args.duration)
                         rounds[factor][side].append(st)
                         print(f"round {r + 1} {factor:g}x {side:9s} goodput {st.goodput_rps:.0f}/s "

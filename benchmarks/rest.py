@@ -8,11 +8,12 @@ flight over gRPC unary ModelInfer, over REST with Triton's binary tensor data ex
 pool of requests, `batchline bench --protocol http`), and, when the peer's virtualenv is there
 (benchmarks/vs_triton.py says how to make it), over Triton's own HTTP endpoint (pytriton, ONNX
 Runtime in its Python backend) at its best setting on this host: first vs_triton.py's sweep of
-Triton's settings for mlp (layouts, spinning, then max_queue_delay; measured over gRPC), printed,
+Triton's settings for mlp (layouts, spinning, then max_queue_delay; measured over HTTP), printed,
 then the rounds with the sweep's pick (--no-sweep: batchline's config.toml settings), the order
-rotating from round to round. It prints each round, with the CPU per request of the client, the server (the gateway, or
-Triton) and the rest of the mesh (psutil, the warm-up included at the step's rate), and the medians
-of REST / gRPC (target >= 0.8) and REST / Triton HTTP (target >= 1.0). --quick is one short round,
+rotating from round to round. It prints each round, with the CPU per request of the client, the
+server (the gateway, or Triton) and the rest of the mesh (psutil, the warm-up included at the
+step's rate), and the medians of each round's REST / gRPC (target >= 0.8) and REST / Triton HTTP
+(target >= 1.0). --quick is one short round,
 to see that the script runs.
 """
 from __future__ import annotations
@@ -56,7 +57,8 @@ def main() -> int:
             peer = Triton(repository, args.peer_python)
             best = AS_CONFIGURED
             if not args.no_sweep:
-                best, steps = sweep(peer, Workload("mlp unary", "mlp", args.concurrency), args)
+                best, steps = sweep(peer, Workload("mlp binary over HTTP", "mlp", args.concurrency, protocol="http"),
+                                    args)
                 print(f"Triton's best setting for mlp here: {best.name} (of {len(steps)} tried)")
             peer.serve(("--models", "mlp", *best.flags))
             targets["triton-http"] = (peer.http_address, "http")
@@ -88,11 +90,11 @@ def main() -> int:
             peer.stop()
         mesh.stop()
     print()
-    rest = statistics.median(runs["rest"])
     rows = [["target", "median req/s", "REST / it", "goal", "CPU ms/request: client", "server", "rest of the mesh"]]
     for name, values in runs.items():
         median = statistics.median(values)
-        ratio = rest / median if median else float("nan")
+        # The median of each round's ratio: the rounds ran side by side, each in its own spell of the host.
+        ratio = statistics.median(r / v if v else float("nan") for r, v in zip(runs["rest"], values))
         rows.append([name, f"{median:.0f}", "" if name == "rest" else f"{ratio:.2f}",
                      f">= {TARGETS[name]:g}" if name in TARGETS else "",
                      *(f"{statistics.median(m[key] for m in cpu[name]):.3f}" for key in ("client", "server", "rest"))])

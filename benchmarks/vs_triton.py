@@ -64,6 +64,7 @@ class Workload:
     # Real sentences of many lengths (benchmarks/lengths.py's workload): batchline gets the text;
     # Triton's client tokenizes and pads to `seq_len` tokens, as Triton users do without ragged batching.
     texts: bool = False
+    protocol: str = "grpc"  # or "http": KServe v2 REST with binary tensors (rest.py), Triton swept over it too
 
 
 WORKLOADS = [
@@ -184,7 +185,8 @@ def measure(address: str, w: Workload, args, peer: bool = False) -> Run:
     before = _common.cpu_seconds(rest="triton")
     t0 = time.monotonic()
     step = run_closed(address, w.model, w.concurrency, args.duration, warmup=args.warmup,
-                      budget_ms=_common.CAPACITY_BUDGET_MS, inputs=inputs, streaming=w.streaming)
+                      budget_ms=_common.CAPACITY_BUDGET_MS, inputs=inputs, streaming=w.streaming,
+                      protocol=w.protocol)
     after = _common.cpu_seconds(rest="triton")
     # The CPU of the warm-up is in the deltas too: spread it over the requests of both windows.
     elapsed = time.monotonic() - t0
@@ -204,7 +206,7 @@ def measure_peer(peer: Triton, w: Workload, args, setting: "Setting", attempts: 
             print(f"{exc}; trying again", flush=True)
             continue
         try:
-            run = measure(peer.address, w, args, peer=True)
+            run = measure(peer.http_address if w.protocol == "http" else peer.address, w, args, peer=True)
         except Exception as exc:  # noqa: BLE001 - the server died before or as the step connected
             print(f"Triton unreachable for '{w.name}' ({exc}); restarting it", flush=True)
             peer.crashes += 1
