@@ -121,17 +121,40 @@ class HttpEndpoint:
     async def infer_hinted(self, payload: bytes, timeout_s: float | None) -> tuple[str, float, float | None]:
         request = self._request(payload, timeout_s)
         t = time.perf_counter()
-        connection = self._idle.pop() if self._idle else await asyncio.open_connection(self.host, self.port)
         try:
-            status, hint = await asyncio.wait_for(self._exchange(connection, request), timeout_s)
+            # The connection, made if need be, within the budget as the exchange is: a client counts
+            # its connect time in the request's.
+            status, hint = await asyncio.wait_for(self._send(request), timeout_s)
         except asyncio.TimeoutError:
-            connection[1].close()
             return "DEADLINE_EXCEEDED", time.perf_counter() - t, None
         except (OSError, asyncio.IncompleteReadError, ValueError):
-            connection[1].close()
             return "UNAVAILABLE", time.perf_counter() - t, None
-        self._idle.append(connection)
         return STATUS_NAMES.get(status, f"HTTP_{status}"), time.perf_counter() - t, hint
+
+    async def _send(self, request: bytes) -> tuple[int, float | None]:
+        """One exchange on an idle connection, or a new one. A kept-alive connection the server closed
+        while it was idle (its keep-alive timeout) fails before any answer: sent again, once, on a
+        new connection, as HTTP clients do, rather than counted as the server's failure."""
+        reused = bool(self._idle)
+        connection = self._idle.pop() if reused else await asyncio.open_connection(self.host, self.port)
+        try:
+            answer = await self._exchange(connection, request)
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            connection[1].close()
+            before_any_byte = not isinstance(exc, asyncio.IncompleteReadError) or not exc.partial
+            if not (reused and before_any_byte):
+                raise
+            connection = await asyncio.open_connection(self.host, self.port)
+            try:
+                answer = await self._exchange(connection, request)
+            except BaseException:
+                connection[1].close()
+                raise
+        except BaseException:
+            connection[1].close()
+            raise
+        self._idle.append(connection)
+        return answer
 
     @staticmethod
     async def _exchange(connection, request: bytes) -> tuple[int, float | None]:

@@ -54,3 +54,42 @@ def test_open_loop_latency_counts_from_when_a_request_was_due():
     late = step.status_counts["OK"] - step.good  # answered past the 100 ms budget, counted from when due
     assert late >= 20, (late, step.latency_ms)
     assert step.latency_ms["p99"] >= 100 and step.send_lag_p99_ms >= 100
+
+
+def test_http_a_kept_alive_connection_the_server_closed_is_sent_again_not_failed():
+    """A server that closes idle kept-alive connections (uvicorn after 5 s; this one after every
+    answer): the next request on that connection fails before any byte, and goes again on a new
+    one, as HTTP clients do, rather than counting as the server's failure."""
+    from batchline.bench.http import HttpEndpoint
+    from batchline.protocol import inference_pb2 as ipb
+
+    async def answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()  # kept alive, as far as the client knows: closed here
+
+    request = ipb.ModelInferRequest(model_name="m")
+    request.inputs.add(name="x", datatype="FP32", shape=[1])
+    request.raw_input_contents.append(b"\0\0\0\0")
+
+    async def run() -> list[str]:
+        server = await asyncio.start_server(answer_once, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        ep = HttpEndpoint(f"127.0.0.1:{port}", "m")
+        try:
+            codes = []
+            for _ in range(3):
+                codes.append((await ep.infer(request.SerializeToString(), 5.0))[0])
+                await asyncio.sleep(0.05)  # the server's close lands while the connection is idle
+            return codes
+        finally:
+            for _, writer in ep._idle:
+                writer.close()
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(run()) == ["OK", "OK", "OK"]
