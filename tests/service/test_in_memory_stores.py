@@ -206,7 +206,7 @@ def test_a_batch_that_fails_unforeseen_is_answered_once_not_handed_back(mlp, mon
     state.batches["b9"] = batch
     state.inflight[("x1", MLP)].add(b"b9")
 
-    async def broken(model, members):
+    async def broken(model, members, executor_id=""):
         raise RuntimeError("a bug nobody foresaw")
 
     monkeypatch.setattr(running_module, "run", broken)
