@@ -167,6 +167,9 @@ class Mesh:
                     port = bound
                     gateway.cmd[gateway.cmd.index("--port") + 1] = str(port)
         address = self._wait_ready(store, gateway=f"gateway-{gateways - 1}")
+        if gateways == 1 and port == 0:
+            # Restarted, the lone gateway binds the port the mesh said it serves on, not a new one.
+            gateway.cmd[gateway.cmd.index("--port") + 1] = address.rsplit(":", 1)[1]
         self.metrics_port = metrics.start_metrics_server(a.host, int(metrics_port(gateways + 1 + self.slots)))
         self._up = True
         return address

@@ -205,3 +205,28 @@ def test_a_demo_build_cut_short_is_marked_unfinished_until_a_build_ends(monkeypa
     monkeypatch.setattr(demo_models, "build_repository", lambda path, **_: built.append(path))
     mesh.build_demo(repo)
     assert built == [repo] and not (repo / mesh.BUILDING).exists()
+
+
+def test_a_lone_gateway_on_a_port_chosen_at_start_comes_back_on_it(mlp_repository):
+    """`--gateway-port 0` with one gateway: the port it bound is the mesh's address, printed at up;
+    restarted, the gateway binds that port again rather than another one."""
+    up = Up("--model-repository", str(mlp_repository), "--gateway-port", "0", "--metrics-port", "0",
+            "--http-port", "-1")
+    try:
+        ready = up.wait_for(r"listening on (\S+);.*restarts counted at http://\S+:(\d+)/metrics", STARTUP_S)
+        address, metrics_port = ready.group(1), int(ready.group(2))
+        os.kill(up.pid_of("gateway-0"), signal.SIGKILL)
+        poll(lambda: _restarts(metrics_port).get("gateway-0") == 1, RESTART_S, "gateway-0 restarted",
+             check=up.check_alive)
+        client = tc.InferenceServerClient(address)
+        poll(lambda: _ready(client), RESTART_S, f"the restarted gateway to serve {address} again", check=up.check_alive)
+        client.close()
+    finally:
+        assert up.stop() == 0, up.output[-3000:]
+
+
+def _ready(client: tc.InferenceServerClient) -> bool:
+    try:
+        return client.is_server_ready()
+    except tc.InferenceServerException:
+        return False
