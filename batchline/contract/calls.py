@@ -145,7 +145,19 @@ def report(client: Any, blob: bytes) -> Any:
 def shed(client: Any, model: ModelKey, members: Sequence[bytes], request_ids: Sequence[str],
          replies: Mapping[str, Sequence[pb.Reply]]) -> None:
     """Queue on a pipeline the removal of requests the scheduler sheds, their answers (`replies`
-    per gateway id) and the model's failure count (every command in one slot)."""
+    per gateway id) and the model's failure count: on one Redis one script (scripts.SHED_LUA) that
+    sheds only what is still queued; on a cluster the steps apart."""
+    if not slots.on_cluster(client):
+        where = {r.request_id: (gateway_id, r) for gateway_id, answers in replies.items() for r in answers}
+        lists = {g: i for i, g in enumerate(replies, 1)}  # each gateway's reply list, by its place in KEYS
+        keys = [k.queue(model), k.stats(model), *(k.payload(model, r) for r in request_ids),
+                *(k.reply(g) for g in lists)]
+        args: list = [len(members), len(lists), k.REPLY_TTL, k.STATS_TTL]
+        for member, request_id in zip(members, request_ids):
+            gateway_id, reply = where[request_id]
+            args += (member, lists[gateway_id], reply.SerializeToString())
+        client.eval(scripts.SHED_LUA, len(keys), *keys, *args)
+        return
     client.zrem(k.queue(model), *members)
     client.delete(*(k.payload(model, r) for r in request_ids))
     for gateway_id, answers in replies.items():

@@ -96,6 +96,34 @@ return n
 """
 
 
+# A scheduler's shed: each request still queued is taken out, its payload dropped and its answer
+# pushed to its gateway; one no longer queued (dispatched meanwhile by another scheduler, around a
+# lease change, or answered) is left alone, payload and all, and not answered. On one Redis only
+# (the reply lists are other slots): on a cluster calls.shed writes the steps apart.
+# KEYS: queue, stats hash, per member its payload key, then the reply lists.
+# ARGV: members, reply lists, reply ttl s, stats ttl s, then per member its bytes, the index of its
+# reply list (1-based) and its Reply. Returns how many were shed.
+SHED_LUA = """
+local n = tonumber(ARGV[1])
+local shed, a = 0, 5
+for i = 1, n do
+  if redis.call('ZREM', KEYS[1], ARGV[a]) == 1 then
+    local list = KEYS[2 + n + tonumber(ARGV[a + 1])]
+    redis.call('DEL', KEYS[2 + i])
+    redis.call('RPUSH', list, ARGV[a + 2])
+    redis.call('EXPIRE', list, ARGV[3])
+    shed = shed + 1
+  end
+  a = a + 3
+end
+if shed > 0 then
+  redis.call('HINCRBY', KEYS[2], 'fail_count', shed)
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+end
+return shed
+"""
+
+
 # The scheduler lease: renewed only by its holder, so a scheduler that lost
 # it (paused past the TTL) cannot extend another's.
 # KEYS: leader key; ARGV: scheduler id, ttl ms. Returns 1 when held.

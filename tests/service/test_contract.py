@@ -370,3 +370,31 @@ def test_repository_calls_land_in_their_numbers_order_whatever_order_their_write
             assert 0 < r.ttl(contract.CONTROL) <= contract.CONTROL_TTL
         finally:
             r.close()
+
+
+def test_a_shed_takes_only_what_is_still_queued():
+    """A scheduler paused past its lease sheds a request the new leader dispatched meanwhile: that
+    one keeps its payload (its executor runs it) and gets no answer from the shed; one still queued
+    is taken out, its payload dropped and its answer sent."""
+    from batchline.contract import calls
+
+    model = ("t-shed", "1")
+    queued = pb.QueueEntry(request_id="q", gateway_id="g1", model_version="1", rows=1, deadline_us=1, priority=1)
+    taken = pb.QueueEntry(request_id="t", gateway_id="g2", model_version="1", rows=1, deadline_us=1, priority=1)
+    with EmbeddedRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        try:
+            r.zadd(contract.queue(model), {queued.SerializeToString(): 1})  # `taken` left it: dispatched
+            for e in (queued, taken):
+                r.set(contract.payload(model, e.request_id), b"tensors", px=60_000)
+            replies = {g: [pb.Reply(request_id=rid, code=4, message="shed")] for g, rid in (("g1", "q"), ("g2", "t"))}
+            pipe = r.pipeline(transaction=False)
+            calls.shed(pipe, model, [queued.SerializeToString(), taken.SerializeToString()], ["q", "t"], replies)
+            assert pipe.execute() == [1]
+            assert r.zcard(contract.queue(model)) == 0 and not r.exists(contract.payload(model, "q"))
+            assert r.exists(contract.payload(model, "t"))  # the run elsewhere still reads it
+            assert [pb.Reply.FromString(b).request_id for b in r.lrange(contract.reply("g1"), 0, -1)] == ["q"]
+            assert r.llen(contract.reply("g2")) == 0
+            assert r.hget(contract.stats(model), "fail_count") == b"1" and r.ttl(contract.reply("g1")) > 0
+        finally:
+            r.close()
