@@ -194,6 +194,7 @@ class BatchWorker:
         ran = await self._run(batch, model, taken, traced)
         if steps:
             await sequences.finish(self.store, model, steps)
+            taken.members[:] = [m for m in taken.members if not m.answered_elsewhere]
         await self._answer(batch, model, provider, taken, ran, traced)
 
     async def _take(self, batch: pb.Batch, model: LoadedModel | None, traced: bool) -> Taken:

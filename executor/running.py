@@ -31,6 +31,7 @@ class Member:
     inputs: dict[str, np.ndarray] | None = None
     outputs: dict[str, np.ndarray] | None = None
     error: BatchlineError | None = None
+    answered_elsewhere: bool = False  # another run of it answers (a stale sequence step): no reply here
 
 
 def decoded(entry: pb.QueueEntry, blob: bytes, model: LoadedModel | None, batch: pb.Batch, executor_id: str) -> Member:

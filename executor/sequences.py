@@ -147,7 +147,12 @@ async def finish(store: ExecutorStore, model: LoadedModel, steps: list[Step]) ->
     ttl_ms = max(1, seq.max_idle_us // 1000)
     saved = await store.save_sequence_states((model.name, model.version), writes, ttl_ms)
     for s, ok in zip(done, saved):
-        if not ok:
+        if ok == 2:
+            # Another run of this very request saved the step, and its answer is on its way: this
+            # stale run's refusal must not reach the gateway first.
+            s.member.outputs = None
+            s.member.answered_elsewhere = True
+        elif not ok:
             s.member.outputs = None
             s.member.error = Unavailable(f"sequence {s.flags.id} moved on while this request ran (it ran twice, "
                                          "or its client gave up on it): its step is not applied")

@@ -124,19 +124,20 @@ class ExecutorStore(RecoveryStore):
         return list(found[::2] if idle_ms else found)
 
     async def save_sequence_states(self, model: ModelKey, writes: Sequence[tuple[str, str, int, int, bytes]],
-                                   ttl_ms: int) -> list[bool]:
+                                   ttl_ms: int) -> list[int]:
         """Save (sequence key, request id, steps read, steps after, SequenceState) each, unless
         another run moved its step count on meanwhile or the request is over (answered by another
-        run, or given up); whether each was saved."""
+        run, or given up); per write 1 when saved, 2 when another run of that request saved it,
+        0 when not saved otherwise (scripts.SAVE_SEQUENCES_LUA)."""
         if not writes:
             return []
         args: list = [ttl_ms]
-        for _, _, expected, after, blob in writes:
-            args += (expected, after, blob)
+        for _, request_id, expected, after, blob in writes:
+            args += (expected, after, blob, request_id)
         names = [k.sequence(model, key) for key, _, _, _, _ in writes]
         names += [k.payload(model, request_id) for _, request_id, _, _, _ in writes]
         saved = await self.client.eval(scripts.SAVE_SEQUENCES_LUA, len(names), *names, *args)
-        return [bool(n) for n in saved]
+        return [int(n) for n in saved]
 
     async def awaited(self, model: ModelKey, request_ids: Sequence[str]) -> list[bool]:
         """Whether each request is still awaited (its payload is there: not answered, nor given up)."""

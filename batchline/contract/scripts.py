@@ -376,20 +376,24 @@ return {0, math.ceil((1 - tokens) * 1000 / rate)}
 # read and its request is still awaited (its payload there): a stale run, of a batch handed to
 # another executor while this one was only slow, must not overwrite a later step's state, however
 # many steps later (the other run's answer deleted the payload), nor a given-up request's step
-# land after its gateway moved the sequence on.
+# land after its gateway moved the sequence on. The request id saved beside the state tells a
+# stale run of the very request that saved it (its other run's answer is on its way).
 # KEYS: each sequence's hash, then each request's payload key (as many); ARGV: TTL ms, then per
-# sequence: the steps expected, the steps after, the state.
-# Returns, per sequence, 1 when saved, 0 when the count had moved on or the request is over.
+# sequence: the steps expected, the steps after, the state, the request id.
+# Returns, per sequence, 1 when saved; 2 when not, another run of the same request having saved
+# it; 0 when not otherwise (the count had moved on, or the request is over).
 SAVE_SEQUENCES_LUA = """
 local saved = {}
 local n = #KEYS / 2
 for i = 1, n do
-  local a = 2 + (i - 1) * 3
+  local a = 2 + (i - 1) * 4
   local steps = redis.call('HGET', KEYS[i], 'steps') or '0'
   if steps == ARGV[a] and redis.call('EXISTS', KEYS[n + i]) == 1 then
-    redis.call('HSET', KEYS[i], 'steps', ARGV[a + 1], 'state', ARGV[a + 2])
+    redis.call('HSET', KEYS[i], 'steps', ARGV[a + 1], 'state', ARGV[a + 2], 'rid', ARGV[a + 3])
     redis.call('PEXPIRE', KEYS[i], ARGV[1])
     saved[i] = 1
+  elseif redis.call('HGET', KEYS[i], 'rid') == ARGV[a + 3] then
+    saved[i] = 2
   else
     saved[i] = 0
   end

@@ -247,6 +247,27 @@ def test_a_step_run_again_gives_the_same_answer_and_a_stale_run_is_refused(repo,
     answer, error = asyncio.run(run(_step(f"e{seq_id}", seq_id, 100), awaited=False))
     assert answer is None and "its step is not applied" in error
     assert asyncio.run(run(_step(f"d{seq_id}", seq_id, 10))) == (19, "")
+
+    # Two runs of one request (its batch handed to another executor while the first was only slow),
+    # the slow one reading the state before the other saved: the other's answer stands, and the
+    # slow one sends none (its refusal could reach the gateway first).
+    async def interleaved(entry_blob) -> tuple[bool, int | None]:
+        store = ExecutorStore(connect(redis_server.url, 2), connect_blocking(redis_server.url, 2))
+        r.set(contract.payload(("accumulator", "1"), entry_blob[0].request_id), entry_blob[1], px=60_000)
+        try:
+            slow = running.decoded(*entry_blob, model, pb.Batch(model_name="accumulator"), "slow")
+            slow_steps = await sequences.begin(store, model, [slow])
+            fast = running.decoded(*entry_blob, model, pb.Batch(model_name="accumulator"), "fast")
+            fast_steps = await sequences.begin(store, model, [fast])
+            await running.run(model, [fast])
+            await sequences.finish(store, model, fast_steps)
+            await running.run(model, [slow])
+            await sequences.finish(store, model, slow_steps)
+            return slow.answered_elsewhere, int(fast.outputs["OUTPUT"][0, 0])
+        finally:
+            await store.aclose()
+
+    assert asyncio.run(interleaved(_step(f"f{seq_id}", seq_id, 1))) == (True, 20)
     r.close()
 
 
