@@ -80,10 +80,18 @@ def owner(port: int) -> str:
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 fds = os.listdir(f"/proc/{pid}/fd")
-                if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
+                if any(_link(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
                         argv = f.read().decode(errors="replace").split("\0")
                     return f"pid {pid} ({redacted(argv)[:120]})"
             except OSError:
                 continue  # gone, or another user's
     return "another process"
+
+
+def _link(path: str) -> str:
+    """What an fd points at ("": closed meanwhile: a busy process opens and closes them as it is read)."""
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
