@@ -48,7 +48,10 @@ class Fleet:
 
     async def _recover(self, eid: str) -> int:
         requeued = await self.store.requeue_held_batches(eid, include_queued=True)
-        await self.store.forget_executor(eid)
+        if not requeued:
+            # Forgotten only once a recovery finds nothing left: a batch dispatched to it while this
+            # one ran (by a scheduler that had not seen it go) is recovered at the next refresh.
+            await self.store.forget_executor(eid)
         for key, count in requeued.items():
             metrics.REDISPATCHED.labels(*key).inc(count)
         n = sum(requeued.values())

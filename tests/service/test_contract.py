@@ -398,3 +398,53 @@ def test_a_shed_takes_only_what_is_still_queued():
             assert r.hget(contract.stats(model), "fail_count") == b"1" and r.ttl(contract.reply("g1")) > 0
         finally:
             r.close()
+
+
+def test_a_dead_executor_is_forgotten_only_once_a_recovery_finds_nothing_left(monkeypatch):
+    """A batch dispatched to it while its recovery ran (by a scheduler that had not seen it go) is
+    recovered at the next refresh, not stranded with an executor nobody looks at any more."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from batchline.contract import calls, recovery
+    from batchline.contract.scheduler_store import SchedulerStore
+    from scheduler.fleet import Fleet
+
+    model = ("t-forget", "1")
+    entries = [pb.QueueEntry(request_id=f"r{i}", gateway_id="g", model_version="1", rows=1, deadline_us=2**50,
+                             priority=1) for i in (1, 2)]
+    batches = [pb.Batch(batch_id=f"b{i}", model_name=model[0], model_version="1", executor_id="e1",
+                        members=[e]) for i, e in zip((1, 2), entries)]
+
+    async def run(url: str) -> list:
+        client = aioredis.Redis.from_url(url)
+        r = redis.Redis.from_url(url)
+        real = recovery.get_many
+        late = [True]
+
+        def late_dispatch_then_read(c, names):
+            if late.pop() if late else False:
+                r.zadd(contract.queue(model), {entries[1].SerializeToString(): 1})
+                calls.dispatch(r, batches[1], [entries[1].SerializeToString()], 60_000)
+            return real(c, names)
+
+        try:
+            r.sadd(contract.EXECUTORS, "e1")
+            for e in entries:
+                r.set(contract.payload(model, e.request_id), b"tensors", px=60_000)
+            r.zadd(contract.queue(model), {entries[0].SerializeToString(): 1})
+            calls.dispatch(r, batches[0], [entries[0].SerializeToString()], 60_000)
+            monkeypatch.setattr(recovery, "get_many", late_dispatch_then_read)
+            fleet = Fleet(SchedulerStore(client), 0.5)
+            steps = []
+            for _ in range(3):
+                steps.append((await fleet._recover("e1"), r.sismember(contract.EXECUTORS, "e1")))
+            return steps
+        finally:
+            r.close()
+            await client.aclose()
+
+    with EmbeddedRedis() as server:
+        # b1 requeued (b2 landed meanwhile: kept), then b2, then nothing: only then forgotten.
+        assert asyncio.run(run(server.url)) == [(1, True), (1, True), (0, False)]
