@@ -127,8 +127,9 @@ class Queueing:
     async def _settle(self, call: Call, entry: pb.QueueEntry, member: bytes, committed: bool,
                       ghost: asyncio.Future) -> None:
         """A sequence request given up on: over once it is known not to run (taken out of its queue
-        before any dispatch), once its reply comes (it ran), or once its run would have ended (an
-        executor starts nothing past its deadline: its deadline plus its budget)."""
+        before any dispatch), once its reply comes (it was dispatched: its payload stays, and its
+        executor answers it, run or refused past its deadline), or at the latest once its run would
+        have ended (an executor starts nothing past its deadline: its deadline plus its budget)."""
         try:
             removed = False
             if committed:

@@ -126,6 +126,12 @@ def incr_with_ttl(client: Any, key: str, increment: int, ttl_s: int) -> Any:
     return client.eval(scripts.INCR_WITH_TTL_LUA, 1, key, ttl_s, increment)
 
 
+def withdraw(client: Any, model: ModelKey, request_id: str, member: bytes) -> Any:
+    """Take a request out of its queue, and its payload with it, only if it was still queued
+    (scripts.WITHDRAW_LUA): its result is 1 when it was."""
+    return client.eval(scripts.WITHDRAW_LUA, 2, k.queue(model), k.payload(model, request_id), member)
+
+
 def next_call(client: Any) -> Any:
     """The next repository call's sequence number (scripts.NEXT_CALL_LUA)."""
     return client.eval(scripts.NEXT_CALL_LUA, 1, k.CONTROL_SEQ, k.CONTROL_TTL)

@@ -48,13 +48,9 @@ class GatewayStore(Store):
         return any(a is not None and a.decode() == address for a in addresses)
 
     async def withdraw(self, model: ModelKey, request_id: str, member: bytes) -> bool:
-        """Take a request out of its queue and drop its payload; whether it was still queued (else
-        it was dispatched, and an executor may be running it)."""
-        async with self.client.pipeline(transaction=False) as pipe:  # (both in the model's slot)
-            pipe.zrem(k.queue(model), member)
-            pipe.delete(k.payload(model, request_id))
-            removed, _ = await pipe.execute()
-        return bool(removed)
+        """Take a request out of its queue and drop its payload, if it was still queued; whether it
+        was (else it was dispatched: its payload stays, and its executor answers it)."""
+        return bool(await calls.withdraw(self.client, model, request_id, member))
 
     async def enqueue(self, gateway_id: str, address: str, heartbeat_ttl_ms: int, writes: Sequence[QueueWrite],
                       abandoned: Sequence[Abandoned] = ()) -> list[int]:

@@ -124,6 +124,19 @@ return shed
 """
 
 
+# A gateway takes back a request nobody waits for: out of its queue and its payload dropped, if it
+# was still queued; else it was dispatched, and its payload stays, so that its run (or its
+# executor's refusal past its deadline) answers it: a sequence's next request waits for that answer.
+# KEYS: queue, payload key; ARGV: member. Returns 1 when it was still queued.
+WITHDRAW_LUA = """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
+  redis.call('DEL', KEYS[2])
+  return 1
+end
+return 0
+"""
+
+
 # The scheduler lease: renewed only by its holder, so a scheduler that lost
 # it (paused past the TTL) cannot extend another's.
 # KEYS: leader key; ARGV: scheduler id, ttl ms. Returns 1 when held.

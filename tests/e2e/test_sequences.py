@@ -319,6 +319,9 @@ def test_a_sequence_request_given_up_after_its_dispatch_holds_the_next_until_it_
             replies = m.gateway.gateway.replies
             poll(lambda: taken.request_id in replies.watched, 10, "the gateway never watched for the third's reply")
             assert taken.request_id not in replies.waiting  # nobody waits: a drain does not wait for it
+            # Its payload stays, so that the executor that took it runs it (or refuses it past its
+            # deadline) and answers: that answer is what lets the next request go.
+            assert r.exists(contract.payload(("accumulator", "1"), taken.request_id))
             fourth = stub.ModelInfer.future(_seq_request(42, 2, False), timeout=60)
             deadline = time.monotonic() + 1.0
             while time.monotonic() < deadline:  # it keeps to its turn while the third may run
