@@ -307,6 +307,9 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _priority_within_levels(self) -> "ModelConfig":
+        if not self.priority_levels and self.default_priority > CLIENT_PRIORITY_LEVELS:
+            raise _problem(f"default_priority {self.default_priority} is past the {CLIENT_PRIORITY_LEVELS} levels "
+                           "clients may use (those below are where a tenant over its fair share queues)")
         if self.priority_levels and self.default_priority > self.priority_levels:
             raise _problem(f"default_priority {self.default_priority} is past priority_levels {self.priority_levels} "
                            "(levels are 1, the highest, to priority_levels)")

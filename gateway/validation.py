@@ -103,11 +103,15 @@ def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
 
     if len(model.padded_inputs) > 1:
         # Padded inputs are padded each to the batch's longest: ids and a mask of different lengths
-        # would be evened out by a neighbour's length, answered where alone they fail.
+        # would be evened out by a neighbour's length, answered where alone they fail. Compared at
+        # the axes every one of them leaves variable (features [B, T, 80] and a mask [B, T] share T).
+        specs = {s.name: list(s.shape) for s in model.inputs}
         padded = {t.name: list(t.shape) for t in request.inputs if t.name in model.padded_inputs}
-        if len({tuple(s) for s in padded.values()}) > 1:
-            raise InvalidArgument(f"model '{model.name}' pads {sorted(padded)} together: they must have one shape, "
-                                  f"got {padded}")
+        axes = [i for i in range(1, min((len(specs[n]) for n in padded), default=0))
+                if all(specs[n][i] == -1 for n in padded)]
+        if len({tuple(shape[i] for i in axes) for shape in padded.values()}) > 1:
+            raise InvalidArgument(f"model '{model.name}' pads {sorted(padded)} together: they must have one length "
+                                  f"along the axes they share, got {padded}")
 
     for out in request.outputs:
         if out.name not in {s.name for s in model.outputs}:

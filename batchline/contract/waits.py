@@ -46,8 +46,8 @@ class ListPop:
 
 def as_outage(exc: redis.exceptions.ResponseError) -> Exception:
     """A blocking wait's error as the outage it is, when it is one: a primary demoted under its
-    waits ends them `UNBLOCKED`, as a failover ends a connection (and is retried as one)."""
-    text = str(exc)
-    if text.startswith(("UNBLOCKED", "MASTERDOWN", "LOADING")):
-        return redis.exceptions.ConnectionError(f"Redis ended the wait: {text}")
+    waits ends them `UNBLOCKED`, and one that is a replica now refuses them `READONLY`, as a
+    failover ends a connection (and is retried as one)."""
+    if isinstance(exc, redis.exceptions.ReadOnlyError) or str(exc).startswith("UNBLOCKED"):
+        return redis.exceptions.ConnectionError(f"Redis ended the wait: {exc}")
     return exc

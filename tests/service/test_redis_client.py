@@ -129,3 +129,18 @@ def test_a_blocking_wait_on_a_server_that_never_answers_times_out():
         assert asyncio.run(run()) < blocking_read_timeout(0.5) + 5  # bounded: the read gave up
     finally:
         silent.close()
+
+
+def test_a_wait_refused_readonly_is_an_outage():
+    """A URL whose address is a replica now (its primary demoted): READONLY ends the wait as a
+    failover would, to be tried again, not as an error that ends the reader."""
+    import redis.exceptions
+
+    from batchline.contract.waits import as_outage
+
+    assert isinstance(as_outage(redis.exceptions.ReadOnlyError("You can't write against a read only replica.")),
+                      redis.exceptions.ConnectionError)
+    assert isinstance(as_outage(redis.exceptions.ResponseError("UNBLOCKED force unblock")),
+                      redis.exceptions.ConnectionError)
+    other = redis.exceptions.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+    assert as_outage(other) is other

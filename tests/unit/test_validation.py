@@ -343,6 +343,8 @@ def test_a_model_may_not_declare_the_over_share_levels_its_clients():
     assert check_model_config({"priority_levels": 450}, "here")["priority_levels"] == 450
     with pytest.raises(ConfigError, match="priority_levels must be at most 450"):
         check_model_config({"priority_levels": 451}, "here")
+    with pytest.raises(ConfigError, match="default_priority 600 is past the 450 levels"):
+        check_model_config({"default_priority": 600}, "here")
 
 
 @pytest.mark.parametrize("name, ok", [
@@ -366,3 +368,13 @@ def test_inputs_padded_together_must_have_one_shape():
     with pytest.raises(InvalidArgument, match="pads \\['attention_mask', 'input_ids'\\] together: they must have one"):
         validate(bad, model)
     assert validate(bad, pair_model()) == 1  # unpadded, the model itself judges its inputs
+    # Features [B, T, 80] padded with their mask [B, T]: compared along T only.
+    audio = pb.ModelInfo(name="audio", version="1", max_batch_size=8, padded_inputs=["features", "mask"],
+                         inputs=[pb.TensorSpec(name="features", datatype="FP32", shape=[-1, -1, 80]),
+                                 pb.TensorSpec(name="mask", datatype="INT64", shape=[-1, -1])],
+                         outputs=[pb.TensorSpec(name="y", datatype="FP32", shape=[-1, 4])])
+    ok = request("audio", features=np.zeros((1, 7, 80), np.float32), mask=np.ones((1, 7), np.int64))
+    assert validate(ok, audio) == 1
+    with pytest.raises(InvalidArgument, match="one length along the axes they share"):
+        validate(request("audio", features=np.zeros((1, 7, 80), np.float32), mask=np.ones((1, 5), np.int64)),
+                 audio)
