@@ -2,7 +2,10 @@
 
 A command that hangs is worse than one that fails: with a socket timeout a
 dead Redis turns into an Unavailable error within `timeout` seconds.
-Blocking reads (BLMPOP, BLPOP) get their own connection without a read timeout. A URL names one
+Blocking reads (BLMPOP, BLPOP) get their own connection, whose reads time out a little after the
+longest wait (batchline.redis_url.BLOCKING_WAIT_S): a Redis lost without closing its sockets must
+not hold them for good, at the price of an element popped in a stall of more than that being lost
+(a reply: its request is answered DEADLINE_EXCEEDED; a batch: the orphan sweep hands it back). A URL names one
 Redis (redis://), a primary behind Sentinel (batchline.sentinel) or a Redis Cluster
 (batchline.cluster).
 """

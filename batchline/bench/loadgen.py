@@ -285,7 +285,7 @@ async def closed_step(
 ) -> StepResult:
     """`concurrency` workers each keep one request in flight (on a stream of their own with
     `streaming`); answers to requests sent in the `duration` window after `warmup` are measured
-    (the window ends when the last one is answered). With `retry_after`, a worker whose request
+    (waited for after it, and counted over the window's length). With `retry_after`, a worker whose request
     was refused with a retry-after hint (trailing metadata of a unary call, a parameter of a stream's
     error answer) waits that long before it sends again, as a well-behaved client would; else it
     resends at once, as perf_analyzer does."""

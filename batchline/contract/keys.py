@@ -19,7 +19,8 @@ bl:gen:{M}:<request_id>                string       the output token ids a gener
 bl:batch:{M}:<batch_id>                string       Batch while dispatched; TTL = latest deadline + grace
 bl:inflight:{M}:<executor_id>          set          ids of that model's batches dispatched to the executor, not yet
                                                     answered
-bl:seq:{M}:<sequence id>               hash         a sequence's state: steps (count), state (SequenceState); TTL = its
+bl:seq:{M}:<sequence key>              hash         a sequence's state: steps (count), state (SequenceState), rid (the
+                                                    request that saved it); the key has its tenant and id; TTL = its
                                                     idle timeout
 bl:stats:{M}                           hash         Triton-style statistics counters
 bl:load:{M}                            string       ModelLoad, the scheduler's view for admission; short TTL
@@ -203,8 +204,8 @@ def gateway(gateway_id: str) -> str:
 
 
 def sequence(model: ModelKey, sequence_key: str) -> str:
-    """A sequence's state (`sequence_key`: batchline.sequences.SequenceFlags.key): in the model's
-    slot, so that a batch's sequences are read and written in one command."""
+    """A sequence's state (`sequence_key`: batchline.sequences.sequence_key, its tenant's and its id):
+    in the model's slot, so that a batch's sequences are read and written in one command."""
     return f"{PREFIX}seq:{model_tag(model)}:{sequence_key}"
 
 
