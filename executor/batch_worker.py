@@ -274,10 +274,12 @@ class BatchWorker:
 
 
     async def _drop_unawaited_region_writes(self, batch: pb.Batch, members: list[Member]) -> None:
-        """Outputs go into a client's regions only while the client still awaits them: one that was
-        answered (its deadline) or gave up may be using the region again, for its retry."""
+        """Outputs go into a client's regions only while the client still awaits them: one answered
+        at its deadline may be using the region again, for its retry. Asked only of members whose
+        deadline has passed (a run that overran it): the others cost no round trip."""
+        now = now_us()
         writing = [m for m in members if m.error is None and m.outputs is not None
-                   and shared_memory.writes_outputs(m.request)]
+                   and 0 < m.entry.deadline_us <= now and shared_memory.writes_outputs(m.request)]
         if not writing:
             return
         awaited = await self.store.awaited((batch.model_name, batch.model_version),

@@ -262,7 +262,7 @@ def test_outputs_go_into_regions_only_while_the_request_is_awaited(redis_server)
     from executor.running import Member
 
     def member(request_id: str) -> Member:
-        m = Member(pb.QueueEntry(request_id=request_id))
+        m = Member(pb.QueueEntry(request_id=request_id, deadline_us=1))  # run past its deadline
         m.request = ipb.ModelInferRequest(model_name="m")
         m.request.outputs.add(name="OUTPUT0").parameters[REF_PARAM].string_param = "a reference"
         m.outputs = {"OUTPUT0": np.zeros((1, 2), np.float32)}
@@ -270,7 +270,8 @@ def test_outputs_go_into_regions_only_while_the_request_is_awaited(redis_server)
 
     r = connect_sync(redis_server.url, 2)
     r.set(contract.payload(("m", "1"), "awaited"), b"x", px=60_000)
-    members = [member("awaited"), member("answered")]
+    members = [member("awaited"), member("answered"), member("in time")]
+    members[2].entry.deadline_us = 2**62
 
     async def run() -> None:
         worker = BatchWorker.__new__(BatchWorker)
@@ -284,3 +285,4 @@ def test_outputs_go_into_regions_only_while_the_request_is_awaited(redis_server)
     r.close()
     assert members[0].outputs is not None and members[0].error is None
     assert members[1].outputs is None and "left as they were" in str(members[1].error)
+    assert members[2].outputs is not None  # within its deadline: written, no round trip asked
