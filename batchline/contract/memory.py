@@ -114,15 +114,16 @@ class MemoryStepWrites:
 
     def shed(self, model: ModelKey, members: Sequence[bytes], request_ids: Sequence[str],
              replies: Mapping[str, Sequence[pb.Reply]]) -> None:
-        def run() -> None:
+        def run() -> int:
+            # Only what is still queued, as SHED_LUA on one Redis.
             s = self.state
-            for m in members:
-                s.queues[model].pop(m, None)
-            for r in request_ids:
+            shed = {r for m, r in zip(members, request_ids) if s.queues[model].pop(m, None) is not None}
+            for r in shed:
                 s.payloads.pop((model, r), None)
             for gateway_id, answers in replies.items():
-                s.replies[gateway_id] += [a.SerializeToString() for a in answers]
-            s.stats[model]["fail_count"] += len(members)
+                s.replies[gateway_id] += [a.SerializeToString() for a in answers if a.request_id in shed]
+            s.stats[model]["fail_count"] += len(shed)
+            return len(shed)
         self._writes.append(run)
 
     def drop(self, model: ModelKey, members: Sequence[bytes]) -> None:
