@@ -25,7 +25,7 @@ BYTE_SIZE = "shared_memory_byte_size"
 OFFSET = "shared_memory_offset"
 # Regions one tenant may hold registered: each keeps a file open on the gateway, whose open files
 # every client's connections share.
-MAX_REGIONS = 256
+MAX_REGIONS = 1024
 
 # The request as queued with its inputs' bytes copied in (request, payload): what the gateway
 # queues again when an executor could not read the regions a request references.
