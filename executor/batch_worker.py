@@ -282,8 +282,8 @@ class BatchWorker:
                    and 0 < m.entry.deadline_us <= now and shared_memory.writes_outputs(m.request)]
         if not writing:
             return
-        awaited = await self.store.awaited((batch.model_name, batch.model_version),
-                                           [m.entry.request_id for m in writing])
+        model = (batch.model_name, batch.model_version)
+        awaited = await self.store.payloads_held([(m.entry.request_id, model) for m in writing])
         for m, ok in zip(writing, awaited):
             if not ok:
                 m.outputs = None

@@ -116,8 +116,8 @@ class LiveRepository:
                 calls = await until_redis("reading the repository calls", store.control_calls)
                 for name, (action, seq) in calls.items():
                     self.applied[name] = seq
-                    if (s.models and name not in s.models) or model_name_problem(name):
-                        continue  # not this executor's to serve, as follow_calls leaves it
+                    if self._not_ours(name, seq):
+                        continue  # as follow_calls leaves it
                     if action == "load" and not await self._override(name, seq, store):
                         continue
                     if action == "load" and name not in wanted:
@@ -172,8 +172,8 @@ class LiveRepository:
         for name, (action, seq) in sorted(calls.items(), key=lambda kv: kv[1][1]):
             if seq <= self.applied.get(name, 0):
                 continue
-            if (self.settings.models and name not in self.settings.models) or model_name_problem(name):
-                pass  # not this executor's to serve (or no model's name): applied, so no caller waits for it
+            if self._not_ours(name, seq):
+                pass  # applied, so that no caller waits for it
             elif action == "load":
                 if await self._override(name, seq, self.app.executor.store):
                     names = await asyncio.to_thread(self._names)
@@ -287,14 +287,20 @@ class LiveRepository:
             return scan_model(self.overrides.dirs[name], self.overrides.configs[name], OVERRIDE_JSON)
         return scan_model(self.root / name)
 
+    def _not_ours(self, name: str, seq: int) -> bool:
+        """Whether repository call `seq` for `name` is none of this executor's: a model it does not
+        serve, or no model's name (the gateway refuses such a call; a write to Redis by hand is not)."""
+        if self.settings.models and name not in self.settings.models:
+            return True
+        problem = model_name_problem(name)
+        if problem is not None:
+            log.error("repository call %d for %r ignored: %s", seq, name, problem)
+        return problem is not None
+
     async def _override(self, name: str, seq: int, store: ExecutorStore) -> bool:
         """Take load call `seq`'s config and files, if it had any; False when its config cannot be
         served (the call fails with the reason; what serves goes on as it was)."""
         blob = await store.control_override(name)
-        problem = model_name_problem(name)
-        if problem is not None:  # (the gateway refuses such a call; a write to Redis by hand is not)
-            log.error("repository call %d for %r ignored: %s", seq, name, problem)
-            return False
         try:
             if blob and pb.ModelOverride.FromString(blob).seq == seq and declares_generation(self.root / name):
                 raise ConfigError(f"model '{name}' is generative: a load call's config or files do not apply to it "

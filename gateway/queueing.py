@@ -109,9 +109,8 @@ class Queueing:
                 # Unanswered at its deadline, whether our timer or the client's (a cancellation) fired first.
                 ticket.over(in_time=False)
             self.replies.forget(entry.request_id)
+            # (Reading its exception retrieves one an outage set while we were still queueing: answered.)
             ran = fut.done() and not fut.cancelled() and fut.exception() is None
-            if fut.done() and not fut.cancelled():
-                fut.exception()  # failed by an outage while we were still queueing: already answered
             refused = isinstance(exc, ResourceExhausted) and not committed  # its queue was full
             if turn is None or ran or refused:
                 self.commit.abandon(entry.request_id, call.key, member)

@@ -47,6 +47,7 @@ def request_priority(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int
         )
     return value
 
+
 def check_raw_or_typed(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> None:
     """InvalidArgument for a request with raw and typed contents both (Triton's words)."""
     if request.raw_input_contents:

@@ -139,13 +139,6 @@ class ExecutorStore(RecoveryStore):
         saved = await self.client.eval(scripts.SAVE_SEQUENCES_LUA, len(names), *names, *args)
         return [int(n) for n in saved]
 
-    async def awaited(self, model: ModelKey, request_ids: Sequence[str]) -> list[bool]:
-        """Whether each request is still awaited (its payload is there: not answered, nor given up)."""
-        async with self.client.pipeline(transaction=False) as pipe:
-            for request_id in request_ids:
-                pipe.exists(k.payload(model, request_id))
-            return [bool(n) for n in await pipe.execute()]
-
     async def still_dispatched(self, batches: Sequence[FinishedBatch]) -> list[bool]:
         """Whether Redis still holds each batch's key (its answers never reached this primary)."""
         async with self.client.pipeline(transaction=False) as pipe:

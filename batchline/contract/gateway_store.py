@@ -75,13 +75,6 @@ class GatewayStore(Store):
         """Up to `count` replies waiting in the gateway's list, without waiting."""
         return list(await self.client.lpop(k.reply(gateway_id), count) or [])
 
-    async def payloads_held(self, requests: Sequence[tuple[str, ModelKey]]) -> list[bool]:
-        """Whether Redis holds each (request id, model)'s payload."""
-        async with self.client.pipeline(transaction=False) as pipe:
-            for request_id, model in requests:
-                pipe.exists(k.payload(model, request_id))
-            return [bool(n) for n in await pipe.execute()]
-
     async def loads(self, models: Sequence[ModelKey]) -> list[bytes | None]:
         """The scheduler's load view (ModelLoad) of each model; None where it has none."""
         return list(await get_many(self.client, [k.load(m) for m in models]))

@@ -190,8 +190,8 @@ class MemoryExecutorStore(_MemoryStore):
         beats = [s.gateways[g].encode() if g in s.gateways else None for g in gateway_ids]
         return [s.payloads.get((model, r)) for r in request_ids], beats
 
-    async def awaited(self, model: ModelKey, request_ids: Sequence[str]) -> list[bool]:
-        return [(model, r) in self.state.payloads for r in request_ids]
+    async def payloads_held(self, requests: Sequence[tuple[str, ModelKey]]) -> list[bool]:
+        return [(model, r) in self.state.payloads for r, model in requests]
 
     async def batch_done(self, done: FinishedBatch) -> None:
         s, batch = self.state, done.batch

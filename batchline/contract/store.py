@@ -6,9 +6,10 @@ Redis command that role issues; the services hold a store, never a client.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from batchline.contract import keys as k
+from batchline.contract.keys import ModelKey
 from batchline.contract import slots
 from batchline.contract.waits import ListPop
 
@@ -36,6 +37,14 @@ class Store:
             infos = await self.client.info("server", target_nodes=self.client.PRIMARIES)
             return ",".join(sorted(str(info.get("run_id")) for info in infos.values()))
         return (await self.client.info("server")).get("run_id")
+
+    async def payloads_held(self, requests: Sequence[tuple[str, ModelKey]]) -> list[bool]:
+        """Whether Redis holds each (request id, model)'s payload: the request is still awaited (not
+        answered, nor given up)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for request_id, model in requests:
+                pipe.exists(k.payload(model, request_id))
+            return [bool(n) for n in await pipe.execute()]
 
     def list_pop(self) -> ListPop:
         """A blocking pop over this store's blocking client."""

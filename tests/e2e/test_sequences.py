@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import time
 import uuid
 from functools import partial
 
@@ -322,11 +321,13 @@ def test_a_sequence_request_given_up_after_its_dispatch_holds_the_next_until_it_
             # Its payload stays, so that the executor that took it runs it (or refuses it past its
             # deadline) and answers: that answer is what lets the next request go.
             assert r.exists(contract.payload(("accumulator", "1"), taken.request_id))
+            order, turn_key = m.gateway.gateway.sequences, ("accumulator", "1", "i:42")
+            third_turn = order._last[turn_key]
             fourth = stub.ModelInfer.future(_seq_request(42, 2, False), timeout=60)
-            deadline = time.monotonic() + 1.0
-            while time.monotonic() < deadline:  # it keeps to its turn while the third may run
-                assert r.zcard(key) == 0, "the next request went while the one before could still run"
-                time.sleep(0.05)
+            # The fourth has taken its place behind the third, whose turn is held while it may run:
+            # it is not queued.
+            poll(lambda: order._last.get(turn_key) is not third_turn, 10, "the fourth request to wait for its turn")
+            assert not third_turn.done() and r.zcard(key) == 0, "the next request went while the one before could run"
             # The executor's reply to the third (it ran): the fourth goes.
             reply = pb.Reply(request_id=taken.request_id, code=0)
             contract.push_with_ttl(r, contract.reply(taken.gateway_id), contract.REPLY_TTL, [reply.SerializeToString()])

@@ -286,6 +286,31 @@ def test_a_batch_handed_back_twice_is_requeued_once_and_never_after_its_redispat
         asyncio.run(run(server.url))
 
 
+def _one_dispatched_and_one_to_land_during_the_next_recovery(r: redis.Redis, model, monkeypatch) -> None:
+    """Executor e1 holds batch b1 (request r1); batch b2 (r2) is dispatched to it between the next
+    recovery's read of what e1 holds and its write, once, as a scheduler that has not seen e1 go would."""
+    from batchline.contract import calls, recovery
+
+    entries = [pb.QueueEntry(request_id=f"r{i}", gateway_id="g", model_version="1", rows=1, deadline_us=2**50,
+                             priority=1) for i in (1, 2)]
+    batches = [pb.Batch(batch_id=f"b{i}", model_name=model[0], model_version="1", executor_id="e1",
+                        members=[e]) for i, e in zip((1, 2), entries)]
+    real, late = recovery.get_many, [entries[1]]
+
+    def late_dispatch_then_read(client, names):
+        if late:
+            member = late.pop().SerializeToString()
+            r.zadd(contract.queue(model), {member: 1})
+            assert calls.dispatch(r, batches[1], [member], 60_000) == 1
+        return real(client, names)
+
+    for e in entries:
+        r.set(contract.payload(model, e.request_id), b"tensors", px=60_000)
+    r.zadd(contract.queue(model), {entries[0].SerializeToString(): 1})
+    assert calls.dispatch(r, batches[0], [entries[0].SerializeToString()], 60_000) == 1
+    monkeypatch.setattr(recovery, "get_many", late_dispatch_then_read)
+
+
 def test_a_recovery_leaves_a_batch_dispatched_after_its_read(monkeypatch):
     """The scheduler may dispatch to an executor being recovered (it has not seen it go yet): a
     batch that lands between recovery's read and its write stays in the work list and in-flight
@@ -294,31 +319,15 @@ def test_a_recovery_leaves_a_batch_dispatched_after_its_read(monkeypatch):
 
     import redis.asyncio as aioredis
 
-    from batchline.contract import calls, recovery
     from batchline.contract.recovery import RecoveryStore
 
     model = ("t-late", "1")
-    entries = [pb.QueueEntry(request_id=f"r{i}", gateway_id="g", model_version="1", rows=1, deadline_us=2**50,
-                             priority=1) for i in (1, 2)]
-    batches = [pb.Batch(batch_id=f"b{i}", model_name=model[0], model_version="1", executor_id="e1",
-                        members=[e]) for i, e in zip((1, 2), entries)]
 
     async def run(url: str) -> None:
         client = aioredis.Redis.from_url(url)
         r = redis.Redis.from_url(url)
-        real = recovery.get_many
-
-        def late_dispatch_then_read(c, names):
-            r.zadd(contract.queue(model), {entries[1].SerializeToString(): 1})
-            assert calls.dispatch(r, batches[1], [entries[1].SerializeToString()], 60_000) == 1
-            return real(c, names)
-
         try:
-            for e in entries:
-                r.set(contract.payload(model, e.request_id), b"tensors", px=60_000)
-            r.zadd(contract.queue(model), {entries[0].SerializeToString(): 1})
-            assert calls.dispatch(r, batches[0], [entries[0].SerializeToString()], 60_000) == 1
-            monkeypatch.setattr(recovery, "get_many", late_dispatch_then_read)
+            _one_dispatched_and_one_to_land_during_the_next_recovery(r, model, monkeypatch)
             assert (await RecoveryStore(client).requeue_held_batches("e1", include_queued=True))[model] == 1
             assert [pb.Batch.FromString(b).batch_id for b in r.lrange(contract.work("e1"), 0, -1)] == ["b2"]
             assert r.smembers(contract.inflight(model, "e1")) == {b"b2"}
@@ -407,35 +416,15 @@ def test_a_dead_executor_is_forgotten_only_once_a_recovery_finds_nothing_left(mo
 
     import redis.asyncio as aioredis
 
-    from batchline.contract import calls, recovery
     from batchline.contract.scheduler_store import SchedulerStore
     from scheduler.fleet import Fleet
-
-    model = ("t-forget", "1")
-    entries = [pb.QueueEntry(request_id=f"r{i}", gateway_id="g", model_version="1", rows=1, deadline_us=2**50,
-                             priority=1) for i in (1, 2)]
-    batches = [pb.Batch(batch_id=f"b{i}", model_name=model[0], model_version="1", executor_id="e1",
-                        members=[e]) for i, e in zip((1, 2), entries)]
 
     async def run(url: str) -> list:
         client = aioredis.Redis.from_url(url)
         r = redis.Redis.from_url(url)
-        real = recovery.get_many
-        late = [True]
-
-        def late_dispatch_then_read(c, names):
-            if late.pop() if late else False:
-                r.zadd(contract.queue(model), {entries[1].SerializeToString(): 1})
-                calls.dispatch(r, batches[1], [entries[1].SerializeToString()], 60_000)
-            return real(c, names)
-
         try:
             r.sadd(contract.EXECUTORS, "e1")
-            for e in entries:
-                r.set(contract.payload(model, e.request_id), b"tensors", px=60_000)
-            r.zadd(contract.queue(model), {entries[0].SerializeToString(): 1})
-            calls.dispatch(r, batches[0], [entries[0].SerializeToString()], 60_000)
-            monkeypatch.setattr(recovery, "get_many", late_dispatch_then_read)
+            _one_dispatched_and_one_to_land_during_the_next_recovery(r, ("t-forget", "1"), monkeypatch)
             fleet = Fleet(SchedulerStore(client), 0.5)
             steps = []
             for _ in range(3):
