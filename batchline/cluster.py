@@ -11,6 +11,7 @@ batchline.contract.keys (the hash tags) and batchline.contract.slots.
 """
 from __future__ import annotations
 
+import asyncio
 import urllib.parse
 from dataclasses import dataclass, field
 
@@ -56,22 +57,45 @@ def parse(url: str) -> ClusterTarget:
     return ClusterTarget(nodes, kwargs)
 
 
+# Commands one client sends at once: below redis-py's connections per node (100), past which it
+# fails a command with MaxConnectionsError instead of making it wait as the other URLs' pools do.
+CONCURRENT_COMMANDS = 64
+
+
+class _WaitingCluster(aiocluster.RedisCluster):
+    """A cluster client whose commands, past CONCURRENT_COMMANDS at once, wait for a connection
+    rather than fail (a burst of a tenant's rate checks on one node, say)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._sending = asyncio.Semaphore(CONCURRENT_COMMANDS)
+
+    async def execute_command(self, *args, **kwargs):
+        async with self._sending:
+            return await super().execute_command(*args, **kwargs)
+
+
 def connect(url: str, timeout: float, blocking_reads: bool = False) -> aiocluster.RedisCluster:
     """An asyncio client of the cluster of `url`. With `blocking_reads` its reads wait as long as a
     blocking wait may, and a little longer; a connection still waits at most `timeout`."""
     target = parse(url)
-    return aiocluster.RedisCluster(
-        startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in target.nodes],
-        socket_timeout=redis_url.blocking_read_timeout(timeout) if blocking_reads else timeout,
-        socket_connect_timeout=timeout, **target.kwargs)
+    options = timeouts(target, timeout)
+    if blocking_reads:  # whatever the URL says: a read shorter than the wait would end every wait
+        options["socket_timeout"] = redis_url.blocking_read_timeout(timeout)
+    return _WaitingCluster(startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in target.nodes], **options)
+
+
+def timeouts(target: ClusterTarget, timeout: float) -> dict:
+    """The connection options of `target` with the service's `timeout` for socket reads and
+    connections, unless the URL sets them (as a plain URL's options override them)."""
+    return {"socket_timeout": timeout, "socket_connect_timeout": timeout, **target.kwargs}
 
 
 def connect_sync(url: str, timeout: float) -> redis.cluster.RedisCluster:
     """A synchronous client of the cluster (command-line tools, tests)."""
     target = parse(url)
     return redis.cluster.RedisCluster(
-        startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in target.nodes],
-        socket_timeout=timeout, socket_connect_timeout=timeout, **target.kwargs)
+        startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in target.nodes], **timeouts(target, timeout))
 
 
 def coverage_problem(info: dict) -> str | None:

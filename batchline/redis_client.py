@@ -20,10 +20,13 @@ from batchline import cluster, redis_url, sentinel
 
 # What a lost or stalled Redis raises: callers turn these into UNAVAILABLE or retry.
 # On a cluster, a shard without a primary (until its replica is promoted) and a slot being moved
-# pass the same way.
+# pass the same way, and so does a client that reached no node at all: after a connection error
+# redis-py maps the cluster again at the next command, and raises RedisClusterException ("Redis
+# Cluster cannot be connected") while every node is away; the loops that wait on Redis (the
+# gateway's reply reader, the executor's workers) must outlive that as any outage.
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
                 redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
-                redis.exceptions.SlotNotCoveredError)
+                redis.exceptions.SlotNotCoveredError, redis.exceptions.RedisClusterException)
 # Redis answered, but refused a write for a state of its own that passes (maxmemory reached, a
 # replica during a failover): the caller may retry, as after an outage.
 REDIS_REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
@@ -33,19 +36,25 @@ REDIS_REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyEr
 WAIT_RETRY_S = 0.2
 
 
+def unreachable(exc: BaseException) -> str:
+    """What a client is told of a Redis outage: its kind, not the text of the error, which names
+    the Redis's host and port (the service's own log and metrics have those)."""
+    return f"Redis is unreachable ({type(exc).__name__})"
+
+
 class RedisAccessError(Exception):
     """Redis answered but will not serve this service: wrong credentials, or a TLS certificate that
     cannot be verified. Retrying cannot help, so the service stops with this message."""
 
 
 def mask(url: str) -> str:
-    """`url` with its passwords (the server's, and a Sentinel URL's sentinel_password) replaced by
-    ***: what messages and logs may show."""
+    """`url` with its passwords (the server's, in its user part or as an option, a TLS key's
+    ssl_password, a Sentinel URL's sentinel_password) replaced by ***: what messages and logs may show."""
     parts = urllib.parse.urlsplit(url)
-    if "sentinel_password=" in parts.query:
-        query = urllib.parse.parse_qsl(parts.query)
+    if "password" in parts.query.lower():  # password=, ssl_password= (a key's passphrase), sentinel_password=
+        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
         parts = parts._replace(query=urllib.parse.urlencode(
-            [(k, "***" if k == "sentinel_password" else v) for k, v in query], safe="*/"))
+            [(k, "***" if "password" in k.lower() else v) for k, v in query], safe="*/"))
     if parts.password is not None:
         host = parts.netloc.rsplit("@", 1)[1]
         parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
@@ -82,8 +91,7 @@ async def check_access(url: str, timeout: float) -> None:
     elif cluster.is_cluster_url(url):
         target = cluster.parse(url)
         host, port = target.nodes[0]
-        client = aioredis.Redis(host=host, port=port, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                **target.kwargs)
+        client = aioredis.Redis(host=host, port=port, **cluster.timeouts(target, timeout))
     else:
         client = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     try:

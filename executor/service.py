@@ -96,6 +96,10 @@ class Executor(BatchWorker):
         for model in self.models.values():
             self._warmup_reports += warm_up(model, self.executor_id)
 
+    def _served(self) -> list[tuple[str, str]]:
+        """The models this executor serves now, batch and generative."""
+        return [*self.models, *self.generators]
+
     def info(self) -> pb.ExecutorInfo:
         entries, mode, applied = self.catalog() if self.catalog is not None else ([], "", {})
         return pb.ExecutorInfo(
@@ -129,8 +133,12 @@ class Executor(BatchWorker):
         self.address = address
         # A previous process with this id may have died holding batches it
         # had taken off its work list: hand those back (the rest it runs now).
+        # Only batches older than a moment: on a Redis Cluster a dispatch's two halves (the in-flight
+        # set, the work list) land apart, and one whose work-list half is still on its way is this
+        # process's to run, not to hand back.
         requeued = await until_redis("handing back what it held", lambda: self.store.requeue_held_batches(
-            self.executor_id, include_queued=False))
+            self.executor_id, include_queued=False, older_than_us=now_us() - int(_ORPHAN_SWEEP_S * 1e6),
+            models=self._served()))
         n = sum(requeued.values())
         if n:
             log.warning("requeued %d requests a previous %s had taken but not answered", n, self.executor_id)
@@ -168,7 +176,8 @@ class Executor(BatchWorker):
         # each from the tokens recorded, and this one must stream no more of them meanwhile.
         await stop_tasks(self._workers + list(self._generating))
         try:
-            n = sum((await self.store.requeue_held_batches(self.executor_id, include_queued=True)).values())
+            n = sum((await self.store.requeue_held_batches(self.executor_id, include_queued=True,
+                                                           models=self._served())).values())
             if n:
                 log.info("drain: handed %d unstarted requests back to their queues", n)
         except REDIS_ERRORS:
@@ -200,7 +209,7 @@ class Executor(BatchWorker):
         """Hand back batches held here that no worker runs (their processing failed on Redis)."""
         requeued = await self.store.requeue_held_batches(
             self.executor_id, include_queued=False,
-            skip=self._in_progress, older_than_us=now_us() - int(_ORPHAN_SWEEP_S * 1e6),
+            skip=self._in_progress, older_than_us=now_us() - int(_ORPHAN_SWEEP_S * 1e6), models=self._served(),
         )
         if requeued:
             log.warning("requeued %d requests of batches this executor had dropped", sum(requeued.values()))

@@ -2,13 +2,14 @@
 and version, the labels of a request's metrics, readiness and statistics."""
 from __future__ import annotations
 
+import asyncio
 from typing import Callable
 
 from batchline.contract.gateway_store import GatewayStore
 
 from batchline.errors import InvalidArgument, NotFound, Unavailable
 from batchline.protocol import internal_pb2 as pb
-from batchline.redis_client import REDIS_ERRORS
+from batchline.redis_client import REDIS_ERRORS, unreachable
 from batchline.registry import Registry
 from gateway.repository import absent
 
@@ -18,16 +19,24 @@ class Catalog:
         self.store = store
         self.registry = Registry()
         self._served: set[str] = set()  # model names ever served: their absence is UNAVAILABLE, not NOT_FOUND
+        self._loading: asyncio.Future | None = None  # the registry read under way, which others wait for
 
     async def refresh(self) -> None:
-        self.registry = await Registry.load(self.store)
-        self._served.update(self.registry.model_names())
+        """Read the registry again; calls made while a read is under way share it (a flood of
+        requests for names nobody serves costs Redis one read at a time, not one each)."""
+        if self._loading is None or self._loading.done():
+            self._loading = asyncio.ensure_future(Registry.load(self.store))
+            # Read even when every caller that waited for it went away meanwhile.
+            self._loading.add_done_callback(lambda f: f.cancelled() or f.exception())
+        registry = await asyncio.shield(self._loading)
+        self.registry = registry
+        self._served.update(registry.model_names())
 
     async def refresh_or_unavailable(self) -> None:
         try:
             await self.refresh()
         except REDIS_ERRORS as exc:
-            raise Unavailable(f"Redis is unreachable: {exc}") from None
+            raise Unavailable(unreachable(exc)) from None
 
     def labels(self, name: str, version: str = "") -> tuple[str, str]:
         """The (model, version) labels of a request's metrics: resolved as its answer's would be.
@@ -95,5 +104,5 @@ class Catalog:
         try:
             counters = await self.store.statistics([(m.name, m.version) for m in models])
         except REDIS_ERRORS as exc:
-            raise Unavailable(f"Redis is unreachable: {exc}") from None
+            raise Unavailable(unreachable(exc)) from None
         return list(zip(models, counters))

@@ -32,11 +32,14 @@ class Fleet:
     async def refresh(self) -> dict[str, int]:
         """Read the registry; hand back the batches of the executors whose heartbeat expired and
         forget them. Returns those executors, with how many requests each had."""
-        self.registry = await Registry.load(self.store)
+        before, self.registry = self.registry, await Registry.load(self.store)
         gone: dict[str, int] = {}
         if self.registry.stale and self.heartbeats.heartbeats_tell():
             for eid in self.registry.stale:
-                gone[eid] = await self._recover(eid)
+                # The models it last registered: their in-flight sets are looked at whatever its
+                # served set says (on a cluster, written apart from the dispatch).
+                last = before.executors.get(eid)
+                gone[eid] = await self._recover(eid, [(m.name, m.version) for m in last.models] if last else [])
         elif self.registry.stale:
             # Their keys may have expired in an outage or a failover: a live executor beats again
             # soon and runs its batches; handing them back now would run them twice.
@@ -46,8 +49,8 @@ class Fleet:
         self.read_at = time.monotonic()
         return gone
 
-    async def _recover(self, eid: str) -> int:
-        requeued = await self.store.requeue_held_batches(eid, include_queued=True)
+    async def _recover(self, eid: str, models: list[tuple[str, str]]) -> int:
+        requeued = await self.store.requeue_held_batches(eid, include_queued=True, models=models)
         if not requeued:
             # Forgotten only once a recovery finds nothing left: a batch dispatched to it while this
             # one ran (by a scheduler that had not seen it go) is recovered at the next refresh.

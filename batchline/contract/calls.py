@@ -151,8 +151,10 @@ def report(client: Any, blob: bytes) -> Any:
 def shed(client: Any, model: ModelKey, members: Sequence[bytes], request_ids: Sequence[str],
          replies: Mapping[str, Sequence[pb.Reply]]) -> None:
     """Queue on a pipeline the removal of requests the scheduler sheds, their answers (`replies`
-    per gateway id) and the model's failure count: on one Redis one script (scripts.SHED_LUA) that
-    sheds only what is still queued; on a cluster the steps apart."""
+    per gateway id) and the model's failure count, for only those still queued (one dispatched
+    meanwhile keeps its payload, and its run answers it). On one Redis one script
+    (scripts.SHED_LUA), whose result is how many it shed; on a cluster the model's part
+    (scripts.SHED_QUEUED_LUA), whose result says which, and `shed_answers` the answers to send."""
     if not slots.on_cluster(client):
         where = {r.request_id: (gateway_id, r) for gateway_id, answers in replies.items() for r in answers}
         lists = {g: i for i, g in enumerate(replies, 1)}  # each gateway's reply list, by its place in KEYS
@@ -164,11 +166,17 @@ def shed(client: Any, model: ModelKey, members: Sequence[bytes], request_ids: Se
             args += (member, lists[gateway_id], reply.SerializeToString())
         client.eval(scripts.SHED_LUA, len(keys), *keys, *args)
         return
-    client.zrem(k.queue(model), *members)
-    client.delete(*(k.payload(model, r) for r in request_ids))
-    for gateway_id, answers in replies.items():
-        push_with_ttl(client, k.reply(gateway_id), k.REPLY_TTL, [a.SerializeToString() for a in answers])
-    count(client, model, "fail_count", len(members))
+    keys = [k.queue(model), k.stats(model), *(k.payload(model, r) for r in request_ids)]
+    client.eval(scripts.SHED_QUEUED_LUA, len(keys), *keys, k.STATS_TTL, *members)
+
+
+def shed_answers(result: Sequence[int], request_ids: Sequence[str],
+                 replies: Mapping[str, Sequence[pb.Reply]]) -> dict[str, list[bytes]]:
+    """On a cluster, the answers to send after SHED_QUEUED_LUA's `result` (the places of the
+    members it shed, in `request_ids`' order), per gateway id."""
+    taken = {request_ids[int(i) - 1] for i in result}
+    out = {g: [r.SerializeToString() for r in answers if r.request_id in taken] for g, answers in replies.items()}
+    return {g: answers for g, answers in out.items() if answers}
 
 
 @dataclass(slots=True)
@@ -210,7 +218,8 @@ def batch_done(client: Any, done: FinishedBatch) -> Any:
 async def _batch_done_in_rounds(client: Any, keys: list, args: list, blob: bytes,
                                 replies: Mapping[str, Sequence[bytes]]) -> int:
     """batch_done on a cluster: the replies (each gateway's slot) land before the payloads go, so
-    that a crash in between re-runs the batch rather than lose its answers."""
+    that a crash in between re-runs the batch rather than lose its answers; the report after the
+    batch is off the executor's in-flight set, so that the scheduler it wakes sees the executor free."""
     rounds = slots.Rounds(client)
     if replies:
         pipe = rounds.next()
@@ -218,7 +227,7 @@ async def _batch_done_in_rounds(client: Any, keys: list, args: list, blob: bytes
             push_with_ttl(pipe, k.reply(gateway_id), k.REPLY_TTL, items)
     pipe = rounds.next()
     pipe.eval(scripts.BATCH_DONE_LUA, len(keys), *keys, *args)
-    report(pipe, blob)
+    report(rounds.next(), blob)
     await rounds.execute()
     return 1
 

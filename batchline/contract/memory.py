@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from batchline.contract.calls import FinishedBatch
 from batchline.contract.keys import ModelKey, queue_score
@@ -53,7 +53,9 @@ class _MemoryStore:
 
     async def requeue_held_batches(self, executor_id: str, *, include_queued: bool,
                                    skip: set[str] | frozenset[str] = frozenset(),
-                                   older_than_us: int | None = None) -> Counter[ModelKey]:
+                                   older_than_us: int | None = None,
+                                   models: Iterable[ModelKey] = ()) -> Counter[ModelKey]:
+        # (every in-flight set is looked at here: `models` adds none the state does not hold)
         s, requeued = self.state, Counter[ModelKey]()
         queued = {pb.Batch.FromString(b).batch_id for b in s.work[executor_id]}
         for (eid, model), ids in s.inflight.items():

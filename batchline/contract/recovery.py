@@ -13,6 +13,7 @@ once, and a recovery interrupted by a crash is simply done again.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Iterable
 
 from batchline.contract import calls
 from batchline.contract import keys as k
@@ -33,16 +34,21 @@ class RecoveryStore(Store):
         include_queued: bool,
         skip: set[str] | frozenset[str] = frozenset(),
         older_than_us: int | None = None,
+        models: Iterable[ModelKey] = (),
     ) -> Counter[ModelKey]:
         """Requeue the live members of the batches `executor_id` holds; returns how many, per (model, version).
 
         include_queued=False leaves the batches still waiting in its work list
         alone (a restarted executor runs them itself); `skip` leaves the batches
         being run; `older_than_us` only takes batches dispatched before then (one
-        just popped from the work list may not have reached its worker yet).
+        just popped from the work list may not have reached its worker yet); `models`: the models
+        the executor serves (or last registered), looked at besides those its served set names.
         """
-        # Its in-flight sets are per model, in each model's slot: the served set says which models.
-        models = sorted(k.parse_model_tag(t) for t in await self.client.smembers(k.served(executor_id)))
+        # Its in-flight sets are per model, in each model's slot: the served set says which models. On
+        # a cluster the set is written by the half of a dispatch in the executor's slot, which may
+        # fail where the model's half landed: the models it serves are looked at too.
+        served = {k.parse_model_tag(t) for t in await self.client.smembers(k.served(executor_id))}
+        models = sorted(served | set(models))
         async with self.client.pipeline(transaction=False) as pipe:
             for m in models:
                 pipe.smembers(k.inflight(m, executor_id))

@@ -32,8 +32,12 @@ class StepWrites:
     """A step's writes, queued on one pipeline and sent in one round trip by execute(); its
     results are in the order the writes were queued (`len()` before a write is its index)."""
 
-    def __init__(self, pipe: Any) -> None:
+    def __init__(self, pipe: Any, client: Any) -> None:
         self._pipe = pipe
+        self._client = client
+        # On a cluster, each shed's place in the results and what its answers are: sent once the
+        # model's part says which members it shed (their reply lists are in other hash slots).
+        self._sheds: list[tuple[int, Sequence[str], Mapping[str, Sequence[pb.Reply]]]] = []
 
     async def __aenter__(self) -> StepWrites:
         await self._pipe.__aenter__()
@@ -54,6 +58,9 @@ class StepWrites:
 
     def shed(self, model: ModelKey, members: Sequence[bytes], request_ids: Sequence[str],
              replies: Mapping[str, Sequence[pb.Reply]]) -> None:
+        """Shed `members` still queued and answer them (calls.shed): its result is how many were."""
+        if on_cluster(self._client):
+            self._sheds.append((len(self._pipe), request_ids, replies))
         calls.shed(self._pipe, model, members, request_ids, replies)
 
     def drop(self, model: ModelKey, members: Sequence[bytes]) -> None:
@@ -65,7 +72,19 @@ class StepWrites:
         self._pipe.set(k.load(model), load, px=k.LOAD_TTL_MS)
 
     async def execute(self) -> list[Any]:
-        return list(await self._pipe.execute()) if len(self._pipe) else []
+        if not len(self._pipe):
+            return []
+        results = list(await self._pipe.execute())
+        if self._sheds:
+            sheds, self._sheds = self._sheds, []
+            async with self._client.pipeline(transaction=False) as pipe:
+                for i, request_ids, replies in sheds:
+                    for gateway_id, answers in calls.shed_answers(results[i], request_ids, replies).items():
+                        calls.push_with_ttl(pipe, k.reply(gateway_id), k.REPLY_TTL, answers)
+                    results[i] = len(results[i])
+                if len(pipe):
+                    await pipe.execute()
+        return results
 
 
 class SchedulerStore(RecoveryStore):
@@ -101,7 +120,7 @@ class SchedulerStore(RecoveryStore):
                     [results[2 + 2 * i] for i in range(n)], results[1 + 2 * n:])
 
     def step_writes(self) -> StepWrites:
-        return StepWrites(self.client.pipeline(transaction=False))
+        return StepWrites(self.client.pipeline(transaction=False), self.client)
 
     async def wake(self, scheduler_id: str) -> None:
         """Push to the scheduler's own wake list, ending its blocking wait."""

@@ -65,6 +65,7 @@ return n
 # ARGV: Batch bytes, work ttl s, model tag.
 HAND_OVER_LUA = _HAND_OVER_FN + """
 hand_over(1, ARGV[1], ARGV[2], ARGV[3])
+return 1
 """
 
 
@@ -124,6 +125,26 @@ return shed
 """
 
 
+# On a cluster, the part of a shed in the model's hash slot (the reply lists are in the gateways'):
+# each member out of its queue and its payload dropped only if it was still queued, the failures
+# counted. KEYS: queue, stats, each member's payload key; ARGV: stats ttl, members. Returns the
+# 1-based places of the members shed, whose answers the caller then sends.
+SHED_QUEUED_LUA = """
+local shed = {}
+for i = 2, #ARGV do
+  if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
+    redis.call('DEL', KEYS[1 + i])
+    shed[#shed + 1] = i - 1
+  end
+end
+if #shed > 0 then
+  redis.call('HINCRBY', KEYS[2], 'fail_count', #shed)
+  redis.call('EXPIRE', KEYS[2], ARGV[1])
+end
+return shed
+"""
+
+
 # A gateway takes back a request nobody waits for: out of its queue and its payload dropped, if it
 # was still queued; else it was dispatched, and its payload stays, so that its run (or its
 # executor's refusal past its deadline) answers it: a sequence's next request waits for that answer.
@@ -153,6 +174,9 @@ end
 return 0
 """
 
+# Scripts with no answer of their own return 1, not nil: redis-py's cluster pipeline, after a
+# connection error on any node, sends again every command whose result is empty, and a hand-over,
+# push or count run twice is a batch run twice or a count doubled.
 # Appends to a list and sets its expiry in one command: a list must never be left without one
 # (e.g. a reply list whose gateway died, written by a connection lost between two commands).
 # KEYS: the list; ARGV: ttl s, then the values. One RPUSH per value, not unpack(): Lua's stack caps
@@ -162,6 +186,7 @@ for i = 2, #ARGV do
   redis.call('RPUSH', KEYS[1], ARGV[i])
 end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
 """
 
 # Adds to a hash field and sets the hash's expiry in one command, for the same reason.
@@ -169,6 +194,7 @@ redis.call('EXPIRE', KEYS[1], ARGV[1])
 COUNT_WITH_TTL_LUA = """
 redis.call('HINCRBY', KEYS[1], ARGV[2], ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
 """
 
 # Adds to a counter and sets its expiry in one command, for the same reason.
@@ -176,6 +202,7 @@ redis.call('EXPIRE', KEYS[1], ARGV[1])
 INCR_WITH_TTL_LUA = """
 redis.call('INCRBY', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
 """
 
 # A repository call's sequence number: the next one, the counter never left without its expiry.
@@ -274,6 +301,7 @@ return queued
 # KEYS: the heartbeat key, the notify lists; ARGV: gateway address, heartbeat ttl ms, queue ttl s.
 ANNOUNCE_LUA = _ANNOUNCE_FN + """
 announce(1, ARGV[1], ARGV[2], ARGV[3])
+return 1
 """
 
 # A scheduling step's read in one command: the arrivals' tokens dropped (first, so that the read
@@ -314,6 +342,7 @@ end
 
 REPORT_LUA = _REPORT_FN + """
 report(1, ARGV[1], ARGV[2], ARGV[3])
+return 1
 """
 
 # An executor's write for a finished batch, in one command: the replies to each

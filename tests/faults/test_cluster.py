@@ -41,6 +41,12 @@ def test_cluster_urls_name_their_nodes_and_options():
                      ("redis+cluster://,h:1", "empty host")]:
         with pytest.raises(ValueError, match=why):
             cluster.parse(bad)
+    # A URL's own socket options win over the service's timeout, as on a plain URL (not: "got
+    # multiple values for keyword argument"); a blocking reader's read still outlasts its waits.
+    client = cluster.connect("redis+cluster://127.0.0.1:7000?socket_timeout=5", 2)
+    assert client.connection_kwargs["socket_timeout"] == 5
+    blocking = cluster.connect("redis+cluster://127.0.0.1:7000?socket_timeout=0.5", 2, blocking_reads=True)
+    assert blocking.connection_kwargs["socket_timeout"] > 2
 
 
 def test_a_group_commit_over_two_shards_keeps_each_write_s_answer_and_announces_after(redis_cluster):
@@ -68,6 +74,94 @@ def test_a_group_commit_over_two_shards_keeps_each_write_s_answer_and_announces_
     shared = redis_cluster.node(redis_cluster.shard_of(contract.REPORTS))
     assert [shared.llen(contract.notify(m)) for m in (bounded, other)] == [1, 1]
     assert shared.get(contract.gateway("gw")) == b"127.0.0.1:1"
+
+
+def test_a_shed_on_a_cluster_takes_only_what_is_still_queued_and_answers_only_that(redis_cluster):
+    """A scheduler paused past its lease sheds a request the new leader dispatched meanwhile: on a
+    cluster too, that one keeps its payload and gets no answer from the shed, and the step counts
+    one request shed, not two."""
+    from batchline.contract.scheduler_store import SchedulerStore
+    from batchline.protocol import internal_pb2 as pb
+    from batchline.redis_client import connect
+
+    model = ("mlp", "1")
+    queued = pb.QueueEntry(request_id="q", gateway_id="g1", model_version="1", rows=1, deadline_us=1, priority=1)
+    taken = pb.QueueEntry(request_id="t", gateway_id="g2", model_version="1", rows=1, deadline_us=1, priority=1)
+    r = redis_cluster.node(redis_cluster.shard_of(contract.queue(model)))
+    r.zadd(contract.queue(model), {queued.SerializeToString(): 1})  # `taken` left it: dispatched
+    for e in (queued, taken):
+        r.set(contract.payload(model, e.request_id), b"tensors", px=60_000)
+    replies = {g: [pb.Reply(request_id=rid, code=4, message="shed")] for g, rid in (("g1", "q"), ("g2", "t"))}
+
+    async def step() -> list:
+        client = connect(redis_cluster.url, 2)
+        try:
+            store = SchedulerStore(client, client)
+            async with store.step_writes() as writes:
+                writes.shed(model, [queued.SerializeToString(), taken.SerializeToString()], ["q", "t"], replies)
+                return await writes.execute()
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(step()) == [1]
+    assert r.zcard(contract.queue(model)) == 0 and not r.exists(contract.payload(model, "q"))
+    assert r.exists(contract.payload(model, "t"))  # the run elsewhere still reads it
+    g1 = redis_cluster.node(redis_cluster.shard_of(contract.reply("g1")))
+    g2 = redis_cluster.node(redis_cluster.shard_of(contract.reply("g2")))
+    assert [pb.Reply.FromString(b).request_id for b in g1.lrange(contract.reply("g1"), 0, -1)] == ["q"]
+    assert g2.llen(contract.reply("g2")) == 0 and g1.ttl(contract.reply("g1")) > 0
+    assert r.hget(contract.stats(model), "fail_count") == b"1"
+
+
+def test_a_cluster_that_went_away_whole_is_an_outage_and_served_again_once_back(redis_cluster):
+    """Every node away: the command after a connection error maps the cluster again and fails with
+    RedisClusterException, which must read as an outage (what the waiting loops retry through),
+    and the same client serves once the nodes are back."""
+    from batchline.redis_client import REDIS_ERRORS, connect
+
+    async def scenario() -> None:
+        client = connect(redis_cluster.url, 1)
+        try:
+            await client.set("k", "v")
+            redis_cluster.stop(kill=True)
+            kinds = []
+            for _ in range(3):
+                try:
+                    await client.get("k")
+                except REDIS_ERRORS as exc:
+                    kinds.append(type(exc).__name__)
+            assert len(kinds) == 3, kinds
+            for server in redis_cluster.servers:  # the same nodes again: each keeps its nodes.conf
+                server.start()
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    await client.set("k", "again")
+                    break
+                except REDIS_ERRORS:
+                    assert time.monotonic() < deadline, "the client did not serve again"
+                    await asyncio.sleep(0.2)
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_burst_past_a_nodes_connections_waits_instead_of_failing(redis_cluster):
+    """redis-py's cluster client fails a command once a node has 100 connections: a burst of 300
+    commands on one node (a tenant's rate checks) must each be answered, as on a plain Redis."""
+    from batchline.redis_client import connect
+
+    async def burst() -> list:
+        client = connect(redis_cluster.url, 5)
+        try:
+            await client.set("{t:one}k", "v")
+            return await asyncio.gather(*(client.get("{t:one}k") for _ in range(300)), return_exceptions=True)
+        finally:
+            await client.aclose()
+
+    answers = asyncio.run(burst())
+    assert answers == [b"v"] * 300, {type(a).__name__ for a in answers if isinstance(a, Exception)}
 
 
 def _start_gateway(url: str) -> subprocess.CompletedProcess:

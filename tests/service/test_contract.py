@@ -428,7 +428,7 @@ def test_a_dead_executor_is_forgotten_only_once_a_recovery_finds_nothing_left(mo
             fleet = Fleet(SchedulerStore(client), 0.5)
             steps = []
             for _ in range(3):
-                steps.append((await fleet._recover("e1"), r.sismember(contract.EXECUTORS, "e1")))
+                steps.append((await fleet._recover("e1", []), r.sismember(contract.EXECUTORS, "e1")))
             return steps
         finally:
             r.close()
@@ -437,3 +437,96 @@ def test_a_dead_executor_is_forgotten_only_once_a_recovery_finds_nothing_left(mo
     with EmbeddedRedis() as server:
         # b1 requeued (b2 landed meanwhile: kept), then b2, then nothing: only then forgotten.
         assert asyncio.run(run(server.url)) == [(1, True), (1, True), (0, False)]
+
+
+def test_scripts_without_an_answer_of_their_own_answer_something():
+    """redis-py's cluster pipeline, after a connection error on any node, sends again each command
+    whose result is empty: a hand-over, push, count or report that answered nil would run twice
+    (a batch run twice, a count doubled). Each answers a value."""
+    from batchline.contract import scripts
+
+    with EmbeddedRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        try:
+            runs = [
+                (scripts.HAND_OVER_LUA, ["t-w", "t-served"], [b"batch", 60, "tag"]),
+                (scripts.REPORT_LUA, ["t-reports"], [b"report", 100, 60]),
+                (scripts.ANNOUNCE_LUA, ["t-gateway", "t-notify"], ["127.0.0.1:1", 1000, 60]),
+                (scripts.PUSH_WITH_TTL_LUA, ["t-list"], [60, b"a", b"b"]),
+                (scripts.COUNT_WITH_TTL_LUA, ["t-hash"], [60, "field", 2]),
+                (scripts.INCR_WITH_TTL_LUA, ["t-count"], [60, 3]),
+            ]
+            for script, keys, args in runs:
+                assert r.eval(script, len(keys), *keys, *args), script.strip().splitlines()[-2]
+            assert r.llen("t-w") == 1 and r.llen("t-list") == 2 and r.ttl("t-count") > 0
+        finally:
+            r.close()
+
+
+def test_a_batch_whose_hand_over_never_landed_is_recovered_by_the_models_served():
+    """On a cluster a dispatch's two halves land apart: the model's (in-flight set, batch key) may
+    land where the executor's (work list, served set) failed. The executor's served set then does
+    not name the model; recovery told the models the executor served finds the batch anyway."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from batchline.contract.recovery import RecoveryStore
+
+    model = ("t-unserved", "1")
+    entry = pb.QueueEntry(request_id="r1", gateway_id="g", model_version="1", rows=1, deadline_us=1, priority=1)
+    batch = pb.Batch(batch_id="b1", model_name=model[0], model_version=model[1], executor_id="e1",
+                     members=[entry])
+
+    async def run(url: str) -> None:
+        client = aioredis.Redis.from_url(url)
+        r = redis.Redis.from_url(url)
+        try:
+            r.set(contract.payload(model, "r1"), b"tensors", px=60_000)
+            r.set(contract.batch(model, "b1"), batch.SerializeToString(), px=60_000)
+            r.sadd(contract.inflight(model, "e1"), "b1")
+            store = RecoveryStore(client)
+            assert not await store.requeue_held_batches("e1", include_queued=True)  # the served set names nothing
+            assert (await store.requeue_held_batches("e1", include_queued=True, models=[model]))[model] == 1
+            assert r.zcard(contract.queue(model)) == 1 and not r.exists(contract.inflight(model, "e1"))
+        finally:
+            r.close()
+            await client.aclose()
+
+    with EmbeddedRedis() as server:
+        asyncio.run(run(server.url))
+
+
+def test_lookups_of_names_nobody_serves_share_the_registry_read_under_way(monkeypatch):
+    """Each lookup of an unknown name reads the registry again (an executor may have registered
+    since): a flood of them at once shares one read, not one each, and still answers NOT_FOUND."""
+    import asyncio
+
+    from batchline.contract.gateway_store import GatewayStore
+    from batchline.errors import NotFound
+    from batchline.redis_client import connect
+    from batchline.registry import Registry
+    from gateway.catalog import Catalog
+
+    reads = []
+    real = Registry.load
+
+    async def counted(store):
+        reads.append(1)
+        await asyncio.sleep(0.05)  # a read that takes a while, as against a busy Redis
+        return await real(store)
+
+    monkeypatch.setattr(Registry, "load", staticmethod(counted))
+
+    async def flood(url: str) -> list:
+        client = connect(url, 2)
+        try:
+            catalog = Catalog(GatewayStore(client))
+            return await asyncio.gather(*(catalog.model(f"nope-{i}") for i in range(50)), return_exceptions=True)
+        finally:
+            await client.aclose()
+
+    with EmbeddedRedis() as server:
+        answers = asyncio.run(flood(server.url))
+    assert all(isinstance(a, NotFound) for a in answers)
+    assert len(reads) == 1

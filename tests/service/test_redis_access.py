@@ -45,6 +45,9 @@ def test_urls_are_shown_without_their_password():
         "rediss://mesh:***@redis.example:6380/0?ssl_ca_certs=/ca.pem"
     assert mask("unix://:s3cret@/tmp/x/redis.sock?db=0") == "unix://:***@/tmp/x/redis.sock?db=0"
     assert mask("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    # Passwords given as options, which redis-py takes too: the server's and a TLS key's passphrase.
+    shown = mask("rediss://h:1/0?password=s3cret&ssl_password=k3y&ssl_ca_certs=/ca.pem")
+    assert "s3cret" not in shown and "k3y" not in shown and "ssl_ca_certs=/ca.pem" in shown, shown
 
 
 @pytest.fixture
