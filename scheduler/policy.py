@@ -32,6 +32,7 @@ and goes only to an executor with nothing else to run.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
@@ -121,6 +122,7 @@ def plan(
     company: float | None = None,
     in_share_budget: float | None = None,
     busy: Sequence[bool] | None = None,
+    room: Sequence[int] | None = None,
 ) -> Plan:
     """Decide what to do with one model's queue at time `now`.
 
@@ -134,16 +136,22 @@ def plan(
     max_queue_delay, as Triton does (the FIFO policy always does).
     `in_share_budget` is the shortest budget of the requests queued within their tenants' shares
     lately (None: none came), which over-share work leaves room for (`_over_share`); `busy[i]`
-    whether executor i has batches to run (None: none has).
+    whether executor i has batches to run (None: none has); `room[i]` how many more batches
+    executor i may hold (its max_batches_per_executor less those it holds; None: no bound), so
+    that a model fast enough to finish within the lead does not get more in one plan.
     """
     aware = policy.rule.deadline_aware
     rule, usable = _over_share(policy.rule, queue, cost, in_share_budget, busy)
     out = Plan(rule)
     free = list(free_at) if usable is None else [free_at[i] for i in usable]
+    left = None if room is None else list(room) if usable is None else [room[i] for i in usable]
     live = _hopeful(now, queue, free, cost, aware, out.expired)
     while live and free:
         i = min(range(len(free)), key=free.__getitem__)
         start = max(now, free[i])
+        if start == math.inf:  # every executor holds its maximum: only a report frees one
+            out.blocked = True
+            break
         if start > now + lead:
             out._wake(start - lead)  # no executor is ready: let the queue grow
             out.blocked = True
@@ -161,6 +169,10 @@ def plan(
             break
         out.batches.append(batch)
         free[i] = batch.finish
+        if left is not None:
+            left[i] -= 1
+            if left[i] <= 0:
+                free[i] = math.inf
         if live[: len(formed.send)] == formed.send:
             del live[: len(formed.send)]
         else:  # length-aware: not the head's prefix
@@ -173,7 +185,7 @@ def plan(
         out._wake(min(p.deadline for p in live))
         out.blocked = out.blocked or not free
     else:
-        out.blocked, ready_at = busy_until(now, free, lead)
+        out.blocked, ready_at = busy_until(now, [f for f in free if f != math.inf], lead)
         if ready_at is not None:
             out._wake(ready_at)
     return out

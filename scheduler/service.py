@@ -74,7 +74,7 @@ class Scheduler:
         self._generating: dict[ModelKey, tuple[list[str], int, int]] = {}
         self._sequences_sent: Counter[ModelKey] = Counter()  # generative requests sent, ever: their throughput
         self._scanned_at = 0.0  # when the last step began reading the queues
-        self._held: dict[str, int] = {}  # batches each executor holds, as the last step read them
+        self._held: dict[str, int] = {}  # batches each executor holds: as the step read them, and those it sent
         # Sequences of each generative model each executor holds (its in-flight batches of it).
         self._sequences: dict[tuple[str, ModelKey], int] = {}
         self._tasks: list[asyncio.Task] = []
@@ -178,7 +178,7 @@ class Scheduler:
         self._plans, self._generating = {}, {}
         # What the step does goes to Redis in one round trip, every model's: sheds, dispatches, load views.
         sends: list[tuple[ModelKey, int, dispatch.Sent, bool]] = []  # (model, result index, dispatch, timed)
-        shed: Counter[ModelKey] = Counter()
+        shed: list[tuple[ModelKey, int]] = []  # (model, result index): its result is how many were still queued
         async with self.store.step_writes() as pipe:
             for key, members in zip(models, heads):
                 wake_at = _earlier(wake_at, await self._schedule(key, members, free_at, now, pipe, sends, shed))
@@ -188,9 +188,9 @@ class Scheduler:
                 for _, _, sent, _ in sends:
                     if sent.span is not None:
                         sent.span.end()
-        for key, n in shed.items():
-            self.counts["shed"] += n
-            metrics.SHED.labels(*key).inc(n)
+        for key, i in shed:
+            self.counts["shed"] += results[i]
+            metrics.SHED.labels(*key).inc(results[i])
         for key, i, sent, timed in sends:
             if dispatch.book(key, sent, results[i], self.counts) and timed:
                 self.timeline.dispatched(sent.executor_id, sent.batch_id, sent.planned.start, sent.planned.finish)
@@ -256,9 +256,9 @@ class Scheduler:
 
     async def _schedule(self, key: ModelKey, members: list[bytes], free_at: dict[str, float], now: float,
                         pipe: StepWrites, sends: list[tuple[ModelKey, int, dispatch.Sent, bool]],
-                        shed: Counter[ModelKey]) -> float | None:
+                        shed: list[tuple[ModelKey, int]]) -> float | None:
         """Plan one model's queue and queue on `pipe` what the plan says (its dispatches on `sends`,
-        its sheds counted in `shed`, both booked once the step's writes are done); when to look at it
+        its sheds on `shed`, both booked once the step's writes are done); when to look at it
         again."""
         info = self.registry.models[key]
         if info.generation:
@@ -274,18 +274,22 @@ class Scheduler:
         policy = ModelPolicy.of_model(info, self.settings.policy, self.settings.length_aware_batching,
                                       self.settings.even_lanes_batching)
         ready = [e for e in holders if free_at[e] != float("inf")]
+        most = self.settings.max_batches_per_executor
         decision = plan(now, queue, policy, [free_at[e] for e in ready], cost,
                         lead=self.settings.dispatch_lead_ms / 1000, company=company,
                         in_share_budget=self.queues.in_share_budget(key, now),
-                        busy=[bool(self._held.get(e)) for e in ready])
+                        busy=[bool(self._held.get(e)) for e in ready],
+                        room=[most - self._held.get(e, 0) for e in ready])
         self._plans[key] = (decision.rule, cost, holders, self.profiles.length(key))
         (self.wakeups.blocked.add if decision.blocked else self.wakeups.blocked.discard)(contract.queue(key))
         if decision.expired:
+            shed.append((key, len(pipe)))
             dispatch.shed(pipe, key, decision.expired, self.queues.entries)
-            shed[key] += len(decision.expired)
         for planned in decision.batches:
             eid = ready[planned.executor]
-            free_at[eid] = planned.finish
+            # Held from now on, for the plans of the models after this one too.
+            self._held[eid] = self._held.get(eid, 0) + 1
+            free_at[eid] = planned.finish if self._held[eid] < most else float("inf")
             self.timeline.planned(eid, planned.finish, now)
             entries = [self.queues.entries[m.member] for m in planned.members]
             sends.append((key, len(pipe), dispatch.send(pipe, key, eid, planned, entries), True))
@@ -302,7 +306,7 @@ class Scheduler:
 
     def _place_sequences(self, key: ModelKey, info: pb.ModelInfo, members: list[bytes], free_at: dict[str, float],
                          now: float, pipe: StepWrites, sends: list[tuple[ModelKey, int, dispatch.Sent, bool]],
-                         shed: Counter[ModelKey]) -> None:
+                         shed: list[tuple[ModelKey, int]]) -> None:
         """A generative model's queue: each request alone to an executor with a free cache slot
         (scheduler/generation.py); those whose deadline passed in the queue are shed."""
         holders = self._holders(key, free_at)
@@ -316,8 +320,8 @@ class Scheduler:
         placed = generation.place([p for p in queue if p.deadline > now], free)
         self.wakeups.blocked.discard(contract.queue(key))
         if expired:
+            shed.append((key, len(pipe)))
             dispatch.shed(pipe, key, expired, self.queues.entries)
-            shed[key] += len(expired)
         self._sequences_sent[key] += len(placed)
         for eid, p in placed:
             planned = PlannedBatch((p,), p.rows, "generation", p.deadline - now, 0, now, now)

@@ -63,6 +63,53 @@ def test_a_step_dispatches_what_is_due_and_sheds_what_cannot_make_its_deadline()
     assert scheduler.counts["batches"] == 1 and scheduler.counts["shed"] == 1
 
 
+def test_a_shed_counts_only_the_requests_still_queued_when_it_is_written():
+    """A late request another scheduler took between this step's read and its writes is neither
+    answered nor counted as shed here."""
+    state = MemoryState()
+    _registered(state, "x1", pb.ModelInfo(name="mlp", version="1", max_batch_size=8, max_queue_delay_ms=0,
+                                          providers=["CPUExecutionProvider"]))
+    for rid in ("late", "gone"):
+        state.enqueue(MLP, _entry(rid, now_us() - 1_000), b"payload")
+    store = MemorySchedulerStore(state)
+    scan = store.scan
+
+    async def scan_then_lose_one(*args, **kwargs):
+        read = await scan(*args, **kwargs)
+        gone = next(m for m in state.queues[MLP] if pb.QueueEntry.FromString(m).request_id == "gone")
+        del state.queues[MLP][gone]
+        return read
+
+    store.scan = scan_then_lose_one  # type: ignore[method-assign]
+    scheduler = Scheduler(SchedulerSettings(redis_url="redis://unused", policy="fifo"), store=store)
+
+    asyncio.run(scheduler.step())
+
+    assert [pb.Reply.FromString(r).request_id for r in state.replies["gw"]] == ["late"]
+    assert scheduler.counts["shed"] == 1 and state.stats[MLP]["fail_count"] == 1
+
+
+def test_one_step_sends_an_executor_no_more_batches_than_it_may_hold_across_models():
+    """Two models' queues, one executor that may hold one batch: one step sends it one batch, not
+    one for each model."""
+    state = MemoryState()
+    infos = [pb.ModelInfo(name=name, version="1", max_batch_size=8, max_queue_delay_ms=0,
+                          providers=["CPUExecutionProvider"]) for name in ("mlp", "other")]
+    state.registrations["x1"] = pb.ExecutorInfo(executor_id="x1", models=infos,
+                                                heartbeat_us=now_us()).SerializeToString()
+    for model in (MLP, ("other", "1")):
+        state.enqueue(model, _entry(f"{model[0]}-a", now_us() + 5_000_000), b"payload")
+    # A lead longer than a batch runs: without the bound the executor looks free again at once.
+    settings = SchedulerSettings(redis_url="redis://unused", policy="fifo", max_batches_per_executor=1,
+                                 dispatch_lead_ms=50)
+    scheduler = Scheduler(settings, store=MemorySchedulerStore(state))
+
+    asyncio.run(scheduler.step())
+
+    assert len(state.work["x1"]) == 1 and scheduler.counts["batches"] == 1
+    assert sum(len(q) for q in state.queues.values()) == 1  # the other model's request waits for the report
+
+
 def test_an_unreadable_queue_entry_is_dropped_and_the_rest_dispatched():
     state = MemoryState()
     _registered(state, "x1", pb.ModelInfo(name="mlp", version="1", max_batch_size=8, max_queue_delay_ms=0,

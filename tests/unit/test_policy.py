@@ -937,3 +937,22 @@ def test_a_model_on_two_kinds_of_executor_is_planned_by_a_cost_no_less_than_eith
         assert both.predict(units) >= max(gpu.predict(units), cpu.predict(units))
     # By one unit alone the GPU's would be taken: 64 units planned at 5.6 ms where the CPU takes 65.
     assert gpu.predict(1) > cpu.predict(1) and gpu.predict(64) < cpu.predict(64)
+
+
+# --- batches an executor may hold ----------------------------------------------
+
+
+def test_a_model_faster_than_the_lead_gets_no_more_batches_than_the_executor_has_room_for():
+    """Each batch finishes within the dispatch lead, so the executor looks ready again at once: the
+    plan would send it the whole queue in batches of 4; with room for 2 it sends 2 and waits."""
+    policy = ModelPolicy(BatchingRule(4), max_queue_delay=0.0)
+    queue = [req(f"r{i}") for i in range(16)]
+    cost = FunctionCost(fixed(0.001))
+    unbounded = plan(0.0, queue, policy, free_at=IDLE, cost=cost, lead=0.01)
+    assert len(unbounded.batches) == 4
+    bounded = plan(0.0, queue, policy, free_at=IDLE, cost=cost, lead=0.01, room=[2])
+    assert [ids(b) for b in bounded.batches] == [["r0", "r1", "r2", "r3"], ["r4", "r5", "r6", "r7"]]
+    assert bounded.blocked and not bounded.expired
+    # Another executor with room takes the rest.
+    two = plan(0.0, queue, policy, free_at=[0.0, 0.0], cost=cost, lead=0.01, room=[1, 3])
+    assert sorted(b.executor for b in two.batches) == [0, 1, 1, 1]
