@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from batchline.codec import DATATYPES, onnx_datatype
 from executor.model_config import ConfigError, GenerationConfig, read_model_config
 from executor.repository import RepositoryError
-from executor.sessions import choose_providers, create_session
+from executor.sessions import choose_providers, create_session, intra_op_threads_for
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +103,12 @@ def _cache_tensors(where: str, gen: GenerationConfig, session: ort.InferenceSess
 
 def load_decoder(model_dir: pathlib.Path, version: str = "1", providers: list[str] | None = None,
                  intra_op_threads: int = 0, options: dict[str, Any] | None = None,
-                 allow_spinning: bool = False) -> Decoder:
+                 allow_spinning: bool = False, cpu_cores: int = 0) -> Decoder:
     """The generative model in `model_dir` (its config.toml must have a `[generation]` table).
+
+    Its runs take the config's intra_op_threads, else `intra_op_threads` (the executor's), else
+    `cpu_cores` (the executor's share of the host; 0: ONNX Runtime's default), as a batch model's
+    one instance does (executor.sessions.intra_op_threads_for).
 
     `allow_spinning` as the executor's setting says: a decode step is hundreds of small operators,
     and two threads that spin between them cost a third more CPU per token than two that sleep
@@ -131,7 +135,8 @@ def load_decoder(model_dir: pathlib.Path, version: str = "1", providers: list[st
         raise RepositoryError(f"{where}: eos_token_ids {too_big} are not in the tokenizer's {vocabulary} ids")
     chosen = choose_providers(config.providers or providers or ["CPUExecutionProvider"],
                               options or config.provider_options, ort.get_available_providers())
-    session = create_session(model_dir / version / "model.onnx", chosen, intra_op_threads, allow_spinning,
+    threads = intra_op_threads_for(1, config.intra_op_threads or intra_op_threads, cpu_cores)
+    session = create_session(model_dir / version / "model.onnx", chosen, threads, allow_spinning,
                              label=f"{model_dir.name} version {version}")
     cache = _cache_tensors(where, gen, session)
     warning = slow_on_gpu(session.get_providers()[0], gen.cache_in_place, cache)

@@ -132,7 +132,8 @@ class Stream:
         entry = self.entry
         self.awaited = await self.writes.write(
             entry.gateway_id, [r.SerializeToString() for r in replies], entry.request_id,
-            np.asarray(self.tokens[:self.pushed], np.int64).tobytes(), self.heartbeats.heartbeats_tell())
+            np.asarray(self.tokens[:self.pushed], np.int64).tobytes(), self.heartbeats.heartbeats_tell(),
+            entry.deadline_us)
         if self.trace is not None:
             self.trace.flush(len(replies), self.pushed - before)
 
@@ -237,5 +238,5 @@ async def _generate(stream: Stream, trace: SequenceTrace, model: GenerationModel
     if before:
         await stream.writes.write(entry.gateway_id, [r.SerializeToString() for r in before], request_id,
                                   np.asarray(stream.tokens[:before[-1].index + 1], np.int64).tobytes(),
-                                  stream.heartbeats.heartbeats_tell())
+                                  stream.heartbeats.heartbeats_tell(), entry.deadline_us)
     return pb.Reply(request_id=request_id, code=0, index=last.index, response=last.response), finish

@@ -114,7 +114,7 @@ def load_generation(model_dir: pathlib.Path, version: str, settings: ExecutorSet
     budget = int(settings.generation_cache_mb * (1 << 20))
     name = model_dir.name
     decoder = load_decoder(model_dir, version, settings.providers, settings.intra_op_threads,
-                           allow_spinning=settings.allow_spinning)  # (checks the config)
+                           allow_spinning=settings.allow_spinning, cpu_cores=settings.cpu_cores)  # (checks the config)
     config: ModelConfig = read_model_config(model_dir / "config.toml")
     try:
         engine = GenerationEngine(decoder, budget)

@@ -14,6 +14,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from batchline.clock import now_us
+from batchline.contract import keys as k
 from batchline.contract.executor_store import ExecutorStore
 from batchline.contract.keys import ModelKey
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S
@@ -32,6 +34,7 @@ class _Write:
     request_id: str
     sent: bytes  # every token id sent so far, int64
     watch_gateway: bool  # whether the gateway's heartbeat counts in "still awaited"
+    record_ttl_s: int  # how long the record of `sent` lives: as long as the request can be taken over
     done: asyncio.Future
 
 
@@ -49,13 +52,16 @@ class StreamWrites:
         return bool(self._asked)
 
     async def write(self, gateway_id: str, replies: list[bytes], request_id: str, sent: bytes,
-                    watch_gateway: bool) -> bool:
+                    watch_gateway: bool, deadline_us: int = 0) -> bool:
         """Push `replies` to the gateway and record `sent`, with the other writes asked for in this turn
-        of the loop; whether the request is still awaited."""
+        of the loop; whether the request is still awaited. The record lives as long as the request's
+        payload may (`deadline_us`, its deadline; 0: none), so that an executor taking the request
+        over at any time before then continues after the tokens sent rather than from the start."""
         loop = asyncio.get_running_loop()
         if not self._asked:
             loop.call_soon(self._start)
-        write = _Write(gateway_id, replies, request_id, sent, watch_gateway, loop.create_future())
+        ttl_s = max(k.REPLY_TTL, -(-k.payload_ttl_ms(deadline_us, now_us()) // 1000)) if deadline_us else k.REPLY_TTL
+        write = _Write(gateway_id, replies, request_id, sent, watch_gateway, ttl_s, loop.create_future())
         self._asked.append(write)
         return await write.done
 
@@ -76,7 +82,8 @@ class StreamWrites:
             try:
                 found = await self.store.stream_tokens(
                     self.model, replies, {w.request_id: w.sent for w in writes},
-                    {w.request_id: w.gateway_id for w in writes if w.watch_gateway})
+                    {w.request_id: w.gateway_id for w in writes if w.watch_gateway},
+                    {w.request_id: w.record_ttl_s for w in writes})
                 break
             except REDIS_ERRORS as exc:
                 # A dropped connection (Redis failing over) must not end the streams: the same write again

@@ -85,12 +85,14 @@ class ExecutorStore(RecoveryStore):
         return await get_many(self.client, [k.generated(model, r) for r in request_ids])
 
     async def stream_tokens(self, model: ModelKey, replies: Mapping[str, Sequence[bytes]],
-                            sent: Mapping[str, bytes], gateways: Mapping[str, str] | None = None) -> dict[str, bool]:
+                            sent: Mapping[str, bytes], gateways: Mapping[str, str] | None = None,
+                            record_ttl_s: Mapping[str, int] | None = None) -> dict[str, bool]:
         """Push generation responses to their gateways (per gateway id), then record each request's
         tokens sent so far (`sent`, per request id); whether each request is still awaited (its
         payload is there: not answered, abandoned or cancelled; and, for a request given in
         `gateways`, request id -> gateway id, that gateway's heartbeat too). The record follows the
-        push, so it never holds a token its client was not sent."""
+        push, so it never holds a token its client was not sent; it lives `record_ttl_s` (per request
+        id; REPLY_TTL where none is given)."""
         ids = list(sent)
         watched = [r for r in ids if gateways and r in gateways]
         # In rounds: on a cluster a pipeline's shards run at once, and a record landed without its
@@ -101,7 +103,8 @@ class ExecutorStore(RecoveryStore):
             calls.push_with_ttl(pipe, k.reply(gateway_id), k.REPLY_TTL, blobs)
         pipe = rounds.next()
         for request_id in ids:
-            pipe.set(k.generated(model, request_id), sent[request_id], ex=k.REPLY_TTL)
+            pipe.set(k.generated(model, request_id), sent[request_id],
+                     ex=(record_ttl_s or {}).get(request_id, k.REPLY_TTL))
         for request_id in ids:
             pipe.exists(k.payload(model, request_id))
         for request_id in watched:

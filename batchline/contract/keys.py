@@ -15,7 +15,7 @@ key                                    type         holds
 bl:q:{M}                               sorted set   QueueEntry, scored priority-major, deadline-minor
 bl:req:{M}:<request_id>                string       the ModelInferRequest (tensors); TTL = budget + grace
 bl:gen:{M}:<request_id>                string       the output token ids a generation request was sent so far
-                                                    (int64): where a takeover continues from; TTL = REPLY_TTL
+                                                    (int64): where a takeover continues from; TTL = the payload's
 bl:batch:{M}:<batch_id>                string       Batch while dispatched; TTL = latest deadline + grace
 bl:inflight:{M}:<executor_id>          set          ids of that model's batches dispatched to the executor, not yet
                                                     answered

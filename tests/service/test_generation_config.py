@@ -203,6 +203,23 @@ def test_the_decoder_spins_as_the_executor_setting_says(built, spinning):
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
+def test_the_decoder_takes_its_threads_as_a_batch_models_instance_does(model_dir):
+    """The config's intra_op_threads first, else the executor's, else its cpu_cores: an executor
+    given one core does not spread a decoder's runs over the host's."""
+    from executor.generation_serving import load_generation
+    from executor.settings import ExecutorSettings
+
+    def threads(settings: ExecutorSettings) -> int:
+        served = load_generation(model_dir, "1", settings)
+        return served.loop.engine.decoder.session.get_session_options().intra_op_num_threads
+
+    repository = str(model_dir.parent)
+    assert threads(ExecutorSettings(cpu_cores=1, model_repository=repository)) == 1
+    assert threads(ExecutorSettings(cpu_cores=1, intra_op_threads=3, model_repository=repository)) == 3
+    with_config(model_dir, "[generation]", "intra_op_threads = 2\n[generation]")
+    assert threads(ExecutorSettings(cpu_cores=1, intra_op_threads=3, model_repository=repository)) == 2
+
+
 def test_a_float16_decoders_slots_take_half_the_bytes_the_shape_says_at_float32(tmp_path):
     # generation.py --dtype float16 sizes the executors' cache budget from Shape.cache_mb. The float32
     # graph built first in the same place has the same config keys: build_gpt must not take it.

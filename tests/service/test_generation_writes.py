@@ -46,6 +46,25 @@ def test_writes_asked_in_one_turn_go_in_one_round_trip(redis_server):
     asyncio.run(scenario())
 
 
+def test_the_record_of_tokens_sent_lives_as_long_as_its_request_can_be_taken_over(redis_server):
+    """A request with ten minutes of budget left may be taken over by another executor at any time in
+    them: the record it continues from must not expire after the gateways' reply TTL."""
+    from batchline.clock import now_us
+
+    async def scenario() -> None:
+        client = connect(redis_server.url, 2)
+        writes = StreamWrites(ExecutorStore(client, connect_blocking(redis_server.url, 2)), MODEL)
+        long, short = uuid.uuid4().hex, uuid.uuid4().hex
+        sent = np.arange(3, dtype=np.int64).tobytes()
+        await writes.write("gw", [b"r"], long, sent, False, deadline_us=now_us() + 600_000_000)
+        await writes.write("gw", [b"r"], short, sent, False, deadline_us=now_us() + 1_000_000)
+        assert await client.ttl(k.generated(MODEL, long)) >= 600
+        assert 0 < await client.ttl(k.generated(MODEL, short)) <= k.REPLY_TTL
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
 def _stream(tokens_before: list[int]) -> Stream:
     model = GenerationModel(pb.ModelInfo(name="gpt", version="1"), None, None)  # type: ignore[arg-type]
     return Stream(None, model, ipb.ModelInferRequest(id="r"), pb.QueueEntry(request_id="r"),  # type: ignore[arg-type]
