@@ -24,6 +24,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from batchline import metrics
 from batchline.errors import PermissionDenied, Unauthenticated
 
 log = logging.getLogger(__name__)
@@ -110,16 +111,20 @@ def load(path: str) -> dict[str, Grant]:
 
 
 def token_of(metadata: Iterable[tuple[str | bytes, str | bytes]] | None) -> str | None:
-    """The bearer token in gRPC metadata or HTTP headers (ASGI's are bytes), if any."""
+    """The bearer token in gRPC metadata or HTTP headers (ASGI's are bytes), if any; Unauthenticated
+    when more than one is sent (which one counts would differ between a proxy, gRPC and HTTP)."""
+    found = []
     for key, value in metadata or ():
         if isinstance(key, bytes):
             key = key.decode("latin-1")
         if key.lower() == HEADER:
-            if isinstance(value, bytes):
-                value = value.decode("latin-1")
-            scheme, _, token = value.strip().partition(" ")
-            return token.strip() if scheme.lower() == "bearer" and token.strip() else ""
-    return None
+            found.append(value.decode("latin-1") if isinstance(value, bytes) else value)
+    if not found:
+        return None
+    if len(found) > 1:
+        raise Unauthenticated(f"the call carries {len(found)} `{HEADER}` headers: send one")
+    scheme, _, token = found[0].strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else ""
 
 
 class Tokens:
@@ -150,7 +155,9 @@ class Tokens:
             self._grants = load(self.path)
         except AuthFileError as exc:
             log.warning("the auth file changed but cannot be used (%s): the tokens read before stay", exc)
+            metrics.AUTH_FILE_UNUSABLE.set(1)  # (for an alert: a revocation in that change is not in force)
             return
+        metrics.AUTH_FILE_UNUSABLE.set(0)
         log.info("auth file %s re-read: %d tokens", self.path, len(self._grants))
 
     def digest(self, metadata: Iterable[tuple[str | bytes, str | bytes]] | None) -> str:

@@ -59,6 +59,11 @@ REJECTED = Counter(
     "Requests refused before they were queued (reason: queue_full, overload, deadline; rate: the tenant's max_rate).",
     _MV + ("reason",),
 )
+AUTH_FILE_UNUSABLE = Gauge(
+    "batchline_auth_file_unusable",
+    "1 while the auth file on disk cannot be used (gone, unreadable, or no longer parses): the gateway keeps the "
+    "tokens it read before, so a token removed in that change is still honoured; 0 once it reads the file again.",
+)
 REFUSALS_REUSED = Counter(
     "batchline_refusals_reused", "Overload refusals answered by an earlier refusal's verdict (the same model and "
     "priority, nothing it was judged on changed since) without playing the queue again; also counted in "
@@ -95,6 +100,9 @@ FAILOVER_LOST = Counter(
     "Queued requests the gateway answered UNAVAILABLE because a new Redis primary lacked them.",
 )
 
+TEXT_TRUNCATED = Counter(
+    "batchline_text_truncated",
+    "Texts cut to their model's [tokenizer] max_length (truncate = true) before they were tokenized.", _MV)
 # -- scheduler ----------------------------------------------------------------------------------
 PENDING_REQUESTS = Gauge(
     "batchline_pending_requests",

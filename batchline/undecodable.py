@@ -106,13 +106,16 @@ def _guarded(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMeth
 class _GuardedGeneric(grpc.GenericRpcHandler):
     def __init__(self, inner: grpc.GenericRpcHandler):
         self.inner = inner
-        self.handlers: dict[str, grpc.RpcMethodHandler | None] = {}
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         method = details.method
-        if method not in self.handlers:
-            self.handlers[method] = _guarded(method, self.inner.service(details))
-        return self.handlers[method]
+        handler = self.handlers.get(method)
+        if handler is None:
+            handler = _guarded(method, self.inner.service(details))
+            if handler is not None:  # only methods served: a client naming paths at will must not grow it
+                self.handlers[method] = handler
+        return handler
 
 
 class guard:

@@ -16,7 +16,7 @@ from batchline import contract, metrics
 from batchline.contract.keys import ModelKey
 from batchline.clock import now_us
 from batchline.errors import BatchlineError, Internal, ResourceExhausted, Unavailable
-from batchline.redis_client import REDIS_ERRORS, REDIS_REFUSALS
+from batchline.redis_client import REDIS_ERRORS, REDIS_REFUSALS, unreachable
 from gateway.linger import Linger
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class GroupCommit:
 
 def _commit_error(exc: Exception) -> BatchlineError:
     if isinstance(exc, REDIS_ERRORS):
-        return Unavailable(f"cannot queue the request: Redis is unreachable ({exc})")
+        return Unavailable(f"cannot queue the request: {unreachable(exc)}")
     if isinstance(exc, REDIS_REFUSALS):
         # Out of memory (maxmemory) or a replica mid-failover: the server's state, and passing.
         return Unavailable(f"cannot queue the request: Redis refuses writes right now ({exc}): retry")

@@ -24,7 +24,7 @@ from batchline.sequences import sequence_flags, sequence_key
 from batchline.lifecycle import stop_tasks
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
-from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking
+from batchline.redis_client import REDIS_ERRORS, connect, connect_blocking, unreachable
 from batchline.sampling import sampling_params
 from batchline.cluster import is_cluster_url
 from batchline.sentinel import is_sentinel
@@ -43,7 +43,7 @@ from gateway.repository import RepositoryControl
 from gateway.request import Call, parse
 from gateway.settings import GatewaySettings
 from gateway.shared_memory import SharedMemory
-from gateway.text import Tokenizers
+from gateway.text import TRUNCATED_KEY, Tokenizers
 from gateway.views import LoadViews
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class Gateway:
         try:
             taken, wait_ms = await self.store.take_token(tenant, max_rate, max(1.0, max_rate))
         except REDIS_ERRORS as exc:
-            raise Unavailable(f"Redis is unreachable: {exc}") from None
+            raise Unavailable(unreachable(exc)) from None
         if not taken:
             metrics.REJECTED.labels(*self.catalog.labels(model), "rate").inc()
             raise ResourceExhausted(f"tenant '{tenant}' is over its rate of {max_rate:g} requests/s: "
@@ -249,6 +249,8 @@ class Gateway:
         response = reply.response if reply.HasField("response") else None
         if collected is not None:
             response = generation.joined(collected + ([response] if response is not None else []), model, request.id)
+        if response is not None and call.truncated:
+            response.parameters[TRUNCATED_KEY].int64_param = call.truncated
         if response is not None and classes:
             classification.classify(response, model, classes)
         if response is not None and targets:
@@ -268,8 +270,9 @@ class Gateway:
         if model.decoupled and not streamed:
             raise InvalidArgument(f"ModelInfer RPC doesn't support models with decoupled transaction policy: model "
                                   f"'{model.name}' answers with any number of responses; call ModelStreamInfer")
+        truncated = 0
         if model.text.name:
-            request = await self.tokenizers.convert(request, model)
+            request, truncated = await self.tokenizers.convert(request, model)
         # Triton's extensions that change a request's tensors on their way in and out.
         targets = self.shared_memory.output_targets(request, tenant)
         classes = classification.requested(request, model)
@@ -282,6 +285,8 @@ class Gateway:
         call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000, payload)
         if copied is not None:
             call = replace(call, copied=copied)
+        if truncated:
+            call = replace(call, truncated=truncated)
         if model.generation:
             sampling_params(call.request, "")  # a bad one refused here, not after it was queued
             generation.admit(call.request, model, self._placed(model))

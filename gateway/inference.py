@@ -19,9 +19,15 @@ log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("batchline.gateway")
 
 
+# The longest `tracestate` carried on: W3C Trace Context asks that 512 characters pass, and a
+# client's list rides in every queue entry of its request, so a longer one is dropped whole.
+MAX_TRACESTATE = 512
+
+
 def trace_headers(metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, str]:
     md = dict(metadata or ())
-    return md.get("traceparent", ""), md.get("tracestate", "")
+    state = md.get("tracestate", "")
+    return md.get("traceparent", ""), state if len(state) <= MAX_TRACESTATE else ""
 
 
 def count_failure(gateway: Gateway, model: str, version: str, grant: Grant | None, error: BatchlineError) -> None:

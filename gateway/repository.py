@@ -14,7 +14,7 @@ from batchline.contract.gateway_store import GatewayStore
 
 from batchline.errors import InvalidArgument, NotFound, Unavailable
 from batchline.protocol import internal_pb2 as pb
-from batchline.redis_client import REDIS_ERRORS
+from batchline.redis_client import REDIS_ERRORS, unreachable
 from batchline.registry import Registry, model_name_problem
 from gateway.load_override import override_maker
 
@@ -83,7 +83,7 @@ class RepositoryControl:
         try:
             return await Registry.load(self.store)
         except REDIS_ERRORS as exc:
-            raise Unavailable(f"Redis is unreachable: {exc}") from None
+            raise Unavailable(unreachable(exc)) from None
 
     async def _call(self, name: str, action: str, override=None) -> int:
         self._explicit(action, name)
@@ -93,7 +93,7 @@ class RepositoryControl:
         try:
             seq = await self.store.control_call(name, action, override)
         except REDIS_ERRORS as exc:
-            raise Unavailable(f"Redis is unreachable: {exc}") from None
+            raise Unavailable(unreachable(exc)) from None
         return seq
 
     async def _wait(self, name: str, seq: int, timeout_s: float | None, what: str, served) -> None:

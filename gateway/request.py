@@ -32,6 +32,7 @@ class Call:
     # again when an executor cannot read them (gateway/shared_memory.py); None: it references none.
     copied: Copied | None = None
     tenant: str = ""      # a sequence request's tenant (its sequence is that tenant's)
+    truncated: int = 0    # its texts cut to the model's max_length (said in the answer's parameters)
 
     @property
     def key(self) -> ModelKey:

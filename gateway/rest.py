@@ -81,7 +81,7 @@ class RestApp:
         if scope["type"] != "http":
             return
         arrived = time.monotonic()
-        headers = dict(scope["headers"])
+        headers = _Headers(scope["headers"])
         events = None
         try:
             status, answer_headers, body = await self._route(scope, headers, receive, arrived)
@@ -181,7 +181,7 @@ class RestApp:
         holds it) and is an admin's, for `admin`."""
         if self.tokens is None:
             return None
-        grant = self.tokens.grant(headers.items())
+        grant = self.tokens.grant(getattr(headers, "raw", headers.items()))  # each header, repeated ones too
         if admin:
             grant.check_admin(admin)
         if model is not None:
@@ -334,3 +334,11 @@ class RestApp:
                 await self.gateway.unload_model(name, _left(deadline))
             return 200, [], b""
         raise NotFound(f"no such endpoint: POST {path}")
+
+
+class _Headers(dict):
+    """A request's headers by name (the last of a repeated one), and as sent (`raw`)."""
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        super().__init__(raw)
+        self.raw = raw

@@ -11,7 +11,10 @@ other (docs/design/shared-memory.md).
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import resource
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,12 +23,29 @@ from batchline.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from batchline.protocol import inference_pb2 as ipb
 from batchline.regions import OPEN_FLAGS, REF, WRITTEN, Ref, read_fd, shm_path, shrank, too_small, write_fd
 
+log = logging.getLogger(__name__)
+
 REGION = "shared_memory_region"
 BYTE_SIZE = "shared_memory_byte_size"
 OFFSET = "shared_memory_offset"
 # Regions one tenant may hold registered: each keeps a file open on the gateway, whose open files
 # every client's connections share.
 MAX_REGIONS = 1024
+
+
+def open_files_for_regions() -> int:
+    """How many region files the gateway may hold open, all tenants together: half its limit of
+    open files, raised first to the hard limit (the default soft limit, often 1,024, is one
+    tenant's regions), so that the other half stays for connections and everything else."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return max(1, soft // 2)
 
 # The request as queued with its inputs' bytes copied in (request, payload): what the gateway
 # queues again when an executor could not read the regions a request references.
@@ -130,12 +150,45 @@ def _internal(what: str) -> InvalidArgument:
     return InvalidArgument(f"{what}: parameter '{REF}' is batchline's own; a request may not set it")
 
 
+# The extended attribute that marks a region's file as a tenant's: on the file itself, so that every
+# gateway of the host sees it (each keeps its own registrations), it stays after an unregistration
+# (the file is still the tenant's memory) and goes with the file.
+OWNER_XATTR = "user.batchline.tenant"
+_unmarked_warned = False
+
+
+def _claim(fd: int, tenant: str) -> bool:
+    """Whether the file open at `fd` is `tenant`'s to register: unmarked (then marked as its) or
+    marked as its. Without tokens ('' tenant) nothing is marked. A filesystem without user extended
+    attributes (tmpfs before Linux 6.6) leaves the check to each gateway's own registrations."""
+    global _unmarked_warned
+    if not tenant:
+        return True
+    mine = tenant.encode()
+    try:
+        try:
+            os.setxattr(fd, OWNER_XATTR, mine, os.XATTR_CREATE)
+            return True
+        except FileExistsError:
+            return os.getxattr(fd, OWNER_XATTR) == mine
+    except OSError as exc:
+        if not _unmarked_warned:
+            _unmarked_warned = True
+            log.warning("shared-memory files cannot be marked with their tenant here (%s): a tenant's region is "
+                        "kept from others only within each gateway; serve one gateway a host for tenancy across "
+                        "them", exc.strerror)
+        return True
+
+
 class SharedMemory:
     """The regions registered with this gateway, by tenant and name: with tokens, a tenant sees, uses
     and unregisters only the regions it registered ('' is the tenant of an unauthenticated gateway)."""
 
-    def __init__(self, max_copy_bytes: int = 0) -> None:
+    def __init__(self, max_copy_bytes: int = 0, max_open: int | None = None) -> None:
         self.regions: dict[tuple[str, str], Region] = {}
+        # Region files open at once, every tenant's: past it one tenant's registrations could take
+        # the file descriptors every connection needs.
+        self.max_open = open_files_for_regions() if max_open is None else max_open
         # The most bytes a request's inputs may come to once copied from regions into its payload (0:
         # no cap): the gateway's max_message_bytes, as if they had come in the message.
         self.max_copy_bytes = max_copy_bytes
@@ -148,6 +201,9 @@ class SharedMemory:
         if len(self._names(tenant)) >= MAX_REGIONS:
             raise ResourceExhausted(f"shared memory region '{name}': {MAX_REGIONS} regions are registered already "
                                     "(each holds a file open on the gateway): unregister some first")
+        if len(self.regions) >= self.max_open:
+            raise ResourceExhausted(f"shared memory region '{name}': this gateway holds as many region files open "
+                                    f"as it may ({self.max_open}): retry later, or on another gateway")
         path = shm_path(key)
         if path is None:
             raise InvalidArgument(f"shared memory region '{name}': key {key!r} is not a shm_open name like '/data'")
@@ -158,11 +214,14 @@ class SharedMemory:
                                   f"({exc.strerror}): create it on this gateway's host before registering") from None
         try:
             stat = os.fstat(fd)
-            if any(r.ino == stat.st_ino and t != tenant for (t, _), r in self.regions.items()):
+            if (any(r.ino == stat.st_ino and t != tenant for (t, _), r in self.regions.items())
+                    or not _claim(fd, tenant)):
                 # Another tenant's memory: read as an input or written as an output, it would cross
-                # tenants. Worded as a key that cannot be opened, so as to say nothing of the other.
-                raise InvalidArgument(f"shared memory region '{name}': unable to open shared memory key {key!r}: "
-                                      "create a key of your own on this gateway's host before registering")
+                # tenants. Worded as the open of a file the gateway may not open, so as to say
+                # nothing of the other.
+                raise InvalidArgument(f"shared memory region '{name}': unable to open shared memory key {key!r} "
+                                      f"({os.strerror(errno.EACCES)}): create a key of your own on this gateway's "
+                                      "host before registering")
             if byte_size == 0 or offset + byte_size > stat.st_size:
                 raise InvalidArgument(f"shared memory region '{name}': "
                                       f"offset {offset} + byte size {byte_size} does not "

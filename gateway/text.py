@@ -14,13 +14,19 @@ import numpy as np
 from batchline.contract.gateway_store import GatewayStore
 from tokenizers import Tokenizer
 
+from batchline import metrics
 from batchline.codec import decode_inputs
 from batchline.errors import InvalidArgument, Unavailable
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
-from batchline.redis_client import REDIS_ERRORS
+from batchline.redis_client import REDIS_ERRORS, unreachable
 from batchline.text_inputs import configured, first_too_long, fixed_width, token_arrays
 from gateway.validation import check_raw_or_typed
+
+
+# The answer's parameter that says how many of a request's texts were cut to the model's max_length
+# (present only when some were).
+TRUNCATED_KEY = "text_truncated"
 
 
 class Tokenizers:
@@ -40,7 +46,7 @@ class Tokenizers:
             try:
                 blob = await self.store.tokenizer(sha)
             except REDIS_ERRORS as exc:
-                raise Unavailable(f"Redis is unreachable: {exc}") from None
+                raise Unavailable(unreachable(exc)) from None
             if blob is None:
                 raise Unavailable(f"the tokenizer of model '{model.name}' is not in Redis yet (its executor publishes "
                                   "it when it loads the model): retry")
@@ -48,11 +54,12 @@ class Tokenizers:
             self._loaded[key] = tokenizer
         return tokenizer
 
-    async def convert(self, request: ipb.ModelInferRequest, model: pb.ModelInfo) -> ipb.ModelInferRequest:
-        """`request` with its text tokenized into the model's token-id inputs; as it is if it sends no text."""
+    async def convert(self, request: ipb.ModelInferRequest, model: pb.ModelInfo) -> tuple[ipb.ModelInferRequest, int]:
+        """`request` with its text tokenized into the model's token-id inputs (as it is if it sends no
+        text), and how many of its texts were cut to the model's max_length."""
         text = model.text
         if not text.name or not any(t.name == text.name for t in request.inputs):
-            return request
+            return request, 0
         strings = _strings(request, model)
         tokenizer = await self.get(model)
         encodings = tokenizer.encode_batch(strings)
@@ -61,7 +68,10 @@ class Tokenizers:
             i, n = too_long
             raise InvalidArgument(f"input '{text.name}': element {i} is {n} tokens, more than the {text.max_length} "
                                   f"model '{model.name}' takes (its [tokenizer] does not truncate)")
-        return _with_inputs(request, token_arrays(encodings, text, fixed_width(model)))
+        cut = sum(1 for e in encodings if e.overflowing)
+        if cut:
+            metrics.TEXT_TRUNCATED.labels(model.name, model.version).inc(cut)
+        return _with_inputs(request, token_arrays(encodings, text, fixed_width(model))), cut
 
 
 def _strings(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> list[str]:

@@ -69,10 +69,13 @@ def test_text_through_the_sync_client_equals_sentence_transformers(served, refer
     m, _ = served
     mixed = _mixed()
     with tc.InferenceServerClient(m.address) as client:
-        for sentences in ([SHORT[0]], SHORT, mixed):
+        for sentences, cut in (([SHORT[0]], 0), (SHORT, 0), (mixed, 1)):
             # (32 rows padded to 256 tokens: seconds on a small CPU, more than the default 5 s budget)
-            got = client.infer("minilm", [_text(sentences)], client_timeout=120).as_numpy("sentence_embedding")
-            _close(got, reference.encode(sentences, normalize_embeddings=True))
+            result = client.infer("minilm", [_text(sentences)], client_timeout=120)
+            _close(result.as_numpy("sentence_embedding"), reference.encode(sentences, normalize_embeddings=True))
+            # The answer says how many of its texts were cut to the model's max_length; none: no parameter.
+            parameters = result.get_response().parameters
+            assert (parameters["text_truncated"].int64_param if "text_truncated" in parameters else 0) == cut
         # One sentence a request, [batch] shaped, 32 at once: batched together by the scheduler.
         flat = tc.InferInput("text", [1], "BYTES")
         flat.set_data_from_numpy(np.array([mixed[5].encode()], dtype=object))

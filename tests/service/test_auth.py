@@ -132,6 +132,23 @@ def test_bad_credentials_get_their_status_and_never_reach_redis(guarded):
     r.delete(contract.LEADER)
 
 
+def test_two_authorization_headers_are_refused_whichever_they_name(guarded):
+    """Which of two tokens would count differs between a proxy that adds one, gRPC and HTTP: a call
+    with more than one is refused, even when both are valid."""
+    from batchline.protocol import inference_pb2 as ipb
+    from batchline.protocol import inference_pb2_grpc
+
+    m, _ = guarded
+    request = ipb.ModelInferRequest(model_name="mlp")
+    with grpc.insecure_channel(m.address) as channel:
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(request, timeout=10, metadata=[("authorization", f"Bearer {SEARCH}"),
+                                                           ("authorization", f"Bearer {SEARCH}")])
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "carries 2 `authorization` headers: send one" in info.value.details()
+
+
 def test_a_refusal_names_no_model_outside_the_tokens_scope(guarded):
     m, _ = guarded
     with tc.InferenceServerClient(m.address) as client:
@@ -318,3 +335,19 @@ def test_a_token_swapped_in_place_with_its_time_kept_is_revoked(tmp_path):
     with pytest.raises(Unauthenticated):
         tokens.lookup(old)
     assert tokens.lookup(hashlib.sha256(new_token.encode()).hexdigest()).tenant == "search"
+
+
+def test_an_auth_file_that_became_unusable_keeps_its_tokens_and_says_so(tmp_path):
+    """A file mid-edit that does not parse keeps the tokens read before (a gateway must not lock
+    everyone out): a gauge says so while it lasts, for an alert, since a revocation in that change
+    is not in force yet."""
+    path = tmp_path / "auth.toml"
+    path.write_text(token_entry(SEARCH, "search", ["ml*"]))
+    tokens = auth.Tokens(str(path))
+    digest = hashlib.sha256(SEARCH.encode()).hexdigest()
+    path.write_text("[[token]\nnot toml")
+    assert tokens.lookup(digest).tenant == "search"
+    assert REGISTRY.get_sample_value("batchline_auth_file_unusable") == 1
+    path.write_text(token_entry(SEARCH, "search", ["ml*"]) + "\n")
+    assert tokens.lookup(digest).tenant == "search"
+    assert REGISTRY.get_sample_value("batchline_auth_file_unusable") == 0

@@ -673,7 +673,8 @@ def test_k8s_liveness_outlives_redis_and_pods_get_to_drain():
 def test_k8s_gateway_service_scheduler_replicas_gpu_and_autoscaling():
     docs = {(d["kind"], d["metadata"]["name"]): d for _, d in k8s_documents()}
     service_ports = {p["name"]: p["port"] for p in docs[("Service", "gateway")]["spec"]["ports"]}
-    assert service_ports == {"grpc": 8001, "http": 8000, "metrics": 8002}
+    # The protocol ports, not the metrics (each tenant's traffic): Prometheus scrapes the pods.
+    assert service_ports == {"grpc": 8001, "http": 8000}
     assert docs[("Deployment", "scheduler")]["spec"]["replicas"] == 2
     gpu = docs[("Deployment", "executor-gpu")]["spec"]["template"]["spec"]["containers"][0]
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1 and gpu["image"] == "batchline:cuda"

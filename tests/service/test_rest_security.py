@@ -82,6 +82,17 @@ def test_tokens_and_scopes_are_the_grpc_ports(guarded):
         assert "(served models: mlp)" in json.loads(_request(port, method, path, body, _bearer(ADMIN))[2])["error"]
     status, _, answer = _request(port, "POST", "/v2/models//infer", BODY, _bearer(OTHER))
     assert status == 403 and json.loads(answer)["error"] == "tenant 'other' may not call model ''"
+    # Two tokens (a proxy's added to the caller's): refused, not the first or the last taken.
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.putrequest("GET", "/v2/models/mlp")
+        for token in (OTHER, SEARCH):
+            connection.putheader("Authorization", f"Bearer {token}")
+        connection.endheaders()
+        response = connection.getresponse()
+        assert response.status == 401 and "send one" in json.loads(response.read())["error"]
+    finally:
+        connection.close()
 
     with http_client(guarded.http_address) as client:
         inp = th.InferInput("features", [1, 32], "FP32")

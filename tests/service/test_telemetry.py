@@ -296,3 +296,13 @@ def test_status_reason_is_the_lower_case_grpc_name():
     assert metrics.status_reason(grpc.StatusCode.INVALID_ARGUMENT) == "invalid_argument"
     assert metrics.status_reason(grpc.StatusCode.DEADLINE_EXCEEDED) == "deadline_exceeded"
     assert metrics.status_reason("NOT_FOUND") == "not_found"
+
+
+def test_a_tracestate_past_w3cs_length_is_not_carried_into_the_queue():
+    """A client's tracestate rides in every queue entry of its request: one past the 512 characters
+    W3C Trace Context asks to pass is dropped whole, the traceparent kept."""
+    from gateway.inference import MAX_TRACESTATE, trace_headers
+
+    fits = "vendor=" + "a" * (MAX_TRACESTATE - 7)
+    assert trace_headers([("traceparent", CLIENT_TRACEPARENT), ("tracestate", fits)]) == (CLIENT_TRACEPARENT, fits)
+    assert trace_headers([("traceparent", CLIENT_TRACEPARENT), ("tracestate", fits + "a")]) == (CLIENT_TRACEPARENT, "")

@@ -65,3 +65,25 @@ def test_an_undecodable_message_on_a_stream_is_answered_alone_and_the_stream_goe
     assert len(errors) == 1 and errors[0].startswith(
         "[INVALID_ARGUMENT] /inference.GRPCInferenceService/ModelStreamInfer: the request's bytes are not a valid "
         "inference.ModelInferRequest message (DecodeError: "), errors
+
+
+def test_paths_no_service_serves_are_not_remembered():
+    """A client may name any path: the handlers kept are those of methods served, however many
+    others are asked for (each would otherwise hold memory for as long as the server runs)."""
+    from batchline.undecodable import _GuardedGeneric
+
+    served = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+
+    class Inner(grpc.GenericRpcHandler):
+        def service(self, details):
+            return served if details.method == "/s/Known" else None
+
+    class Details(grpc.HandlerCallDetails):
+        def __init__(self, method: str) -> None:
+            self.method, self.invocation_metadata = method, ()
+
+    generic = _GuardedGeneric(Inner())
+    for i in range(1000):
+        assert generic.service(Details(f"/x/{i}")) is None
+    assert generic.service(Details("/s/Known")) is not None
+    assert list(generic.handlers) == ["/s/Known"]

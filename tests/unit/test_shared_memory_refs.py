@@ -249,6 +249,59 @@ def test_a_tenant_cannot_register_another_tenants_memory_nor_hold_files_without_
         regions.close()
 
 
+def test_a_tenants_file_stays_its_own_on_every_gateway_of_the_host_and_after_it_unregisters(region_file):
+    """Two gateways of one host (batchline up --gateways 2: a client lands on either): a file one
+    tenant registered on the first is refused to another tenant on the second, and still once the
+    first tenant unregistered it (the file is still its memory); a file of its own is taken."""
+    import uuid
+
+    name, _ = region_file
+    first, second = SharedMemory(), SharedMemory()
+    other = f"bl_unit_{uuid.uuid4().hex[:8]}"
+    with open(f"/dev/shm/{other}", "wb") as f:
+        f.write(bytes(64))
+    try:
+        first.register("in", f"/{name}", 0, 1024, tenant="a")
+        with pytest.raises(InvalidArgument, match="unable to open shared memory key"):
+            second.register("x", f"/{name}", 0, 64, tenant="b")
+        first.unregister("in", tenant="a")
+        with pytest.raises(InvalidArgument, match="unable to open shared memory key"):
+            second.register("x", f"/{name}", 0, 64, tenant="b")
+        second.register("again", f"/{name}", 0, 64, tenant="a")  # its owner, on either gateway
+        second.register("x", f"/{other}", 0, 64, tenant="b")
+    finally:
+        first.close()
+        second.close()
+        os.unlink(f"/dev/shm/{other}")
+
+
+def test_the_regions_of_every_tenant_together_keep_within_the_gateways_open_files():
+    """Many tenants, each under its own cap, must not take every file descriptor the gateway's
+    connections need: the regions of all of them are capped at half its limit of open files."""
+    import resource
+
+    from batchline.errors import ResourceExhausted
+    from gateway.shared_memory import open_files_for_regions
+
+    assert open_files_for_regions() == resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2
+    names = [f"bl_cap_{uuid.uuid4().hex[:8]}" for _ in range(4)]
+    for name in names:
+        with open(f"/dev/shm/{name}", "wb") as f:
+            f.write(bytes(64))
+    regions = SharedMemory(max_open=3)
+    try:
+        for tenant, name in zip("abc", names):
+            regions.register("r", f"/{name}", 0, 64, tenant=tenant)
+        with pytest.raises(ResourceExhausted, match=r"as many region files open as it may \(3\)"):
+            regions.register("r", f"/{names[3]}", 0, 64, tenant="d")
+        regions.unregister("r", tenant="b")
+        regions.register("r", f"/{names[3]}", 0, 64, tenant="d")  # room again once one is closed
+    finally:
+        regions.close()
+        for name in names:
+            os.unlink(f"/dev/shm/{name}")
+
+
 def test_outputs_go_into_regions_only_while_the_request_is_awaited(redis_server):
     """A request answered at its deadline (or given up) meanwhile: its client may be using the
     region again for its retry, and the late run's outputs must not land in it."""
