@@ -6,7 +6,8 @@ executor's stop) replaces it. The repository itself is never written.
 Triton's ModelConfig JSON replaces the model's config.toml: the fields batchline serves are
 translated to config.toml keys (every other key takes its default); the fields that describe
 what the graph already says (names, data types, dims) are accepted and left to the graph; any
-other field is refused, named.
+other field is refused, named, and so is a key within the served fields that asks for what
+batchline does not do (one holding Triton's default asks for nothing, and is accepted).
 """
 from __future__ import annotations
 
@@ -43,9 +44,36 @@ def _version_policy(policy: dict[str, Any]) -> dict[str, Any]:
     raise ConfigError(f"version_policy must hold latest, all or specific (got {sorted(policy)})")
 
 
+# Within the fields served, the keys batchline takes; any other is refused unless it holds Triton's
+# default (false, 0, empty, REJECT, KIND_AUTO / KIND_CPU), which asks for nothing batchline does not do:
+# a ModelConfig read back from a server writes its defaults out.
+_SERVED = {
+    "dynamic_batching": {"preferred_batch_size", "max_queue_delay_microseconds", "priority_levels",
+                         "default_priority_level", "default_queue_policy"},
+    "dynamic_batching.default_queue_policy": {"default_timeout_microseconds", "max_queue_size",
+                                              "allow_timeout_override"},
+    "instance_group[]": {"count", "name"},
+}
+_DEFAULTS = (None, False, 0, "0", "", "REJECT", "KIND_AUTO", "KIND_CPU")
+
+
+def _only_served(where: str, fields: Any) -> None:
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{where} must be a JSON object (got {fields!r})")
+    asked = sorted(k for k, v in fields.items() if k not in _SERVED[where] and not (v in _DEFAULTS or v == {}
+                                                                                     or v == []))
+    if asked:
+        raise ConfigError(f"{where}: {asked} are not served by batchline's load overrides; it takes "
+                          f"{sorted(_SERVED[where])}")
+
+
 def config_keys(triton: dict[str, Any]) -> dict[str, Any]:
     """config.toml's keys from Triton's ModelConfig as JSON; ConfigError names what cannot be served."""
     batching = triton.get("dynamic_batching") or {}
+    _only_served("dynamic_batching", batching)
+    _only_served("dynamic_batching.default_queue_policy", batching.get("default_queue_policy") or {})
+    for group in triton.get("instance_group") or []:
+        _only_served("instance_group[]", group)
     unknown = sorted(set(triton) - _DESCRIPTIVE - {"max_batch_size", "dynamic_batching", "instance_group",
                                                    "version_policy"})
     if unknown:

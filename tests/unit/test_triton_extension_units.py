@@ -126,6 +126,18 @@ def test_tritons_json_config_fields_batchline_does_not_serve_are_named():
         config_keys({"max_batch_size": "many"})
     with pytest.raises(ConfigError, match="input_format"):
         check_model_config(config_keys({"input": [{"name": "x", "format": "FORMAT_SIDEWAYS"}]}), "test")
+    # Within the fields served: what asks for behaviour batchline lacks is named, not dropped.
+    with pytest.raises(ConfigError, match=r"dynamic_batching: \['preserve_ordering'\]"):
+        config_keys({"dynamic_batching": {"preserve_ordering": True}})
+    with pytest.raises(ConfigError, match=r"default_queue_policy: \['timeout_action'\]"):
+        config_keys({"dynamic_batching": {"default_queue_policy": {"timeout_action": "DELAY"}}})
+    with pytest.raises(ConfigError, match=r"instance_group\[\]: \['gpus', 'kind'\]"):
+        config_keys({"instance_group": [{"count": 2, "kind": "KIND_GPU", "gpus": [0]}]})
+    # Triton's defaults, as a config read back from a server writes them, ask for nothing.
+    assert config_keys({"dynamic_batching": {"preserve_ordering": False, "priority_queue_policy": {},
+                                             "default_queue_policy": {"timeout_action": "REJECT",
+                                                                      "allow_timeout_override": False}},
+                        "instance_group": [{"count": 2, "kind": "KIND_CPU", "gpus": []}]}) == {"instance_count": 2}
 
 
 def test_shared_memory_registration_refuses_keys_it_cannot_map():
