@@ -66,7 +66,7 @@ class SchedulerSettings(CommonSettings):
                     "dispatch timing and the "
         "gateways' admission estimates (shedding, and refusing a request too slow even alone, go by the typical "
         "run): higher sends batches earlier and admits less, so fewer "
-        "runs slowed by a busy host overrun their deadlines (0.9 let 5 to 20 in 100 admitted requests miss 200 ms "
+        "runs slowed by a busy host overrun their deadlines (0.9 let 5 to 23 in 100 admitted requests miss 200 ms "
         "budgets at 2x overload on a shared 2-core host; docs/design/scheduling.md).",
     )
     overhead_ms: float = Field(
