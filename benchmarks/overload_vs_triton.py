@@ -140,6 +140,8 @@ def main() -> int:
         for i, who in enumerate(("batchline", "Triton")):
             kept = goodput[3.0][i] / goodput[2.0][i] if goodput[2.0][i] else float("nan")
             print(f"{who}: goodput at 3x / at 2x = {kept:.2f}")
+    if peer.failed_starts:
+        print(f"Triton failed to start {peer.failed_starts} time(s) and was started again.")
     return 0
 
 
