@@ -208,8 +208,12 @@ class Supervisor:
 
 
 def say(args: argparse.Namespace, message: str, stream=None) -> None:
-    """A line of `batchline up`'s own, in its --log-format."""
-    print(logs.line("batchline", message, getattr(args, "log_format", "text")), file=stream or sys.stdout, flush=True)
+    """A line of `batchline up`'s own, in its --log-format: written whole, newline included, in one
+    write (print() writes the text and the newline apart, and unbuffered, a service's line sharing
+    the terminal or pipe could land between them: two JSON objects on one line)."""
+    out = stream or sys.stdout
+    out.write(logs.line("batchline", message, getattr(args, "log_format", "text")) + "\n")
+    out.flush()
 
 
 def _too_many(crashes: deque, now: float, limit: int) -> bool:

@@ -79,3 +79,27 @@ def test_a_retired_service_that_outlasts_the_stop_timeout_is_killed(monkeypatch)
         if service.proc.poll() is None:
             service.proc.kill()
         service.proc.wait()
+
+
+def test_up_writes_each_of_its_lines_whole_in_one_write():
+    """`batchline up` shares its terminal or pipe with the services it starts: a line of its own
+    written as text and newline apart lets a service's line land between them (two JSON objects
+    on one line where --log-format json promises one a line)."""
+
+    from batchline.supervisor import say
+
+    class Writes:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.calls.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    out = Writes()
+    say(argparse.Namespace(log_format="json"), "batchline: stopping", out)
+    (line,) = out.calls
+    assert line.endswith("}\n") and line.count("\n") == 1
