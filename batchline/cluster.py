@@ -12,11 +12,15 @@ batchline.contract.keys (the hash tags) and batchline.contract.slots.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import urllib.parse
+from typing import AsyncIterator
 from dataclasses import dataclass, field
 
 import redis.asyncio.cluster as aiocluster
 import redis.cluster
+import redis.exceptions
 
 from batchline import redis_url
 
@@ -57,22 +61,74 @@ def parse(url: str) -> ClusterTarget:
     return ClusterTarget(nodes, kwargs)
 
 
-# Commands one client sends at once: below redis-py's connections per node (100), past which it
-# fails a command with MaxConnectionsError instead of making it wait as the other URLs' pools do.
+# Commands and pipelines one client has under way at once: below redis-py's connections per node
+# (100; fewer if the URL's max_connections says so), past which it fails a command with
+# MaxConnectionsError instead of making it wait as the other URLs' pools do.
 CONCURRENT_COMMANDS = 64
+# What redis-py says when it reached no node of the cluster at all (every node away).
+_UNREACHABLE = "Redis Cluster cannot be connected"
+# Set while a gated call is under way: a call it makes itself is not gated again.
+_gated: contextvars.ContextVar[bool] = contextvars.ContextVar("batchline_cluster_gated", default=False)
+
+
+@contextlib.asynccontextmanager
+async def outage_as_connection_error() -> AsyncIterator[None]:
+    """redis-py's "cannot be connected" (no node reachable) as the ConnectionError it is, which
+    callers wait out as any outage; its other RedisClusterExceptions are bugs, and stay."""
+    try:
+        yield
+    except redis.exceptions.RedisClusterException as exc:
+        if _UNREACHABLE in str(exc):
+            raise redis.exceptions.ConnectionError(str(exc)) from exc
+        raise
 
 
 class _WaitingCluster(aiocluster.RedisCluster):
-    """A cluster client whose commands, past CONCURRENT_COMMANDS at once, wait for a connection
-    rather than fail (a burst of a tenant's rate checks on one node, say)."""
+    """A cluster client whose commands and pipelines, past a number at once, wait for a connection
+    (at most the client's timeout, as the other URLs' pools) rather than fail (a burst of a
+    tenant's rate checks on one node, say); and whose "no node reachable" is an outage."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, wait_s: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._sending = asyncio.Semaphore(CONCURRENT_COMMANDS)
+        self._wait_s = wait_s
+        self._sending = asyncio.Semaphore(max(1, min(CONCURRENT_COMMANDS, kwargs.get("max_connections", 100) - 8)))
+
+    @contextlib.asynccontextmanager
+    async def _gate(self) -> AsyncIterator[None]:
+        if _gated.get():
+            yield
+            return
+        try:
+            await asyncio.wait_for(self._sending.acquire(), self._wait_s)
+        except asyncio.TimeoutError:
+            raise redis.exceptions.ConnectionError(
+                f"no connection to the Redis Cluster came free within {self._wait_s:g} s") from None
+        token = _gated.set(True)
+        try:
+            async with outage_as_connection_error():
+                yield
+        finally:
+            _gated.reset(token)
+            self._sending.release()
 
     async def execute_command(self, *args, **kwargs):
-        async with self._sending:
+        async with self._gate():
             return await super().execute_command(*args, **kwargs)
+
+    async def initialize(self, *args, **kwargs) -> None:
+        async with outage_as_connection_error():
+            await super().initialize(*args, **kwargs)
+
+    def pipeline(self, *args, **kwargs):
+        pipe = super().pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        async def gated(*a, **kw):
+            async with self._gate():
+                return await execute(*a, **kw)
+
+        pipe.execute = gated  # type: ignore[method-assign]
+        return pipe
 
 
 def connect(url: str, timeout: float, blocking_reads: bool = False) -> aiocluster.RedisCluster:
@@ -82,7 +138,8 @@ def connect(url: str, timeout: float, blocking_reads: bool = False) -> aiocluste
     options = timeouts(target, timeout)
     if blocking_reads:  # whatever the URL says: a read shorter than the wait would end every wait
         options["socket_timeout"] = redis_url.blocking_read_timeout(timeout)
-    return _WaitingCluster(startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in target.nodes], **options)
+    return _WaitingCluster(startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in target.nodes], wait_s=timeout,
+                           **options)
 
 
 def timeouts(target: ClusterTarget, timeout: float) -> dict:

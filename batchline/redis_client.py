@@ -20,13 +20,11 @@ from batchline import cluster, redis_url, sentinel
 
 # What a lost or stalled Redis raises: callers turn these into UNAVAILABLE or retry.
 # On a cluster, a shard without a primary (until its replica is promoted) and a slot being moved
-# pass the same way, and so does a client that reached no node at all: after a connection error
-# redis-py maps the cluster again at the next command, and raises RedisClusterException ("Redis
-# Cluster cannot be connected") while every node is away; the loops that wait on Redis (the
-# gateway's reply reader, the executor's workers) must outlive that as any outage.
+# pass the same way, and so does a client that reached no node at all (the cluster client raises
+# that as a ConnectionError: batchline.cluster).
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
                 redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
-                redis.exceptions.SlotNotCoveredError, redis.exceptions.RedisClusterException)
+                redis.exceptions.SlotNotCoveredError)
 # Redis answered, but refused a write for a state of its own that passes (maxmemory reached, a
 # replica during a failover): the caller may retry, as after an outage.
 REDIS_REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)

@@ -45,8 +45,8 @@ def _version_policy(policy: dict[str, Any]) -> dict[str, Any]:
 
 
 # Within the fields served, the keys batchline takes; any other is refused unless it holds Triton's
-# default (false, 0, empty, REJECT, KIND_AUTO / KIND_CPU), which asks for nothing batchline does not do:
-# a ModelConfig read back from a server writes its defaults out.
+# default (or is empty), which asks for nothing batchline does not do: a ModelConfig read back from
+# a server writes its defaults out.
 _SERVED = {
     "dynamic_batching": {"preferred_batch_size", "max_queue_delay_microseconds", "priority_levels",
                          "default_priority_level", "default_queue_policy"},
@@ -54,14 +54,21 @@ _SERVED = {
                                               "allow_timeout_override"},
     "instance_group[]": {"count", "name"},
 }
-_DEFAULTS = (None, False, 0, "0", "", "REJECT", "KIND_AUTO", "KIND_CPU")
+# Triton's default of each such key (a key not listed asks for nothing only when empty).
+_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    # KIND_CPU too: Triton's own examples ask for it, and a CPU executor runs there; where an
+    # executor has a GPU, its providers place the model (docs/guides/model-repository.md).
+    "preserve_ordering": (False,), "timeout_action": ("REJECT", 0), "kind": ("KIND_AUTO", "KIND_CPU", 0),
+    "max_queue_delay_microseconds": (0, "0"),
+}
 
 
 def _only_served(where: str, fields: Any) -> None:
     if not isinstance(fields, dict):
         raise ConfigError(f"{where} must be a JSON object (got {fields!r})")
-    asked = sorted(k for k, v in fields.items() if k not in _SERVED[where] and not (v in _DEFAULTS or v == {}
-                                                                                     or v == []))
+    asked = sorted(k for k, v in fields.items() if k not in _SERVED[where]
+                   and not (v is None or v == {} or v == [] or v == "" or any(v == d and type(v) is type(d)
+                                                                              for d in _DEFAULTS.get(k, ()))))
     if asked:
         raise ConfigError(f"{where}: {asked} are not served by batchline's load overrides; it takes "
                           f"{sorted(_SERVED[where])}")

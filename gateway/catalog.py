@@ -19,18 +19,35 @@ class Catalog:
         self.store = store
         self.registry = Registry()
         self._served: set[str] = set()  # model names ever served: their absence is UNAVAILABLE, not NOT_FOUND
-        self._loading: asyncio.Future | None = None  # the registry read under way, which others wait for
+        self._loading: asyncio.Future | None = None  # the registry read under way, which others share
+        self._reads = 0                 # registry reads begun
+        self._began: int | None = None  # the number of the read under way (None: not begun yet)
 
     async def refresh(self) -> None:
-        """Read the registry again; calls made while a read is under way share it (a flood of
-        requests for names nobody serves costs Redis one read at a time, not one each)."""
-        if self._loading is None or self._loading.done():
-            self._loading = asyncio.ensure_future(Registry.load(self.store))
-            # Read even when every caller that waited for it went away meanwhile.
-            self._loading.add_done_callback(lambda f: f.cancelled() or f.exception())
-        registry = await asyncio.shield(self._loading)
+        """Read the registry again. A call shares a read under way that began after it was made (a
+        flood of requests for names nobody serves costs Redis one read at a time, not one each); one
+        that began before may miss what changed since (a model just loaded or unloaded), so the call
+        waits for it and then shares the next."""
+        called = self._reads
+        while True:
+            loading = self._loading
+            if loading is None or loading.done():
+                loading = self._loading = asyncio.ensure_future(self._load())
+                self._began = None
+                # Read even when every caller that waited for it went away meanwhile.
+                loading.add_done_callback(lambda f: f.cancelled() or f.exception())
+            elif self._began is not None and self._began <= called:
+                await asyncio.wait([loading])
+                continue
+            registry = await asyncio.shield(loading)
+            break
         self.registry = registry
         self._served.update(registry.model_names())
+
+    async def _load(self) -> Registry:
+        self._reads += 1
+        self._began = self._reads
+        return await Registry.load(self.store)
 
     async def refresh_or_unavailable(self) -> None:
         try:

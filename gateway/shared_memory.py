@@ -157,27 +157,41 @@ OWNER_XATTR = "user.batchline.tenant"
 _unmarked_warned = False
 
 
-def _claim(fd: int, tenant: str) -> bool:
-    """Whether the file open at `fd` is `tenant`'s to register: unmarked (then marked as its) or
-    marked as its. Without tokens ('' tenant) nothing is marked. A filesystem without user extended
-    attributes (tmpfs before Linux 6.6) leaves the check to each gateway's own registrations."""
+def _unsupported(exc: OSError) -> bool:
+    """Whether `exc` says the filesystem takes no user extended attributes (said in the log once)."""
     global _unmarked_warned
+    if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    if not _unmarked_warned:
+        _unmarked_warned = True
+        log.warning("shared-memory files cannot be marked with their tenant here (%s): a tenant's region is kept "
+                    "from others only within each gateway; serve one gateway a host for tenancy across them",
+                    exc.strerror)
+    return True
+
+
+def _owned(fd: int, tenant: str, claim: bool = False) -> bool:
+    """Whether the file open at `fd` is `tenant`'s to register: unmarked, or marked as its; with
+    `claim`, an unmarked file is marked as its (exclusively: of two tenants racing, one wins).
+    Without tokens ('' tenant) nothing is marked or checked. Where the filesystem takes no user
+    extended attributes (tmpfs before Linux 6.6) each gateway checks only its own registrations."""
     if not tenant:
         return True
     mine = tenant.encode()
-    try:
+    if claim:
         try:
             os.setxattr(fd, OWNER_XATTR, mine, os.XATTR_CREATE)
             return True
         except FileExistsError:
-            return os.getxattr(fd, OWNER_XATTR) == mine
+            pass  # marked already: by whom, read below
+        except OSError as exc:
+            if _unsupported(exc):
+                return True
+            log.warning("a shared-memory file of tenant %r could not be marked as its (%s)", tenant, exc.strerror)
+    try:
+        return os.getxattr(fd, OWNER_XATTR) == mine
     except OSError as exc:
-        if not _unmarked_warned:
-            _unmarked_warned = True
-            log.warning("shared-memory files cannot be marked with their tenant here (%s): a tenant's region is "
-                        "kept from others only within each gateway; serve one gateway a host for tenancy across "
-                        "them", exc.strerror)
-        return True
+        return exc.errno == errno.ENODATA or _unsupported(exc)  # unmarked, or no marks here
 
 
 class SharedMemory:
@@ -214,18 +228,22 @@ class SharedMemory:
                                   f"({exc.strerror}): create it on this gateway's host before registering") from None
         try:
             stat = os.fstat(fd)
-            if (any(r.ino == stat.st_ino and t != tenant for (t, _), r in self.regions.items())
-                    or not _claim(fd, tenant)):
-                # Another tenant's memory: read as an input or written as an output, it would cross
-                # tenants. Worded as the open of a file the gateway may not open, so as to say
-                # nothing of the other.
-                raise InvalidArgument(f"shared memory region '{name}': unable to open shared memory key {key!r} "
+            # Another tenant's memory: read as an input or written as an output, it would cross
+            # tenants. Worded as the open of a file the gateway may not open, so as to say nothing
+            # of the other; checked before anything else about the file is said.
+            refused = InvalidArgument(f"shared memory region '{name}': unable to open shared memory key {key!r} "
                                       f"({os.strerror(errno.EACCES)}): create a key of your own on this gateway's "
                                       "host before registering")
+            if any(r.ino == stat.st_ino and t != tenant for (t, _), r in self.regions.items()) or \
+                    not _owned(fd, tenant):
+                raise refused
             if byte_size == 0 or offset + byte_size > stat.st_size:
                 raise InvalidArgument(f"shared memory region '{name}': "
                                       f"offset {offset} + byte size {byte_size} does not "
                                       f"fit key {key!r}, which holds {stat.st_size} bytes")
+            # Marked last: a registration refused for its sizes claims nothing.
+            if not _owned(fd, tenant, claim=True):
+                raise refused
         except BaseException:
             os.close(fd)
             raise

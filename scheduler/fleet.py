@@ -21,6 +21,10 @@ class Fleet:
         self.registry = Registry()
         self.read_at = 0.0  # time.monotonic() of the last complete read; 0: read at the next step
         self.heartbeats = HeartbeatTrust()  # whether an executor without a heartbeat is gone
+        # The models each executor last registered, kept until it is forgotten: recovery looks at
+        # their in-flight sets whatever its served set says (on a cluster, written apart from the
+        # dispatch), also at a refresh later than the first after its registration expired.
+        self._models: dict[str, set[tuple[str, str]]] = {}
 
     def due(self) -> bool:
         return time.monotonic() - self.read_at >= self.refresh_s or not self.registry.models
@@ -32,14 +36,17 @@ class Fleet:
     async def refresh(self) -> dict[str, int]:
         """Read the registry; hand back the batches of the executors whose heartbeat expired and
         forget them. Returns those executors, with how many requests each had."""
-        before, self.registry = self.registry, await Registry.load(self.store)
+        self.registry = await Registry.load(self.store)
+        for eid, info in self.registry.executors.items():
+            self._models[eid] = {(m.name, m.version) for m in info.models}
+        for eid in [e for e in self._models if e not in self.registry.executors and e not in self.registry.stale]:
+            del self._models[eid]  # forgotten (by another scheduler, say)
         gone: dict[str, int] = {}
         if self.registry.stale and self.heartbeats.heartbeats_tell():
             for eid in self.registry.stale:
-                # The models it last registered: their in-flight sets are looked at whatever its
-                # served set says (on a cluster, written apart from the dispatch).
-                last = before.executors.get(eid)
-                gone[eid] = await self._recover(eid, [(m.name, m.version) for m in last.models] if last else [])
+                # The models it last registered, and (a scheduler that never saw it) those served now.
+                models = self._models.get(eid, set()) | set(self.registry.models)
+                gone[eid] = await self._recover(eid, sorted(models))
         elif self.registry.stale:
             # Their keys may have expired in an outage or a failover: a live executor beats again
             # soon and runs its batches; handing them back now would run them twice.
@@ -55,6 +62,7 @@ class Fleet:
             # Forgotten only once a recovery finds nothing left: a batch dispatched to it while this
             # one ran (by a scheduler that had not seen it go) is recovered at the next refresh.
             await self.store.forget_executor(eid)
+            self._models.pop(eid, None)
         for key, count in requeued.items():
             metrics.REDISPATCHED.labels(*key).inc(count)
         n = sum(requeued.values())

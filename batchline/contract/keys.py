@@ -16,6 +16,7 @@ bl:q:{M}                               sorted set   QueueEntry, scored priority-
 bl:req:{M}:<request_id>                string       the ModelInferRequest (tensors); TTL = budget + grace
 bl:gen:{M}:<request_id>                string       the output token ids a generation request was sent so far
                                                     (int64): where a takeover continues from; TTL = the payload's
+                                                    (REPLY_TTL at least)
 bl:batch:{M}:<batch_id>                string       Batch while dispatched; TTL = latest deadline + grace
 bl:inflight:{M}:<executor_id>          set          ids of that model's batches dispatched to the executor, not yet
                                                     answered

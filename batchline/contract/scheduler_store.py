@@ -4,9 +4,12 @@ the wake-up of its own blocking wait, latency profiles, and forgetting a dead ex
 batches recovery, inherited, hands back)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Mapping, Sequence
+
+import redis.exceptions
 
 from batchline.contract import calls, scripts
 from batchline.contract import keys as k
@@ -14,6 +17,8 @@ from batchline.contract.keys import ModelKey
 from batchline.contract.recovery import RecoveryStore
 from batchline.contract.slots import Rounds, get_many, on_cluster
 from batchline.protocol import internal_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 # A latency profile's key: model, version, execution provider.
 ProfileKey = tuple[str, str, str]
@@ -82,8 +87,14 @@ class StepWrites:
                     for gateway_id, answers in calls.shed_answers(results[i], request_ids, replies).items():
                         calls.push_with_ttl(pipe, k.reply(gateway_id), k.REPLY_TTL, answers)
                     results[i] = len(results[i])
-                if len(pipe):
-                    await pipe.execute()
+                try:
+                    if len(pipe):
+                        await pipe.execute()
+                except (redis.exceptions.RedisError, OSError) as exc:
+                    # The step's own writes landed and are booked; the clients of the requests shed
+                    # hear of it as their own deadline, at their gateway.
+                    log.warning("answers to %d shed requests were not written: %s",
+                                sum(results[i] for i, _, _ in sheds), exc)
         return results
 
 

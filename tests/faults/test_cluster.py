@@ -149,19 +149,28 @@ def test_a_cluster_that_went_away_whole_is_an_outage_and_served_again_once_back(
 
 def test_a_burst_past_a_nodes_connections_waits_instead_of_failing(redis_cluster):
     """redis-py's cluster client fails a command once a node has 100 connections: a burst of 300
-    commands on one node (a tenant's rate checks) must each be answered, as on a plain Redis."""
+    commands and 150 pipelines on one node (a tenant's rate checks, group commits) must each be
+    answered, as on a plain Redis."""
     from batchline.redis_client import connect
 
+    async def piped():
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.get("{t:one}k")
+            return (await pipe.execute())[0]
+
     async def burst() -> list:
+        nonlocal client
         client = connect(redis_cluster.url, 5)
         try:
             await client.set("{t:one}k", "v")
-            return await asyncio.gather(*(client.get("{t:one}k") for _ in range(300)), return_exceptions=True)
+            return await asyncio.gather(*(client.get("{t:one}k") for _ in range(300)),
+                                        *(piped() for _ in range(150)), return_exceptions=True)
         finally:
             await client.aclose()
 
+    client = None
     answers = asyncio.run(burst())
-    assert answers == [b"v"] * 300, {type(a).__name__ for a in answers if isinstance(a, Exception)}
+    assert answers == [b"v"] * 450, {type(a).__name__ for a in answers if isinstance(a, Exception)}
 
 
 def _start_gateway(url: str) -> subprocess.CompletedProcess:

@@ -530,3 +530,47 @@ def test_lookups_of_names_nobody_serves_share_the_registry_read_under_way(monkey
         answers = asyncio.run(flood(server.url))
     assert all(isinstance(a, NotFound) for a in answers)
     assert len(reads) == 1
+
+
+def test_a_lookup_made_after_a_registry_read_began_does_not_take_that_reads_answer(monkeypatch):
+    """A read under way since before a lookup may miss an executor that registered since (a model
+    just loaded): the lookup waits for it, then shares the next, and finds the model."""
+    import asyncio
+
+    from batchline.contract.gateway_store import GatewayStore
+    from batchline.errors import NotFound
+    from batchline.redis_client import connect
+    from batchline.registry import Registry
+    from gateway.catalog import Catalog
+
+    real = Registry.load
+    read = asyncio.Event()
+
+    async def read_then_linger(store):
+        found = await real(store)
+        read.set()
+        await asyncio.sleep(0.1)  # the answer travels back while the registry changes
+        return found
+
+    monkeypatch.setattr(Registry, "load", staticmethod(read_then_linger))
+    info = pb.ExecutorInfo(executor_id="e1", heartbeat_us=10**16,
+                           models=[pb.ModelInfo(name="fresh", version="1", max_batch_size=1)])
+
+    async def scenario(url: str) -> tuple:
+        client = connect(url, 2)
+        try:
+            catalog = Catalog(GatewayStore(client))
+            early = asyncio.ensure_future(catalog.model("fresh"))
+            await read.wait()
+            read.clear()
+            await client.sadd(contract.EXECUTORS, "e1")
+            await client.set(contract.executor("e1"), info.SerializeToString(), px=60_000)
+            late = await catalog.model("fresh")
+            return await asyncio.gather(early, return_exceptions=True), late
+        finally:
+            await client.aclose()
+
+    with EmbeddedRedis() as server:
+        (early,), late = asyncio.run(scenario(server.url))
+    assert isinstance(early, NotFound)  # it asked before the executor registered
+    assert late.name == "fresh"

@@ -137,7 +137,10 @@ def test_tritons_json_config_fields_batchline_does_not_serve_are_named():
     assert config_keys({"dynamic_batching": {"preserve_ordering": False, "priority_queue_policy": {},
                                              "default_queue_policy": {"timeout_action": "REJECT",
                                                                       "allow_timeout_override": False}},
-                        "instance_group": [{"count": 2, "kind": "KIND_CPU", "gpus": []}]}) == {"instance_count": 2}
+                        "instance_group": [{"count": 2, "kind": "KIND_AUTO", "gpus": []}]}) == {"instance_count": 2}
+    # A default of one key is no default of another.
+    with pytest.raises(ConfigError, match="not served by batchline's load overrides"):
+        config_keys({"dynamic_batching": {"preserve_ordering": "REJECT"}})
 
 
 def test_shared_memory_registration_refuses_keys_it_cannot_map():
