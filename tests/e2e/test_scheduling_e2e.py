@@ -674,8 +674,11 @@ def test_batches_that_find_every_executor_idle_go_to_the_one_idle_longest(mesh_f
     channel, stub = _stub(m)
     for i in range(6):
         assert stub.ModelInfer(_request(i), timeout=30).id == "t"
+    # An executor counts a batch once its answer is written: the client may read it first.
+    poll(lambda: sum(app.executor.executed_batches for app in m.executors) == 6, WAIT_S,
+         "the executors to count the batches they answered")
     ran = [app.executor.executed_batches for app in m.executors]
-    assert sum(ran) == 6 and min(ran) >= 2, ran
+    assert min(ran) >= 2, ran
     channel.close()
 
 
