@@ -574,3 +574,40 @@ def test_a_lookup_made_after_a_registry_read_began_does_not_take_that_reads_answ
         (early,), late = asyncio.run(scenario(server.url))
     assert isinstance(early, NotFound)  # it asked before the executor registered
     assert late.name == "fresh"
+
+
+def test_a_scheduler_that_never_saw_a_dead_executor_recovers_its_batch_of_a_model_served_now():
+    """A new leader never saw the executor that died; its served set lacks the model (on a cluster
+    the dispatch's half that writes it failed): the models served now are looked at, and the batch
+    in its in-flight set goes back to its queue."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from batchline.clock import now_us
+    from batchline.contract.scheduler_store import SchedulerStore
+    from scheduler.fleet import Fleet
+
+    model = ("t-new-leader", "1")
+    entry = pb.QueueEntry(request_id="r1", gateway_id="g", model_version="1", rows=1, deadline_us=1, priority=1)
+    batch = pb.Batch(batch_id="b1", model_name=model[0], model_version=model[1], executor_id="dead",
+                     members=[entry])
+    alive = pb.ExecutorInfo(executor_id="alive", heartbeat_us=now_us(),
+                            models=[pb.ModelInfo(name=model[0], version=model[1], max_batch_size=1)])
+
+    async def run(url: str) -> dict:
+        client = aioredis.Redis.from_url(url)
+        r = redis.Redis.from_url(url)
+        try:
+            r.sadd(contract.EXECUTORS, "dead", "alive")  # "dead" has no registration left: stale
+            r.set(contract.executor("alive"), alive.SerializeToString(), px=60_000)
+            r.set(contract.payload(model, "r1"), b"tensors", px=60_000)
+            r.set(contract.batch(model, "b1"), batch.SerializeToString(), px=60_000)
+            r.sadd(contract.inflight(model, "dead"), "b1")
+            return await Fleet(SchedulerStore(client), 0.5).refresh()
+        finally:
+            r.close()
+            await client.aclose()
+
+    with EmbeddedRedis() as server:
+        assert asyncio.run(run(server.url)) == {"dead": 1}
