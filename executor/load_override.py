@@ -59,16 +59,19 @@ _DEFAULTS: dict[str, tuple[Any, ...]] = {
     # KIND_CPU too: Triton's own examples ask for it, and a CPU executor runs there; where an
     # executor has a GPU, its providers place the model (docs/guides/model-repository.md).
     "preserve_ordering": (False,), "timeout_action": ("REJECT", 0), "kind": ("KIND_AUTO", "KIND_CPU", 0),
-    "max_queue_delay_microseconds": (0, "0"),
 }
+
+
+def _asks_nothing(key: str, value: Any) -> bool:
+    # Compared with the type too: False == 0 would let a 0 pass for any boolean's default.
+    return value in (None, "") or value == {} or value == [] or any(
+        value == d and type(value) is type(d) for d in _DEFAULTS.get(key, ()))
 
 
 def _only_served(where: str, fields: Any) -> None:
     if not isinstance(fields, dict):
         raise ConfigError(f"{where} must be a JSON object (got {fields!r})")
-    asked = sorted(k for k, v in fields.items() if k not in _SERVED[where]
-                   and not (v is None or v == {} or v == [] or v == "" or any(v == d and type(v) is type(d)
-                                                                              for d in _DEFAULTS.get(k, ()))))
+    asked = sorted(k for k, v in fields.items() if k not in _SERVED[where] and not _asks_nothing(k, v))
     if asked:
         raise ConfigError(f"{where}: {asked} are not served by batchline's load overrides; it takes "
                           f"{sorted(_SERVED[where])}")

@@ -68,7 +68,7 @@ class Tokenizers:
             i, n = too_long
             raise InvalidArgument(f"input '{text.name}': element {i} is {n} tokens, more than the {text.max_length} "
                                   f"model '{model.name}' takes (its [tokenizer] does not truncate)")
-        cut = sum(1 for e in encodings if e.overflowing)
+        cut = sum(1 for e in encodings if e.overflowing) if text.truncate else 0
         if cut:
             metrics.TEXT_TRUNCATED.labels(model.name, model.version).inc(cut)
         return _with_inputs(request, token_arrays(encodings, text, fixed_width(model))), cut
