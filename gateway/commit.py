@@ -107,6 +107,9 @@ class GroupCommit:
             for w, ok in zip(batch, queued):
                 if w.done.done():
                     continue
+                if isinstance(ok, Exception):  # its shard of a cluster refused it: not its neighbours
+                    w.done.set_exception(_commit_error(ok))
+                    continue
                 if ok:
                     w.done.set_result(None)
                     continue
@@ -140,5 +143,5 @@ def _commit_error(exc: Exception) -> BatchlineError:
     if isinstance(exc, REDIS_REFUSALS):
         # Out of memory (maxmemory) or a replica mid-failover: the server's state, and passing.
         return Unavailable(f"cannot queue the request: Redis refuses writes right now ({exc}): retry")
-    log.exception("group commit failed")
+    log.error("group commit failed: %s", exc, exc_info=exc)  # (also for a write's own error, past its except)
     return Internal(f"cannot queue the request: {exc}")

@@ -7,6 +7,7 @@ no caller packs them by position.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -14,6 +15,8 @@ from batchline.contract import keys as k
 from batchline.contract import scripts, slots
 from batchline.contract.keys import ModelKey
 from batchline.protocol import internal_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -40,7 +43,8 @@ def enqueue(client: Any, gateway_id: str, address: str, heartbeat_ttl_ms: int,
             writes: Sequence[QueueWrite], abandoned: Sequence[Abandoned] = ()) -> Any:
     """A gateway's group commit (scripts.ENQUEUE_LUA): its result holds, per write, 1 when queued
     and 0 when its queue was full. One command on one Redis; on a cluster, one per model, then
-    the announcement (an asyncio client's)."""
+    the announcement (an asyncio client's), and in the place of each write a shard refused, its
+    error."""
     if slots.on_cluster(client):
         return _enqueue_by_model(client, gateway_id, address, heartbeat_ttl_ms, writes, abandoned)
     keys, args = _enqueue_keys_args(writes, abandoned, announce=True)
@@ -64,10 +68,12 @@ def _enqueue_keys_args(writes: Sequence[QueueWrite], abandoned: Sequence[Abandon
 
 
 async def _enqueue_by_model(client: Any, gateway_id: str, address: str, heartbeat_ttl_ms: int,
-                            writes: Sequence[QueueWrite], abandoned: Sequence[Abandoned]) -> list[int]:
-    """The group commit on a cluster: each model's writes in its slot; then, once they have
-    landed, the announcement in the shared slot (a token before its entry would wake the
-    scheduler too early, and the entry would then wait for a timer)."""
+                            writes: Sequence[QueueWrite], abandoned: Sequence[Abandoned]) -> list[int | Exception]:
+    """The group commit on a cluster: each model's writes in its slot, a shard that refuses (out
+    of its own memory, a key of another type) failing the writes in its slots alone, whose places
+    hold its error; then, once they have landed, the announcement in the shared slot (a token
+    before its entry would wake the scheduler too early, and the entry would then wait for a
+    timer). An announcement that fails leaves the writes queued: the scheduler's tick finds them."""
     groups: dict[ModelKey, tuple[list[int], list[QueueWrite], list[Abandoned]]] = {}
     for i, w in enumerate(writes):
         indexes, ws, _ = groups.setdefault(w.model, ([], [], []))
@@ -75,20 +81,30 @@ async def _enqueue_by_model(client: Any, gateway_id: str, address: str, heartbea
         ws.append(w)
     for a in abandoned:
         groups.setdefault(a.model, ([], [], []))[2].append(a)
-    rounds = slots.Rounds(client)
-    pipe = rounds.next()
+    pipe = client.pipeline(transaction=False)
     for _, ws, gone in groups.values():
         keys, args = _enqueue_keys_args(ws, gone, announce=False)
         pipe.eval(scripts.ENQUEUE_LUA, len(keys), *keys, *args)
-    if writes:
-        notify = [k.notify(m) for m in dict.fromkeys(w.model for w in writes)]
-        rounds.next().eval(scripts.ANNOUNCE_LUA, 1 + len(notify), k.gateway(gateway_id), *notify,
-                           address, heartbeat_ttl_ms, k.QUEUE_TTL)
-    results = await rounds.execute()
-    queued = [0] * len(writes)
-    for (indexes, _, _), flags in zip(groups.values(), results):
+    results = await pipe.execute(raise_on_error=False)
+    queued: list[int | Exception] = [0] * len(writes)
+    landed = []
+    for model, (indexes, _, _), flags in zip(groups, groups.values(), results):
+        if isinstance(flags, Exception):
+            for i in indexes:
+                queued[i] = flags
+            continue
+        if indexes:
+            landed.append(model)
         for i, flag in zip(indexes, flags):
             queued[i] = flag
+    if landed:
+        notify = [k.notify(m) for m in landed]
+        try:
+            await client.eval(scripts.ANNOUNCE_LUA, 1 + len(notify), k.gateway(gateway_id), *notify,
+                              address, heartbeat_ttl_ms, k.QUEUE_TTL)
+        except Exception as exc:  # noqa: BLE001 - the writes landed: they are served without it
+            log.warning("the group commit's announcement failed, its requests wait for the scheduler's tick: %s",
+                        exc)
     return queued
 
 

@@ -53,8 +53,9 @@ class GatewayStore(Store):
         return bool(await calls.withdraw(self.client, model, request_id, member))
 
     async def enqueue(self, gateway_id: str, address: str, heartbeat_ttl_ms: int, writes: Sequence[QueueWrite],
-                      abandoned: Sequence[Abandoned] = ()) -> list[int]:
-        """The group commit (contract.enqueue): per write, 1 when queued, 0 when its queue was full."""
+                      abandoned: Sequence[Abandoned] = ()) -> list[int | Exception]:
+        """The group commit (contract.enqueue): per write, 1 when queued, 0 when its queue was full,
+        or (on a cluster) the error of the shard that refused it."""
         return list(await calls.enqueue(self.client, gateway_id, address, heartbeat_ttl_ms, writes, abandoned))
 
     async def add_arrivals(self, counts: dict[ModelKey, int]) -> None:

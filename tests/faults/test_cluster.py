@@ -76,6 +76,54 @@ def test_a_group_commit_over_two_shards_keeps_each_write_s_answer_and_announces_
     assert shared.get(contract.gateway("gw")) == b"127.0.0.1:1"
 
 
+def test_a_shard_that_refuses_a_group_commit_fails_only_the_writes_in_its_slots(redis_cluster):
+    """One shard refusing its part of a group commit (here a key of another type where the queue
+    should be; out of its own memory alike) fails the writes of that model alone: the other
+    model's land, are announced, and get their answers."""
+    from batchline.redis_client import connect
+    from redis.exceptions import ResponseError
+
+    broken, other = ("mlp", "1"), ("minilm", "1")
+    assert redis_cluster.shard_of(contract.queue(broken)) != redis_cluster.shard_of(contract.queue(other))
+    redis_cluster.node(redis_cluster.shard_of(contract.queue(broken))).set(contract.queue(broken), b"not a queue")
+
+    async def commit():
+        client = connect(redis_cluster.url, 2)
+        try:
+            writes = [contract.QueueWrite(rid, model, b"p-" + rid.encode(), 60_000, rid.encode(), 5, 0)
+                      for rid, model in [("a", broken), ("b", other), ("c", broken), ("d", other)]]
+            return await contract.enqueue(client, "gw", "127.0.0.1:1", 30_000, writes)
+        finally:
+            await client.aclose()
+
+    queued = asyncio.run(commit())
+    assert isinstance(queued[0], ResponseError) and isinstance(queued[2], ResponseError)
+    assert queued[1::2] == [1, 1]
+    r = redis_cluster.node(redis_cluster.shard_of(contract.queue(other)))
+    assert sorted(r.zrange(contract.queue(other), 0, -1)) == [b"b", b"d"]
+    shared = redis_cluster.node(redis_cluster.shard_of(contract.REPORTS))
+    assert [shared.llen(contract.notify(m)) for m in (broken, other)] == [0, 1]
+
+    # Through the gateway's group commit: the refused write's caller hears why, its neighbour is queued.
+    from batchline.contract.gateway_store import GatewayStore
+    from batchline.errors import Internal
+    from gateway.commit import GroupCommit
+
+    async def through_the_gateway():
+        client = connect(redis_cluster.url, 2)
+        try:
+            commit = GroupCommit(GatewayStore(client), "gw", 30_000, 0.0, lambda: 0)
+            return await asyncio.gather(*(
+                commit.write(contract.QueueWrite(rid, model, b"p", 60_000, rid.encode(), 5, 0), 2**62, 1.0)
+                for rid, model in [("e", broken), ("f", other)]), return_exceptions=True)
+        finally:
+            await client.aclose()
+
+    refused, queued_f = asyncio.run(through_the_gateway())
+    assert isinstance(refused, Internal) and "WRONGTYPE" in str(refused) and queued_f is None
+    assert b"f" in r.zrange(contract.queue(other), 0, -1)
+
+
 def test_a_shed_on_a_cluster_takes_only_what_is_still_queued_and_answers_only_that(redis_cluster):
     """A scheduler paused past its lease sheds a request the new leader dispatched meanwhile: on a
     cluster too, that one keeps its payload and gets no answer from the shed, and the step counts
