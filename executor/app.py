@@ -6,7 +6,7 @@ import logging
 import time
 import uuid
 
-from batchline import metrics
+from batchline import contract, metrics
 from batchline.contract.keys import ModelKey
 from batchline.lifecycle import stop_tasks
 from batchline.grpc_server import ServerHandle, start_server
@@ -119,9 +119,11 @@ class ExecutorApp:
     async def _rewrite_lost(self) -> None:
         """Give a new Redis primary the finished batches it lacks (their answers were acknowledged by
         the old one but not replicated), so that their requests are answered instead of waiting."""
+        # A second of margin: the check that last saw the old primary may have raced its last writes.
+        since = self.server.old_primary_seen_s - 1.0 if contract.on_cluster(self.executor.store.client) else None
         for _ in range(REWRITE_ATTEMPTS):
             try:
-                n = sum([await lane.written.rewrite_lost(lane.store) for lane in self.lanes])
+                n = sum([await lane.written.rewrite_lost(lane.store, since) for lane in self.lanes])
             except REDIS_ERRORS as exc:
                 log.warning("writing finished batches to the new Redis primary failed: %s", exc)
                 await asyncio.sleep(REWRITE_RETRY_S)

@@ -44,18 +44,28 @@ class Written:
         """The batches kept, oldest first."""
         return [done.batch for _, _, done in self._recent]
 
-    async def rewrite_lost(self, store: ExecutorStore) -> int:
+    async def rewrite_lost(self, store: ExecutorStore, replies_since: float | None = None) -> int:
         """Write again each kept batch whose batch key Redis still holds: the batch's answers never
         reached this primary, and without them its requests would wait out their deadlines.
-        Returns how many were written again."""
+
+        With `replies_since` (time.monotonic(); on a Redis Cluster, when the replaced primary last
+        answered), also send again the answers of the batches finished since whose key is gone: a
+        cluster keeps a batch's key and its answers on different shards, so the shard that failed
+        over may have lost the answers alone (a gateway ignores an answer it has had).
+        Returns how many batches were written or answered again."""
         since = time.monotonic() - REWRITE_WINDOW_S
-        kept = [done for at, _, done in self._recent if at >= since]
+        kept = [(at, done) for at, _, done in self._recent if at >= since]
         if not kept:
             return 0
-        lost = [done for done, held in zip(kept, await store.still_dispatched(kept)) if held]
+        held = await store.still_dispatched([done for _, done in kept])
+        lost = [done for (_, done), h in zip(kept, held) if h]
         for done in lost:
             await store.batch_done(done)
-        return len(lost)
+        answered = [done for (at, done), h in zip(kept, held)
+                    if not h and done.replies and replies_since is not None and at >= replies_since]
+        for done in answered:
+            await store.send_replies(done.replies)
+        return len(lost) + len(answered)
 
 
 @dataclass(slots=True)

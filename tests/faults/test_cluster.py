@@ -124,6 +124,40 @@ def test_a_shard_that_refuses_a_group_commit_fails_only_the_writes_in_its_slots(
     assert b"f" in r.zrange(contract.queue(other), 0, -1)
 
 
+def test_answers_a_failed_over_shard_lost_are_sent_again_from_what_the_executor_kept(redis_cluster):
+    """On a cluster a batch's key and its answers live on different shards: the shard of the
+    gateway's reply list can fail over and lose the answers while the key is gone for good on its
+    own. The executor sends again the answers of the batches it finished since the replaced primary
+    last answered, and only those."""
+    from batchline.contract import FinishedBatch
+    from batchline.contract.executor_store import ExecutorStore
+    from batchline.protocol import internal_pb2 as pb
+    from batchline.redis_client import connect
+    from executor.outcome import Written
+
+    model = ("mlp", "1")
+    assert redis_cluster.shard_of(contract.batch(model, "b1")) != redis_cluster.shard_of(contract.reply("gw"))
+    batch = pb.Batch(batch_id="b1", model_name="mlp", model_version="1", members=[pb.QueueEntry(request_id="r1")])
+    done = FinishedBatch(batch, pb.ExecutionReport(executor_id="e1", batch_id="b1"), {"gw": [b"answer"]}, [], 0)
+
+    async def run():
+        client = connect(redis_cluster.url, 2)
+        try:
+            store, written = ExecutorStore(client), Written()
+            await store.batch_done(done)
+            written.add(done)
+            finished = time.monotonic()
+            await client.delete(contract.reply("gw"))  # the reply list's shard failed over without it
+            told = [await written.rewrite_lost(store),  # one Redis: answers and key are lost together
+                    await written.rewrite_lost(store, replies_since=finished + 1),  # replicated before
+                    await written.rewrite_lost(store, replies_since=finished - 1)]
+            return told, await client.lrange(contract.reply("gw"), 0, -1)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(run()) == ([0, 0, 1], [b"answer"])
+
+
 def test_a_shed_on_a_cluster_takes_only_what_is_still_queued_and_answers_only_that(redis_cluster):
     """A scheduler paused past its lease sheds a request the new leader dispatched meanwhile: on a
     cluster too, that one keeps its payload and gets no answer from the shed, and the step counts
