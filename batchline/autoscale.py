@@ -53,8 +53,10 @@ def needed(demand: pb.MeshDemand) -> tuple[float, str]:
 
 
 def explain(demand: pb.MeshDemand) -> str:
-    return "; ".join(f"{m.name}:{m.version} {m.forecast_rate:.1f}/s forecast, {m.capacity:.1f}/s per executor, "
-                     f"{m.backlog} queued" for m in demand.models) or "no model served"
+    return "; ".join(f"{m.name}:{m.version} {m.forecast_rate:.1f}/s forecast"
+                     + (f", {m.queued_rate:.1f}/s arriving now by its queue" if m.queued_rate > m.forecast_rate else "")
+                     + f", {m.capacity:.1f}/s per executor, {m.backlog} queued"
+                     for m in demand.models) or "no model served"
 
 
 @dataclass

@@ -66,7 +66,8 @@ def demand(blob: bytes | None) -> dict | None:
     return {"executors_wanted": d.executors_wanted, "horizon_s": round(d.horizon_s, 3),
             "executor_start_s": round(d.executor_start_s, 3),
             "models": [{"model": m.name, "version": m.version, "arrival_rate": round(m.arrival_rate, 3),
-                        "forecast_rate": round(m.forecast_rate, 3), "capacity": round(m.capacity, 3),
+                        "forecast_rate": round(m.forecast_rate, 3), "queued_rate": round(m.queued_rate, 3),
+                        "capacity": round(m.capacity, 3),
                         "budget_s": m.budget_s, "backlog": m.backlog,
                         "executors": round(max(m.by_forecast, m.by_backlog), 3)} for m in d.models]}
 
@@ -103,8 +104,10 @@ def render(status: dict) -> str:
         lines.append(f"  executors wanted: {d['executors_wanted']} (forecast {d['horizon_s']:.1f} s ahead; "
                      f"an executor starts in {start})")
         for m in d["models"]:
+            surge = (f", {m['queued_rate']:.1f}/s by its queue" if m.get("queued_rate", 0) > m["forecast_rate"]
+                     else "")
             lines.append(f"  {m['model']}:{m['version']}: {m['arrival_rate']:.1f}/s now, {m['forecast_rate']:.1f}/s "
-                         f"forecast, {m['capacity']:.1f}/s per executor within {m['budget_s'] * 1000:.0f} ms, "
+                         f"forecast{surge}, {m['capacity']:.1f}/s per executor within {m['budget_s'] * 1000:.0f} ms, "
                          f"{m['backlog']} queued: {m['executors']:.2f} executors")
     return "\n".join(lines)
 

@@ -57,7 +57,7 @@ from typing import Callable
 from batchline.autoscale import ScalePolicy
 from forecasters import poisson  # benchmarks/forecasters.py: one Poisson draw for both scripts
 from batchline.planning import BatchingRule, FunctionCost
-from batchline.planning.capacity import executor_capacity, need
+from batchline.planning.capacity import executor_capacity, need, queued_rate
 from batchline.planning.forecast import ArrivalRate, Holt
 from batchline.protocol import internal_pb2 as pb
 from scheduler.demand import TARGET_UTILISATION
@@ -243,10 +243,12 @@ def simulate(trace: Callable[[float, random.Random], float], policy: str, seed: 
             rate.observe(t, arrived)
             forecast = rate.ahead(setup.start_s)
             sized_by = setup.sized_by or capacity
-            n_need = need(forecast, sized_by, TARGET_UTILISATION, round(queued), BUDGET_S)
+            # A tick's arrivals come over the tick: its oldest queued request came about a tick ago.
+            now_rate = queued_rate(round(queued), t + DT - queue[0][0]) if queue else 0.0
+            n_need = need(forecast, sized_by, TARGET_UTILISATION, round(queued), BUDGET_S, now_rate)
             demand = pb.MeshDemand(models=[pb.MeshDemand.Model(name="m", version="1", forecast_rate=forecast,
                                                                capacity=sized_by, by_forecast=n_need.by_forecast,
-                                                               by_backlog=n_need.by_backlog)])
+                                                               by_backlog=n_need.by_backlog, queued_rate=now_rate)])
             decision = scaler.decide(t, len(ready), demand)
             target = decision.target if decision else target
         elif policy == "reactive":

@@ -9,7 +9,9 @@ run: one as configured (the scheduler's length_aware_batching on), one with
 BATCHLINE_SCHEDULER_LENGTH_AWARE_BATCHING=false (each batch is the queue's head, padded to its
 longest member). Each round drives both, closed loop at --concurrency in flight with 60 s budgets,
 the order alternating. Prints per round sequences/s, p99 and the padding efficiency (tokens over
-tokens run once padded, from the executor's batchline_padding_efficiency), and the median ratio.
+tokens run once padded, from the executor's batchline_padding_efficiency), and the median ratio;
+first, what the gateway's tokenizer costs per text of the workload (CPU time, one text a call and
+32 a call).
 """
 from __future__ import annotations
 
@@ -45,6 +47,27 @@ def padding(port: int) -> tuple[float, float]:
     return found.get("sum", 0.0), found.get("count", 0.0)
 
 
+def tokenizer_cost(tok, texts: list[str], rounds: int) -> tuple[float, float]:
+    """CPU µs per text the tokenizer takes, one text a call and 32 a call (medians of `rounds`)."""
+    import time
+
+    def per_text(calls) -> float:
+        start = time.process_time()
+        calls()
+        return (time.process_time() - start) / len(texts) * 1e6
+
+    def alone() -> None:
+        for t in texts:
+            tok.encode(t)
+
+    def batched() -> None:
+        for i in range(0, len(texts), 32):
+            tok.encode_batch(texts[i:i + 32])
+
+    return (statistics.median(per_text(alone) for _ in range(rounds)),
+            statistics.median(per_text(batched) for _ in range(rounds)))
+
+
 def main() -> int:
     p = _common.arg_parser(__doc__.splitlines()[0], progress=False)
     _common.step_args(p, duration=15.0, rounds=3)
@@ -62,6 +85,9 @@ def main() -> int:
     pct = {q: lengths[int(q / 100 * (len(lengths) - 1))] for q in (50, 90, 99)}
     print(f"workload: {len(texts)} texts, tokens mean {statistics.mean(lengths):.0f}, p50 {pct[50]}, p90 {pct[90]}, "
           f"p99 {pct[99]}, max {lengths[-1]}")
+    alone, batched = tokenizer_cost(tok, texts, args.rounds)
+    print(f"tokenizer (what the gateway runs per text request): {alone:.0f} µs a text one at a time, {batched:.0f} µs "
+          f"a text in batches of 32 (CPU time, medians of {args.rounds} rounds over the workload)")
     inputs = InputOptions(texts=texts)
     modes = {"length-aware": {}, "arrival order": {"BATCHLINE_SCHEDULER_LENGTH_AWARE_BATCHING": "false"}}
     with contextlib.ExitStack() as stack:

@@ -125,13 +125,16 @@ class Demand:
 
     async def step(self, registry: Registry, plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str], int]],
                    depths: dict[ModelKey, int], now: float,
-                   sequences: dict[ModelKey, tuple[list[str], int, int]] | None = None) -> pb.MeshDemand:
+                   sequences: dict[ModelKey, tuple[list[str], int, int]] | None = None,
+                   queued_rates: dict[ModelKey, float] | None = None) -> pb.MeshDemand:
         """Measure, forecast and publish. `plans`: per model served, its rule, its cost, its holders and
         its requests' typical elements per row (Profiles.length);
         `sequences`: per generative model served, its holders, its sequences in flight and the
-        sequences sent to executors so far."""
+        sequences sent to executors so far; `queued_rates`: per model, the rate its queue shows
+        arriving now (planning.capacity.queued_rate, from the step's read of the queue)."""
         self.stepped_at = now
         sequences = sequences or {}
+        queued_rates = queued_rates or {}
         models = sorted(set(plans) | set(sequences))
         totals = await self.store.arrival_counts(models)
         start_s = executor_start_s(registry)
@@ -155,11 +158,13 @@ class Demand:
             else:
                 rule, cost, holders, length = plans[key]
                 capacity = self.capacity(key, rule, cost, budget_s, lanes_per_executor(registry, holders), length)
-            n = need(forecast, capacity, self.settings.target_utilisation, depths.get(key, 0), budget_s)
+            now_rate = queued_rates.get(key, 0.0) if key not in sequences else 0.0
+            n = need(forecast, capacity, self.settings.target_utilisation, depths.get(key, 0), budget_s, now_rate)
             needs.append(n)
             demand.models.append(pb.MeshDemand.Model(
                 name=key[0], version=key[1], arrival_rate=rate.rate, forecast_rate=forecast, capacity=capacity,
-                budget_s=budget_s, backlog=depths.get(key, 0), by_forecast=n.by_forecast, by_backlog=n.by_backlog))
+                budget_s=budget_s, backlog=depths.get(key, 0), by_forecast=n.by_forecast, by_backlog=n.by_backlog,
+                queued_rate=now_rate))
             metrics.ARRIVAL_RATE_FORECAST.labels(*key).set(forecast)
             metrics.EXECUTOR_CAPACITY.labels(*key).set(capacity)
         demand.executors_wanted = wanted(needs)

@@ -36,6 +36,7 @@ from batchline.protocol import internal_pb2_grpc
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, connect, connect_blocking
 from batchline.registry import Registry
 from batchline.planning import BatchCost, BatchingRule
+from batchline.planning.capacity import queued_rate
 from scheduler import dispatch, generation
 from scheduler.demand import Demand
 from scheduler.fleet import Fleet
@@ -70,6 +71,7 @@ class Scheduler:
         self.demand = Demand(self.store, self.scheduler_id, settings.demand())
         # Per model served, what this step planned it by (rule, cost, holders): the demand step reads them.
         self._plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str], int]] = {}
+        self._queued_rates: dict[ModelKey, float] = {}  # per model, the rate its queue shows arriving now
         # Per generative model served, its holders and its sequences in flight: the demand step reads them.
         self._generating: dict[ModelKey, tuple[list[str], int, int]] = {}
         self._sequences_sent: Counter[ModelKey] = Counter()  # generative requests sent, ever: their throughput
@@ -175,7 +177,7 @@ class Scheduler:
                    for eid, batches in zip(executors, held)}
         self._held = {eid: len(batches) for eid, batches in zip(executors, held)}
         wake_at: float | None = None
-        self._plans, self._generating = {}, {}
+        self._plans, self._generating, self._queued_rates = {}, {}, {}
         # What the step does goes to Redis in one round trip, every model's: sheds, dispatches, load views.
         sends: list[tuple[ModelKey, int, dispatch.Sent, bool]] = []  # (model, result index, dispatch, timed)
         shed: list[tuple[ModelKey, int]] = []  # (model, result index): its result is how many were still queued
@@ -205,7 +207,8 @@ class Scheduler:
                     wake_at = _earlier(wake_at, ready_at)
         self.queues.keep_only({m for members in heads for m in members})
         if self.demand.due(now):
-            await self.demand.step(self.registry, self._plans, self.depths, now, self._generating)
+            await self.demand.step(self.registry, self._plans, self.depths, now, self._generating,
+                                   self._queued_rates)
             wake_at = _earlier(wake_at, now + self.settings.forecast_step_s)
         await self.wakeups.relisten()
         if time.monotonic() - self.profiles.saved_at >= self.settings.profile_save_s:
@@ -281,6 +284,7 @@ class Scheduler:
                         busy=[bool(self._held.get(e)) for e in ready],
                         room=[most - self._held.get(e, 0) for e in ready])
         self._plans[key] = (decision.rule, cost, holders, self.profiles.length(key))
+        self._queued_rates[key] = queued_rate(len(queue), now - min(p.enqueued for p in queue)) if queue else 0.0
         (self.wakeups.blocked.add if decision.blocked else self.wakeups.blocked.discard)(contract.queue(key))
         if decision.expired:
             shed.append((key, len(pipe)))

@@ -94,11 +94,27 @@ def generation_capacity(slots: int, held_s: float, decode_row_s: float = 0.0, tp
     return at_once / held_s
 
 
+# The rate the queue shows (queued_rate) counts only from this many queued requests (fewer say
+# too little: its error is about one over their square root), over at least this long.
+QUEUED_FOR_RATE = 16
+QUEUED_SPAN_S = 0.01
+
+
+def queued_rate(queued: int, oldest_age_s: float) -> float:
+    """Requests/s arriving now, at least: `queued` requests arrived since the oldest of them, queued
+    `oldest_age_s` ago (those refused or already served arrived too, so it is a lower bound). A
+    surge fills the queue before any rate over a step shows it: this sees it at the next step.
+    0 below QUEUED_FOR_RATE requests."""
+    if queued < QUEUED_FOR_RATE:
+        return 0.0
+    return queued / max(oldest_age_s, QUEUED_SPAN_S)
+
+
 @dataclass(frozen=True, slots=True)
 class Need:
     """Executors a model wants, and the numbers behind it."""
     executors: float       # the demand in executors (fractional): max(forecast's, backlog's)
-    by_forecast: float     # forecast rate / (capacity x target utilisation)
+    by_forecast: float     # max(forecast rate, queued rate) / (capacity x target utilisation)
     by_backlog: float      # executors that finish the queue within one budget
 
     @property
@@ -106,13 +122,16 @@ class Need:
         return math.ceil(self.executors - 1e-9)
 
 
-def need(forecast_rate: float, capacity: float, target_utilisation: float, backlog: int, budget_s: float) -> Need:
-    """What a model's forecast and backlog ask for; the backlog is a floor for surges no forecast saw."""
+def need(forecast_rate: float, capacity: float, target_utilisation: float, backlog: int, budget_s: float,
+         now_rate: float = 0.0) -> Need:
+    """What a model's forecast and backlog ask for. Floors for surges no forecast saw: the backlog,
+    and `now_rate`, the rate the queue shows arriving now (queued_rate), which the forecast, a
+    rate over whole steps, sees a step later."""
     if capacity <= 0:
         # Not even one request fits the budget: more executors do not help, one serves what it can.
         busy = 1.0 if forecast_rate > 0 or backlog else 0.0
         return Need(busy, busy, busy)
-    by_forecast = forecast_rate / (capacity * target_utilisation)
+    by_forecast = max(forecast_rate, now_rate) / (capacity * target_utilisation)
     by_backlog = backlog / (capacity * budget_s) if budget_s > 0 else 0.0
     return Need(max(by_forecast, by_backlog), by_forecast, by_backlog)
 

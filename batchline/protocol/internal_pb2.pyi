@@ -407,7 +407,7 @@ class SchedulerStatus(_message.Message):
 class MeshDemand(_message.Message):
     __slots__ = ("executors_wanted", "horizon_s", "executor_start_s", "models", "updated_us", "scheduler_id")
     class Model(_message.Message):
-        __slots__ = ("name", "version", "arrival_rate", "forecast_rate", "capacity", "budget_s", "backlog", "by_forecast", "by_backlog")
+        __slots__ = ("name", "version", "arrival_rate", "forecast_rate", "capacity", "budget_s", "backlog", "by_forecast", "by_backlog", "queued_rate")
         NAME_FIELD_NUMBER: _ClassVar[int]
         VERSION_FIELD_NUMBER: _ClassVar[int]
         ARRIVAL_RATE_FIELD_NUMBER: _ClassVar[int]
@@ -417,6 +417,7 @@ class MeshDemand(_message.Message):
         BACKLOG_FIELD_NUMBER: _ClassVar[int]
         BY_FORECAST_FIELD_NUMBER: _ClassVar[int]
         BY_BACKLOG_FIELD_NUMBER: _ClassVar[int]
+        QUEUED_RATE_FIELD_NUMBER: _ClassVar[int]
         name: str
         version: str
         arrival_rate: float
@@ -426,7 +427,8 @@ class MeshDemand(_message.Message):
         backlog: int
         by_forecast: float
         by_backlog: float
-        def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., arrival_rate: _Optional[float] = ..., forecast_rate: _Optional[float] = ..., capacity: _Optional[float] = ..., budget_s: _Optional[float] = ..., backlog: _Optional[int] = ..., by_forecast: _Optional[float] = ..., by_backlog: _Optional[float] = ...) -> None: ...
+        queued_rate: float
+        def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., arrival_rate: _Optional[float] = ..., forecast_rate: _Optional[float] = ..., capacity: _Optional[float] = ..., budget_s: _Optional[float] = ..., backlog: _Optional[int] = ..., by_forecast: _Optional[float] = ..., by_backlog: _Optional[float] = ..., queued_rate: _Optional[float] = ...) -> None: ...
     EXECUTORS_WANTED_FIELD_NUMBER: _ClassVar[int]
     HORIZON_S_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_START_S_FIELD_NUMBER: _ClassVar[int]

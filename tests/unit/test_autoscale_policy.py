@@ -67,3 +67,18 @@ def test_no_published_demand_keeps_what_runs_within_the_bounds():
     d = p.decide(0.0, 1, None)
     assert (d.target, d.direction, d.reason) == (2, "up", "bounds")
     assert p.decide(0.0, 5, demand(9)).target == 4
+
+
+def test_a_surge_the_queue_shows_is_named_in_the_decision_and_in_status():
+    from batchline import status
+
+    surge = pb.MeshDemand(executors_wanted=5, models=[pb.MeshDemand.Model(
+        name="m", version="1", by_forecast=4.5, forecast_rate=100, queued_rate=2000, capacity=888, budget_s=1.0)])
+    d = ScalePolicy(1, 8).decide(0.0, 1, surge)
+    assert d.target == 5 and "2000.0/s arriving now by its queue" in d.why
+    text = status.render({"leader": "s", "executors": [], "gateways": [], "queues": [],
+                          "demand": status.demand(surge.SerializeToString())})
+    assert "100.0/s forecast, 2000.0/s by its queue" in text
+    # A queue that shows less than the forecast is not mentioned.
+    calm = pb.MeshDemand(models=[pb.MeshDemand.Model(name="m", version="1", forecast_rate=100, queued_rate=50)])
+    assert "by its queue" not in ScalePolicy(1, 8).decide(0.0, 0, calm).why

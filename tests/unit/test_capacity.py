@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchline.planning import BatchingRule, FunctionCost, Pending, play
-from batchline.planning.capacity import executor_capacity, need, wanted
+from batchline.planning.capacity import QUEUED_FOR_RATE, QUEUED_SPAN_S, executor_capacity, need, queued_rate, wanted
 
 COST = FunctionCost(lambda units: 0.004 + 0.001 * units)  # 4 ms a batch plus 1 ms a row
 
@@ -90,3 +90,16 @@ def test_the_margin_counts_once_per_request_not_once_per_batch_queued_ahead():
     rule = BatchingRule(8)
     assert executor_capacity(rule, with_margin, 0.2) == pytest.approx(executor_capacity(rule, COST, 0.2 - margin))
     assert executor_capacity(rule, with_margin, 0.2) > 0.9 * executor_capacity(rule, COST, 0.2)
+
+
+def test_the_queue_shows_a_surge_before_a_rate_over_a_step_does():
+    # 128 requests queued in the last 20 ms: at least 6,400/s arriving now.
+    assert queued_rate(128, 0.02) == pytest.approx(6400)
+    # Too few to say anything, and a span too short to divide by.
+    assert queued_rate(QUEUED_FOR_RATE - 1, 0.02) == 0.0
+    assert queued_rate(32, 0.0) == pytest.approx(32 / QUEUED_SPAN_S)
+    # The forecast still says 800/s: the queue's rate is the floor, at the same target utilisation.
+    n = need(800.0, 1600.0, 0.8, 128, 0.2, now_rate=6400.0)
+    assert n.by_forecast == pytest.approx(5.0) and n.wanted == 5
+    # Below the forecast it changes nothing.
+    assert need(800.0, 1600.0, 0.8, 0, 0.2, now_rate=100.0) == need(800.0, 1600.0, 0.8, 0, 0.2)

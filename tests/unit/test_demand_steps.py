@@ -184,3 +184,20 @@ def test_a_new_leaders_profile_keeps_the_saved_samples_under_its_first_reports()
     profiles.forget()  # the lease lost and taken again: what the other leader saved is read again
     asyncio.run(profiles.adopt([key]))
     assert len(profiles.of(key)) == 201
+
+
+def test_a_surge_the_queue_shows_wants_executors_before_the_rate_over_a_step_does():
+    state = MemoryState()
+    demand = Demand(MemorySchedulerStore(state), "s", DemandSettings(target_utilisation=0.5))
+    reg = registry(("e0", 3.0))
+    plans = {MODEL: (BatchingRule(32), COST, sorted(reg.executors), 1)}
+    for t in range(5):
+        state.arrivals[MODEL] = 100 * t  # 100/s: one executor
+        d = asyncio.run(demand.step(reg, plans, {MODEL: 0}, float(t)))
+    assert d.executors_wanted == 1
+    # The queue shows 2,000/s arriving now; the arrivals counted over the step do not show it yet.
+    state.arrivals[MODEL] = 500
+    d = asyncio.run(demand.step(reg, plans, {MODEL: 40}, 5.0, queued_rates={MODEL: 2000.0}))
+    (m,) = d.models
+    assert m.queued_rate == 2000.0 and m.forecast_rate < 200
+    assert d.executors_wanted == 5  # 2000 / (888 x 0.5) = 4.5
