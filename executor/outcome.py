@@ -44,27 +44,31 @@ class Written:
         """The batches kept, oldest first."""
         return [done.batch for _, _, done in self._recent]
 
-    async def rewrite_lost(self, store: ExecutorStore, replies_since: float | None = None) -> int:
+    async def rewrite_lost(self, store: ExecutorStore, resend_answers: bool = False) -> int:
         """Write again each kept batch whose batch key Redis still holds: the batch's answers never
         reached this primary, and without them its requests would wait out their deadlines.
 
-        With `replies_since` (time.monotonic(); on a Redis Cluster, when the replaced primary last
-        answered), also send again the answers of the batches finished since whose key is gone: a
-        cluster keeps a batch's key and its answers on different shards, so the shard that failed
-        over may have lost the answers alone (a gateway ignores an answer it has had).
-        Returns how many batches were written or answered again."""
+        With `resend_answers` (a Redis Cluster), first send again, in one write, the answers of the
+        kept batches whose key is gone: a cluster keeps a batch's key and its answers on different
+        shards, so the shard that failed over may have lost the answers alone, and when it stopped
+        acknowledging is not known here (a primary cut off from the rest answers until the cluster
+        demotes it). A gateway ignores an answer it has had. Returns how many batches were written
+        or answered again."""
         since = time.monotonic() - REWRITE_WINDOW_S
-        kept = [(at, done) for at, _, done in self._recent if at >= since]
+        kept = [done for at, _, done in self._recent if at >= since]
         if not kept:
             return 0
-        held = await store.still_dispatched([done for _, done in kept])
-        lost = [done for (_, done), h in zip(kept, held) if h]
+        held = await store.still_dispatched(kept)
+        answered = [done for done, h in zip(kept, held) if not h and done.replies] if resend_answers else []
+        if answered:
+            answers: dict[str, list[bytes]] = {}
+            for done in answered:
+                for gateway_id, blobs in done.replies.items():
+                    answers.setdefault(gateway_id, []).extend(blobs)
+            await store.send_replies(answers)
+        lost = [done for done, h in zip(kept, held) if h]
         for done in lost:
             await store.batch_done(done)
-        answered = [done for (at, done), h in zip(kept, held)
-                    if not h and done.replies and replies_since is not None and at >= replies_since]
-        for done in answered:
-            await store.send_replies(done.replies)
         return len(lost) + len(answered)
 
 

@@ -104,11 +104,14 @@ class GroupCommit:
                     if not w.done.done():
                         w.done.set_exception(error)
                 continue
+            refusals: dict[int, BatchlineError] = {}  # one per shard's error, logged once
             for w, ok in zip(batch, queued):
                 if w.done.done():
                     continue
                 if isinstance(ok, Exception):  # its shard of a cluster refused it: not its neighbours
-                    w.done.set_exception(_commit_error(ok))
+                    if id(ok) not in refusals:
+                        refusals[id(ok)] = _commit_error(ok)
+                    w.done.set_exception(refusals[id(ok)])
                     continue
                 if ok:
                     w.done.set_result(None)
@@ -143,5 +146,6 @@ def _commit_error(exc: Exception) -> BatchlineError:
     if isinstance(exc, REDIS_REFUSALS):
         # Out of memory (maxmemory) or a replica mid-failover: the server's state, and passing.
         return Unavailable(f"cannot queue the request: Redis refuses writes right now ({exc}): retry")
-    log.error("group commit failed: %s", exc, exc_info=exc)  # (also for a write's own error, past its except)
+    # The traceback from `exc` itself: a shard's error reaches here outside any except block.
+    log.error("group commit failed: %s", exc, exc_info=exc)
     return Internal(f"cannot queue the request: {exc}")

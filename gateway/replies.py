@@ -23,10 +23,11 @@ PartialSink = Callable[[ipb.ModelInferResponse], None]
 DRAIN = 10_000
 # A new primary (a failover, or a restarted Redis) may lack a queued request's writes (replication
 # is asynchronous). A request whose payload it lacks is lost unless its answer is already on the
-# reply list: the reader gets this long to deliver such answers before the rest are failed. On a
-# Redis Cluster an answer the failed-over shard lost comes again from its executor once that sees
-# the new primary: up to its check interval (0.5 s) after this gateway did, and a write later.
-RECONCILE_GRACE_S = 1.0
+# reply list: the reader gets this long to deliver such answers before the rest are failed.
+RECONCILE_GRACE_S = 0.5
+# On a Redis Cluster an answer the failed-over shard lost comes again from its executor once that
+# sees the new primary: up to its check interval (0.5 s) after this gateway did, and a write later.
+RECONCILE_GRACE_CLUSTER_S = 1.0
 # Attempts to read which payloads a new primary holds, WAIT_RETRY_S apart.
 RECONCILE_ATTEMPTS = 10
 
@@ -90,7 +91,8 @@ class Replies:
             return 0  # they wait for their answers or their deadlines
         missing = [request_id for (request_id, _), n in zip(ids, held) if not n]
         if missing:
-            await asyncio.sleep(RECONCILE_GRACE_S)
+            await asyncio.sleep(RECONCILE_GRACE_CLUSTER_S if contract.on_cluster(self.store.client)
+                                else RECONCILE_GRACE_S)
         lost = 0
         for request_id in missing:
             fut = self.waiting.get(request_id)

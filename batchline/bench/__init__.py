@@ -16,6 +16,7 @@ Python API (what the benchmark scripts and tests use)::
 from __future__ import annotations
 
 import datetime
+from typing import Any
 from dataclasses import asdict, dataclass, field
 
 from batchline import eventloop
@@ -90,7 +91,7 @@ async def run_bench_async(config: BenchConfig) -> BenchResult:
         # tritonclient's HTTP client (and its gevent) only where the run asks for HTTP.
         from batchline.bench.http import HttpEndpoint
 
-        endpoint: type[Endpoint] = HttpEndpoint
+        endpoint: Any = HttpEndpoint
     else:
         endpoint = Endpoint
     async with endpoint(config.url, config.model, config.version, config.connections, config.headers) as ep:

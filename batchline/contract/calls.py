@@ -7,6 +7,7 @@ no caller packs them by position.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -69,11 +70,15 @@ def _enqueue_keys_args(writes: Sequence[QueueWrite], abandoned: Sequence[Abandon
 
 async def _enqueue_by_model(client: Any, gateway_id: str, address: str, heartbeat_ttl_ms: int,
                             writes: Sequence[QueueWrite], abandoned: Sequence[Abandoned]) -> list[int | Exception]:
-    """The group commit on a cluster: each model's writes in its slot, a shard that refuses (out
-    of its own memory, a key of another type) failing the writes in its slots alone, whose places
-    hold its error; then, once they have landed, the announcement in the shared slot (a token
-    before its entry would wake the scheduler too early, and the entry would then wait for a
-    timer). An announcement that fails leaves the writes queued: the scheduler's tick finds them."""
+    """The group commit on a cluster: each model's writes in its slot, then, once they have landed,
+    the announcement in the shared slot (a token before its entry would wake the scheduler too
+    early, and the entry would then wait for a timer).
+
+    A shard that refuses (out of its own memory, a key of another type) or cannot be reached fails
+    the writes in its slots alone: their places hold its error. The models' scripts go in one
+    pipeline; those it could not deliver (a shard that went away: the pipeline then fails whole)
+    go again each on its own, with the client's retries. An announcement that fails leaves the
+    writes queued: the scheduler's tick finds them."""
     groups: dict[ModelKey, tuple[list[int], list[QueueWrite], list[Abandoned]]] = {}
     for i, w in enumerate(writes):
         indexes, ws, _ = groups.setdefault(w.model, ([], [], []))
@@ -81,15 +86,29 @@ async def _enqueue_by_model(client: Any, gateway_id: str, address: str, heartbea
         ws.append(w)
     for a in abandoned:
         groups.setdefault(a.model, ([], [], []))[2].append(a)
+    scripts_of = [_enqueue_keys_args(ws, gone, announce=False) for _, ws, gone in groups.values()]
     pipe = client.pipeline(transaction=False)
-    for _, ws, gone in groups.values():
-        keys, args = _enqueue_keys_args(ws, gone, announce=False)
+    for keys, args in scripts_of:
         pipe.eval(scripts.ENQUEUE_LUA, len(keys), *keys, *args)
-    results = await pipe.execute(raise_on_error=False)
+    try:
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+    except slots.RETRYABLE as exc:
+        results = [exc] * len(scripts_of)
+    again = [i for i, r in enumerate(results) if isinstance(r, slots.RETRYABLE)]
+    if again:
+        retried = await asyncio.gather(*(client.eval(scripts.ENQUEUE_LUA, len(scripts_of[i][0]), *scripts_of[i][0],
+                                                     *scripts_of[i][1]) for i in again), return_exceptions=True)
+        for i, r in zip(again, retried):
+            results[i] = r
     queued: list[int | Exception] = [0] * len(writes)
     landed = []
-    for model, (indexes, _, _), flags in zip(groups, groups.values(), results):
-        if isinstance(flags, Exception):
+    for model, (indexes, _, gone), flags in zip(groups, groups.values(), results):
+        if isinstance(flags, BaseException):
+            if not isinstance(flags, Exception):
+                raise flags  # cancelled
+            if not indexes:
+                log.warning("removing %d abandoned requests of %s:%s failed (their keys expire): %s",
+                            len(gone), *model, flags)
             for i in indexes:
                 queued[i] = flags
             continue

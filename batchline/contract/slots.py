@@ -14,6 +14,9 @@ from typing import Any, Sequence
 import redis.asyncio.cluster as aiocluster
 import redis.cluster
 
+# What a cluster client retries itself (a node gone, the cluster down a moment), sent again.
+RETRYABLE = aiocluster.RedisCluster.ERRORS_ALLOW_RETRY
+
 _CLUSTER_TYPES = (redis.cluster.RedisCluster, redis.cluster.ClusterPipeline,
                   aiocluster.RedisCluster, aiocluster.ClusterPipeline)
 

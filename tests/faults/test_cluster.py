@@ -124,11 +124,37 @@ def test_a_shard_that_refuses_a_group_commit_fails_only_the_writes_in_its_slots(
     assert b"f" in r.zrange(contract.queue(other), 0, -1)
 
 
+def test_a_shard_that_cannot_be_reached_fails_only_the_writes_in_its_slots():
+    """A shard gone (its process killed, before the cluster notices: a long node timeout) fails the
+    group commit's writes in its slots only, after the client's retries; the other model's land."""
+    from batchline.redis_client import connect
+
+    gone, other = ("minilm", "1"), ("mlp", "1")
+    with ClusterRedis(node_timeout_ms=60_000) as c:
+        dead = c.shard_of(contract.queue(gone))
+        assert dead != c.shard_of(contract.queue(other)) and dead != c.shard_of(contract.REPORTS)
+        live = c.node(c.shard_of(contract.queue(other)))
+
+        async def commit():
+            client = connect(c.url, 2)
+            try:
+                await client.ping()  # the cluster's map, read while every node answers
+                c.servers[dead].stop(kill=True)
+                writes = [contract.QueueWrite(rid, model, b"p", 60_000, rid.encode(), 5, 0)
+                          for rid, model in [("a", gone), ("b", other)]]
+                return await contract.enqueue(client, "gw", "127.0.0.1:1", 30_000, writes)
+            finally:
+                await client.aclose()
+
+        lost, queued = asyncio.run(commit())
+        assert isinstance(lost, Exception) and queued == 1
+        assert live.zrange(contract.queue(other), 0, -1) == [b"b"]
+
+
 def test_answers_a_failed_over_shard_lost_are_sent_again_from_what_the_executor_kept(redis_cluster):
     """On a cluster a batch's key and its answers live on different shards: the shard of the
     gateway's reply list can fail over and lose the answers while the key is gone for good on its
-    own. The executor sends again the answers of the batches it finished since the replaced primary
-    last answered, and only those."""
+    own. After a failover on a cluster the executor sends the answers it kept again."""
     from batchline.contract import FinishedBatch
     from batchline.contract.executor_store import ExecutorStore
     from batchline.protocol import internal_pb2 as pb
@@ -146,16 +172,14 @@ def test_answers_a_failed_over_shard_lost_are_sent_again_from_what_the_executor_
             store, written = ExecutorStore(client), Written()
             await store.batch_done(done)
             written.add(done)
-            finished = time.monotonic()
             await client.delete(contract.reply("gw"))  # the reply list's shard failed over without it
             told = [await written.rewrite_lost(store),  # one Redis: answers and key are lost together
-                    await written.rewrite_lost(store, replies_since=finished + 1),  # replicated before
-                    await written.rewrite_lost(store, replies_since=finished - 1)]
+                    await written.rewrite_lost(store, resend_answers=True)]
             return told, await client.lrange(contract.reply("gw"), 0, -1)
         finally:
             await client.aclose()
 
-    assert asyncio.run(run()) == ([0, 0, 1], [b"answer"])
+    assert asyncio.run(run()) == ([0, 1], [b"answer"])
 
 
 def test_a_shed_on_a_cluster_takes_only_what_is_still_queued_and_answers_only_that(redis_cluster):

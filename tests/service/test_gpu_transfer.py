@@ -187,3 +187,21 @@ def test_extract_without_xz_binary(gt, tmp_path, monkeypatch):
     assert gt.install(use_tools=False) == 0
     assert (base / "site" / "tinypkg" / "blob.bin").stat().st_size == 40_000
     assert os.access(base / "site" / "tinypkg" / "bin" / "tool", os.X_OK)
+
+
+def test_a_cpu_pack_is_checked_against_the_machines_onnxruntime(gt, tmp_path):
+    """`pack --cpu` says so in its manifest, and `check` then takes ONNX Runtime from the machine
+    and asks for neither the test runner nor a CUDA session: here, with this venv as the site."""
+    import sysconfig
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    payload = tmp_path / gt.PAYLOAD
+    payload.write_bytes(b"x" * 10)
+    assert gt.split(payload, tmp_path / "out", 1 << 20, [], cpu=True)["cpu"] is True
+    site = sysconfig.get_paths()["purelib"]
+    p = subprocess.run([sys.executable, "-c", gt.CHECK, site, "cpu"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PATH="/usr/bin:/bin"))  # no nvidia-smi on this PATH
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "the machine's onnxruntime" in p.stdout and "packed with --cpu" in p.stdout
+    assert "pytest_asyncio" not in p.stdout
