@@ -41,15 +41,17 @@ def parse_bounds(text: str) -> tuple[int, int]:
 class Decision:
     target: int
     direction: str   # up | down
-    reason: str      # forecast | backlog | bounds | cool_down
+    reason: str      # forecast | queue | backlog | bounds | cool_down
     why: str         # the numbers behind it, for the log
 
 
 def needed(demand: pb.MeshDemand) -> tuple[float, str]:
-    """The fractional executors the demand asks for, and which term asks most (forecast or backlog)."""
+    """The fractional executors the demand asks for, and which term asks most: backlog, queue (the
+    rate a model's queue shows arriving, above its forecast) or forecast."""
     by_forecast = sum(m.by_forecast for m in demand.models)
     by_backlog = sum(max(0.0, m.by_backlog - m.by_forecast) for m in demand.models)
-    return by_forecast + by_backlog, ("backlog" if by_backlog > 0 else "forecast")
+    surge = any(m.queued_rate > m.forecast_rate for m in demand.models)
+    return by_forecast + by_backlog, ("backlog" if by_backlog > 0 else "queue" if surge else "forecast")
 
 
 def explain(demand: pb.MeshDemand) -> str:

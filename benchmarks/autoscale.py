@@ -244,7 +244,8 @@ def simulate(trace: Callable[[float, random.Random], float], policy: str, seed: 
             forecast = rate.ahead(setup.start_s)
             sized_by = setup.sized_by or capacity
             # A tick's arrivals come over the tick: its oldest queued request came about a tick ago.
-            now_rate = queued_rate(round(queued), t + DT - queue[0][0]) if queue else 0.0
+            now_rate = queued_rate(round(queued), t + DT - queue[0][0],
+                                   sized_by * BUDGET_S * sum(1 for x in ready if x <= t)) if queue else 0.0
             n_need = need(forecast, sized_by, TARGET_UTILISATION, round(queued), BUDGET_S, now_rate)
             demand = pb.MeshDemand(models=[pb.MeshDemand.Model(name="m", version="1", forecast_rate=forecast,
                                                                capacity=sized_by, by_forecast=n_need.by_forecast,

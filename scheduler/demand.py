@@ -26,7 +26,7 @@ from batchline import metrics, telemetry
 from batchline.contract.keys import ModelKey
 from batchline.contract.scheduler_store import SchedulerStore
 from batchline.planning import BatchCost, BatchingRule
-from batchline.planning.capacity import Need, executor_capacity, generation_capacity, need, wanted
+from batchline.planning.capacity import Need, executor_capacity, generation_capacity, need, queued_rate, wanted
 from batchline.planning.forecast import ArrivalRate, Holt
 from batchline.protocol import internal_pb2 as pb
 from batchline.registry import Registry
@@ -126,15 +126,15 @@ class Demand:
     async def step(self, registry: Registry, plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str], int]],
                    depths: dict[ModelKey, int], now: float,
                    sequences: dict[ModelKey, tuple[list[str], int, int]] | None = None,
-                   queued_rates: dict[ModelKey, float] | None = None) -> pb.MeshDemand:
+                   queued: dict[ModelKey, tuple[int, float]] | None = None) -> pb.MeshDemand:
         """Measure, forecast and publish. `plans`: per model served, its rule, its cost, its holders and
         its requests' typical elements per row (Profiles.length);
         `sequences`: per generative model served, its holders, its sequences in flight and the
-        sequences sent to executors so far; `queued_rates`: per model, the rate its queue shows
-        arriving now (planning.capacity.queued_rate, from the step's read of the queue)."""
+        sequences sent to executors so far; `queued`: per model, the requests the step read from
+        its queue and the age of the oldest of them (planning.capacity.queued_rate)."""
         self.stepped_at = now
         sequences = sequences or {}
-        queued_rates = queued_rates or {}
+        queued = queued or {}
         models = sorted(set(plans) | set(sequences))
         totals = await self.store.arrival_counts(models)
         start_s = executor_start_s(registry)
@@ -158,7 +158,10 @@ class Demand:
             else:
                 rule, cost, holders, length = plans[key]
                 capacity = self.capacity(key, rule, cost, budget_s, lanes_per_executor(registry, holders), length)
-            now_rate = queued_rates.get(key, 0.0) if key not in sequences else 0.0
+            now_rate = 0.0
+            if key not in sequences and key in queued:
+                serving = len({eid.split("#")[0] for eid in plans[key][2]})
+                now_rate = queued_rate(*queued[key], capacity * budget_s * serving)
             n = need(forecast, capacity, self.settings.target_utilisation, depths.get(key, 0), budget_s, now_rate)
             needs.append(n)
             demand.models.append(pb.MeshDemand.Model(
@@ -218,5 +221,6 @@ def explain(demand: pb.MeshDemand) -> str:
     """The numbers behind a decision, one model after another."""
     return "; ".join(
         f"{m.name}:{m.version} {m.arrival_rate:.1f}/s now, {m.forecast_rate:.1f}/s forecast, "
-        f"{m.capacity:.1f}/s per executor within {m.budget_s * 1000:.0f} ms, {m.backlog} queued: "
+        + (f"{m.queued_rate:.1f}/s by its queue, " if m.queued_rate > m.forecast_rate else "")
+        + f"{m.capacity:.1f}/s per executor within {m.budget_s * 1000:.0f} ms, {m.backlog} queued: "
         f"{max(m.by_forecast, m.by_backlog):.2f} executors" for m in demand.models) or "nothing served"

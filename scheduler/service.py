@@ -36,7 +36,6 @@ from batchline.protocol import internal_pb2_grpc
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S, connect, connect_blocking
 from batchline.registry import Registry
 from batchline.planning import BatchCost, BatchingRule
-from batchline.planning.capacity import queued_rate
 from scheduler import dispatch, generation
 from scheduler.demand import Demand
 from scheduler.fleet import Fleet
@@ -71,7 +70,7 @@ class Scheduler:
         self.demand = Demand(self.store, self.scheduler_id, settings.demand())
         # Per model served, what this step planned it by (rule, cost, holders): the demand step reads them.
         self._plans: dict[ModelKey, tuple[BatchingRule, BatchCost, list[str], int]] = {}
-        self._queued_rates: dict[ModelKey, float] = {}  # per model, the rate its queue shows arriving now
+        self._queued: dict[ModelKey, tuple[int, float]] = {}  # per model, its queue read and its oldest's age
         # Per generative model served, its holders and its sequences in flight: the demand step reads them.
         self._generating: dict[ModelKey, tuple[list[str], int, int]] = {}
         self._sequences_sent: Counter[ModelKey] = Counter()  # generative requests sent, ever: their throughput
@@ -177,7 +176,7 @@ class Scheduler:
                    for eid, batches in zip(executors, held)}
         self._held = {eid: len(batches) for eid, batches in zip(executors, held)}
         wake_at: float | None = None
-        self._plans, self._generating, self._queued_rates = {}, {}, {}
+        self._plans, self._generating, self._queued = {}, {}, {}
         # What the step does goes to Redis in one round trip, every model's: sheds, dispatches, load views.
         sends: list[tuple[ModelKey, int, dispatch.Sent, bool]] = []  # (model, result index, dispatch, timed)
         shed: list[tuple[ModelKey, int]] = []  # (model, result index): its result is how many were still queued
@@ -208,7 +207,7 @@ class Scheduler:
         self.queues.keep_only({m for members in heads for m in members})
         if self.demand.due(now):
             await self.demand.step(self.registry, self._plans, self.depths, now, self._generating,
-                                   self._queued_rates)
+                                   self._queued)
             wake_at = _earlier(wake_at, now + self.settings.forecast_step_s)
         await self.wakeups.relisten()
         if time.monotonic() - self.profiles.saved_at >= self.settings.profile_save_s:
@@ -284,7 +283,9 @@ class Scheduler:
                         busy=[bool(self._held.get(e)) for e in ready],
                         room=[most - self._held.get(e, 0) for e in ready])
         self._plans[key] = (decision.rule, cost, holders, self.profiles.length(key))
-        self._queued_rates[key] = queued_rate(len(queue), now - min(p.enqueued for p in queue)) if queue else 0.0
+        # The queue read and the age of its oldest at the read (the demand step makes a rate of them).
+        self._queued[key] = (len(queue), max(0.0, self._scanned_at - min(p.enqueued for p in queue))) if queue \
+            else (0, 0.0)
         (self.wakeups.blocked.add if decision.blocked else self.wakeups.blocked.discard)(contract.queue(key))
         if decision.expired:
             shed.append((key, len(pipe)))

@@ -94,20 +94,25 @@ def generation_capacity(slots: int, held_s: float, decode_row_s: float = 0.0, tp
     return at_once / held_s
 
 
-# The rate the queue shows (queued_rate) counts only from this many queued requests (fewer say
-# too little: its error is about one over their square root), over at least this long.
+# The rate the queue shows (queued_rate) counts only from this many queued requests, over at least
+# this long, and only once the queue holds this share of what the serving executors finish within
+# the budget: a batching model's queue holds a batch or two of that in steady traffic, a surge
+# fills it toward what admission allows.
 QUEUED_FOR_RATE = 16
 QUEUED_SPAN_S = 0.01
+SURGE_SHARE = 0.25
 
 
-def queued_rate(queued: int, oldest_age_s: float) -> float:
-    """Requests/s arriving now, at least: `queued` requests arrived since the oldest of them, queued
-    `oldest_age_s` ago (those refused or already served arrived too, so it is a lower bound). A
-    surge fills the queue before any rate over a step shows it: this sees it at the next step.
-    0 below QUEUED_FOR_RATE requests."""
-    if queued < QUEUED_FOR_RATE:
+def queued_rate(queued: int, oldest_age_s: float, holds: float) -> float:
+    """Requests/s arriving now, at least, as the queue shows it in a surge: `queued` requests arrived
+    since the oldest of them, queued `oldest_age_s` ago, less two standard deviations of a Poisson
+    count (requests refused or already served arrived too, so it errs low). A surge fills the queue
+    before any rate over a step shows it: this sees it at the next step. `holds`: the requests the
+    serving executors finish within the budget (capacity x budget x executors); 0 while the queue
+    holds less than SURGE_SHARE of it, or fewer than QUEUED_FOR_RATE requests."""
+    if queued < max(QUEUED_FOR_RATE, SURGE_SHARE * holds):
         return 0.0
-    return queued / max(oldest_age_s, QUEUED_SPAN_S)
+    return (queued - 2 * math.sqrt(queued)) / max(oldest_age_s, QUEUED_SPAN_S)
 
 
 @dataclass(frozen=True, slots=True)

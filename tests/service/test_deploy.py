@@ -692,6 +692,8 @@ def test_k8s_gateway_service_scheduler_replicas_gpu_and_autoscaling():
     assert trigger["metricType"] == "AverageValue" and trigger["metadata"]["threshold"] == "1"
     behavior = scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
+    assert max(pol["value"] for pol in behavior["scaleUp"]["policies"] if pol["type"] == "Pods") >= \
+        scaled["spec"]["maxReplicaCount"]  # every executor wanted in one step, not a few a period
     assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 60
     # A pod serves later than the process start the scheduler measures: the forecast looks further ahead.
     scheduler = docs[("Deployment", "scheduler")]["spec"]["template"]["spec"]["containers"][0]

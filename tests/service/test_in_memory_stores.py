@@ -262,3 +262,26 @@ def test_a_batch_that_fails_unforeseen_is_answered_once_not_handed_back(mlp, mon
     (reply,) = [pb.Reply.FromString(r) for r in state.replies["gw"]]
     assert reply.code == grpc.StatusCode.INTERNAL.value[0] and "a bug nobody foresaw" in reply.message
     assert "b9" not in state.batches and not state.inflight[("x1", MLP)]  # done: nothing for the sweep
+
+
+def test_a_step_reads_a_surge_from_the_queue_its_requests_filled():
+    """The leader's demand takes the rate the queue shows arriving now: 200 requests queued over the
+    last 20 ms while the executor is busy, far more than a quarter of what it finishes in the budget."""
+    state = MemoryState()
+    _registered(state, "x1", pb.ModelInfo(name="mlp", version="1", max_batch_size=8, max_queue_delay_ms=0,
+                                          default_timeout_ms=200))
+    settings = SchedulerSettings(redis_url="redis://unused", policy="fifo", max_batches_per_executor=1)
+    state.inflight[("x1", MLP)].add(b"held")
+    start = now_us() - 20_000
+    for i in range(200):
+        entry = _entry(f"r{i}", now_us() + 30_000_000)
+        entry.enqueued_us = start + i * 100
+        state.enqueue(MLP, entry, b"payload")
+    scheduler = Scheduler(settings, store=MemorySchedulerStore(state))
+
+    asyncio.run(scheduler.step())
+
+    (model,) = pb.MeshDemand.FromString(state.demand).models
+    assert (200 - 2 * 200 ** 0.5) / 0.03 < model.queued_rate <= 200 / 0.02  # its oldest, 20 ms (and a step) old
+    assert model.queued_rate > model.forecast_rate
+    assert model.by_forecast == pytest.approx(model.queued_rate / (model.capacity * 0.85))

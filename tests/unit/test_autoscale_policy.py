@@ -75,7 +75,7 @@ def test_a_surge_the_queue_shows_is_named_in_the_decision_and_in_status():
     surge = pb.MeshDemand(executors_wanted=5, models=[pb.MeshDemand.Model(
         name="m", version="1", by_forecast=4.5, forecast_rate=100, queued_rate=2000, capacity=888, budget_s=1.0)])
     d = ScalePolicy(1, 8).decide(0.0, 1, surge)
-    assert d.target == 5 and "2000.0/s arriving now by its queue" in d.why
+    assert (d.target, d.reason) == (5, "queue") and "2000.0/s arriving now by its queue" in d.why
     text = status.render({"leader": "s", "executors": [], "gateways": [], "queues": [],
                           "demand": status.demand(surge.SerializeToString())})
     assert "100.0/s forecast, 2000.0/s by its queue" in text

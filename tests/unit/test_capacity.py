@@ -93,11 +93,14 @@ def test_the_margin_counts_once_per_request_not_once_per_batch_queued_ahead():
 
 
 def test_the_queue_shows_a_surge_before_a_rate_over_a_step_does():
-    # 128 requests queued in the last 20 ms: at least 6,400/s arriving now.
-    assert queued_rate(128, 0.02) == pytest.approx(6400)
-    # Too few to say anything, and a span too short to divide by.
-    assert queued_rate(QUEUED_FOR_RATE - 1, 0.02) == 0.0
-    assert queued_rate(32, 0.0) == pytest.approx(32 / QUEUED_SPAN_S)
+    # 128 requests queued in the last 20 ms, a quarter of what one executor finishes in the budget
+    # (1600/s x 0.2 s = 320) and more: at least (128 - 2 sqrt(128)) / 0.02 = 5,269/s arriving now.
+    assert queued_rate(128, 0.02, 320) == pytest.approx((128 - 2 * 128 ** 0.5) / 0.02)
+    # A queue a batching model keeps in steady traffic says nothing: under a quarter of it, or too few.
+    assert queued_rate(79, 0.002, 320) == 0.0
+    assert queued_rate(QUEUED_FOR_RATE - 1, 0.002, 0) == 0.0
+    # A span too short to divide by.
+    assert queued_rate(100, 0.0, 320) == pytest.approx((100 - 20) / QUEUED_SPAN_S)
     # The forecast still says 800/s: the queue's rate is the floor, at the same target utilisation.
     n = need(800.0, 1600.0, 0.8, 128, 0.2, now_rate=6400.0)
     assert n.by_forecast == pytest.approx(5.0) and n.wanted == 5

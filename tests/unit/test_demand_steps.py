@@ -195,9 +195,13 @@ def test_a_surge_the_queue_shows_wants_executors_before_the_rate_over_a_step_doe
         state.arrivals[MODEL] = 100 * t  # 100/s: one executor
         d = asyncio.run(demand.step(reg, plans, {MODEL: 0}, float(t)))
     assert d.executors_wanted == 1
-    # The queue shows 2,000/s arriving now; the arrivals counted over the step do not show it yet.
+    # 400 requests queued over the last 0.16 s (capacity x budget = 888, a quarter 222): at least
+    # (400 - 40) / 0.16 = 2,250/s arriving now; the arrivals counted over the step do not show it yet.
     state.arrivals[MODEL] = 500
-    d = asyncio.run(demand.step(reg, plans, {MODEL: 40}, 5.0, queued_rates={MODEL: 2000.0}))
+    d = asyncio.run(demand.step(reg, plans, {MODEL: 400}, 5.0, queued={MODEL: (400, 0.16)}))
     (m,) = d.models
-    assert m.queued_rate == 2000.0 and m.forecast_rate < 200
-    assert d.executors_wanted == 5  # 2000 / (888 x 0.5) = 4.5
+    assert m.queued_rate == pytest.approx(2250.0) and m.forecast_rate < 200
+    assert d.executors_wanted == 6  # 2250 / (888 x 0.5) = 5.07
+    # Under a quarter of what the serving executors finish in the budget: a batching queue, no surge.
+    d = asyncio.run(demand.step(reg, plans, {MODEL: 200}, 6.0, queued={MODEL: (200, 0.01)}))
+    assert d.models[0].queued_rate == 0.0
