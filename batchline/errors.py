@@ -95,6 +95,8 @@ _HTTP: dict[type[BatchlineError], int] = {
     Internal: 500,
     Unauthenticated: 401,
     PermissionDenied: 403,
+    AlreadyExists: 409,
+    Unimplemented: 501,
 }
 _ERRORS_BY_CODE: dict[int, type[BatchlineError]] = {c.value[0]: e for e, c in _CODES.items()}
 

@@ -9,10 +9,100 @@ import socket
 import ssl
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from batchline import ports
 
 log = logging.getLogger(__name__)
+
+# A request's head (its request line and headers) is at most this large, and arrives within this
+# long of its first byte (a new connection's: of the connection): uvicorn bounds neither, so one
+# client sending an endless header, or one byte of it at a time, would hold the gateway's memory
+# or a connection for as long as it liked.
+HEAD_MAX_BYTES = 64 << 10
+HEAD_TIMEOUT_S = 10.0
+# An answer sent before its request's body was read (a refusal, an unknown model) leaves the rest
+# of the body to be read and dropped, so that the client, still sending, gets to read the answer
+# (closed at once, it would fail on a broken pipe instead); for at most this long, then the
+# connection is closed.
+DISCARD_S = 10.0
+
+
+class _HeadTooLarge(Exception):
+    pass
+
+
+class BoundedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the bounds above: past a head's, 431 or 408 and the connection
+    closed; past the time to drop a body answered early, the connection closed."""
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+        self._discard_until: float | None = None
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._stop_head_timer()
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self.cycle is not None and self.cycle.response_complete:
+            now = self.loop.time()
+            if self._discard_until is None:
+                self._discard_until = now + DISCARD_S
+            elif now > self._discard_until:
+                self.transport.close()
+            return
+        super().on_body(body)
+
+    def send_400_response(self, msg: str) -> None:
+        # A head past its bound fails the parser's callback (_count raises), which uvicorn takes for a
+        # malformed request.
+        if self._head_bytes > HEAD_MAX_BYTES:
+            self._refuse(431, f"the request's line and headers are over {HEAD_MAX_BYTES} bytes")
+        else:
+            super().send_400_response(msg)
+
+    def _count(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > HEAD_MAX_BYTES:
+            raise _HeadTooLarge()
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self._refuse(408, f"no complete request head within {HEAD_TIMEOUT_S:g} s")
+
+    def _refuse(self, status: int, why: str) -> None:
+        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        body = why.encode()
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+        self.transport.close()
 
 
 def _bind(host: str, port: int, share: bool) -> socket.socket:
@@ -46,7 +136,7 @@ class HttpServer:
         """Bind and serve; the port bound (the one asked for, or a free one for 0)."""
         self._sock = _bind(self.host, self.requested_port, self.share)
         self.port = self._sock.getsockname()[1]
-        config = uvicorn.Config(self.app, http="httptools", loop="none", lifespan="off", ws="none",
+        config = uvicorn.Config(self.app, http=BoundedProtocol, loop="none", lifespan="off", ws="none",
                                 log_config=None, access_log=False, server_header=False,
                                 timeout_graceful_shutdown=5)
         config.load()

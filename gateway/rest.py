@@ -7,6 +7,7 @@ HTTP status of batchline.errors.http_status.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -23,7 +24,7 @@ from gateway.convert import inputs_of, model_config, model_statistics
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
 from gateway.rest_generate import SSE_HEADERS, first_then_rest, generate_answer, generate_request
 from gateway.rest_hangup import ClientGone, unless_gone
-from gateway.rest_tensors import infer_request, infer_response
+from gateway.rest_tensors import given, infer_request, infer_response
 from gateway.rest_json import message_dict
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,12 @@ TIMEOUT_HEADER = b"batchline-timeout-ms"
 HEADER_LENGTH = b"inference-header-content-length"
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 _JSON = [(b"content-type", b"application/json")]
+# Headers that say how to read the body or what it is owed: given twice with different values, a
+# proxy and the gateway could each read the request another way.
+_ONCE = (HEADER_LENGTH, b"content-encoding", TIMEOUT_HEADER)
+# A body that sends nothing for this long is given up (its memory is held meanwhile).
+UPLOAD_IDLE_S = 30.0
+
 
 
 def _error_body(exc: BatchlineError) -> tuple[int, list, bytes]:
@@ -84,6 +91,7 @@ class RestApp:
         headers = _Headers(scope["headers"])
         events = None
         try:
+            _once(headers)
             status, answer_headers, body = await self._route(scope, headers, receive, arrived)
             if not isinstance(body, bytes):
                 events, body = body, b""
@@ -129,7 +137,11 @@ class RestApp:
                                   "(max_message_bytes)")
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), UPLOAD_IDLE_S)
+            except asyncio.TimeoutError:
+                raise InvalidArgument(f"the request body stalled: nothing arrived for {UPLOAD_IDLE_S:g} s after "
+                                      f"{size} bytes") from None
             if message["type"] == "http.disconnect":
                 raise InvalidArgument("the client went away before the request body was complete")
             chunk = message.get("body", b"")
@@ -326,7 +338,7 @@ class RestApp:
             deadline = _deadline(headers, arrived)
             body = await self._json_body(headers, receive)
             if action == "load":
-                parameters = body.get("parameters") or {}
+                parameters = given(body, "parameters", {})
                 if not isinstance(parameters, dict):
                     raise InvalidArgument("`parameters` must be an object")
                 await self.gateway.load_model(name, parameters, _left(deadline))
@@ -334,6 +346,14 @@ class RestApp:
                 await self.gateway.unload_model(name, _left(deadline))
             return 200, [], b""
         raise NotFound(f"no such endpoint: POST {path}")
+
+
+def _once(headers: "_Headers") -> None:
+    for name in _ONCE:
+        values = {v for n, v in headers.raw if n == name}
+        if len(values) > 1:
+            raise InvalidArgument(f"the {name.decode()} header is given {len(values)} times with different values: "
+                                  "send it once")
 
 
 class _Headers(dict):

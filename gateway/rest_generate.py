@@ -20,7 +20,7 @@ import numpy as np
 from batchline.codec import decode_tensor, encode_array
 from batchline.errors import BatchlineError, InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
-from gateway.rest_tensors import set_parameter
+from gateway.rest_tensors import given, set_parameter, shown
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 _RESERVED = ("id", "parameters")
@@ -39,9 +39,9 @@ def _request(body: dict, model: str, version: str) -> ipb.ModelInferRequest:
     request = ipb.ModelInferRequest(model_name=model, model_version=version)
     request_id = body.get("id", "")
     if not isinstance(request_id, str):
-        raise InvalidArgument(f"`id` must be a string, got {json.dumps(request_id)}")
+        raise InvalidArgument(f"`id` must be a string, got {shown(request_id)}")
     request.id = request_id
-    parameters = body.get("parameters") or {}
+    parameters = given(body, "parameters", {})
     if not isinstance(parameters, dict):
         raise InvalidArgument("`parameters` must be an object")
     for key, value in parameters.items():

@@ -56,7 +56,20 @@ def set_parameter(parameters, name: str, value) -> None:
     elif isinstance(value, str):
         param.string_param = value
     else:
-        raise InvalidArgument(f"parameter '{name}' must be a boolean, a number or a string, got {json.dumps(value)}")
+        raise InvalidArgument(f"parameter '{name}' must be a boolean, a number or a string, got {shown(value)}")
+
+
+def given(obj: dict, key: str, default):
+    """`obj[key]`, or `default` where it is missing or null (any other value is checked by the caller:
+    an empty list where an object belongs is wrong, not absent)."""
+    value = obj.get(key)
+    return default if value is None else value
+
+
+def shown(value, most: int = 80) -> str:
+    """A client's value as JSON in an error message, cut to `most` characters."""
+    text = json.dumps(value)
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 def parameter_value(param: ipb.InferParameter):
@@ -66,7 +79,7 @@ def parameter_value(param: ipb.InferParameter):
 
 def _flag(value, what: str) -> bool:
     if not isinstance(value, bool):
-        raise InvalidArgument(f"{what} must be true or false, got {json.dumps(value)}")
+        raise InvalidArgument(f"{what} must be true or false, got {shown(value)}")
     return value
 
 
@@ -91,8 +104,12 @@ def _bytes_elements(values: list, name: str) -> bytes:
     for v in values:
         if not isinstance(v, str):
             raise InvalidArgument(f"input '{name}' is BYTES: each element of `data` must be a string, "
-                                  f"got {json.dumps(v)}")
-        b = v.encode("utf-8", "surrogatepass")
+                                  f"got {shown(v)}")
+        try:
+            b = v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"input '{name}': an element of `data` is not text (it holds a lone surrogate, "
+                                  f"{shown(v)}): send bytes that are not text as binary data") from None
         out += struct.pack("<I", len(b)) + b
     return bytes(out)
 
@@ -173,7 +190,7 @@ def _request(header: dict, binary: memoryview, model: str, version: str) -> tupl
             raise InvalidArgument("`id` must be a string")
         request.id = header["id"]
     choice = OutputChoice()
-    parameters = header.get("parameters") or {}
+    parameters = given(header, "parameters", {})
     if not isinstance(parameters, dict):
         raise InvalidArgument("`parameters` must be an object")
     for key, value in parameters.items():
@@ -182,7 +199,7 @@ def _request(header: dict, binary: memoryview, model: str, version: str) -> tupl
         else:
             set_parameter(request.parameters, key, value)
     _inputs(request, header.get("inputs"), binary)
-    _outputs(request, header.get("outputs") or [], choice)
+    _outputs(request, given(header, "outputs", []), choice)
     return request, choice
 
 
@@ -198,10 +215,10 @@ def _inputs(request: ipb.ModelInferRequest, inputs, binary) -> None:
         datatype = tensor.get("datatype")
         if not isinstance(datatype, str) or datatype not in DATATYPES:
             raise InvalidArgument(f"input '{name}': `datatype` must be one of {sorted(DATATYPES)}, "
-                                  f"got {json.dumps(datatype)}")
+                                  f"got {shown(datatype)}")
         shape = _shape(tensor, name)
         entry = request.inputs.add(name=name, datatype=datatype, shape=shape)
-        tensor_parameters = tensor.get("parameters") or {}
+        tensor_parameters = given(tensor, "parameters", {})
         if not isinstance(tensor_parameters, dict):
             raise InvalidArgument(f"input '{name}': `parameters` must be an object")
         _no_shared_memory(tensor_parameters, f"input '{name}'")
@@ -234,7 +251,7 @@ def _outputs(request: ipb.ModelInferRequest, outputs, choice: OutputChoice) -> N
         raise InvalidArgument("`outputs` must be an array of objects, each with a `name`")
     for tensor in outputs:
         entry = request.outputs.add(name=tensor["name"])
-        tensor_parameters = tensor.get("parameters") or {}
+        tensor_parameters = given(tensor, "parameters", {})
         if not isinstance(tensor_parameters, dict):
             raise InvalidArgument(f"output '{entry.name}': `parameters` must be an object")
         _no_shared_memory(tensor_parameters, f"output '{entry.name}'")

@@ -422,3 +422,74 @@ def test_compressed_bodies_are_read_within_the_cap(rest_mesh):
     assert status == 400 and "once decompressed" in json.loads(answer)["error"]
     status, _, answer = _post(rest_mesh.http_address, "/v2/models/simple/infer", body, {"Content-Encoding": "br"})
     assert status == 400 and "'br' is not supported" in json.loads(answer)["error"]
+
+
+def _exchange(address: str, data: bytes, timeout: float = 10.0) -> bytes:
+    """Send raw bytes on a new connection; what comes back until the server closes it."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(data)
+        got = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return got
+            got += chunk
+
+
+def test_a_request_head_too_large_or_too_slow_is_refused_and_its_connection_closed(rest_mesh, monkeypatch):
+    from gateway import http_server
+
+    big = (b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (http_server.HEAD_MAX_BYTES + 1)
+           + b"\r\n\r\n")
+    assert _exchange(rest_mesh.http_address, big).startswith(b"HTTP/1.1 431 ")
+    monkeypatch.setattr(http_server, "HEAD_TIMEOUT_S", 0.5)
+    began = time.monotonic()
+    answer = _exchange(rest_mesh.http_address, b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n")  # and no more
+    assert answer.startswith(b"HTTP/1.1 408 ") and time.monotonic() - began < 5
+    assert _exchange(rest_mesh.http_address, b"").startswith(b"HTTP/1.1 408 ")  # one that sends nothing too
+    # A whole head in time is served, and its connection kept.
+    status, headers, _ = _post(rest_mesh.http_address, "/v2/models/simple/infer", *_simple_body()[:1],
+                               {"Inference-Header-Content-Length": str(_simple_body()[1])})
+    assert status == 200 and headers.get("connection") != "close"
+
+
+def test_a_body_answered_before_it_is_read_is_dropped_for_a_while_then_its_connection_closed(rest_mesh,
+                                                                                              monkeypatch):
+    from gateway import http_server
+
+    # The client sends the whole body, then reads the answer: it gets it, on a connection kept.
+    status, headers, answer = _post(rest_mesh.http_address, "/v2/models/no-such-model/infer", bytes(100_000))
+    assert status == 404 and b"no-such-model" in answer
+    # One that goes on sending (a body of a terabyte) has its connection closed once the time is up.
+    monkeypatch.setattr(http_server, "DISCARD_S", 0.5)
+    host, port = rest_mesh.http_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v2/models/no-such-model/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % 10**12)
+        began, closed = time.monotonic(), False
+        while time.monotonic() - began < 8:
+            try:
+                s.sendall(bytes(65536))
+            except OSError:  # the server closed it
+                closed = True
+                break
+            time.sleep(0.01)
+    assert closed and time.monotonic() - began < 8
+
+
+def test_a_framing_header_given_twice_with_different_values_is_400(rest_mesh):
+    body, length = _simple_body()
+    head = (f"POST /v2/models/simple/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+            f"Inference-Header-Content-Length: {length}\r\nInference-Header-Content-Length: {length - 1}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    answer = _exchange(rest_mesh.http_address, head + body)
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"given 2 times with different values" in answer
+
+
+def test_a_body_that_stalls_is_given_up(rest_mesh, monkeypatch):
+    from gateway import rest
+
+    monkeypatch.setattr(rest, "UPLOAD_IDLE_S", 0.5)
+    head = b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+    answer = _exchange(rest_mesh.http_address, head + b"{" * 10)  # then nothing
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"the request body stalled" in answer

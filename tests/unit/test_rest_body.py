@@ -41,3 +41,9 @@ def test_the_deadline_header_counts_from_the_arrival_not_from_the_call():
     assert _left(_deadline({}, arrived)) is None
     with pytest.raises(InvalidArgument, match="must be a number of milliseconds >= 0"):
         _deadline({TIMEOUT_HEADER: b"-1"}, arrived)
+
+
+def test_every_refusal_a_reply_can_carry_has_its_http_status():
+    from batchline.errors import AlreadyExists, Unimplemented, http_status
+
+    assert (http_status(AlreadyExists("x")), http_status(Unimplemented("x"))) == (409, 501)

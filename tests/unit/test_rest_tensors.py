@@ -139,3 +139,34 @@ def test_a_float_past_its_types_range_in_json_is_refused_not_made_infinite(datat
     ok = json.dumps({"inputs": [{"name": "x", "datatype": datatype, "shape": [1], "data": [1.5]}]})
     request, _ = infer_request(ok.encode(), None, "m", "")
     assert np.frombuffer(request.raw_input_contents[0], np.float16 if datatype == "FP16" else np.float32) == 1.5
+
+
+def _one_input(**extra) -> bytes:
+    return json.dumps({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1.0]}], **extra}).encode()
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"parameters": []}, "`parameters` must be an object"),
+    ({"parameters": 0}, "`parameters` must be an object"),
+    ({"outputs": {}}, "`outputs` must be an array"),
+    ({"outputs": ""}, "`outputs` must be an array"),
+])
+def test_a_field_of_the_wrong_type_is_refused_even_when_empty(extra, says):
+    with pytest.raises(InvalidArgument, match=says):
+        infer_request(_one_input(**extra), None, "m", "")
+    # Missing or null is the default.
+    infer_request(_one_input(parameters=None, outputs=None), None, "m", "")
+
+
+def test_a_bytes_element_that_is_not_text_is_refused_at_the_door():
+    body = json.dumps({"inputs": [{"name": "s", "datatype": "BYTES", "shape": [1], "data": ["\ud800"]}]}).encode()
+    with pytest.raises(InvalidArgument, match="lone surrogate"):
+        infer_request(body, None, "m", "")
+
+
+def test_an_error_shows_at_most_80_characters_of_what_the_client_sent():
+    body = json.dumps({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1.0],
+                                   "parameters": {"p": list(range(100_000))}}]}).encode()
+    with pytest.raises(InvalidArgument) as info:
+        infer_request(body, None, "m", "")
+    assert "must be a boolean, a number or a string" in str(info.value) and len(str(info.value)) < 300
