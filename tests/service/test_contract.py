@@ -362,6 +362,36 @@ def test_arrival_counts_are_written_with_their_expiry_in_one_command():
         asyncio.run(run(server.url))
 
 
+def test_arrival_counts_a_paused_redis_did_not_take_are_added_once_at_the_next_flush():
+    """A flush that times out while Redis is paused: the client gives its connection up, and Redis
+    drops the command it held, so the next flush adds the counts, once."""
+    import asyncio
+
+    from batchline.contract.gateway_store import GatewayStore
+    from batchline.redis_client import connect
+    from gateway.arrivals import Arrivals
+
+    model = ("t-late", "1")
+
+    async def run(url: str, sync: redis.Redis) -> int:
+        client = connect(url, 0.3)
+        try:
+            arrivals = Arrivals(GatewayStore(client))
+            for _ in range(5):
+                arrivals.count(model)
+            sync.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
+            await arrivals.flush()  # times out
+            await asyncio.sleep(1.2)
+            arrivals.count(model)
+            await arrivals.flush()
+            return int(sync.get(contract.arrivals(model)))
+        finally:
+            await client.aclose()
+
+    with EmbeddedRedis() as server:
+        assert asyncio.run(run(server.url, redis.Redis.from_url(server.url))) == 6
+
+
 def test_repository_calls_land_in_their_numbers_order_whatever_order_their_writes_arrive():
     """A load and an unload of one model racing: the load took number 5, the unload 6, and the
     unload's record was written first. The load's, arriving late, must not replace it (executors
