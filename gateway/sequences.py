@@ -10,7 +10,7 @@ from typing import AsyncIterator
 import numpy as np
 
 from batchline.codec import DATATYPES
-from batchline.errors import InvalidArgument
+from batchline.errors import InvalidArgument, ResourceExhausted
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.sequences import SequenceFlags, sequence_flags
@@ -57,11 +57,19 @@ class Turn:
         self.fate = fate
 
 
+# Requests of one sequence waiting for their turn on a gateway, at most: each holds its input in the
+# gateway's memory and none has begun its budget yet (it starts once queued), so a client sending a
+# sequence's steps all at once is told to send the next once one is answered.
+MAX_WAITING = 64
+WAITING_RETRY_S = 0.1
+
+
 class SequenceOrder:
     """Each sequence's requests on this gateway, in arrival order: one waits for the one before it."""
 
     def __init__(self) -> None:
         self._last: dict[tuple[str, str, str], asyncio.Future] = {}  # (model, version, key) -> its newest request
+        self._waiting: dict[tuple[str, str, str], int] = {}  # requests waiting for their turn, per sequence
         self.releasing: set[asyncio.Task] = set()  # turns held past their request's end
 
     def __len__(self) -> int:
@@ -70,15 +78,29 @@ class SequenceOrder:
     @contextlib.asynccontextmanager
     async def turn(self, model: str, version: str, sequence: str) -> AsyncIterator[Turn]:
         """Until the sequence's previous request here is over; then the caller's request runs.
-        `sequence`: its key (batchline.sequences.sequence_key)."""
+        `sequence`: its key (batchline.sequences.sequence_key). ResourceExhausted when MAX_WAITING
+        of its requests wait already."""
         key = (model, version, sequence)
         before = self._last.get(key)
+        waiting = self._waiting.get(key, 0)
+        if before is not None and waiting >= MAX_WAITING:
+            raise ResourceExhausted(f"model '{model}': {waiting} requests of this sequence wait for their turn on "
+                                    f"this gateway already (at most {MAX_WAITING}): send the next once one is "
+                                    "answered", retry_after_s=WAITING_RETRY_S)
         mine = asyncio.get_running_loop().create_future()
         self._last[key] = mine
         turn = Turn()
         try:
             if before is not None:
-                await asyncio.shield(before)  # (a cancelled wait must not cancel the request before)
+                self._waiting[key] = waiting + 1
+                try:
+                    await asyncio.shield(before)  # (a cancelled wait must not cancel the request before)
+                finally:
+                    left = self._waiting[key] - 1
+                    if left:
+                        self._waiting[key] = left
+                    else:
+                        del self._waiting[key]
             yield turn
         finally:
             # The next one goes after this one and the one before it, even when this one gave up early.

@@ -394,6 +394,39 @@ def test_a_request_that_gives_up_while_waiting_still_keeps_the_next_behind_the_o
     assert asyncio.run(scenario()) == ["first runs", "first ends", "first over", "third runs", "third over"]
 
 
+def test_a_sequence_with_too_many_requests_waiting_refuses_more_and_keeps_the_rest_in_order():
+    from batchline.errors import ResourceExhausted
+    from gateway.sequences import MAX_WAITING
+
+    async def scenario() -> tuple[list[int], str, int]:
+        order, ran = SequenceOrder(), []
+        flags = SequenceFlags(7)
+        first_may_end = asyncio.Event()
+
+        async def request(n: int) -> None:
+            async with order.turn("m", "1", flags.key):
+                ran.append(n)
+                if n == 0:
+                    await first_may_end.wait()
+
+        tasks = [asyncio.create_task(request(0))]
+        await asyncio.sleep(0)
+        tasks += [asyncio.create_task(request(n)) for n in range(1, MAX_WAITING + 1)]
+        await asyncio.sleep(0)
+        with pytest.raises(ResourceExhausted) as refused:
+            async with order.turn("m", "1", flags.key):
+                pass
+        async with order.turn("m", "1", SequenceFlags(8).key):  # another sequence is not held back
+            pass
+        first_may_end.set()
+        await asyncio.gather(*tasks)
+        return ran, str(refused.value), refused.value.retry_after_s
+
+    ran, message, retry = asyncio.run(scenario())
+    assert ran == list(range(MAX_WAITING + 1))
+    assert f"{MAX_WAITING} requests of this sequence wait for their turn" in message and retry > 0
+
+
 @pytest.mark.parametrize("config, problem", [
     (SequenceBatchingConfig(control={"GO": "start"}), "control input 'GO' is not an input of the graph"),
     (SequenceBatchingConfig(state={"ACC_IN": "NOPE"}), "state output 'NOPE' is not an output of the graph"),
