@@ -50,6 +50,7 @@ class GroupCommit:
         self.in_flight = in_flight  # requests in the gateway now: a busy gateway's commits wait for company
         self._outbox: list[_Waiting] = []
         self._abandoned: list[contract.Abandoned] = []
+        self._abandoning: list[asyncio.Future] = []  # each abandoned request's: True once its removal landed
         self._flusher: asyncio.Task | None = None
         self._linger = Linger(linger_s)
         self._lingering: asyncio.Future | None = None  # a commit's wait for company, while it lasts
@@ -67,11 +68,15 @@ class GroupCommit:
         self._kick()
         await waiting.done
 
-    def abandon(self, request_id: str, model: ModelKey, member: bytes) -> None:
+    def abandon(self, request_id: str, model: ModelKey, member: bytes) -> asyncio.Future:
         """Remove a request nobody waits for any more, with the next commit (if Redis is gone,
-        its keys expire on their own)."""
+        its keys expire on their own). The future says whether the removal landed (after the
+        request's own write, if that was still going out)."""
         self._abandoned.append(contract.Abandoned(request_id, model, member))
+        landed = asyncio.get_running_loop().create_future()
+        self._abandoning.append(landed)
         self._kick()
+        return landed
 
     def fail(self, error: BatchlineError) -> None:
         """Answer every write not yet committed with `error` (shutting down)."""
@@ -94,6 +99,7 @@ class GroupCommit:
                     await self._wait_for_company(wait)
             batch, self._outbox = self._outbox, []
             abandoned, self._abandoned = self._abandoned, []
+            abandoning, self._abandoning = self._abandoning, []
             try:
                 async with metrics.redis_rtt("gateway", "enqueue"):
                     queued = await self.store.enqueue(self.gateway_id, self.address, self.heartbeat_ttl_ms,
@@ -103,7 +109,12 @@ class GroupCommit:
                 for w in batch:
                     if not w.done.done():
                         w.done.set_exception(error)
+                _settle(abandoning, False)
                 continue
+            # (On a cluster a model's shard may have refused its part: those removals did not land.)
+            refused = {a.model for a, ok in zip(abandoned, _abandon_results(abandoned, batch, queued)) if not ok}
+            for a, landed in zip(abandoned, abandoning):
+                _settle([landed], a.model not in refused)
             refusals: dict[int, BatchlineError] = {}  # one per shard's error, logged once
             for w, ok in zip(batch, queued):
                 if w.done.done():
@@ -138,6 +149,19 @@ class GroupCommit:
         finally:
             timer.cancel()
             self._lingering = None
+
+
+def _settle(futures: list[asyncio.Future], landed: bool) -> None:
+    for f in futures:
+        if not f.done():
+            f.set_result(landed)
+
+
+def _abandon_results(abandoned: list[contract.Abandoned], batch: list[_Waiting], queued: list) -> list[bool]:
+    """Whether each removal landed: not where a write of the same model failed with a shard's error
+    (the removals go in the same script as the writes of their model)."""
+    failed = {w.write.model for w, ok in zip(batch, queued) if isinstance(ok, Exception)}
+    return [a.model not in failed for a in abandoned]
 
 
 def _commit_error(exc: Exception) -> BatchlineError:

@@ -5,7 +5,6 @@ executor spends time on a request nobody waits for."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -125,24 +124,32 @@ class Queueing:
 
     async def _settle(self, call: Call, entry: pb.QueueEntry, member: bytes, committed: bool,
                       ghost: asyncio.Future) -> None:
-        """A sequence request given up on: over once it is known not to run (taken out of its queue
-        before any dispatch), once its reply comes (it was dispatched: its payload stays, and its
-        executor answers it, run or refused past its deadline), or at the latest once its run would
-        have ended (an executor starts nothing past its deadline: its deadline plus its budget)."""
+        """A sequence request given up on: over once no run of it can change its sequence's state
+        (taken out of its queue before any dispatch; or its payload removed, which a run's save of
+        the state needs: scripts.SAVE_SEQUENCES_LUA), once its reply comes (it was dispatched: its
+        payload stays, and its executor answers it, run or refused past its deadline), or at the
+        latest once its run would have ended (an executor starts nothing past its deadline: its
+        deadline plus its budget)."""
         try:
             removed = False
             if committed:
                 try:
                     removed = await self.store.withdraw(call.key, entry.request_id, member)
-                except Exception as exc:  # noqa: BLE001 - the commit withdraws it, and the turn waits
+                except Exception as exc:  # noqa: BLE001 - the commit removes it, and the turn waits for that
                     log.warning("withdrawing sequence request %s failed: %s", entry.request_id, exc)
-                    self.commit.abandon(entry.request_id, call.key, member)
+                    removed = await self.commit.abandon(entry.request_id, call.key, member)
             else:
-                self.commit.abandon(entry.request_id, call.key, member)  # after its write, if that lands
+                # Given up while its write was going out: removed after it, if it lands.
+                removed = await self.commit.abandon(entry.request_id, call.key, member)
             if not removed:
                 bound_s = entry.deadline_us / 1e6 + call.run_budget_s - time.time()
-                with contextlib.suppress(asyncio.TimeoutError):
+                try:
                     await asyncio.wait_for(asyncio.shield(ghost), max(0.0, bound_s))
+                except asyncio.TimeoutError:
+                    # No reply by when its run would have ended: its payload goes before the next
+                    # request does, so that a run still going (a stalled executor) cannot save a
+                    # state behind that request's back.
+                    await self.commit.abandon(entry.request_id, call.key, member)
         finally:
             self.replies.unwatch(entry.request_id)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 import uuid
 from functools import partial
 
@@ -334,6 +335,35 @@ def test_a_sequence_request_given_up_after_its_dispatch_holds_the_next_until_it_
             poll(lambda: r.zcard(key) == 1, 10, "the next request never went after the one before ran")
             assert taken.request_id not in replies.watched
             fourth.cancel()
+        finally:
+            channel.close()
+            r.close()
+
+
+def test_a_sequence_request_given_up_while_its_write_goes_out_holds_the_next_only_until_it_is_removed(repo):
+    """A client gives up while the gateway's write of its request is still going out (Redis paused
+    here): the request is removed right after its write, and the sequence's next request goes then,
+    not at the given-up one's deadline plus its budget (a run of it, had one begun, could no longer
+    save a state: its payload is gone)."""
+    from batchline.testing.in_process import InProcessMesh
+
+    with InProcessMesh(None, str(repo), max_batches_per_executor=0) as m:
+        r = connect_sync(m.redis_url, 5)
+        key = contract.queue(("accumulator", "1"))
+        channel = grpc.insecure_channel(m.address)
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            r.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+            first = stub.ModelInfer.future(_seq_request(44, 1, True), timeout=120)
+            time.sleep(0.3)
+            first.cancel()
+            second = stub.ModelInfer.future(_seq_request(44, 2, False), timeout=120)
+            began = time.monotonic()
+            poll(lambda: len(_queued_ids(r, key)) == 1, 20, "the next request waited for the given-up one's bound")
+            assert time.monotonic() - began < 15  # not the first's deadline plus its budget (60 s)
+            time.sleep(0.5)
+            assert r.zcard(key) == 1  # the second alone: the first was removed after its write
+            second.cancel()
         finally:
             channel.close()
             r.close()
