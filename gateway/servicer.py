@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import grpc
 
-from batchline.errors import RETRY_AFTER_KEY, BatchlineError, grpc_status
+from batchline.errors import RETRY_AFTER_KEY, BatchlineError, ResourceExhausted, grpc_status
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
 from batchline.auth import Grant, Tokens, visible
@@ -15,6 +16,7 @@ from gateway.convert import inputs_of, model_config, model_statistics
 from gateway import inference
 from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
 from gateway.replies import PartialSink
+from gateway.sequences import MAX_WAITING, WAITING_RETRY_S
 from gateway.shared_memory_calls import SharedMemoryCalls
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,25 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BatchlineError):
         # The call ended (its deadline passed) before the status could go out: the client
         # has its DEADLINE_EXCEEDED already, and there is nothing left to send.
         raise asyncio.CancelledError() from None
+
+
+def _sequence_of(request: ipb.ModelInferRequest) -> tuple[str, str, str] | None:
+    """A stream's key for the sequence a request belongs to (None: it names none), as sent."""
+    param = request.parameters.get("sequence_id")
+    if param is None:
+        return None
+    kind = param.WhichOneof("parameter_choice")
+    return (request.model_name, request.model_version, f"{kind}:{getattr(param, kind)}" if kind else "")
+
+
+def _done_in(after: dict, behind: dict, sequence: tuple, task: asyncio.Task) -> None:
+    if after.get(sequence) is task:
+        del after[sequence]
+    left = behind[sequence] - 1
+    if left:
+        behind[sequence] = left
+    else:
+        del behind[sequence]
 
 
 def stream_error(request: ipb.ModelInferRequest, exc: BatchlineError) -> ipb.ModelStreamInferResponse:
@@ -160,7 +181,15 @@ class InferenceServicer(SharedMemoryCalls, inference_pb2_grpc.GRPCInferenceServi
         answers: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
 
-        async def one(request: ipb.ModelInferRequest) -> None:
+        # A sequence's requests on this stream go through the gateway one after another, as they
+        # came: concurrently, the round trips before a request takes its turn in its sequence (the
+        # tenant's rate check, a model or tokenizer read) could let a later one take it first.
+        after: dict[tuple[str, str, str], asyncio.Task] = {}
+        behind: dict[tuple[str, str, str], int] = {}
+
+        async def one(request: ipb.ModelInferRequest, before: asyncio.Task | None = None) -> None:
+            if before is not None:
+                await asyncio.wait([before])
             try:
                 grant = None
                 if digest is not None:
@@ -186,7 +215,20 @@ class InferenceServicer(SharedMemoryCalls, inference_pb2_grpc.GRPCInferenceServi
                     await answers.put(ipb.ModelStreamInferResponse(
                         error_message=f"[{grpc.StatusCode.INVALID_ARGUMENT.name}] {request}"))
                     continue
-                task = asyncio.create_task(one(request))
+                sequence = _sequence_of(request)
+                if sequence is None:
+                    task = asyncio.create_task(one(request))
+                elif behind.get(sequence, 0) > MAX_WAITING:
+                    await answers.put(stream_error(request, ResourceExhausted(
+                        f"model '{request.model_name}': {behind[sequence]} requests of this sequence wait on this "
+                        f"stream already (at most {MAX_WAITING}): send the next once one is answered",
+                        retry_after_s=WAITING_RETRY_S)))
+                    continue
+                else:
+                    task = asyncio.create_task(one(request, after.get(sequence)))
+                    after[sequence] = task
+                    behind[sequence] = behind.get(sequence, 0) + 1
+                    task.add_done_callback(functools.partial(_done_in, after, behind, sequence))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             while tasks:

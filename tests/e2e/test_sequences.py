@@ -391,6 +391,40 @@ def test_a_sequence_is_its_tenants_another_tenant_with_the_same_id_has_its_own(r
         assert step("token-b", 1) == 101
 
 
+def test_a_rate_capped_tenants_sequence_on_a_stream_runs_in_the_order_sent(repo, tmp_path):
+    """On a stream, a sequence's requests pass the tenant's rate check one after another: were they
+    concurrent, a later one whose check came back first could take the sequence's turn first (here
+    the first check is slowed down to make it so) and run without the START the first carries."""
+    from batchline.testing.auth_files import token_entry, write_auth_file
+    from batchline.testing.in_process import InProcessMesh
+
+    auth = tmp_path / "auth.toml"
+    write_auth_file(auth, token_entry("token-a", "a", ["accumulator"]).replace("max_rate = 0", "max_rate = 1000"))
+    with InProcessMesh(None, str(repo), gateway_overrides={"auth_file": str(auth)}) as m, \
+            grpcclient.InferenceServerClient(m.address) as client:
+        gateway, checks = m.gateway.gateway, []
+        take_rate = gateway.take_rate
+
+        async def first_slow(*args):
+            checks.append(args)
+            if len(checks) == 1:
+                await asyncio.sleep(0.5)
+            await take_rate(*args)
+
+        gateway.take_rate = first_slow
+        answers: queue.Queue = queue.Queue()
+        client.start_stream(lambda result, error: answers.put((result, error)),
+                            headers={"authorization": "Bearer token-a"})
+        try:
+            client.async_stream_infer("accumulator", value(5), sequence_id=9, sequence_start=True)
+            client.async_stream_infer("accumulator", value(1), sequence_id=9)
+            got = [answers.get(timeout=30) for _ in range(2)]
+        finally:
+            client.stop_stream()
+        assert [e for _, e in got] == [None, None], [str(e) for _, e in got]
+        assert [int(r.as_numpy("OUTPUT")[0, 0]) for r, _ in got] == [5, 6]
+
+
 # -- the gateway's order and the config's checks, as pure units ------------------------------------
 
 
