@@ -130,8 +130,12 @@ class GenerationEngine:
                                      text, made))
 
     def cancel(self, request_id: str) -> None:
-        """End the sequence at the next step (its slot is freed then)."""
-        self._cancelled.add(request_id)
+        """End the sequence at the next step (its slot is freed then). A request this engine does not
+        hold (ended already) is left alone: kept, its cancel would end the request when it is added
+        again (handed back to this executor by recovery)."""
+        if any(s.request_id == request_id for s in self.running) or \
+                any(s.request_id == request_id for s in self.waiting):
+            self._cancelled.add(request_id)
 
     def drop_all(self) -> None:
         """Forget every sequence and free its slot."""

@@ -83,16 +83,19 @@ class GenerationLoop:
             self._streams.pop(request_id, None)
 
     def _take_changes(self) -> None:
-        pending, self._pending = self._pending, []
-        for request_id, prompt, params, priority, arrival, output in pending:
-            try:
-                self.engine.add(request_id, prompt, params, priority, arrival, output)
-            except ValueError as exc:
-                if request_id in self._streams:
-                    self._streams[request_id].put_nowait(exc)  # type: ignore[arg-type]
+        # Cancels first: they are of streams already closed, and a request's id may come again
+        # (recovery hands a batch back) with a stream of its own that they must not end.
         for request_id in self._cancels:
             self.engine.cancel(request_id)
         self._cancels.clear()
+        pending, self._pending = self._pending, []
+        for request_id, prompt, params, priority, arrival, output in pending:
+            if request_id not in self._streams:
+                continue  # its stream closed before it started: nobody would read it
+            try:
+                self.engine.add(request_id, prompt, params, priority, arrival, output)
+            except ValueError as exc:
+                self._streams[request_id].put_nowait(exc)  # type: ignore[arg-type]
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -224,6 +224,8 @@ async def _generate(stream: Stream, trace: SequenceTrace, model: GenerationModel
         return pb.Reply(request_id=request_id, code=status_value(error), message=str(error)), "error"
     finally:
         await generated.aclose()
+    if finish == "cancelled":
+        return None, "cancelled"  # ended by a cancel: never a success, whoever reads it
     made_here = len(stream.tokens) - len(made)
     if made_here > 1:
         metrics.GENERATION_TPOT.labels(*labels).observe((last_s - first_s) / (made_here - 1))

@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 LINGER_BUDGET_SHARE = 0.1
 # A request refused because its queue is full is told to come back this much later.
 QUEUE_FULL_RETRY_S = 0.1
+# Removals of requests nobody waits for, kept for the next commit while Redis fails them (the
+# newest; older ones are left to their keys' expiry), and how often they are tried alone.
+ABANDONS_KEPT = 10_000
+ABANDON_RETRY_S = 0.2
 
 
 @dataclass(slots=True)
@@ -109,7 +113,13 @@ class GroupCommit:
                 for w in batch:
                     if not w.done.done():
                         w.done.set_exception(error)
-                _settle(abandoning, False)
+                # The removals go again with the next commit: a request left in its queue would be run
+                # (a generation to its end, its cache slot held) for nobody. Its keys expire meanwhile.
+                dropped = max(0, len(abandoned) - max(0, ABANDONS_KEPT - len(self._abandoned)))
+                self._abandoned[:0], self._abandoning[:0] = abandoned[dropped:], abandoning[dropped:]
+                _settle(abandoning[:dropped], False)
+                if not self._outbox:
+                    await asyncio.sleep(ABANDON_RETRY_S)  # Redis is away: no tight loop of removals
                 continue
             # (On a cluster a model's shard may have refused its part: those removals did not land.)
             refused = {a.model for a, ok in zip(abandoned, _abandon_results(abandoned, batch, queued)) if not ok}

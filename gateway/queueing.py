@@ -132,15 +132,16 @@ class Queueing:
         deadline plus its budget)."""
         try:
             removed = False
+            bound_s = entry.deadline_us / 1e6 + call.run_budget_s - time.time()
             if committed:
                 try:
                     removed = await self.store.withdraw(call.key, entry.request_id, member)
                 except Exception as exc:  # noqa: BLE001 - the commit removes it, and the turn waits for that
                     log.warning("withdrawing sequence request %s failed: %s", entry.request_id, exc)
-                    removed = await self.commit.abandon(entry.request_id, call.key, member)
+                    removed = await _landed(self.commit.abandon(entry.request_id, call.key, member), bound_s)
             else:
                 # Given up while its write was going out: removed after it, if it lands.
-                removed = await self.commit.abandon(entry.request_id, call.key, member)
+                removed = await _landed(self.commit.abandon(entry.request_id, call.key, member), bound_s)
             if not removed:
                 bound_s = entry.deadline_us / 1e6 + call.run_budget_s - time.time()
                 try:
@@ -152,6 +153,14 @@ class Queueing:
                     await self.commit.abandon(entry.request_id, call.key, member)
         finally:
             self.replies.unwatch(entry.request_id)
+
+
+async def _landed(removal: asyncio.Future, within_s: float) -> bool:
+    """Whether a removal (GroupCommit.abandon) landed within `within_s` (a Redis away for longer: no)."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(removal), max(0.0, within_s))
+    except asyncio.TimeoutError:
+        return False
 
 
 def _time_out(fut: asyncio.Future) -> None:

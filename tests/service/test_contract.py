@@ -392,6 +392,33 @@ def test_arrival_counts_a_paused_redis_did_not_take_are_added_once_at_the_next_f
         assert asyncio.run(run(server.url, redis.Redis.from_url(server.url))) == 6
 
 
+def test_a_removal_redis_failed_goes_again_with_the_next_commit():
+    """A given-up request's removal that Redis failed (paused past the client's timeout here) is
+    tried again until it lands: left queued, the request would run (a generation to its end) for
+    nobody."""
+    import asyncio
+
+    from batchline.contract.gateway_store import GatewayStore
+    from batchline.redis_client import connect
+    from gateway.commit import GroupCommit
+
+    model = ("t-removal", "1")
+
+    async def run(url: str, sync: redis.Redis) -> tuple:
+        client = connect(url, 0.3)
+        try:
+            commit = GroupCommit(GatewayStore(client), "gw", 30_000, 0.0, lambda: 0)
+            await commit.write(contract.QueueWrite("r1", model, b"p", 60_000, b"r1", 5, 0), 2**62, 1.0)
+            sync.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
+            landed = await asyncio.wait_for(commit.abandon("r1", model, b"r1"), 10)
+            return landed, sync.zcard(contract.queue(model)), sync.exists(contract.payload(model, "r1"))
+        finally:
+            await client.aclose()
+
+    with EmbeddedRedis() as server:
+        assert asyncio.run(run(server.url, redis.Redis.from_url(server.url))) == (True, 0, 0)
+
+
 def test_repository_calls_land_in_their_numbers_order_whatever_order_their_writes_arrive():
     """A load and an unload of one model racing: the load took number 5, the unload 6, and the
     unload's record was written first. The load's, arriving late, must not replace it (executors

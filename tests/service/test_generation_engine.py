@@ -298,3 +298,14 @@ def test_a_sequence_ends_at_max_context(decoder):
     tokens = drain(engine, reports)
     assert len(tokens["a"]) == 6
     assert reports[-1].outputs[-1].finish_reason == "length"
+
+
+def test_a_cancel_of_a_request_the_engine_no_longer_holds_does_not_end_it_when_it_comes_again(decoder):
+    engine = engine_for(decoder, slots=2)
+    engine.add("a", PROMPTS[2], SamplingParams(max_tokens=3, **GREEDY))
+    first = drain(engine)["a"]
+    engine.cancel("a")  # its stream closed after the sequence ended: a cancel of nothing held
+    engine.add("a", PROMPTS[2], SamplingParams(max_tokens=3, **GREEDY))  # handed back, run again
+    reports: list = []
+    assert drain(engine, reports)["a"] == first
+    assert reports[-1].outputs[-1].finish_reason != "cancelled"
