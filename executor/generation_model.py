@@ -138,6 +138,13 @@ def load_decoder(model_dir: pathlib.Path, version: str = "1", providers: list[st
     threads = intra_op_threads_for(1, config.intra_op_threads or intra_op_threads, cpu_cores)
     session = create_session(model_dir / version / "model.onnx", chosen, threads, allow_spinning,
                              label=f"{model_dir.name} version {version}")
+    logits = {a.name: a for a in session.get_outputs()}.get(gen.logits_output)
+    width = logits.shape[-1] if logits is not None and logits.shape else None
+    if isinstance(width, int) and width < vocabulary:
+        # A prompt id the tokenizer knows but the graph does not would fail the run of every
+        # sequence in its step: refused at load instead.
+        raise RepositoryError(f"{where}: the tokenizer has {vocabulary} ids but the graph's logits "
+                              f"{gen.logits_output!r} have {width}: they must be the same model's")
     cache = _cache_tensors(where, gen, session)
     warning = slow_on_gpu(session.get_providers()[0], gen.cache_in_place, cache)
     if warning:

@@ -80,6 +80,18 @@ def test_a_config_that_does_not_fit_the_graph_is_refused_at_load(model_dir, old,
     assert message in str(info.value)
 
 
+def test_a_tokenizer_with_ids_the_graph_has_no_logits_for_is_refused_at_load(model_dir):
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer" / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.add_tokens(["<extra-a>", "<extra-b>"])  # 4,098 ids against the graph's 4,096 logits
+    tokenizer.save(str(path))
+    with pytest.raises(RepositoryError) as info:
+        load_decoder(model_dir)
+    assert "the tokenizer has 4098 ids but the graph's logits 'logits' have 4096" in str(info.value)
+
+
 def test_the_batch_path_leaves_generative_models_to_the_engine(built):
     (built.parent / "plain").mkdir(exist_ok=True)
     assert model_names(built.parent) == ["plain"]
