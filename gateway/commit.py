@@ -122,9 +122,8 @@ class GroupCommit:
                     await asyncio.sleep(ABANDON_RETRY_S)  # Redis is away: no tight loop of removals
                 continue
             # (On a cluster a model's shard may have refused its part: those removals did not land.)
-            refused = {a.model for a, ok in zip(abandoned, _abandon_results(abandoned, batch, queued)) if not ok}
-            for a, landed in zip(abandoned, abandoning):
-                _settle([landed], a.model not in refused)
+            for landed, ok in zip(abandoning, _abandon_results(abandoned, batch, queued)):
+                _settle([landed], ok)
             refusals: dict[int, BatchlineError] = {}  # one per shard's error, logged once
             for w, ok in zip(batch, queued):
                 if w.done.done():

@@ -18,6 +18,7 @@ docs/design/autoscaling.md#generative-models).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import statistics
 from dataclasses import dataclass
@@ -58,13 +59,14 @@ def executor_start_s(registry: Registry) -> float:
     return statistics.median(times) if times else 0.0
 
 
+def _processes(holders: list[str]) -> collections.Counter[str]:
+    """The executor processes among `holders`, with their lanes (instance_count): ids ID and ID#k."""
+    return collections.Counter(eid.split("#")[0] for eid in holders)
+
+
 def lanes_per_executor(registry: Registry, holders: list[str]) -> int:
-    """Lanes of one executor process (instance_count): its ids are ID and ID#k."""
-    processes: dict[str, int] = {}
-    for eid in holders:
-        base = eid.split("#")[0]
-        processes[base] = processes.get(base, 0) + 1
-    return max(processes.values(), default=1)
+    """Lanes of one executor process (instance_count)."""
+    return max(_processes(holders).values(), default=1)
 
 
 class Demand:
@@ -160,8 +162,7 @@ class Demand:
                 capacity = self.capacity(key, rule, cost, budget_s, lanes_per_executor(registry, holders), length)
             now_rate = 0.0
             if key not in sequences and key in queued:
-                serving = len({eid.split("#")[0] for eid in plans[key][2]})
-                now_rate = queued_rate(*queued[key], capacity * budget_s * serving)
+                now_rate = queued_rate(*queued[key], capacity * budget_s * len(_processes(plans[key][2])))
             n = need(forecast, capacity, self.settings.target_utilisation, depths.get(key, 0), budget_s, now_rate)
             needs.append(n)
             demand.models.append(pb.MeshDemand.Model(

@@ -3,6 +3,7 @@ Redis, with Triton's control inputs and error words; a step run twice gives the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import time
 import uuid
@@ -285,59 +286,64 @@ def _queued_ids(r, key: str) -> list[str]:
     return [pb.QueueEntry.FromString(m).request_id for m in r.zrange(key, 0, -1)]
 
 
+@contextlib.contextmanager
+def _undispatched(repo, redis_timeout: float = 2):
+    """A mesh whose scheduler gives no executor any batch (the test plays the dispatch by hand), a
+    Redis client, the accumulator's queue key and a gRPC stub."""
+    from batchline.testing.in_process import InProcessMesh
+
+    with InProcessMesh(None, str(repo), max_batches_per_executor=0) as m:
+        r = connect_sync(m.redis_url, redis_timeout)
+        channel = grpc.insecure_channel(m.address)
+        try:
+            yield m, r, contract.queue(("accumulator", "1")), inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+        finally:
+            channel.close()
+            r.close()
+
+
 def test_a_sequence_request_given_up_after_its_dispatch_holds_the_next_until_it_has_run(repo):
     """A client gives up on a sequence request an executor has taken: the sequence's next request
     waits until that one's reply says it ran (else it could run beside it, on a state not saved
     yet); one given up while still queued is taken out at once and holds nothing."""
-    from batchline.testing.in_process import InProcessMesh
+    with _undispatched(repo) as (m, r, key, stub):
+        # Given up while queued: withdrawn, and the next is queued without waiting for its bound.
+        first = stub.ModelInfer.future(_seq_request(41, 1, True), timeout=60)
+        poll(lambda: len(_queued_ids(r, key)) == 1, 10, "the first request was never queued")
+        payload = contract.payload(("accumulator", "1"), _queued_ids(r, key)[0])
+        first.cancel()
+        second = stub.ModelInfer.future(_seq_request(41, 2, False), timeout=60)
+        poll(lambda: len(_queued_ids(r, key)) == 1 and not r.exists(payload), 10,
+             "the next request waited for a request that was only queued")
+        second.cancel()
+        poll(lambda: r.zcard(key) == 0, 10, "the second request was never withdrawn")
 
-    # A scheduler that gives no executor any batch: the test plays the dispatch by hand.
-    with InProcessMesh(None, str(repo), max_batches_per_executor=0) as m:
-        r = connect_sync(m.redis_url, 2)
-        key = contract.queue(("accumulator", "1"))
-        channel = grpc.insecure_channel(m.address)
-        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
-        try:
-            # Given up while queued: withdrawn, and the next is queued without waiting for its bound.
-            first = stub.ModelInfer.future(_seq_request(41, 1, True), timeout=60)
-            poll(lambda: len(_queued_ids(r, key)) == 1, 10, "the first request was never queued")
-            payload = contract.payload(("accumulator", "1"), _queued_ids(r, key)[0])
-            first.cancel()
-            second = stub.ModelInfer.future(_seq_request(41, 2, False), timeout=60)
-            poll(lambda: len(_queued_ids(r, key)) == 1 and not r.exists(payload), 10,
-                 "the next request waited for a request that was only queued")
-            second.cancel()
-            poll(lambda: r.zcard(key) == 0, 10, "the second request was never withdrawn")
-
-            # Given up after an executor took it (its entry left the queue, as a dispatch takes it).
-            third = stub.ModelInfer.future(_seq_request(42, 1, True), timeout=60)
-            poll(lambda: r.zcard(key) == 1, 10, "the third request was never queued")
-            member = r.zrange(key, 0, -1)[0]
-            taken = pb.QueueEntry.FromString(member)
-            r.zrem(key, member)
-            third.cancel()
-            replies = m.gateway.gateway.replies
-            poll(lambda: taken.request_id in replies.watched, 10, "the gateway never watched for the third's reply")
-            assert taken.request_id not in replies.waiting  # nobody waits: a drain does not wait for it
-            # Its payload stays, so that the executor that took it runs it (or refuses it past its
-            # deadline) and answers: that answer is what lets the next request go.
-            assert r.exists(contract.payload(("accumulator", "1"), taken.request_id))
-            order, turn_key = m.gateway.gateway.sequences, ("accumulator", "1", "i:42")
-            third_turn = order._last[turn_key]
-            fourth = stub.ModelInfer.future(_seq_request(42, 2, False), timeout=60)
-            # The fourth has taken its place behind the third, whose turn is held while it may run:
-            # it is not queued.
-            poll(lambda: order._last.get(turn_key) is not third_turn, 10, "the fourth request to wait for its turn")
-            assert not third_turn.done() and r.zcard(key) == 0, "the next request went while the one before could run"
-            # The executor's reply to the third (it ran): the fourth goes.
-            reply = pb.Reply(request_id=taken.request_id, code=0)
-            contract.push_with_ttl(r, contract.reply(taken.gateway_id), contract.REPLY_TTL, [reply.SerializeToString()])
-            poll(lambda: r.zcard(key) == 1, 10, "the next request never went after the one before ran")
-            assert taken.request_id not in replies.watched
-            fourth.cancel()
-        finally:
-            channel.close()
-            r.close()
+        # Given up after an executor took it (its entry left the queue, as a dispatch takes it).
+        third = stub.ModelInfer.future(_seq_request(42, 1, True), timeout=60)
+        poll(lambda: r.zcard(key) == 1, 10, "the third request was never queued")
+        member = r.zrange(key, 0, -1)[0]
+        taken = pb.QueueEntry.FromString(member)
+        r.zrem(key, member)
+        third.cancel()
+        replies = m.gateway.gateway.replies
+        poll(lambda: taken.request_id in replies.watched, 10, "the gateway never watched for the third's reply")
+        assert taken.request_id not in replies.waiting  # nobody waits: a drain does not wait for it
+        # Its payload stays, so that the executor that took it runs it (or refuses it past its
+        # deadline) and answers: that answer is what lets the next request go.
+        assert r.exists(contract.payload(("accumulator", "1"), taken.request_id))
+        order, turn_key = m.gateway.gateway.sequences, ("accumulator", "1", "i:42")
+        third_turn = order._last[turn_key]
+        fourth = stub.ModelInfer.future(_seq_request(42, 2, False), timeout=60)
+        # The fourth has taken its place behind the third, whose turn is held while it may run:
+        # it is not queued.
+        poll(lambda: order._last.get(turn_key) is not third_turn, 10, "the fourth request to wait for its turn")
+        assert not third_turn.done() and r.zcard(key) == 0, "the next request went while the one before could run"
+        # The executor's reply to the third (it ran): the fourth goes.
+        reply = pb.Reply(request_id=taken.request_id, code=0)
+        contract.push_with_ttl(r, contract.reply(taken.gateway_id), contract.REPLY_TTL, [reply.SerializeToString()])
+        poll(lambda: r.zcard(key) == 1, 10, "the next request never went after the one before ran")
+        assert taken.request_id not in replies.watched
+        fourth.cancel()
 
 
 def test_a_sequence_request_given_up_while_its_write_goes_out_holds_the_next_only_until_it_is_removed(repo):
@@ -345,28 +351,21 @@ def test_a_sequence_request_given_up_while_its_write_goes_out_holds_the_next_onl
     here): the request is removed right after its write, and the sequence's next request goes then,
     not at the given-up one's deadline plus its budget (a run of it, had one begun, could no longer
     save a state: its payload is gone)."""
-    from batchline.testing.in_process import InProcessMesh
+    with _undispatched(repo, redis_timeout=5) as (m, r, key, stub):
+        r.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+        first = stub.ModelInfer.future(_seq_request(44, 1, True), timeout=120)
+        poll(lambda: len(m.gateway.gateway.replies.waiting) == 1, 10, "the first request to reach its write")
+        first.cancel()
+        second = stub.ModelInfer.future(_seq_request(44, 2, False), timeout=120)
+        began = time.monotonic()
 
-    with InProcessMesh(None, str(repo), max_batches_per_executor=0) as m:
-        r = connect_sync(m.redis_url, 5)
-        key = contract.queue(("accumulator", "1"))
-        channel = grpc.insecure_channel(m.address)
-        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
-        try:
-            r.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
-            first = stub.ModelInfer.future(_seq_request(44, 1, True), timeout=120)
-            time.sleep(0.3)
-            first.cancel()
-            second = stub.ModelInfer.future(_seq_request(44, 2, False), timeout=120)
-            began = time.monotonic()
-            poll(lambda: len(_queued_ids(r, key)) == 1, 20, "the next request waited for the given-up one's bound")
-            assert time.monotonic() - began < 15  # not the first's deadline plus its budget (60 s)
-            time.sleep(0.5)
-            assert r.zcard(key) == 1  # the second alone: the first was removed after its write
-            second.cancel()
-        finally:
-            channel.close()
-            r.close()
+        def client_ids() -> list[str]:
+            return [ipb.ModelInferRequest.FromString(r.get(contract.payload(("accumulator", "1"), rid)) or b"").id
+                    for rid in _queued_ids(r, key)]
+
+        poll(lambda: client_ids() == ["44/2"], 20, "the next request waited for the given-up one's bound")
+        assert time.monotonic() - began < 15  # not the first's deadline plus its budget (60 s)
+        second.cancel()
 
 
 def test_a_sequence_is_its_tenants_another_tenant_with_the_same_id_has_its_own(repo, tmp_path):

@@ -379,9 +379,9 @@ def test_arrival_counts_a_paused_redis_did_not_take_are_added_once_at_the_next_f
             arrivals = Arrivals(GatewayStore(client))
             for _ in range(5):
                 arrivals.count(model)
-            sync.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
+            sync.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
             await arrivals.flush()  # times out
-            await asyncio.sleep(1.2)
+            sync.execute_command("CLIENT", "UNPAUSE")
             arrivals.count(model)
             await arrivals.flush()
             return int(sync.get(contract.arrivals(model)))
