@@ -306,8 +306,8 @@ class RestApp:
 
         async def checks():
             deadline = _deadline(headers, arrived)
-            await self.gateway.catalog.model(name, version, visible(grant))
-            return deadline, generate_request(await self._json_body(headers, receive), name, version)
+            model = await self.gateway.catalog.model(name, version, visible(grant))
+            return deadline, generate_request(await self._json_body(headers, receive), model, version)
 
         deadline, request = await self._before_infer(grant, name, version, checks)
         metadata = [(k.decode(), v.decode("latin-1")) for k in _TRACE_HEADERS if (v := headers.get(k)) is not None]

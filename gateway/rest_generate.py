@@ -1,9 +1,11 @@
 """Triton's generate extension on the REST port: `POST .../generate` answers one JSON object,
 `.../generate_stream` server-sent events, one per response as the model makes them.
 
-A body is a JSON object: `id`, `parameters` (request parameters, as on `infer`) and every other
-field an input of the same name: a string is a BYTES `[1]` tensor (`text_input`), a list of
-integers an INT64 `[n]` one (`input_ids`). An answer is `model_name`, `model_version`, `id` and
+A body is a JSON object, read as Triton reads it: `id`; every other field that names one of the
+model's inputs is that input, a value `[1]` or a list `[n]` of the input's datatype (`text_input`
+a string, `input_ids` a list of token ids); any other field is a request parameter
+(`"max_tokens": 20`, as TensorRT-LLM's examples send it), and so is each field of `parameters`
+that names no input. An answer is `model_name`, `model_version`, `id` and
 each output by name: a one-element BYTES output as its string (`text_output`), any other as a
 list (`token_ids`). The stream's events go through the same gateway path as ModelStreamInfer's decoupled
 responses; a refusal before the first event is the REST port's error answer, one after it an
@@ -15,18 +17,19 @@ import asyncio
 import json
 from typing import AsyncIterator, Awaitable, Callable
 
-import numpy as np
 
-from batchline.codec import decode_tensor, encode_array
+from batchline.codec import decode_tensor
 from batchline.errors import BatchlineError, InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
-from gateway.rest_tensors import given, set_parameter, shown
+from batchline.protocol import internal_pb2 as pb
+from gateway.rest_tensors import given, json_tensor, set_parameter, shown
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 _RESERVED = ("id", "parameters")
 
 
-def generate_request(body: dict, model: str, version: str) -> ipb.ModelInferRequest:
+def generate_request(body: dict, model: pb.ModelInfo, version: str) -> ipb.ModelInferRequest:
+    """The request `body` asks of `model`, at the URL's `version` ("" for the newest)."""
     try:
         return _request(body, model, version)
     except UnicodeEncodeError:
@@ -35,8 +38,8 @@ def generate_request(body: dict, model: str, version: str) -> ipb.ModelInferRequ
                               "as \\ud800) in its id, a parameter or the prompt") from None
 
 
-def _request(body: dict, model: str, version: str) -> ipb.ModelInferRequest:
-    request = ipb.ModelInferRequest(model_name=model, model_version=version)
+def _request(body: dict, model: pb.ModelInfo, version: str) -> ipb.ModelInferRequest:
+    request = ipb.ModelInferRequest(model_name=model.name, model_version=version)
     request_id = body.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidArgument(f"`id` must be a string, got {shown(request_id)}")
@@ -44,26 +47,31 @@ def _request(body: dict, model: str, version: str) -> ipb.ModelInferRequest:
     parameters = given(body, "parameters", {})
     if not isinstance(parameters, dict):
         raise InvalidArgument("`parameters` must be an object")
-    for key, value in parameters.items():
-        set_parameter(request.parameters, key, value)
-    for name, value in body.items():
-        if name in _RESERVED:
-            continue
-        if isinstance(value, str):
-            array = np.array([value.encode()], dtype=object)
-        elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63
-                                             for v in value):
-            array = np.array(value, dtype=np.int64)
+    inputs = {spec.name: spec for spec in model.inputs}
+    fields = [(k, v) for k, v in body.items() if k not in _RESERVED] + list(parameters.items())
+    seen: set[str] = set()
+    for name, value in fields:
+        if name in seen:
+            raise InvalidArgument(f"'{name}' is given twice, in the body and in `parameters`: give it once")
+        seen.add(name)
+        if name in inputs:
+            _add_input(request, inputs[name], value)
         else:
-            raise InvalidArgument(f"input '{name}' must be a string or a list of 64-bit integers, got "
-                                  f"{json.dumps(value)[:80]}")
-        datatype, shape, raw = encode_array(array)
-        request.inputs.add(name=name, datatype=datatype, shape=shape)
-        request.raw_input_contents.append(raw)
+            set_parameter(request.parameters, name, value)
     if not request.inputs:
-        raise InvalidArgument("the body names no input: send the prompt as `text_input` (a string) "
+        raise InvalidArgument(f"the body names none of model '{model.name}''s inputs "
+                              f"({', '.join(sorted(inputs))}): send the prompt as `text_input` (a string) "
                               "or `input_ids` (a list of token ids)")
     return request
+
+
+def _add_input(request: ipb.ModelInferRequest, spec: pb.TensorSpec, value) -> None:
+    """`value` (one element, or a flat list of them) as the input `spec` names, of its datatype."""
+    values = value if isinstance(value, list) else [value]
+    if any(isinstance(v, (list, dict)) for v in values):
+        raise InvalidArgument(f"input '{spec.name}' must be a value or a flat list of values, got {shown(value)}")
+    request.inputs.add(name=spec.name, datatype=spec.datatype, shape=[len(values)])
+    request.raw_input_contents.append(json_tensor(values, spec.name, spec.datatype, f"'{spec.name}'"))
 
 
 def generate_answer(response: ipb.ModelInferResponse) -> dict:

@@ -99,16 +99,16 @@ def _json_header(body: bytes, header_length: int | None) -> tuple[dict, memoryvi
     return header, memoryview(body)[header_length:]
 
 
-def _bytes_elements(values: list, name: str) -> bytes:
+def _bytes_elements(values: list, name: str, field: str) -> bytes:
     out = bytearray()
     for v in values:
         if not isinstance(v, str):
-            raise InvalidArgument(f"input '{name}' is BYTES: each element of `data` must be a string, "
+            raise InvalidArgument(f"input '{name}' is BYTES: each element of {field} must be a string, "
                                   f"got {shown(v)}")
         try:
             b = v.encode("utf-8")
         except UnicodeEncodeError:
-            raise InvalidArgument(f"input '{name}': an element of `data` is not text (it holds a lone surrogate, "
+            raise InvalidArgument(f"input '{name}': an element of {field} is not text (it holds a lone surrogate, "
                                   f"{shown(v)}): send bytes that are not text as binary data") from None
         out += struct.pack("<I", len(b)) + b
     return bytes(out)
@@ -137,22 +137,28 @@ def _json_data(tensor: dict, name: str, datatype: str, shape: list[int]) -> byte
     count = element_count(shape)
     if len(values) != count:
         raise InvalidArgument(f"input '{name}' has {len(values)} values in `data`, but its shape {shape} holds {count}")
+    return json_tensor(values, name, datatype)
+
+
+def json_tensor(values: list, name: str, datatype: str, field: str = "`data`") -> bytes:
+    """JSON values (flat) as an input's raw contents of `datatype`; InvalidArgument naming what is
+    wrong, and where: `field`, the JSON that held them."""
     if datatype == "BYTES":
-        return _bytes_elements(values, name)
+        return _bytes_elements(values, name, field)
     dtype = DATATYPES[datatype]
     if datatype == "BOOL":
         if not all(isinstance(v, bool) for v in values):
-            raise InvalidArgument(f"input '{name}' is BOOL: `data` must hold true or false")
+            raise InvalidArgument(f"input '{name}' is BOOL: {field} must hold true or false")
     elif dtype.kind in "iu" and not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise InvalidArgument(f"input '{name}' is {datatype}: `data` must hold integers")
+        raise InvalidArgument(f"input '{name}' is {datatype}: {field} must hold integers")
     elif dtype.kind == "f" and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        raise InvalidArgument(f"input '{name}' is {datatype}: `data` must hold numbers")
+        raise InvalidArgument(f"input '{name}' is {datatype}: {field} must hold numbers")
     try:
         # A float past the type's range would otherwise become infinity, with only a warning.
         with np.errstate(over="raise"):
             return np.array(values, dtype=dtype).tobytes()
     except (OverflowError, FloatingPointError):
-        raise InvalidArgument(f"input '{name}': a value of `data` is out of the range of {datatype}") from None
+        raise InvalidArgument(f"input '{name}': a value of {field} is out of the range of {datatype}") from None
 
 
 def _shape(tensor: dict, name: str) -> list[int]:

@@ -274,6 +274,24 @@ def test_rest_generate_answers_the_grpc_greedy_text(served):
     assert status == 200 and json.loads(body)["token_ids"] == want, body
 
 
+def test_rest_generate_reads_top_level_fields_as_triton_does(served):
+    # TensorRT-LLM's examples send the sampling parameters beside the prompt, and fields the model
+    # does not read ("bad_words"): a field that names no input is a request parameter, as in Triton.
+    parameters = greedy(9)
+    status, _, body = _post_generate(served.http_address, "/v2/models/gpt/generate",
+                                     {"text_input": "def main(", "parameters": parameters})
+    assert status == 200, body
+    want = json.loads(body)["token_ids"]
+    status, _, body = _post_generate(served.http_address, "/v2/models/gpt/generate",
+                                     {"text_input": "def main(", "bad_words": "", "stop_words": "", **parameters})
+    assert status == 200, body
+    assert json.loads(body)["token_ids"] == want
+    # An input given in `parameters` is the input, and a scalar is a one-element tensor.
+    status, _, body = _post_generate(served.http_address, "/v2/models/gpt/generate",
+                                     {"parameters": {"input_ids": 464, **greedy(9, ignore_eos=True)}})
+    assert status == 200 and len(json.loads(body)["token_ids"]) == 9, body
+
+
 def test_rest_generate_stream_sends_an_event_per_response(served):
     parameters = greedy(10)
     with grpcclient.InferenceServerClient(served.address) as client:
@@ -335,9 +353,14 @@ def test_rest_generate_refuses_bad_input_with_400(served):
                                          {"text_input": "x", "parameters": {"top_p": "2.0"}})
         assert status == 400 and "top_p must be in" in json.loads(body)["error"], body
     status, _, body = _post_generate(served.http_address, "/v2/models/gpt/generate", {"text_input": {"a": 1}})
-    assert status == 400 and "'text_input' must be a string or a list of 64-bit integers" in json.loads(body)["error"]
+    assert status == 400 and "'text_input' must be a value or a flat list" in json.loads(body)["error"]
+    status, _, body = _post_generate(served.http_address, "/v2/models/gpt/generate", {"input_ids": ["a"]})
+    assert status == 400 and "'input_ids' is INT64: 'input_ids' must hold integers" in json.loads(body)["error"]
     status, _, body = _post_generate(served.http_address, "/v2/models/gpt/generate", {"parameters": {}})
     assert status == 400 and "`text_input` (a string)" in json.loads(body)["error"]
+    status, _, body = _post_generate(served.http_address, "/v2/models/gpt/generate",
+                                     {"text_input": "x", "max_tokens": 4, "parameters": {"max_tokens": 4}})
+    assert status == 400 and "'max_tokens' is given twice" in json.loads(body)["error"]
     status, _, body = _post_generate(served.http_address, "/v2/models/nope/generate", {"text_input": "x"})
     assert status == 404, body
 

@@ -401,10 +401,12 @@ def test_the_curl_examples_of_the_protocol_reference_run(rest_mesh):
     assert len(json.loads(outputs[2])["outputs"][0]["data"]) == 1
     body, status = outputs[3].rsplit(" ", 1)
     assert status.strip() == "404" and json.loads(body)["error"].startswith("Request for unknown model: 'nope'")
-    whole, streamed = outputs[4].split("\n", 1)
+    whole, rest = outputs[4].split("\n", 1)
+    streamed, top_level = rest.rstrip("\n").rsplit("\n", 1)
     events = [json.loads(e.removeprefix("data: ")) for e in streamed.split("\n\n") if e]
     assert [t for e in events for t in e["token_ids"]] == json.loads(whole)["token_ids"]
     assert "".join(e["text_output"] for e in events) == json.loads(whole)["text_output"]
+    assert json.loads(top_level)["token_ids"] == json.loads(whole)["token_ids"]
 
 
 def test_compressed_bodies_are_read_within_the_cap(rest_mesh):
