@@ -18,6 +18,7 @@ from gateway.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Gateway
 from gateway.replies import PartialSink
 from gateway.sequences import MAX_WAITING, WAITING_RETRY_S
 from gateway.shared_memory_calls import SharedMemoryCalls
+from gateway.stream_backlog import StreamBacklog
 
 log = logging.getLogger(__name__)
 # Triton's response parameter that tells a stream's client a request is over, and the request
@@ -178,7 +179,7 @@ class InferenceServicer(SharedMemoryCalls, inference_pb2_grpc.GRPCInferenceServi
                 self.tokens.lookup(digest)  # an unknown token opens no stream (as a unary call is refused)
         except BatchlineError as exc:
             await _abort(context, exc)
-        answers: asyncio.Queue = asyncio.Queue()
+        answers = StreamBacklog()
         tasks: set[asyncio.Task] = set()
 
         # A sequence's requests on this stream go through the gateway one after another, as they
@@ -196,44 +197,50 @@ class InferenceServicer(SharedMemoryCalls, inference_pb2_grpc.GRPCInferenceServi
                     grant = self.tokens.lookup(digest)
                     grant.check_model(request.model_name)
                 response = await self._infer(request, context, "ModelStreamInfer", grant,
-                                             lambda partial: answers.put_nowait(streamed(partial, final=False)))
+                                             lambda partial: answers.put(streamed(partial, final=False)))
                 if response is None:
                     # A decoupled model's end without a response: sent only to a client that asked.
                     if _param_true(request, EMPTY_FINAL_KEY):
-                        await answers.put(streamed(ipb.ModelInferResponse(
+                        answers.put(streamed(ipb.ModelInferResponse(
                             id=request.id, model_name=request.model_name, model_version=request.model_version),
                             final=True))
                 else:
-                    await answers.put(streamed(response, final=True))
+                    answers.put(streamed(response, final=True))
             except BatchlineError as exc:
-                await answers.put(stream_error(request, exc))
+                answers.put(stream_error(request, exc))
+
+        def accept(request) -> None:
+            if isinstance(request, Undecodable):
+                # No id to match it by: its neighbours are answered all the same.
+                answers.put(ipb.ModelStreamInferResponse(
+                    error_message=f"[{grpc.StatusCode.INVALID_ARGUMENT.name}] {request}"))
+                return
+            sequence = _sequence_of(request)
+            if sequence is None:
+                task = asyncio.create_task(one(request))
+            elif behind.get(sequence, 0) > MAX_WAITING:
+                answers.put(stream_error(request, ResourceExhausted(
+                    f"model '{request.model_name}': {behind[sequence]} requests of this sequence wait on this "
+                    f"stream already (at most {MAX_WAITING}): send the next once one is answered",
+                    retry_after_s=WAITING_RETRY_S)))
+                return
+            else:
+                task = asyncio.create_task(one(request, after.get(sequence)))
+                after[sequence] = task
+                behind[sequence] = behind.get(sequence, 0) + 1
+                task.add_done_callback(functools.partial(_done_in, after, behind, sequence))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
 
         async def read() -> None:
             async for request in request_iterator:
-                if isinstance(request, Undecodable):
-                    # No id to match it by: its neighbours are answered all the same.
-                    await answers.put(ipb.ModelStreamInferResponse(
-                        error_message=f"[{grpc.StatusCode.INVALID_ARGUMENT.name}] {request}"))
-                    continue
-                sequence = _sequence_of(request)
-                if sequence is None:
-                    task = asyncio.create_task(one(request))
-                elif behind.get(sequence, 0) > MAX_WAITING:
-                    await answers.put(stream_error(request, ResourceExhausted(
-                        f"model '{request.model_name}': {behind[sequence]} requests of this sequence wait on this "
-                        f"stream already (at most {MAX_WAITING}): send the next once one is answered",
-                        retry_after_s=WAITING_RETRY_S)))
-                    continue
-                else:
-                    task = asyncio.create_task(one(request, after.get(sequence)))
-                    after[sequence] = task
-                    behind[sequence] = behind.get(sequence, 0) + 1
-                    task.add_done_callback(functools.partial(_done_in, after, behind, sequence))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
+                # A client that sends and does not read has its next request taken (and the one
+                # after it read) once it has read enough of its answers (gateway/stream_backlog.py).
+                await answers.room()
+                accept(request)
             while tasks:
                 await asyncio.gather(*list(tasks))
-            await answers.put(None)
+            answers.put(None)
 
         reader = asyncio.create_task(read())
         try:

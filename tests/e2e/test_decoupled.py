@@ -208,3 +208,62 @@ def test_a_scalar_output_fails_its_request_alone_with_what_is_wrong():
     m.request, m.outputs = ipb.ModelInferRequest(model_name="scalar"), {"OUT": np.array(3, np.int32)}
     partial, final = decoupled.replies(model, m)  # type: ignore[arg-type]
     assert partial == [] and final.code != 0 and "scalar output(s) ['OUT']" in final.message
+
+
+def test_a_stream_that_does_not_read_has_its_next_request_read_only_once_it_reads(served, monkeypatch):
+    """A client that sends and does not read leaves its answers in the gateway: past the stream's
+    backlog limit the gateway reads its next request only once the client has read enough."""
+    import grpc
+    from prometheus_client import REGISTRY
+
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from gateway import stream_backlog
+
+    monkeypatch.setattr(stream_backlog, "LIMIT_BYTES", 4096)
+
+    def answered() -> float:
+        return REGISTRY.get_sample_value("batchline_request_success_total",
+                                         {"model": "repeat_int32", "version": "1"}) or 0.0
+
+    def request(request_id: str, values: list[int]):
+        r = service_pb2.ModelInferRequest(model_name="repeat_int32", id=request_id)
+        for i in repeat_inputs(values):
+            r.inputs.append(i._get_tensor())
+            r.raw_input_contents.append(i._get_content())
+        return r
+
+    async def scenario() -> None:
+        sends: asyncio.Queue = asyncio.Queue()
+
+        async def outgoing():
+            while (r := await sends.get()) is not None:
+                yield r
+
+        # Without BDP probing the client's transport takes about 130 KB that it does not read, not MBs.
+        async with grpc.aio.insecure_channel(served.address, options=[("grpc.http2.bdp_probe", 0)]) as channel, \
+                grpc.aio.insecure_channel(served.address) as other:
+            stub, other_stub = service_pb2_grpc.GRPCInferenceServiceStub(channel), \
+                service_pb2_grpc.GRPCInferenceServiceStub(other)
+            before = answered()
+            call = stub.ModelStreamInfer(outgoing())
+            await sends.put(request("many", list(range(3000))))  # about 300 KB of responses
+            deadline = asyncio.get_running_loop().time() + 30
+            while answered() < before + 1:  # the gateway has every one of them, unread
+                assert asyncio.get_running_loop().time() < deadline, "the first request was never answered"
+                await asyncio.sleep(0.02)
+            await sends.put(request("next", [1]))
+            # Another stream's request sent after it goes all the way round; "next" is not read.
+            side = other_stub.ModelStreamInfer(iter([request("side", [2])]))
+            got = [r async for r in side]
+            assert got[0].infer_response.id == "side" and not got[0].error_message
+            assert answered() == before + 2, "the stream's next request ran while its client read nothing"
+            seen = []
+            while not seen or seen[-1] != "next":
+                reply = await asyncio.wait_for(call.read(), 30)
+                seen.append(reply.infer_response.id)
+            await sends.put(None)
+            assert seen == ["many"] * 3000 + ["next"]
+            assert answered() == before + 3
+
+    asyncio.run(scenario())
