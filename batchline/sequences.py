@@ -1,6 +1,8 @@
 """A request's sequence flags (Triton's `sequence_id`, `sequence_start`, `sequence_end`
 parameters), read the same way by the gateway, which checks them, and the executor, which runs
-the step. A sequence id is an integer or a string; 0 and "" mean none."""
+the step. A sequence id is an integer or a string; 0 and "" mean none. An integer id is Triton's
+correlation id, an unsigned 64-bit number: an INT64 `sequence_id` of -1 names the same sequence as
+a UINT64 one of 2^64 - 1, as Triton reads it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +24,17 @@ class SequenceFlags:
     @property
     def key(self) -> str:
         """The id as a Redis key part: 7 and "7" are different sequences, as in Triton."""
-        return f"i:{self.id}" if isinstance(self.id, int) else f"s:{self.id}"
+        return f"i:{self.id % 2**64}" if isinstance(self.id, int) else f"s:{self.id}"
+
+    def corrid(self, datatype: str) -> int | str:
+        """The id as a CORRID input of `datatype` takes it: the correlation id's 64 bits read as the
+        type reads them (2^64 - 1 is -1 to an INT64 input); other types take the id as given."""
+        if isinstance(self.id, int):
+            if datatype == "UINT64":
+                return self.id % 2**64
+            if datatype == "INT64":
+                return (self.id + 2**63) % 2**64 - 2**63
+        return self.id
 
 
 def sequence_key(flags: SequenceFlags, tenant: str) -> str:

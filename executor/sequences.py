@@ -114,11 +114,12 @@ async def begin(store: ExecutorStore, model: LoadedModel, members: list[Member])
             continue
         else:
             step.before = list(saved.after)
-        values = {"start": int(flags.start), "end": int(flags.end), "ready": 1, "corrid": flags.id}
+        values = {"start": int(flags.start), "end": int(flags.end), "ready": 1}
         try:
             for c in seq.controls:
                 dtype = DATATYPES[c.datatype]
-                m.inputs[c.name] = np.full(_feed_shape(shapes[c.name], batched), values[c.kind],
+                value = flags.corrid(c.datatype) if c.kind == "corrid" else values[c.kind]
+                m.inputs[c.name] = np.full(_feed_shape(shapes[c.name], batched), value,
                                            dtype=object if c.datatype == "BYTES" else dtype)
             for s, raw in zip(seq.states, step.before):
                 m.inputs[s.input] = np.frombuffer(raw, DATATYPES[s.datatype]).reshape([1, *s.shape])

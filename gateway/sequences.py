@@ -39,7 +39,7 @@ def check_sequence(request: ipb.ModelInferRequest, model: pb.ModelInfo, rows: in
         dtype = DATATYPES.get(c.datatype)
         if c.kind == "corrid" and isinstance(flags.id, int) and dtype is not None and dtype.kind in "iu":
             bounds = np.iinfo(dtype)
-            if not bounds.min <= flags.id <= bounds.max:
+            if not bounds.min <= flags.corrid(c.datatype) <= bounds.max:
                 raise InvalidArgument(f"sequence id {flags.id} does not fit model '{model.name}''s CORRID input "
                                       f"'{c.name}' ({c.datatype}: {bounds.min} to {bounds.max})")
     return flags

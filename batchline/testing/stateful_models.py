@@ -38,9 +38,10 @@ control = { START = "start", READY = "ready" }
 """)
 
 
-def save_accumulator(repo: pathlib.Path, name: str = "accumulator", idle_us: int = 60_000_000) -> None:
+def save_accumulator(repo: pathlib.Path, name: str = "accumulator", idle_us: int = 60_000_000,
+                     corrid_type: int = INT64) -> None:
     """`accumulator`: OUTPUT = the sum of the sequence's INPUTs so far, kept in the implicit state
-    ACC_IN -> ACC_OUT; END and CORRID controls come back as ENDED and CORRID_OUT."""
+    ACC_IN -> ACC_OUT; END and CORRID (of `corrid_type`) controls come back as ENDED and CORRID_OUT."""
     graph = oh.make_graph(
         [oh.make_node("Add", ["ACC_IN", "INPUT"], ["OUTPUT"]),
          oh.make_node("Identity", ["OUTPUT"], ["ACC_OUT"]),
@@ -48,9 +49,9 @@ def save_accumulator(repo: pathlib.Path, name: str = "accumulator", idle_us: int
          oh.make_node("Identity", ["CORRID"], ["CORRID_OUT"])],
         name,
         [_io("INPUT", INT32, ["batch", 1]), _io("ACC_IN", INT32, ["batch", 1]), _io("END", INT32, ["batch", 1]),
-         _io("CORRID", INT64, ["batch", 1]), _io("READY", INT32, ["batch", 1])],
+         _io("CORRID", corrid_type, ["batch", 1]), _io("READY", INT32, ["batch", 1])],
         [_io("OUTPUT", INT32, ["batch", 1]), _io("ACC_OUT", INT32, ["batch", 1]), _io("ENDED", INT32, ["batch", 1]),
-         _io("CORRID_OUT", INT64, ["batch", 1])],
+         _io("CORRID_OUT", corrid_type, ["batch", 1])],
     )
     _save(repo, name, graph, f"""max_batch_size = 8
 max_queue_delay_ms = 1.0

@@ -27,7 +27,7 @@ from executor import running, sequences
 from executor.repository import load_model, read_config
 from executor.sequence_config import SequenceBatchingConfig, split_graph
 from gateway.sequences import SequenceOrder
-from batchline.testing.stateful_models import save_accumulator, save_simple_sequence
+from batchline.testing.stateful_models import INT32, save_accumulator, save_simple_sequence
 
 SHORT_IDLE_US = 300_000
 
@@ -38,6 +38,7 @@ def repo(tmp_path_factory):
     save_simple_sequence(path)
     save_accumulator(path)
     save_accumulator(path, "short_idle", idle_us=SHORT_IDLE_US)
+    save_accumulator(path, "accumulator32", corrid_type=INT32)
     return path
 
 
@@ -138,31 +139,31 @@ def test_a_string_id_is_refused_where_corrid_is_an_integer(served):
 
 
 def test_an_id_past_the_corrid_type_is_refused_at_the_door_and_alone_on_the_executor(served, repo, redis_server):
-    request = ipb.ModelInferRequest(model_name="accumulator")
+    request = ipb.ModelInferRequest(model_name="accumulator32")
     request.inputs.add(name="INPUT", datatype="INT32", shape=[1, 1])
     request.raw_input_contents.append(np.array([[1]], np.int32).tobytes())
-    request.parameters["sequence_id"].uint64_param = 2**63 + 1  # past INT64, the CORRID's type
+    request.parameters["sequence_id"].uint64_param = 2**31  # past INT32, the CORRID's type
     request.parameters["sequence_start"].bool_param = True
     with grpc.insecure_channel(served.address) as channel:
         stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
         with pytest.raises(grpc.RpcError) as info:
             stub.ModelInfer(request, timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "sequence id 9223372036854775809 does not fit" in info.value.details()
+    assert "sequence id 2147483648 does not fit" in info.value.details()
     # One that reached an executor anyway (queued by an older gateway) fails alone: its batch runs.
-    model = load_model(repo / "accumulator", repo / "accumulator" / "1", read_config(repo / "accumulator"),
+    model = load_model(repo / "accumulator32", repo / "accumulator32" / "1", read_config(repo / "accumulator32"),
                        ["CPUExecutionProvider"], "", 1)
     seq_id = uuid.uuid4().int % 10**9
     entries = [_step("ok-1", seq_id, 5, start=True), _step("bad", 0, 1, start=True), _step("ok-2", seq_id + 1, 2,
                                                                                           start=True)]
     bad = ipb.ModelInferRequest.FromString(entries[1][1])
-    bad.parameters["sequence_id"].uint64_param = 2**63 + 1
+    bad.parameters["sequence_id"].uint64_param = 2**31
     entries[1] = (entries[1][0], bad.SerializeToString())
 
     async def begin() -> list:
         store = ExecutorStore(connect(redis_server.url, 2), connect_blocking(redis_server.url, 2))
         try:
-            members = [running.decoded(*e, model, pb.Batch(model_name="accumulator"), "e") for e in entries]
+            members = [running.decoded(*e, model, pb.Batch(model_name="accumulator32"), "e") for e in entries]
             steps = await sequences.begin(store, model, members)
             return [m.error for m in members], [s.member.entry.request_id for s in steps]
         finally:
@@ -170,7 +171,28 @@ def test_an_id_past_the_corrid_type_is_refused_at_the_door_and_alone_on_the_exec
 
     errors, runnable = asyncio.run(begin())
     assert runnable == ["ok-1", "ok-2"] and errors[0] is None and errors[2] is None
-    assert "do not fit model 'accumulator'" in str(errors[1])
+    assert "do not fit model 'accumulator32'" in str(errors[1])
+
+
+def test_an_int64_id_names_the_sequence_of_its_64_bits_unsigned_as_in_triton(served):
+    """Triton's correlation id is unsigned: an INT64 sequence_id of -1 continues the UINT64 sequence
+    2^64 - 1, and an INT64 CORRID input reads it as -1 either way."""
+    def step(seq_param: str, seq_id: int, v: int, start: bool = False):
+        request = ipb.ModelInferRequest(model_name="accumulator")
+        request.inputs.add(name="INPUT", datatype="INT32", shape=[1, 1])
+        request.raw_input_contents.append(np.array([[v]], np.int32).tobytes())
+        setattr(request.parameters["sequence_id"], seq_param, seq_id)
+        request.parameters["sequence_start"].bool_param = start
+        return request
+
+    with grpc.insecure_channel(served.address) as channel:
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+        outputs = []
+        for request in (step("uint64_param", 2**64 - 1, 5, start=True), step("int64_param", -1, 7)):
+            response = stub.ModelInfer(request, timeout=30)
+            got = {o.name: raw for o, raw in zip(response.outputs, response.raw_output_contents)}
+            outputs.append((np.frombuffer(got["OUTPUT"], np.int32)[0], np.frombuffer(got["CORRID_OUT"], np.int64)[0]))
+    assert outputs == [(5, -1), (12, -1)]
 
 
 def test_a_sequence_request_carries_one_row(served):
