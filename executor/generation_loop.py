@@ -53,10 +53,13 @@ class GenerationLoop:
         return request_id in self._streams
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       priority: int = 1, output: list[int] | None = None) -> AsyncIterator[Output]:
+                       priority: int = 1, output: list[int] | None = None,
+                       idle: Callable[[], float | None] | None = None) -> AsyncIterator[Output | None]:
         """The sequence's outputs as its steps make them, the last one finished. Leaving the iteration early
         cancels the sequence, which frees its cache at the next step. `output`: tokens it already made
-        elsewhere, which it continues from (GenerationEngine.add)."""
+        elsewhere, which it continues from (GenerationEngine.add). `idle`: how long the caller may wait
+        for the next output before it must act (None: as long as it takes); when that passes with
+        none, None comes instead (a slow step, or the sequence preempted and waiting)."""
         if self._task is None or self._task.done():
             raise RuntimeError("the generation loop is not running (use it as `async with`)")
         if self.generating(request_id):
@@ -71,7 +74,15 @@ class GenerationLoop:
         finished = False
         try:
             while not finished:
-                out = await queue.get()
+                wait = idle() if idle is not None else None
+                if wait is None or not queue.empty():
+                    out = await queue.get()
+                else:
+                    try:
+                        out = await asyncio.wait_for(queue.get(), wait)
+                    except TimeoutError:
+                        yield None
+                        continue
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished

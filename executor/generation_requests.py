@@ -101,6 +101,13 @@ class Stream:
         return bool(held) and (self.pushed == self.resumed or held >= FLUSH_TOKENS
                                or time.monotonic() - self.flushed_at >= FLUSH_S or self.writes.asked)
 
+    def due_in(self) -> float | None:
+        """Seconds until the held tokens go by the clock (None: none held): what a stream whose next
+        token is slow in coming (a long step, or its sequence preempted) waits at most."""
+        if not self.held:
+            return None
+        return max(0.0, FLUSH_S - (time.monotonic() - self.flushed_at))
+
     def take(self, limit: int | None = None) -> list[pb.Reply]:
         """The held outputs (whole, FLUSH_TOKENS tokens at most unless one output has more) as
         responses of one or more tokens, numbered by their last token's index. A continued sequence's
@@ -187,9 +194,14 @@ async def _generate(stream: Stream, trace: SequenceTrace, model: GenerationModel
     labels = (model.info.name, model.info.version)
     first_s = last_s = 0.0
     finish = "cancelled"
-    generated = model.loop.generate(request_id, prompt, params, entry.priority or 1, made)
+    generated = model.loop.generate(request_id, prompt, params, entry.priority or 1, made, idle=stream.due_in)
     try:
         async for out in generated:
+            if out is None:  # no token in time: what is held goes now
+                await stream.flush()
+                if not stream.awaited:
+                    return None, "cancelled"
+                continue
             if out.token_ids:
                 last_s = time.time()
                 if not first_s:

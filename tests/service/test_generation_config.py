@@ -277,3 +277,28 @@ def test_a_float32_cache_in_place_on_cuda_is_named_as_slow_and_nothing_else_is()
     assert slow_on_gpu("CUDAExecutionProvider", True, cache("float16")) is None
     assert slow_on_gpu("CUDAExecutionProvider", False, cache("float32")) is None  # gathered: attention in the graph
     assert slow_on_gpu("CPUExecutionProvider", True, cache("float32")) is None
+
+
+async def test_a_stream_waiting_past_its_idle_time_gets_a_tick_while_its_sequence_is_preempted(built):
+    """A sequence preempted by a better-priority one makes no token until it is readmitted: its
+    consumer, which holds tokens it must send within the flush time, is woken without one."""
+    decoder = load_decoder(built)
+    engine = GenerationEngine(decoder, 4 * decoder.slot_bytes, max_running=1)
+    prompt = mixed_prompts(2, seed=3, longest=8)
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    async with GenerationLoop(engine) as loop:
+        holding: list[bool] = []  # the consumer holds tokens once this is set: it may not wait
+        low = loop.generate("low", prompt[0], long, priority=2, idle=lambda: 0.0 if holding else None)
+        assert (await low.__anext__()).token_ids
+        high = loop.generate("high", prompt[1], long, priority=1)
+        assert (await high.__anext__()).token_ids  # running: "low" was preempted for it
+        assert [s.request_id for s in engine.waiting] == ["low"]
+        holding.append(True)
+        outputs = []
+        async for out in low:
+            outputs.append(out)
+            if out is None:
+                break
+        assert outputs[-1] is None and [s.request_id for s in engine.waiting] == ["low"]
+        await high.aclose()
+        await low.aclose()
