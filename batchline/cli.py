@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         "version the repository holds (an INT8 one `batchline optimize` wrote among them); load each with a closed "
         "loop whose requests carry the budget, and write the layout with the most answers within the budget into "
         "config.toml (tune.json beside it says why), unless the current one is already best or the best gains less "
-        "than --min-gain in --rounds side-by-side rounds with the current one. Prints the table either way. "
+        f"than --min-gain in --rounds side-by-side rounds of the current one and the {tuning.FINALISTS - 1} layouts "
+        "that served most in the search. Prints the table either way. "
         "Measure on the host that will serve, as quiet as it can be.",
     )
     tn.add_argument("model", help="the model's name (its directory in the repository)")
@@ -322,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="write the best layout only if it serves this many times the current one (default: "
                          f"{tuning.MIN_GAIN:g})")
     tn.add_argument("--rounds", type=int, default=tuning.ROUNDS,
-                    help="rounds in which the best layout and the current one are measured again side by side, "
-                         f"judged by the median of their ratios (default: {tuning.ROUNDS})")
+                    help=f"rounds in which the current layout and the search's {tuning.FINALISTS - 1} best are "
+                         "measured again side by side, each judged by the median of its ratios to the current one "
+                         f"(default: {tuning.ROUNDS})")
     tn.add_argument("--dry-run", action="store_true", help="measure and print the table; write nothing")
     tn.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     tn.set_defaults(func=cmd_tune)

@@ -12,5 +12,7 @@ MIN_GAIN = 1.05
 CONCURRENCY = 32
 MEASURE_S = 5.0
 WARMUP_S = 2.0
-# Side-by-side rounds of the best layout and the current one, judged by the median of their ratios.
+# Side-by-side rounds of the finalists (the current layout and the others that served most in the
+# search's single runs), each judged by the median of its ratios to the current one.
 ROUNDS = 3
+FINALISTS = 3

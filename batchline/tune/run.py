@@ -7,13 +7,14 @@ scheduler and a gateway on free ports) from a scratch copy of the model holding 
 measured, and loaded by a closed loop of `concurrency` clients whose every request carries the
 budget; goodput counts the answers that came in time. The current layout is measured first, the
 splits of the cores next (layouts.candidates), then the best one's batch size halved and doubled
-(layouts.refine). The best and the current layout are then measured again in `rounds` rounds,
-side by side and in alternating order, and judged by the median of the rounds' ratios: a shared
-host's speed drifts between minutes, and a single run, or the mean of two taken a minute apart,
-picked winners by noise (on a 2-core host one layout of minilm measured 149 goodput/s in one tune
-and 284 in the next; a mean of two would have written a layout that measured 0.66x the hand one in
-the next run). The best replaces the current layout only if that median is at least `min_gain`:
-otherwise config.toml is left as it is.
+(layouts.refine). The current layout and the FINALISTS - 1 others that served most in those runs
+are then measured again in `rounds` rounds, side by side, each first in turn, and each judged by
+the median of its rounds' ratios to the current one: a shared host's speed drifts between
+minutes, and a single run, or the mean of two taken a minute apart, picked winners by noise (on a
+2-core host one layout of minilm measured 149 goodput/s in one tune and 284 in the next; a mean of
+two would have written a layout that measured 0.66x the hand one in the next run). The best
+finalist replaces the current layout only if its median is at least `min_gain`: otherwise
+config.toml is left as it is.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from batchline.tune import CONCURRENCY, MEASURE_S, MIN_GAIN, ROUNDS, WARMUP_S
+from batchline.tune import CONCURRENCY, FINALISTS, MEASURE_S, MIN_GAIN, ROUNDS, WARMUP_S
 from batchline.tune.layouts import Layout, candidates, refine, set_config
 
 REPORT = "tune.json"
@@ -49,7 +50,7 @@ class Options:
     duration_s: float = MEASURE_S
     warmup_s: float = WARMUP_S
     min_gain: float = MIN_GAIN
-    rounds: int = ROUNDS                    # side-by-side rounds of the best and the current layout
+    rounds: int = ROUNDS                    # side-by-side rounds of the finalists
     dry_run: bool = False
     cores: int = 0                          # 0: the cores this process may run on
     seq_len: int | None = None              # token inputs' length (None: the load generator's default)
@@ -77,7 +78,7 @@ class Report:
     current: Measured
     measured: list[Measured] = field(default_factory=list)
     chosen: Measured | None = None
-    gain: float = 0.0                       # the median of the side-by-side rounds' ratios, best / current
+    gain: float = 0.0                       # the median of the rounds' ratios, best finalist / current
     written: bool = False
     why: str = ""
     seconds: float = 0.0
@@ -178,14 +179,20 @@ def tune(o: Options, measure_one: Callable[[Options, pathlib.Path, Layout, float
         bar.total = len(measured) + len(more) + 2 * o.rounds
     for layout in more:
         run(layout)
-    best = max(measured, key=lambda m: m.goodput_rps)
     current = measured[0]
-    ratios: list[float] = []
-    if best is not current:
-        runs = {id(current): [current.goodput_rps], id(best): [best.goodput_rps]}
+    # The search's single runs pick finalists, not the winner: one lucky run would win otherwise.
+    others = sorted((m for m in measured[1:] if not m.error), key=lambda m: -m.goodput_rps)
+    finalists = [current] + others[:FINALISTS - 1]
+    best, ratios = current, []
+    if len(finalists) > 1:
+        if bar is not None:
+            bar.total = len(measured) + len(finalists) * o.rounds
+        runs = {id(m): [m.goodput_rps] for m in finalists}
+        by_round: dict[int, list[float]] = {id(m): [] for m in finalists[1:]}
         for r in range(o.rounds):
             pair = {}
-            for m in (current, best) if r % 2 == 0 else (best, current):
+            # Each finalist goes first in turn: a host's speed drifts within a round too.
+            for m in finalists[r % len(finalists):] + finalists[:r % len(finalists)]:
                 if bar is not None:
                     bar.set_description(f"round {r + 1}: {m.layout.label(cores)}")
                 pair[id(m)] = measure_one(o, model_dir, m.layout, budget_ms).goodput_rps
@@ -193,9 +200,12 @@ def tune(o: Options, measure_one: Callable[[Options, pathlib.Path, Layout, float
                 if bar is not None:
                     bar.update()
             base = pair[id(current)]
-            ratios.append(pair[id(best)] / base if base else (float("inf") if pair[id(best)] else 1.0))
-        for m in (current, best):
+            for m in finalists[1:]:
+                by_round[id(m)].append(pair[id(m)] / base if base else (float("inf") if pair[id(m)] else 1.0))
+        for m in finalists:
             m.goodput_rps, m.runs = statistics.median(runs[id(m)]), len(runs[id(m)])
+        best = max(finalists[1:], key=lambda m: statistics.median(by_round[id(m)]))
+        ratios = by_round[id(best)]
     if bar is not None:
         bar.close()
     report = Report(o.model, budget_ms, cores, o.concurrency, current, measured)
