@@ -17,7 +17,6 @@ import asyncio
 import json
 from typing import AsyncIterator, Awaitable, Callable
 
-
 from batchline.codec import decode_tensor
 from batchline.errors import BatchlineError, InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
