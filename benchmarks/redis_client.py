@@ -6,7 +6,7 @@ connection of it and a bare asyncio protocol, on the installed redis-py.
 Every service's hot path is Redis round trips (the gateway's group commit, the scheduler's scan and
 writes, the executor's work list, payloads and answers), so redis-py's own Python per command and
 per pipeline is paid per batch by each of them. Run it in a virtualenv with another redis-py
-(`pip install redis==X`) to compare versions: pyproject.toml keeps the one this chose.
+(`pip install redis==X`) to compare versions (8.0 and later only can serve: benchmarks/README.md).
 One SET of 200 bytes a round trip (ten in a pipeline of ten), on one connection, uvloop, an
 embedded Redis on a Unix socket as `batchline up` runs it; client CPU µs (process time) per round
 trip, the median of the rounds, rounds in turn.

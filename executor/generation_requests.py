@@ -197,27 +197,25 @@ async def _generate(stream: Stream, trace: SequenceTrace, model: GenerationModel
     generated = model.loop.generate(request_id, prompt, params, entry.priority or 1, made, idle=stream.due_in)
     try:
         async for out in generated:
-            if out is None:  # no token in time: what is held goes now
-                await stream.flush()
-                if not stream.awaited:
-                    return None, "cancelled"
-                continue
-            if out.token_ids:
-                last_s = time.time()
-                if not first_s:
-                    first_s = last_s
-                    if not made:
-                        metrics.GENERATION_TTFT.labels(*labels).observe(max(0.0, first_s - entry.enqueued_us / 1e6))
-            trace.step(out, len(stream.tokens))
-            stream.add(out.text, list(out.token_ids))
-            if out.finished:
-                finish = out.finish_reason or finish
-                break
-            if model.ending:  # released here while it generates: what it made is sent, then the refusal
-                await stream.flush()
-                error = Unavailable(model.ending)
-                return pb.Reply(request_id=request_id, code=status_value(error), message=str(error)), "unloaded"
-            if stream.due():
+            # None: no token came before the held ones were due (a long step, the sequence preempted).
+            if out is not None:
+                if out.token_ids:
+                    last_s = time.time()
+                    if not first_s:
+                        first_s = last_s
+                        if not made:
+                            metrics.GENERATION_TTFT.labels(*labels).observe(
+                                max(0.0, first_s - entry.enqueued_us / 1e6))
+                trace.step(out, len(stream.tokens))
+                stream.add(out.text, list(out.token_ids))
+                if out.finished:
+                    finish = out.finish_reason or finish
+                    break
+                if model.ending:  # released here while it generates: what it made is sent, then the refusal
+                    await stream.flush()
+                    error = Unavailable(model.ending)
+                    return pb.Reply(request_id=request_id, code=status_value(error), message=str(error)), "unloaded"
+            if out is None or stream.due():
                 await stream.flush()
                 if not stream.awaited:  # cancelled, timed out, or its gateway died: leaving frees its cache
                     log.info("request %s: nobody awaits it any more (cancelled, timed out or its gateway %s is "

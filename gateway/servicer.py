@@ -7,10 +7,11 @@ import logging
 
 import grpc
 
-from batchline.errors import RETRY_AFTER_KEY, BatchlineError, ResourceExhausted, grpc_status
+from batchline.errors import RETRY_AFTER_KEY, BatchlineError, InvalidArgument, ResourceExhausted, grpc_status
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
 from batchline.auth import Grant, Tokens, visible
+from batchline.sequences import sequence_flags
 from batchline.undecodable import Undecodable, tolerated
 from gateway.convert import inputs_of, model_config, model_statistics
 from gateway import inference
@@ -46,12 +47,15 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BatchlineError):
 
 
 def _sequence_of(request: ipb.ModelInferRequest) -> tuple[str, str, str] | None:
-    """A stream's key for the sequence a request belongs to (None: it names none), as sent."""
-    param = request.parameters.get("sequence_id")
-    if param is None:
+    """A stream's key for the sequence a request belongs to (None: it names none): its id as the
+    sequence's key reads it (INT64 -1 and UINT64 2^64 - 1 are one sequence)."""
+    if "sequence_id" not in request.parameters:
         return None
-    kind = param.WhichOneof("parameter_choice")
-    return (request.model_name, request.model_version, f"{kind}:{getattr(param, kind)}" if kind else "")
+    try:
+        key = sequence_flags(request).key
+    except InvalidArgument:
+        key = ""  # flags of the wrong type: the request's own checks refuse it
+    return request.model_name, request.model_version, key
 
 
 def _done_in(after: dict, behind: dict, sequence: tuple, task: asyncio.Task) -> None:

@@ -161,7 +161,7 @@ def tune(o: Options, measure_one: Callable[[Options, pathlib.Path, Layout, float
     budget_ms = o.budget_ms or float(config["default_timeout_ms"])
     current = current_layout(config, served[-1])
     layouts = candidates(current, versions, cores)
-    bar = _bar(o.progress, len(layouts) + 2 * o.rounds)
+    bar = _bar(o.progress, len(layouts) + FINALISTS * o.rounds)
     measured: list[Measured] = []
 
     def run(layout: Layout) -> None:
@@ -176,7 +176,7 @@ def tune(o: Options, measure_one: Callable[[Options, pathlib.Path, Layout, float
     best = max(measured, key=lambda m: m.goodput_rps)
     more = refine(best.layout, [m.layout for m in measured])
     if bar is not None:
-        bar.total = len(measured) + len(more) + 2 * o.rounds
+        bar.total = len(measured) + len(more) + FINALISTS * o.rounds
     for layout in more:
         run(layout)
     current = measured[0]

@@ -1,4 +1,5 @@
-"""The gateway's error answer when the call has already ended inside gRPC (a pure unit: a fake context)."""
+"""The servicer's pure units: its error answer when the call has already ended inside gRPC (a fake
+context), and a stream's key for a request's sequence."""
 from __future__ import annotations
 
 import asyncio
@@ -57,3 +58,17 @@ def test_an_answer_that_finds_its_call_over_is_not_logged_as_an_error(caplog):
     except ValueError:
         grpc_log.exception("Unexpected error")
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == ["Unexpected error"]
+
+
+def test_a_streams_sequence_key_is_the_sequences_own_unsigned_id():
+    from batchline.protocol import inference_pb2 as ipb
+    from gateway.servicer import _sequence_of
+
+    def request(kind: str, value) -> ipb.ModelInferRequest:
+        r = ipb.ModelInferRequest(model_name="m")
+        setattr(r.parameters["sequence_id"], kind, value)
+        return r
+
+    assert _sequence_of(request("int64_param", -1)) == _sequence_of(request("uint64_param", 2**64 - 1))
+    assert _sequence_of(request("int64_param", 7)) != _sequence_of(request("string_param", "7"))
+    assert _sequence_of(ipb.ModelInferRequest(model_name="m")) is None
