@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                     "--scale-down-cool-down-s; a stopping executor drains. Starts with --executors, within the "
                     "bounds (default: off, --executors run)")
     up.add_argument("--scale-down-cool-down-s", type=float, default=COOL_DOWN_S,
-                    help="--autoscale: how long fewer executors must be wanted before some stop (default: "
+                    help="--autoscale: how long fewer executors must be wanted before some stop; while every "
+                         "rise has been foreseen, the forecast's horizon if that is shorter (default: "
                          f"{COOL_DOWN_S:g})")
     up.add_argument("--gateways", type=int, default=1,
                     help="number of gateway processes, all on the gateway port (SO_REUSEPORT: the kernel spreads "

@@ -237,7 +237,7 @@ RESTARTS = Counter(
 SCALE_EVENTS = Counter(
     "batchline_scale_events", "Decisions of `batchline up --autoscale` to start executors (direction up) or stop them "
     "(down), by reason: forecast, queue or backlog (what the leader's demand asked for: its forecast, the rate a queue "
-    "shows arriving above it, the queue to finish), cool_down (fewer wanted for a whole "
+    "shows arriving above it, the queue to finish), cool_down (fewer wanted for the "
     "cool-down), bounds (outside MIN:MAX).", ("direction", "reason"),
 )
 DEMAND_READS = Counter(

@@ -253,9 +253,10 @@ def simulate(trace: Callable[[float, random.Random], float], policy: str, seed: 
             now_rate = queued_rate(round(queued), t + DT - queue[0][0],
                                    sized_by * BUDGET_S * sum(1 for x in ready if x <= t)) if queue else 0.0
             n_need = need(forecast, sized_by, TARGET_UTILISATION, round(queued), BUDGET_S, now_rate)
-            demand = pb.MeshDemand(models=[pb.MeshDemand.Model(name="m", version="1", forecast_rate=forecast,
-                                                               capacity=sized_by, by_forecast=n_need.by_forecast,
-                                                               by_backlog=n_need.by_backlog, queued_rate=now_rate)])
+            model = pb.MeshDemand.Model(name="m", version="1", forecast_rate=forecast, arrival_rate=rate.rate,
+                                        capacity=sized_by, by_forecast=n_need.by_forecast,
+                                        by_backlog=n_need.by_backlog, queued_rate=now_rate)
+            demand = pb.MeshDemand(models=[model], horizon_s=setup.start_s)
             decision = scaler.decide(t, len(ready), demand)
             target = decision.target if decision else target
         elif policy == "reactive":

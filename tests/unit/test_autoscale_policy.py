@@ -82,3 +82,37 @@ def test_a_surge_the_queue_shows_is_named_in_the_decision_and_in_status():
     # A queue that shows less than the forecast is not mentioned.
     calm = pb.MeshDemand(models=[pb.MeshDemand.Model(name="m", version="1", forecast_rate=100, queued_rate=50)])
     assert "by its queue" not in ScalePolicy(1, 8).decide(0.0, 0, calm).why
+
+
+def ahead(by_forecast: float, arriving: float, horizon_s: float = 5.0, by_backlog: float = 0.0) -> pb.MeshDemand:
+    """A demand whose forecast asks for `by_forecast` executors while the rate arriving now fills
+    `arriving` of them (capacity 100/s each), with the forecast looking `horizon_s` ahead."""
+    return pb.MeshDemand(horizon_s=horizon_s, models=[pb.MeshDemand.Model(
+        name="m", version="1", by_forecast=by_forecast, by_backlog=by_backlog, forecast_rate=by_forecast * 100,
+        arrival_rate=arriving * 100, capacity=100)])
+
+
+def test_while_the_forecast_has_foreseen_every_rise_the_cool_down_is_its_horizon():
+    p = ScalePolicy(1, 4, cool_down_s=30)
+    assert p.decide(0.0, 1, ahead(2.5, arriving=0.9)).target == 3  # asked for before the rate came
+    assert p.decide(10.0, 3, ahead(0.5, arriving=0.5)) is None
+    d = p.decide(15.0, 3, ahead(0.5, arriving=0.5))
+    assert (d.target, d.reason) == (1, "cool_down") and "wanted for 5 s" in d.why
+    # With no horizon published the whole cool-down holds.
+    q = ScalePolicy(1, 4, cool_down_s=30)
+    q.decide(0.0, 3, ahead(0.5, arriving=0.5, horizon_s=0))
+    assert q.decide(29.0, 3, ahead(0.5, arriving=0.5, horizon_s=0)) is None
+
+
+@pytest.mark.parametrize("surprise", [ahead(2.5, arriving=2.2), ahead(0.5, arriving=0.5, by_backlog=2.5)],
+                         ids=["the rate came before its executors", "a backlog asked"])
+def test_after_a_rise_the_forecast_did_not_ask_for_the_whole_cool_down_holds_for_ten(surprise):
+    p = ScalePolicy(1, 4, cool_down_s=30)
+    assert p.decide(0.0, 1, surprise).target == 3
+    assert p.decide(10.0, 3, ahead(0.5, arriving=0.5)) is None
+    assert p.decide(39.0, 3, ahead(0.5, arriving=0.5)) is None  # the horizon (5 s) long past
+    assert p.decide(40.0, 3, ahead(0.5, arriving=0.5)).target == 1
+    # Ten cool-downs after the surprise the forecast's horizon is the cool-down again.
+    assert p.decide(300.0, 1, ahead(2.5, arriving=0.9)).target == 3
+    p.decide(310.0, 3, ahead(0.5, arriving=0.5))
+    assert p.decide(315.0, 3, ahead(0.5, arriving=0.5)).target == 1
