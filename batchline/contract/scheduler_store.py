@@ -15,7 +15,7 @@ from batchline.contract import calls, scripts
 from batchline.contract import keys as k
 from batchline.contract.keys import ModelKey
 from batchline.contract.recovery import RecoveryStore
-from batchline.contract.slots import Rounds, get_many, on_cluster
+from batchline.contract.slots import get_many, on_cluster
 from batchline.protocol import internal_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,11 @@ class StepWrites:
 
 
 class SchedulerStore(RecoveryStore):
+    def __init__(self, client: Any, blocking: Any = None) -> None:
+        super().__init__(client, blocking)
+        # Reports a cluster scan took whose later round failed: the next scan returns them first.
+        self._untold: list[bytes] = []
+
     async def scan(self, notices: Sequence[str], models: Sequence[ModelKey],
                    inflight: Sequence[tuple[str, ModelKey]], scan_limit: int, drain: int) -> Scan:
         """One command (scripts.SCAN_LUA; a pipeline on a cluster): drop the arrivals' tokens
@@ -110,25 +115,28 @@ class SchedulerStore(RecoveryStore):
                 *(k.queue(m) for m in models), *(k.inflight(m, eid) for eid, m in inflight),
                 len(notices), len(models), drain, scan_limit)
             return Scan(list(reports), [list(h) for h in heads], [int(d) for d in depths], [set(s) for s in sets])
-        rounds = Rounds(self.client)
-        pipe = rounds.next()
         # The arrivals' tokens go first (on a cluster, a round of their own): the scan below sees
         # every request whose token it drops.
-        if notices:
-            pipe.delete(*notices)
-        pipe.lpop(k.REPORTS, drain)
-        pipe = rounds.next()
-        for model in models:
-            pipe.zrange(k.queue(model), 0, scan_limit - 1)
-            pipe.zcard(k.queue(model))
-        for eid, model in inflight:
-            pipe.smembers(k.inflight(model, eid))
-        results = await rounds.execute()
-        if notices:
-            del results[0]
+        async with self.client.pipeline(transaction=False) as first:
+            if notices:
+                first.delete(*notices)
+            first.lpop(k.REPORTS, drain)
+            taken = (await first.execute())[-1] or []
+        reports, self._untold = self._untold + list(taken), []
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for model in models:
+                    pipe.zrange(k.queue(model), 0, scan_limit - 1)
+                    pipe.zcard(k.queue(model))
+                for eid, model in inflight:
+                    pipe.smembers(k.inflight(model, eid))
+                results = await pipe.execute() if len(pipe) else []
+        except BaseException:
+            self._untold = reports  # popped, and not lost with this step
+            raise
         n = len(models)
-        return Scan(results[0] or [], [results[1 + 2 * i] for i in range(n)],
-                    [results[2 + 2 * i] for i in range(n)], results[1 + 2 * n:])
+        return Scan(reports, [results[2 * i] for i in range(n)], [results[1 + 2 * i] for i in range(n)],
+                    results[2 * n:])
 
     def step_writes(self) -> StepWrites:
         return StepWrites(self.client.pipeline(transaction=False), self.client)

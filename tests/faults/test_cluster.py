@@ -219,6 +219,33 @@ def test_a_shed_on_a_cluster_takes_only_what_is_still_queued_and_answers_only_th
     assert r.hget(contract.stats(model), "fail_count") == b"1"
 
 
+def test_reports_a_scan_took_are_kept_when_its_read_of_the_queues_fails(redis_cluster):
+    """On a cluster a scan takes the reports in one round and reads the queues in the next: when the
+    read fails, the reports it took come with the next scan, not lost with the failed one."""
+    import redis
+
+    from batchline.contract.scheduler_store import SchedulerStore
+    from batchline.redis_client import connect
+
+    model = ("mlp", "1")
+    redis_cluster.node(redis_cluster.shard_of(contract.REPORTS)).rpush(contract.REPORTS, b"r1", b"r2")
+    queue = redis_cluster.node(redis_cluster.shard_of(contract.queue(model)))
+    queue.set(contract.queue(model), b"not a queue")  # the read fails: WRONGTYPE
+
+    async def scans() -> list[bytes]:
+        client = connect(redis_cluster.url, 2)
+        try:
+            store = SchedulerStore(client, client)
+            with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+                await store.scan([], [model], [], 16, 64)
+            queue.delete(contract.queue(model))
+            return (await store.scan([], [model], [], 16, 64)).reports
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(scans()) == [b"r1", b"r2"]
+
+
 def test_a_cluster_that_went_away_whole_is_an_outage_and_served_again_once_back(redis_cluster):
     """Every node away: the command after a connection error maps the cluster again and fails with
     RedisClusterException, which must read as an outage (what the waiting loops retry through),
