@@ -67,4 +67,5 @@ async def run_batch(store: ExecutorStore, executor_id: str, batch: pb.Batch, mod
         members.append(member)
         replies[entry.gateway_id].append(reply.SerializeToString())
     timing = Timing(start_us, fetched_ns - t0, ran_ns - fetched_ns, time.perf_counter_ns() - ran_ns)
-    await outcome.write(store, executor_id, batch, model, members, replies, timing, written)  # type: ignore[arg-type]
+    await outcome.write(store, executor_id, batch, model, members, replies, timing, written,  # type: ignore[arg-type]
+                        generated=True)

@@ -84,9 +84,10 @@ class Timing:
 
 async def write(store: ExecutorStore, executor_id: str, batch: pb.Batch, model: LoadedModel | None,
                 members: Sequence[Member], replies: Mapping[str, Sequence[bytes]], timing: Timing,
-                written: Written | None = None) -> None:
+                written: Written | None = None, generated: bool = False) -> None:
     """Write a finished batch: `replies` per gateway id, for `members` (those still awaited); kept in
-    `written` once Redis acknowledged it."""
+    `written` once Redis acknowledged it. `generated`: a generation batch (its records of tokens sent
+    go with it)."""
     done_us = now_us()
     ok = [m for m in members if m.error is None and m.outputs is not None]
     rows = sum(m.entry.rows for m in ok)
@@ -101,7 +102,7 @@ async def write(store: ExecutorStore, executor_id: str, batch: pb.Batch, model: 
     if len(ok) < len(members):
         failed = [m for m in members if m.error is not None or m.outputs is None]
         stats += ("fail_count", len(failed), "fail_ns", sum((done_us - m.entry.enqueued_us) * 1000 for m in failed))
-    done = FinishedBatch(batch, report, replies, stats, done_us // 1000 if succeeded else 0)
+    done = FinishedBatch(batch, report, replies, stats, done_us // 1000 if succeeded else 0, generated)
     async with metrics.redis_rtt("executor", "write"):
         await store.batch_done(done)
     if written is not None:

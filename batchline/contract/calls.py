@@ -222,6 +222,7 @@ class FinishedBatch:
     replies: Mapping[str, Sequence[bytes]]  # the Reply messages, per gateway id
     stats: Sequence[str | int]              # statistics counters: field, increment pairs
     last_inference_ms: int                  # 0 when nothing in it succeeded
+    generated: bool = False                 # a generation batch: its members' records of tokens sent go too
 
     @property
     def model(self) -> ModelKey:
@@ -236,9 +237,13 @@ def batch_done(client: Any, done: FinishedBatch) -> Any:
     """An executor's whole write for a finished batch (scripts.BATCH_DONE_LUA). One command on one
     Redis; on a cluster, the replies, then the rest (an asyncio client's)."""
     batch, replies, stats, model = done.batch, done.replies, done.stats, done.model
-    keys = [k.inflight(model, done.report.executor_id), k.stats(model), k.batch(model, batch.batch_id),
-            *(k.payload(model, m.request_id) for m in batch.members)]
-    args: list = [0, len(batch.members), batch.batch_id, "", k.REPORTS_CAP,
+    # Deleted with the batch: its payloads, and a generation batch's records of the tokens sent
+    # (k.generated, in the payloads' slot), which only a takeover of an unfinished batch reads.
+    gone = [k.payload(model, m.request_id) for m in batch.members]
+    if done.generated:
+        gone += [k.generated(model, m.request_id) for m in batch.members]
+    keys = [k.inflight(model, done.report.executor_id), k.stats(model), k.batch(model, batch.batch_id), *gone]
+    args: list = [0, len(gone), batch.batch_id, "", k.REPORTS_CAP,
                   k.QUEUE_TTL, k.REPLY_TTL, k.STATS_TTL, done.last_inference_ms]
     if slots.on_cluster(client):
         return _batch_done_in_rounds(client, keys, [*args, *stats], done.report.SerializeToString(), replies)

@@ -352,9 +352,10 @@ return 1
 # go first, then this script without replies or report (the model's slot), then the
 # report (REPORT_LUA): a crash in between re-runs the batch, and the gateway keeps the
 # first answer.
-# KEYS: in-flight set, stats key, batch key, the batch's payload keys, then (with a
-#       report) the reports list and each gateway's reply list.
-# ARGV: gateways, payloads, batch id, report ('' for none), reports cap, queue ttl s,
+# KEYS: in-flight set, stats key, batch key, the keys that go with the batch (its payloads;
+#       a generation batch's records of tokens sent too), then (with a report) the
+#       reports list and each gateway's reply list.
+# ARGV: gateways, the number of keys that go, batch id, report ('' for none), reports cap, queue ttl s,
 #       reply ttl s, stats ttl s, last inference ms (0: none succeeded), then per
 #       gateway the number of its replies and the replies, then statistics field,
 #       increment pairs.

@@ -378,3 +378,19 @@ def test_generation_batches_teach_the_scheduler_no_latency_profile(served):
     poll(lambda: redis.llen(REPORTS) == 0, 10, "the scheduler to take the execution reports")
     profiles = served.scheduler.scheduler.profiles.by_key
     assert not [key for key in profiles if key[0] == "gpt"], profiles
+
+
+def test_the_record_of_tokens_sent_goes_with_the_finished_request(served):
+    # The record is what an executor taking an unfinished request over continues from; once the
+    # request is answered nothing reads it, so it goes with the payload rather than expire later.
+    from batchline.contract import keys
+    from batchline.redis_client import connect_sync
+
+    redis = connect_sync(served.redis_url, 2)
+    records = keys.generated(("gpt", "1"), "*")
+    before = set(redis.keys(records))
+    results = stream(served.address, ["import os", "def main"], greedy(24, ignore_eos=True))
+    for got in results.values():
+        assert sum(len(r.as_numpy("token_ids")) for r in got) == 24
+        assert len(got) > 2, "tokens went in several responses: a record was written"
+    assert set(redis.keys(records)) <= before
