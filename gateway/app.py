@@ -71,7 +71,8 @@ class GatewayApp:
         self.server = await start_server(s.host, s.port, register, options, credentials)
         if s.http_port >= 0:
             rest = RestApp(self.gateway, tokens, s.max_message_bytes)
-            self.http = HttpServer(rest, s.host, s.http_port, ssl_context(files) if files else None, http_shared)
+            self.http = HttpServer(rest, s.host, s.http_port, ssl_context(files) if files else None, http_shared,
+                                   s.http_max_connections)
             await self.http.start()
             log.info("REST (KServe v2 HTTP) on %s:%d", s.host, self.http.port)
         await self.gateway.start(self.address)

@@ -4,7 +4,9 @@ be shared (SO_REUSEPORT) by the gateways of a mesh as the gRPC port is."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import resource
 import socket
 import ssl
 
@@ -32,9 +34,35 @@ class _HeadTooLarge(Exception):
     pass
 
 
+def connection_cap(setting: int) -> int:
+    """The REST connections served at once for the setting `setting` (0: half the open-file limit)."""
+    if setting:
+        return setting
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(16, (soft if soft != resource.RLIM_INFINITY else 65536) // 2)
+
+
+def _too_many(cap: int):
+    body = json.dumps({"error": f"this gateway serves at most {cap} REST connections at once and has "
+                                f"that many open: retry in a moment on a new connection, reuse one (keep-alive), "
+                                f"or raise the gateway's http_max_connections"}).encode()
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"retry-after", b"1"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+    return app
+
+
 class BoundedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the bounds above: past a head's, 431 or 408 and the connection
-    closed; past the time to drop a body answered early, the connection closed."""
+    closed; past the time to drop a body answered early, the connection closed; a request on a
+    connection past the server's cap (`max_connections`, set by HttpServer), 503 and the connection
+    closed."""
+
+    max_connections = 0
+    refuse_app = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -62,6 +90,14 @@ class BoundedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._stop_head_timer()
+        # The set of open connections counts this one.
+        if self.max_connections and len(self.connections) > self.max_connections:
+            app, self.app = self.app, self.refuse_app
+            try:
+                super().on_headers_complete()  # takes self.app for this request
+            finally:
+                self.app = app
+            return
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
@@ -124,9 +160,12 @@ def _bind(host: str, port: int, share: bool) -> socket.socket:
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, ssl_context: ssl.SSLContext | None = None, share: bool = False):
+    def __init__(self, app, host: str, port: int, ssl_context: ssl.SSLContext | None = None, share: bool = False,
+                 max_connections: int = 0):
+        """`max_connections`: served at once (gateway.settings' http_max_connections; 0: from the open-file limit)."""
         self.app, self.host, self.requested_port = app, host, port
         self.ssl_context, self.share = ssl_context, share
+        self.max_connections = connection_cap(max_connections)
         self.port = -1
         self._server: uvicorn.Server | None = None
         self._ticks: asyncio.Task | None = None
@@ -136,7 +175,10 @@ class HttpServer:
         """Bind and serve; the port bound (the one asked for, or a free one for 0)."""
         self._sock = _bind(self.host, self.requested_port, self.share)
         self.port = self._sock.getsockname()[1]
-        config = uvicorn.Config(self.app, http=BoundedProtocol, loop="none", lifespan="off", ws="none",
+        cap = self.max_connections
+        protocol = type("CappedProtocol", (BoundedProtocol,),
+                        {"max_connections": cap, "refuse_app": staticmethod(_too_many(cap))})
+        config = uvicorn.Config(self.app, http=protocol, loop="none", lifespan="off", ws="none",
                                 log_config=None, access_log=False, server_header=False,
                                 timeout_graceful_shutdown=5)
         config.load()

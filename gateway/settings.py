@@ -21,6 +21,10 @@ class GatewaySettings(CommonSettings):
         8000, description="Port of the KServe v2 HTTP/REST endpoint, with Triton's binary tensor data extension "
         "(8000 is where Triton's HTTP clients look; 0 = any free port, -1 = none). It shares the gRPC port's "
         "admission, tokens (auth_file) and TLS files.")
+    http_max_connections: int = Field(
+        0, ge=0, description="REST connections served at once: a request on a connection past them is answered "
+        "503 with a retry hint, and that connection closed, so that open connections cannot take the file "
+        "descriptors the gRPC port and Redis need. 0 = half the process's open-file limit (RLIMIT_NOFILE).")
     share_port: bool = Field(
         False, description="Let the other gateways of this mesh (the same Redis) serve the same ports (gRPC and "
         "REST), the kernel spreading connections over them (SO_REUSEPORT; `batchline up --gateways N` sets it). "

@@ -495,3 +495,46 @@ def test_a_body_that_stalls_is_given_up(rest_mesh, monkeypatch):
     head = b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
     answer = _exchange(rest_mesh.http_address, head + b"{" * 10)  # then nothing
     assert answer.startswith(b"HTTP/1.1 400 ") and b"the request body stalled" in answer
+
+
+def test_a_request_past_the_connection_cap_is_answered_503_and_its_connection_closed():
+    from gateway.http_server import HttpServer
+
+    async def ok(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def ask(reader, writer) -> tuple[bytes, bytes]:
+        writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = (await reader.readuntil(b"\r\n\r\n")).lower()
+        return head, await reader.readexactly(int(head.split(b"content-length: ")[1].split(b"\r\n")[0]))
+
+    async def scenario() -> None:
+        server = HttpServer(ok, "127.0.0.1", 0, max_connections=2)
+        port = await server.start()
+        try:
+            kept = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+            for connection in kept:
+                assert (await ask(*connection))[0].startswith(b"http/1.1 200")
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            head, body = await ask(reader, writer)
+            assert head.startswith(b"http/1.1 503") and b"retry-after: 1\r\n" in head
+            assert "at most 2 REST connections" in json.loads(body)["error"]
+            assert await reader.read() == b""  # and closed
+            writer.close()
+            assert (await ask(*kept[0]))[0].startswith(b"http/1.1 200")  # those within the cap go on
+            kept[1][1].close()
+            await kept[1][1].wait_closed()
+            # Once the server has seen one close, a new connection is served.
+            deadline = time.monotonic() + 10
+            while True:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                head, _ = await ask(reader, writer)
+                writer.close()
+                if head.startswith(b"http/1.1 200") or time.monotonic() > deadline:
+                    break
+            assert head.startswith(b"http/1.1 200"), head
+        finally:
+            await server.stop()
+
+    asyncio.run(scenario())
