@@ -342,12 +342,14 @@ def test_a_sequence_request_given_up_after_its_dispatch_holds_the_next_until_it_
 
         # Given up after an executor took it (its entry left the queue, as a dispatch takes it).
         third = stub.ModelInfer.future(_seq_request(42, 1, True), timeout=60)
-        poll(lambda: r.zcard(key) == 1, 10, "the third request was never queued")
-        member = r.zrange(key, 0, -1)[0]
+        member = poll(lambda: next(iter(r.zrange(key, 0, -1)), None), 10, "the third request was never queued")
         taken = pb.QueueEntry.FromString(member)
+        replies = m.gateway.gateway.replies
+        # Given up only once the gateway has Redis's word that the write landed: before that it
+        # takes the request out with its next write, as for one given up while its write goes out.
+        poll(lambda: taken.request_id in replies.acknowledged, 10, "the gateway never saw the third's write land")
         r.zrem(key, member)
         third.cancel()
-        replies = m.gateway.gateway.replies
         poll(lambda: taken.request_id in replies.watched, 10, "the gateway never watched for the third's reply")
         assert taken.request_id not in replies.waiting  # nobody waits: a drain does not wait for it
         # Its payload stays, so that the executor that took it runs it (or refuses it past its
