@@ -8,10 +8,10 @@ demand must fit in fewer executors with HYSTERESIS of an executor to spare, so t
 hovering at a boundary does not start and stop one executor over and over; and it stops only as
 many as the highest demand of the cool-down leaves spare. The cool-down is insurance against a
 return the forecast does not see: while every rise has been foreseen (the executors were asked for
-before the rate reached them), it shortens to the forecast's horizon. Without a published demand (no leader)
-it keeps what runs. A stopping executor drains: it finishes or hands back the batches it holds,
-so no request is lost and none runs twice. Each decision is logged with the numbers behind it and
-counted in batchline_scale_events_total{direction,reason}.
+before the rate reached them), it shortens to the forecast's horizon. Without a published demand
+(no leader) it keeps what runs. A stopping executor drains: it finishes or hands back the batches
+it holds, so no request is lost and none runs twice. Each decision is logged with the numbers
+behind it and counted in batchline_scale_events_total{direction,reason}.
 """
 from __future__ import annotations
 

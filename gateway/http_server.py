@@ -44,8 +44,8 @@ def connection_cap(setting: int) -> int:
 
 def _too_many(cap: int):
     body = json.dumps({"error": f"this gateway serves at most {cap} REST connections at once and has "
-                                f"that many open: retry in a moment on a new connection, reuse one (keep-alive), "
-                                f"or raise the gateway's http_max_connections"}).encode()
+                                "that many open: retry in a moment on a new connection, reuse one (keep-alive), "
+                                "or raise the gateway's http_max_connections"}).encode()
 
     async def app(scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 503,
