@@ -308,6 +308,12 @@ def _queued_ids(r, key: str) -> list[str]:
     return [pb.QueueEntry.FromString(m).request_id for m in r.zrange(key, 0, -1)]
 
 
+def _client_ids(r, key: str) -> list[str]:
+    """The client's ids of the requests queued (their payloads'; the gateway names entries its own way)."""
+    return [ipb.ModelInferRequest.FromString(r.get(contract.payload(("accumulator", "1"), rid)) or b"").id
+            for rid in _queued_ids(r, key)]
+
+
 @contextlib.contextmanager
 def _undispatched(repo, redis_timeout: float = 2):
     """A mesh whose scheduler gives no executor any batch (the test plays the dispatch by hand), a
@@ -330,19 +336,20 @@ def test_a_sequence_request_given_up_after_its_dispatch_holds_the_next_until_it_
     yet); one given up while still queued is taken out at once and holds nothing."""
     with _undispatched(repo) as (m, r, key, stub):
         # Given up while queued: withdrawn, and the next is queued without waiting for its bound.
+        # (Each step reads the queue once, by the clients' ids: a client's cancel reaches the
+        # gateway when it does, and a request may still be on its way in when the next is sent.)
         first = stub.ModelInfer.future(_seq_request(41, 1, True), timeout=60)
-        poll(lambda: len(_queued_ids(r, key)) == 1, 10, "the first request was never queued")
-        payload = contract.payload(("accumulator", "1"), _queued_ids(r, key)[0])
+        poll(lambda: _client_ids(r, key) == ["41/1"], 10, "the first request was never queued")
         first.cancel()
         second = stub.ModelInfer.future(_seq_request(41, 2, False), timeout=60)
-        poll(lambda: len(_queued_ids(r, key)) == 1 and not r.exists(payload), 10,
-             "the next request waited for a request that was only queued")
+        poll(lambda: _client_ids(r, key) == ["41/2"], 10, "the next request waited for a request that was only queued")
         second.cancel()
         poll(lambda: r.zcard(key) == 0, 10, "the second request was never withdrawn")
 
         # Given up after an executor took it (its entry left the queue, as a dispatch takes it).
         third = stub.ModelInfer.future(_seq_request(42, 1, True), timeout=60)
-        member = poll(lambda: next(iter(r.zrange(key, 0, -1)), None), 10, "the third request was never queued")
+        poll(lambda: _client_ids(r, key) == ["42/1"], 10, "the third request was never queued")
+        member = r.zrange(key, 0, -1)[0]
         taken = pb.QueueEntry.FromString(member)
         replies = m.gateway.gateway.replies
         # Given up only once the gateway has Redis's word that the write landed: before that it
@@ -383,11 +390,7 @@ def test_a_sequence_request_given_up_while_its_write_goes_out_holds_the_next_onl
         second = stub.ModelInfer.future(_seq_request(44, 2, False), timeout=120)
         began = time.monotonic()
 
-        def client_ids() -> list[str]:
-            return [ipb.ModelInferRequest.FromString(r.get(contract.payload(("accumulator", "1"), rid)) or b"").id
-                    for rid in _queued_ids(r, key)]
-
-        poll(lambda: client_ids() == ["44/2"], 20, "the next request waited for the given-up one's bound")
+        poll(lambda: _client_ids(r, key) == ["44/2"], 20, "the next request waited for the given-up one's bound")
         assert time.monotonic() - began < 15  # not the first's deadline plus its budget (60 s)
         second.cancel()
 
