@@ -101,7 +101,10 @@ def test_a_failover_fails_at_once_only_what_the_new_primary_lacks(sentinels, mod
     with InProcessMesh(sentinels.url, str(model_repository), models=["mlp"]) as m:
         client = tc.InferenceServerClient(m.address)
         client.infer("mlp", [_features(0.0)])
-        answered = m.executors[0].executor.written.batches()[-1]
+        # The executor keeps a batch once Redis acknowledged its write, which may come after the
+        # gateway, reading the same write, has answered the client.
+        answered = poll(lambda: m.executors[0].executor.written.batches()[-1:], 10,
+                        "the executor to keep its answered batch")[0]
         primary = connect_sync(sentinels.url, 2)
         taken = time.monotonic()
         primary.set(contract.LEADER, "someone-else", px=120_000)  # keep the next requests queued
