@@ -44,6 +44,7 @@ from gateway.request import Call, parse
 from gateway.settings import GatewaySettings
 from gateway.shared_memory import SharedMemory
 from gateway.text import TRUNCATED_KEY, Tokenizers
+from gateway.validation import CheckedLayouts
 from gateway.views import LoadViews
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class Gateway:
         self.arrivals = Arrivals(self.store)  # what the scheduler's demand forecast reads
         self.sequences = SequenceOrder()  # each sequence's requests, one after another
         self.queueing = Queueing(self.gateway_id, self.commit, self.replies, self.store)
+        self.layouts = CheckedLayouts()  # of the requests found valid: one laid out alike is not checked again
 
     @property
     def loads(self) -> dict[ModelKey, pb.ModelLoad]:
@@ -282,7 +284,7 @@ class Gateway:
                                   f"memory or as classifications; ask for them in the responses")
         by_reference = not classes and (bool(targets) or self.shared_memory.in_regions(request)) and self._local(model)
         request, payload, copied = self.shared_memory.read_inputs(request, tenant, targets, by_reference)
-        call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000, payload)
+        call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000, payload, self.layouts)
         if copied is not None:
             call = replace(call, copied=copied)
         if truncated:

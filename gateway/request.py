@@ -9,9 +9,8 @@ from batchline.contract.keys import ModelKey
 from batchline.errors import DeadlineExceeded, duration_text
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
-from batchline.sizing import row_length
 from gateway.shared_memory import Copied
-from gateway.validation import request_priority, request_timeout_us, validate
+from gateway.validation import CheckedLayouts, checked, request_priority, request_timeout_us
 
 # Budgets are capped so that an absurd `timeout` (Triton's is a 64-bit µs
 # count) cannot overflow a deadline; nothing is served after a day anyway.
@@ -53,19 +52,20 @@ def budget_s(request: ipb.ModelInferRequest, model: pb.ModelInfo, grpc_remaining
 
 
 def parse(request: ipb.ModelInferRequest, model: pb.ModelInfo, grpc_remaining: float | None,
-          answer_margin_s: float, payload: bytes = b"") -> Call:
-    """Validate `request` against `model` (InvalidArgument naming what is wrong) and take its facts.
+          answer_margin_s: float, payload: bytes = b"", layouts: CheckedLayouts | None = None) -> Call:
+    """Validate `request` against `model` (InvalidArgument naming what is wrong) and take its facts;
+    `layouts`: the gateway's, which a request laid out like one found valid passes at once.
 
     The mesh plans to finish a little before the client's deadline, keeping `answer_margin_s`
     (at most half the budget) for the answer's way back.
     """
-    rows = validate(request, model)
+    rows, length = checked(request, model) if layouts is None else layouts.facts(request, model)
     budget = budget_s(request, model, grpc_remaining)
     if budget <= 0:
         raise DeadlineExceeded(f"the request's deadline had passed {duration_text(-budget)} "
                                "before it reached the gateway")
-    return Call(request, model, rows, row_length(model, {t.name: t.shape for t in request.inputs}),
-                request_priority(request, model), budget, budget - min(answer_margin_s, budget / 2), payload)
+    return Call(request, model, rows, length, request_priority(request, model), budget,
+                budget - min(answer_margin_s, budget / 2), payload)
 
 
 def queue_entry(call: Call, gateway_id: str, enqueued_us: int, deadline_us: int, traceparent: str,

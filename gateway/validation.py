@@ -12,7 +12,15 @@ from batchline.errors import InvalidArgument
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import internal_pb2 as pb
 from batchline.regions import REF, Ref
+from batchline.sizing import row_length
 from gateway.sequences import check_sequence
+
+# Layouts kept per model at most: a client sending ever new shapes must not grow the gateway.
+LAYOUTS_PER_MODEL = 256
+# Request parameters whose values the checks read (gateway/sequences.py).
+_SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
+# Datatypes whose bytes, not just their count, are checked (BOOL's values, BYTES' length prefixes).
+_CHECKED_BYTES = ("BOOL", "BYTES")
 
 
 def _param_int(param: ipb.InferParameter, name: str) -> int:
@@ -131,3 +139,76 @@ def validate(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> int:
     check_sequence(request, model, rows)
     return rows
 
+
+def checked(request: ipb.ModelInferRequest, model: pb.ModelInfo) -> tuple[int, int]:
+    """(rows, length) of a valid request (`validate`, batchline.sizing.row_length); InvalidArgument
+    naming what is wrong with an invalid one."""
+    return validate(request, model), row_length(model, {t.name: t.shape for t in request.inputs})
+
+
+class CheckedLayouts:
+    """The layouts of requests already found valid, per model, with their rows and length.
+
+    Checking a request reads every input in Python, about a fifth of the CPU a refusal costs the
+    gateway; under overload most requests are refused right after it, on the cores the model needs. A
+    request laid out like one found valid for the same model (the same inputs in the same order
+    with the same datatypes, shapes and byte counts, the same outputs asked for) passes the same
+    checks, so it is not checked again. Only layouts whose validity the layout alone decides are
+    kept: every input raw, none with parameters of its own (a shared-memory reference is checked
+    against its region), no sequence parameters (a sequence model's requests all carry them), and
+    a model that takes no BOOL or BYTES input (their bytes are checked). A model read again from
+    the registry starts with no layouts.
+    """
+
+    def __init__(self, limit: int = LAYOUTS_PER_MODEL) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        self.limit = limit
+        # Per model name and version: the ModelInfo its layouts were checked against, and those
+        # layouts (None: its inputs' bytes are checked, so nothing is kept).
+        self._models: dict[tuple[str, str], tuple[pb.ModelInfo, dict[tuple, tuple[int, int]] | None]] = {}
+
+    def __len__(self) -> int:
+        """Layouts kept, over every model."""
+        return sum(len(layouts) for _, layouts in self._models.values() if layouts is not None)
+
+    def facts(self, request: ipb.ModelInferRequest, model: pb.ModelInfo) -> tuple[int, int]:
+        """What `checked` answers, from the layouts kept when the request's is among them."""
+        layouts = self._layouts(model)
+        layout = None if layouts is None else _layout(request)
+        if layouts is None or layout is None:
+            return checked(request, model)
+        known = layouts.get(layout)
+        if known is None:
+            known = checked(request, model)  # an invalid request raises here: its layout is not kept
+            if len(layouts) >= self.limit:
+                layouts.clear()
+            layouts[layout] = known
+        return known
+
+    def _layouts(self, model: pb.ModelInfo) -> dict[tuple, tuple[int, int]] | None:
+        key = (model.name, model.version)
+        entry = self._models.get(key)
+        if entry is None or entry[0] is not model:
+            if len(self._models) >= self.limit:
+                self._models.clear()  # models that come and go: start over rather than grow
+            kept = not any(s.datatype in _CHECKED_BYTES for s in model.inputs)
+            entry = self._models[key] = (model, {} if kept else None)
+        return entry[1]
+
+
+def _layout(request: ipb.ModelInferRequest) -> tuple | None:
+    """What a request's validity depends on, when that is its layout alone (None otherwise)."""
+    raw = request.raw_input_contents
+    if not raw or len(raw) != len(request.inputs):
+        return None
+    parameters = request.parameters
+    if any(name in parameters for name in _SEQUENCE_PARAMETERS):
+        return None
+    layout: list = []
+    for tensor, data in zip(request.inputs, raw):
+        if tensor.parameters or tensor.HasField("contents"):
+            return None
+        layout.append((tensor.name, tensor.datatype, tuple(tensor.shape), len(data)))
+    layout.append(tuple(out.name for out in request.outputs))
+    return tuple(layout)
