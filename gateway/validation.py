@@ -164,8 +164,8 @@ class CheckedLayouts:
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
         self.limit = limit
-        # Per model name and version: the ModelInfo its layouts were checked against, and those
-        # layouts (None: its inputs' bytes are checked, so nothing is kept).
+        # Per model name and version (at most `limit` of them too): the ModelInfo its layouts were
+        # checked against, and those layouts (None: its inputs' bytes are checked, nothing is kept).
         self._models: dict[tuple[str, str], tuple[pb.ModelInfo, dict[tuple, tuple[int, int]] | None]] = {}
 
     def __len__(self) -> int:
