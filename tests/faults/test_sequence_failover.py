@@ -57,17 +57,23 @@ def mesh(tmp_path):
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 def test_an_executor_lost_mid_sequence_loses_nothing(mesh, fault):
-    """kill: SIGKILLed. freeze: SIGSTOPped until declared dead, its steps run elsewhere, then woken:
-    its late runs of steps its sequences have moved past must change nothing."""
+    """kill: SIGSTOPped, then SIGKILLed once it holds steps. freeze: SIGSTOPped until declared dead,
+    its steps run elsewhere, then woken: its late runs of steps its sequences have moved past must
+    change nothing."""
     expected = uninterrupted(pathlib.Path(mesh.repo))
     address = mesh.probe.gateway_address()
     done_steps = 0
     lock = threading.Lock()
+    # Every sequence's last step waits for exec-0 to be frozen: the steps sent after that are sure
+    # to leave it some to hold, where the rest of the run could otherwise end between two looks.
+    frozen = threading.Event()
 
     def run(seq: int) -> list[int]:
         outs = []
         with grpcclient.InferenceServerClient(address) as client:
             for step in range(STEPS):
+                if step == STEPS - 1:
+                    frozen.wait(STEP_TIMEOUT_S)
                 tensor = grpcclient.InferInput("INPUT", [1, 1], "INT32")
                 tensor.set_data_from_numpy(np.array([[step_value(seq, step)]], np.int32))
                 result = client.infer("accumulator", [tensor], sequence_id=seq + 1, sequence_start=step == 0,
@@ -81,14 +87,16 @@ def test_an_executor_lost_mid_sequence_loses_nothing(mesh, fault):
     with ThreadPoolExecutor(SEQUENCES) as pool:
         futures = [pool.submit(run, seq) for seq in range(SEQUENCES)]
         poll(lambda: done_steps >= SEQUENCES * STEPS // 2, 120, "half the steps")
-        # Kill it while it holds steps, so that some must run again elsewhere.
+        # Lost while it holds steps, so that some must run again elsewhere: frozen first, it holds
+        # what it is sent until it is declared dead.
+        mesh.kill("exec-0", signal.SIGSTOP)
+        frozen.set()
         poll(lambda: mesh.probe.held_batches("exec-0") > 0, 10, "exec-0 to hold a batch")
         killed_at, held = done_steps, mesh.probe.held_batches("exec-0")
         if fault == "kill":
             mesh.kill("exec-0", signal.SIGKILL)
             mesh.wait_exit("exec-0", 10)
         else:
-            mesh.kill("exec-0", signal.SIGSTOP)
             mesh.probe.wait_executor_gone("exec-0")
             poll(lambda: mesh.probe.scheduler_status("sched-0").redispatched_requests > 0, 30,
                  "the frozen executor's steps to be handed to exec-1")
