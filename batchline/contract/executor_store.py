@@ -3,7 +3,7 @@ and its answers, what it publishes for the others (warm-up reports, tokenizers),
 that say whether it may release a model version. Recovery of its own batches is inherited."""
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import redis.exceptions
 
@@ -17,6 +17,10 @@ from batchline.contract.waits import as_outage
 
 
 class ExecutorStore(RecoveryStore):
+    def __init__(self, client: Any, blocking: Any = None) -> None:
+        super().__init__(client, blocking)
+        self._work_link = self.wait_link()  # take_work's own connection, where one can be had
+
     async def register(self, executor_id: str, info: bytes, ttl_ms: int) -> None:
         """Write the registration (ExecutorInfo) with its heartbeat TTL."""
         # MULTI/EXEC: a connection lost part-way must not leave the set written without its expiry.
@@ -55,7 +59,11 @@ class ExecutorStore(RecoveryStore):
     async def take_work(self, executor_id: str, timeout_s: int) -> bytes | None:
         """The next Batch sent to the executor, waiting up to `timeout_s` (on the blocking client)."""
         try:
-            item = await self.blocking.blpop([k.work(executor_id)], timeout=timeout_s)
+            if self._work_link is not None:
+                item = await self._work_link.wait(timeout_s + self._work_link.timeout, "BLPOP", k.work(executor_id),
+                                                  timeout_s)
+            else:
+                item = await self.blocking.blpop([k.work(executor_id)], timeout=timeout_s)
         except redis.exceptions.ResponseError as exc:
             raise as_outage(exc) from exc
         return None if item is None else item[1]
@@ -65,12 +73,12 @@ class ExecutorStore(RecoveryStore):
         """A batch's payloads (None: answered or abandoned) and its gateways' heartbeats (None:
         gone), in one read."""
         names = [k.payload(model, r) for r in request_ids] + [k.gateway(g) for g in gateway_ids]
-        found = await get_many(self.client, names)
+        found = await get_many(self.hot, names)
         return found[: len(request_ids)], found[len(request_ids):]
 
     async def batch_done(self, done: FinishedBatch) -> None:
         """A finished batch's answers, report and statistics, in one write (contract.batch_done)."""
-        await calls.batch_done(self.client, done)
+        await calls.batch_done(self.hot, done)
 
     async def send_replies(self, replies: Mapping[str, Sequence[bytes]]) -> None:
         """Push Replies to their gateways (per gateway id) ahead of the batch's own write: a

@@ -56,7 +56,7 @@ class GatewayStore(Store):
                       abandoned: Sequence[Abandoned] = ()) -> list[int | Exception]:
         """The group commit (contract.enqueue): per write, 1 when queued, 0 when its queue was full,
         or (on a cluster) the error of the shard that refused it."""
-        return list(await calls.enqueue(self.client, gateway_id, address, heartbeat_ttl_ms, writes, abandoned))
+        return list(await calls.enqueue(self.hot, gateway_id, address, heartbeat_ttl_ms, writes, abandoned))
 
     async def add_arrivals(self, counts: dict[ModelKey, int]) -> None:
         """Add to each model's count of requests received (the scheduler's demand forecast reads them)."""
@@ -74,7 +74,7 @@ class GatewayStore(Store):
 
     async def pop_replies(self, gateway_id: str, count: int) -> list[bytes]:
         """Up to `count` replies waiting in the gateway's list, without waiting."""
-        return list(await self.client.lpop(k.reply(gateway_id), count) or [])
+        return list(await self.hot.lpop(k.reply(gateway_id), count) or [])
 
     async def loads(self, models: Sequence[ModelKey]) -> list[bytes | None]:
         """The scheduler's load view (ModelLoad) of each model; None where it has none."""

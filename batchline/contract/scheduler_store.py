@@ -110,7 +110,7 @@ class SchedulerStore(RecoveryStore):
         (`notices`), take the reports, read each queue's head (up to `scan_limit`) and depth and each
         (executor, model) in-flight set; up to `drain` reports."""
         if not on_cluster(self.client):
-            reports, heads, depths, sets = await self.client.eval(
+            reports, heads, depths, sets = await self.hot.eval(
                 scripts.SCAN_LUA, len(notices) + 1 + len(models) + len(inflight), *notices, k.REPORTS,
                 *(k.queue(m) for m in models), *(k.inflight(m, eid) for eid, m in inflight),
                 len(notices), len(models), drain, scan_limit)
@@ -139,12 +139,12 @@ class SchedulerStore(RecoveryStore):
                     results[2 * n:])
 
     def step_writes(self) -> StepWrites:
-        return StepWrites(self.client.pipeline(transaction=False), self.client)
+        return StepWrites(self.hot.pipeline(transaction=False), self.client)
 
     async def wake(self, scheduler_id: str) -> None:
         """Push to the scheduler's own wake list, ending its blocking wait."""
         key = k.scheduler_wake(scheduler_id)
-        async with self.client.pipeline(transaction=True) as pipe:  # (never without its expiry)
+        async with self.hot.pipeline(transaction=True) as pipe:  # (never without its expiry)
             pipe.rpush(key, 1)
             pipe.pexpire(key, k.SCHEDULER_WAKE_TTL_MS)
             await pipe.execute()

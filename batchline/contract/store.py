@@ -11,21 +11,34 @@ from typing import Any, Sequence
 from batchline.contract import keys as k
 from batchline.contract.keys import ModelKey
 from batchline.contract import slots
+from batchline.contract.link import Link, hot
 from batchline.contract.waits import ListPop
 
 
 class Store:
     """`client` for commands that answer at once; `blocking`, where the role waits (a blocking pop
-    holds its connection), a client of its own."""
+    holds its connection), a client of its own. `hot`: what the calls on every request's path go
+    through (batchline.contract.link), the same Redis as `client`."""
 
     def __init__(self, client: Any, blocking: Any = None) -> None:
         self.client = client
         self.blocking = blocking
+        self.hot = hot(client)
+        self._links: list[Link] = [self.hot] if isinstance(self.hot, Link) else []
 
     async def aclose(self) -> None:
+        for link in self._links:
+            await link.aclose()
         await self.client.aclose()
         if self.blocking is not None:
             await self.blocking.aclose()
+
+    def wait_link(self) -> Link | None:
+        """A Link of its own for one blocking wait, if the blocking client's Redis is one plain Redis."""
+        link = Link.of(self.blocking)
+        if link is not None:
+            self._links.append(link)
+        return link
 
     async def ping(self) -> None:
         await self.client.ping()
@@ -48,7 +61,7 @@ class Store:
 
     def list_pop(self) -> ListPop:
         """A blocking pop over this store's blocking client."""
-        return ListPop(self.blocking)
+        return ListPop(self.blocking, self.wait_link())
 
     async def registrations(self) -> list[tuple[str, bytes | None]]:
         """Every executor id ever seen, sorted, with its ExecutorInfo (None: its heartbeat lapsed)."""

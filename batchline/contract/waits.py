@@ -5,6 +5,7 @@ from typing import Any
 
 import redis.exceptions
 
+from batchline.contract.link import Link
 from batchline.contract.slots import on_cluster
 from batchline.redis_url import BLOCKING_WAIT_S
 
@@ -17,8 +18,9 @@ class ListPop:
     takes one element, `all_at_once` turns False, and a caller that wants the rest pops it.
     """
 
-    def __init__(self, blocking: Any) -> None:
+    def __init__(self, blocking: Any, link: Link | None = None) -> None:
         self._blocking = blocking
+        self._link = link  # the wait's own connection, where there is one (batchline.contract.link)
         self.all_at_once = True
 
     async def __call__(self, keys: list[str], count: int,
@@ -32,6 +34,9 @@ class ListPop:
                                                         target_nodes=node)
         if self.all_at_once:
             try:
+                if self._link is not None:
+                    return await self._link.wait(timeout + self._link.timeout, "BLMPOP", timeout, len(keys), *keys,
+                                                 "LEFT", "COUNT", count)
                 return await self._blocking.execute_command("BLMPOP", timeout, len(keys), *keys, "LEFT", "COUNT", count)
             except redis.exceptions.ResponseError as exc:
                 if "unknown command" not in str(exc).lower():

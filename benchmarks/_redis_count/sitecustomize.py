@@ -54,6 +54,20 @@ if _DIR and _ROOT:
     _conn.AbstractConnection.pack_command = pack_command
     _conn.AbstractConnection.send_packed_command = send_packed_command
 
+    # The contract's own connection for the hot calls (batchline.contract.link): a write there
+    # is one round trip carrying `replies` commands (MULTI and EXEC among them, as in redis-py's).
+    import batchline.contract.link as _link
+
+    _link_send = _link.Link._send
+
+    async def link_send(self, packed, replies, timeout):
+        site = _site()
+        trips[site] += 1
+        commands[site] += replies
+        return await _link_send(self, packed, replies, timeout)
+
+    _link.Link._send = link_send
+
     def _dump(signum, frame) -> None:
         path = os.path.join(_DIR, f"{os.getpid()}.json")
         with open(path + ".tmp", "w") as out:
