@@ -1,5 +1,6 @@
 """What a Redis round trip costs the client's CPU through redis-py's asyncio client, against a bare
-connection of it and a bare asyncio protocol, on the installed redis-py.
+connection of it, the contract's own connection (batchline.contract.link, which the services' hot
+calls take) and a bare asyncio protocol, on the installed redis-py.
 
     python benchmarks/redis_client.py [--commands 20000] [--rounds 3]
 
@@ -22,6 +23,7 @@ import redis
 import redis.asyncio as aredis
 
 from batchline import eventloop
+from batchline.contract.link import Link
 from batchline.embedded_redis import EmbeddedRedis
 
 VALUE = b"x" * 200
@@ -58,6 +60,18 @@ async def measure(socket: str, commands: int, rounds: int) -> dict[str, list[flo
         await conn.send_command("SET", "k", VALUE)
         await conn.read_response()
 
+    link = Link.of(client)
+    assert link is not None
+
+    async def linked():
+        await link.execute_command("SET", "k", VALUE)
+
+    async def link_pipeline():
+        pipe = link.pipeline()
+        for _ in range(10):
+            pipe.set("k", VALUE)
+        await pipe.execute()
+
     async def raw():
         proto.waiting = loop.create_future()
         transport.write(packed)
@@ -65,7 +79,9 @@ async def measure(socket: str, commands: int, rounds: int) -> dict[str, list[flo
 
     ways = {"redis-py, a command": (pooled, 1), "redis-py, a pipeline of 1": (lambda: pipeline_of(1), 1),
             "redis-py, a pipeline of 10": (lambda: pipeline_of(10), 10),
-            "redis-py's connection alone, a command": (bare, 1), "a bare asyncio protocol, a command": (raw, 1)}
+            "redis-py's connection alone, a command": (bare, 1), "the contract's Link, a command": (linked, 1),
+            "the contract's Link, a pipeline of 10": (link_pipeline, 10),
+            "a bare asyncio protocol, a command": (raw, 1)}
     out: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, (call, per) in ways.items():
@@ -75,6 +91,7 @@ async def measure(socket: str, commands: int, rounds: int) -> dict[str, list[flo
                 await call()
             out[name].append((time.process_time() - started) / n * 1e6)
     transport.close()
+    await link.aclose()
     await conn.disconnect()
     await client.aclose()
     return out

@@ -66,6 +66,8 @@ class Link:
         self.timeout = timeout
         self._connect_timeout = kwargs.get("socket_connect_timeout") or timeout
         self._protocol: _Protocol | None = None
+        # The connection's loop: a store used under another loop (a new asyncio.run) reconnects there.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._transport: asyncio.Transport | None = None
         self._opening: asyncio.Future | None = None
         # Per command or pipeline written and not yet answered, in order: [future, replies expected,
@@ -132,11 +134,11 @@ class Link:
         return found
 
     async def _send(self, packed: bytes, replies: int, timeout: float) -> Any:
-        if self._transport is None or self._transport.is_closing():
+        loop = asyncio.get_running_loop()
+        if self._transport is None or self._loop is not loop or self._transport.is_closing():
             await self._open()
             if self._transport is None:
                 raise redis.exceptions.ConnectionError(f"Connection to Redis at {self.where} lost")
-        loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._pending.append([future, replies, [], time.monotonic() + timeout])
         self._transport.write(packed)
@@ -162,7 +164,7 @@ class Link:
                 raise redis.exceptions.TimeoutError(f"Timeout connecting to Redis at {self.where}") from None
             except OSError as exc:
                 raise redis.exceptions.ConnectionError(f"Error connecting to Redis at {self.where}: {exc}") from None
-            self._protocol, self._transport = protocol, transport
+            self._protocol, self._transport, self._loop = protocol, transport, loop
             for command in self._hello:
                 future = loop.create_future()
                 self._pending.append([future, 1, [], time.monotonic() + self.timeout])
@@ -228,7 +230,10 @@ class Link:
         if protocol is not None:
             self._lost(protocol, exc)
         if transport is not None:
-            transport.close()
+            try:
+                transport.close()
+            except RuntimeError:  # its loop is closed: the socket went with it
+                pass
 
 
 class Pipe:

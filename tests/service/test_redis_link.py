@@ -178,3 +178,16 @@ def test_a_lost_redis_fails_what_it_had_not_answered_and_a_restarted_one_serves(
 
     with EmbeddedRedis() as server:
         asyncio.run(check(server))
+
+
+def test_a_link_used_under_a_new_event_loop_reconnects_there(redis_server):
+    """A store outlives an `asyncio.run` in tools and tests: its connection belonged to the loop
+    that made it."""
+    client = connect(redis_server.url, 2.0)
+    link = Link.of(client)
+    assert link is not None
+    for value in (b"1", b"2"):
+        assert asyncio.run(link.execute_command("SET", "t:loops", value)) == b"OK"
+        assert asyncio.run(link.execute_command("GET", "t:loops")) == value
+    asyncio.run(link.execute_command("DEL", "t:loops"))
+    asyncio.run(link.aclose())
