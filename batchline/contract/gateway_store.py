@@ -50,7 +50,7 @@ class GatewayStore(Store):
     async def withdraw(self, model: ModelKey, request_id: str, member: bytes) -> bool:
         """Take a request out of its queue and drop its payload, if it was still queued; whether it
         was (else it was dispatched: its payload stays, and its executor answers it)."""
-        return bool(await calls.withdraw(self.client, model, request_id, member))
+        return bool(await calls.withdraw(self.hot, model, request_id, member))
 
     async def enqueue(self, gateway_id: str, address: str, heartbeat_ttl_ms: int, writes: Sequence[QueueWrite],
                       abandoned: Sequence[Abandoned] = ()) -> list[int | Exception]:
@@ -69,7 +69,7 @@ class GatewayStore(Store):
 
     async def take_token(self, tenant: str, rate_per_s: float, burst: float) -> tuple[bool, int]:
         """(taken, milliseconds until a token is there) from the tenant's bucket."""
-        taken, wait_ms = await calls.take_token(self.client, tenant, rate_per_s, burst)
+        taken, wait_ms = await calls.take_token(self.hot, tenant, rate_per_s, burst)
         return bool(taken), int(wait_ms)
 
     async def pop_replies(self, gateway_id: str, count: int) -> list[bytes]:

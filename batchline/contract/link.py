@@ -96,8 +96,9 @@ class Link:
 
     async def wait(self, timeout: float, *args: Any) -> Any:
         """A blocking command, whose reply may take up to `timeout` seconds. Cancelled, it drops the
-        connection: its reply would otherwise hold up the next command, and what it pops is lost
-        either way (as with redis-py, whose cancelled read drops its connection too)."""
+        connection, which ends the wait in Redis: its reply would otherwise hold up the next command.
+        What it had popped and not yet delivered is lost, as with redis-py, whose cancelled read
+        drops its connection too."""
         try:
             return await self._send(_pack(args), 1, timeout)
         except asyncio.CancelledError:
