@@ -177,7 +177,10 @@ class Link:
         except BaseException as exc:
             if self._transport is not None:
                 self._transport.close()
-            self._opening.set_exception(exc)
+            # The callers waiting on this opening were not cancelled themselves: they hear of a failure.
+            failure = redis.exceptions.ConnectionError(f"Connecting to Redis at {self.where} was cancelled") \
+                if isinstance(exc, asyncio.CancelledError) else exc
+            self._opening.set_exception(failure)
             self._opening.exception()  # retrieved: a caller that waited on it has it raised
             raise
         finally:

@@ -191,3 +191,33 @@ def test_a_link_used_under_a_new_event_loop_reconnects_there(redis_server):
         assert asyncio.run(link.execute_command("GET", "t:loops")) == value
     asyncio.run(link.execute_command("DEL", "t:loops"))
     asyncio.run(link.aclose())
+
+
+def test_a_cancelled_connect_fails_the_callers_waiting_on_it_with_a_connection_error():
+    """Two calls on a fresh Link share its connecting; the first is cancelled while the server has
+    not answered its AUTH (a server that reads and never replies): the second hears of a failed
+    connection, which the services treat as an outage, not of a cancellation it never asked for."""
+
+    async def check() -> None:
+        heard = asyncio.Event()
+
+        class Silent(asyncio.Protocol):
+            def data_received(self, data: bytes) -> None:
+                heard.set()
+
+        server = await asyncio.get_running_loop().create_server(Silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        link = Link({"host": "127.0.0.1", "port": port, "password": "x"}, timeout=30)
+        first = asyncio.ensure_future(link.execute_command("PING"))
+        second = asyncio.ensure_future(link.execute_command("PING"))
+        await asyncio.wait_for(heard.wait(), 10)  # the AUTH was sent: both wait on the one connecting
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await second
+        await link.aclose()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(check())
