@@ -140,12 +140,17 @@ class Link:
             await self._open()
             if self._transport is None:
                 raise redis.exceptions.ConnectionError(f"Connection to Redis at {self.where} lost")
+        return await self._write(loop, self._transport, packed, replies, timeout)
+
+    def _write(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, packed: bytes, replies: int,
+               timeout: float) -> asyncio.Future:
+        """Send `packed`, which `replies` replies answer; the future they resolve, watched for `timeout`."""
         future = loop.create_future()
         self._pending.append([future, replies, [], time.monotonic() + timeout])
-        self._transport.write(packed)
+        transport.write(packed)
         if self._watch is None:
             self._watch = loop.call_later(timeout, self._check)
-        return await future
+        return future
 
     async def _open(self) -> None:
         if self._opening is not None:
@@ -167,12 +172,7 @@ class Link:
                 raise redis.exceptions.ConnectionError(f"Error connecting to Redis at {self.where}: {exc}") from None
             self._protocol, self._transport, self._loop = protocol, transport, loop
             for command in self._hello:
-                future = loop.create_future()
-                self._pending.append([future, 1, [], time.monotonic() + self.timeout])
-                transport.write(_pack(command))
-                if self._watch is None:
-                    self._watch = loop.call_later(self.timeout, self._check)
-                await future
+                await self._write(loop, transport, _pack(command), 1, self.timeout)
             self._opening.set_result(None)
         except BaseException as exc:
             if self._transport is not None:
