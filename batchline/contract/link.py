@@ -287,6 +287,8 @@ class Pipe:
             commands = [("MULTI",), *commands, ("EXEC",)]
         packed = b"".join(_pack(c) for c in commands)
         replies = await self._link._send(packed, len(commands), self._link.timeout)
+        if len(commands) == 1:  # one reply is answered alone (an error raised), as a lone command's is
+            replies = [replies]
         if self._transaction:
             for reply in replies[:-1]:  # MULTI's OK and QUEUED, or an error queueing a command
                 if isinstance(reply, redis.exceptions.RedisError):

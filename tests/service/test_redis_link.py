@@ -86,6 +86,34 @@ def test_a_link_answers_as_redis_py_does(locked_redis):
     asyncio.run(check())
 
 
+def test_a_pipeline_of_one_command_answers_a_list_as_redis_pys_does(redis_server):
+    # A scheduler step that writes one thing sends a pipeline of one command.
+    async def check() -> None:
+        client = connect(redis_server.url, 2.0)
+        link = Link.of(client)
+        assert link is not None
+        try:
+            await client.delete("t1:n", "t1:k")
+            for pipe in (link.pipeline(), client.pipeline(transaction=False)):
+                async with pipe:
+                    pipe.rpush("t1:n", 1)
+                    assert len(await pipe.execute()) == 1
+            assert await client.llen("t1:n") == 2
+            async with link.pipeline() as pipe:
+                pipe.set("t1:k", b"v", px=10_000)
+                assert await pipe.execute() == [True]
+            with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+                async with link.pipeline() as pipe:
+                    pipe.rpush("t1:k", 1)
+                    await pipe.execute()
+        finally:
+            await client.delete("t1:n", "t1:k")
+            await link.aclose()
+            await client.aclose()
+
+    asyncio.run(check())
+
+
 def test_a_wrong_password_is_redis_pys_error(locked_redis):
     async def check() -> None:
         client = connect(locked_redis.url.replace("s3cret%20pass", "wrong"), 2.0)
