@@ -7,9 +7,20 @@ import pytest
 
 from batchline.demo_models import build_repository
 from batchline.embedded_redis import EmbeddedRedis
-from batchline.testing.processes import ProcessMesh
 from batchline.testing.checkout import ROOT
+from batchline.testing.loop_bugs import watched
+from batchline.testing.processes import ProcessMesh
 
+
+@pytest.fixture(autouse=True)
+def no_bug_in_a_service_loop():
+    """Fails the test during which a service loop in this process failed on a bug
+    (batchline/testing/loop_bugs.py)."""
+    with watched() as bugs:
+        yield
+    found = bugs.report()
+    if found:
+        pytest.fail(found, pytrace=False)
 
 
 @pytest.fixture(scope="session")
