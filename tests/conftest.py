@@ -8,17 +8,22 @@ import pytest
 from batchline.demo_models import build_repository
 from batchline.embedded_redis import EmbeddedRedis
 from batchline.testing.checkout import ROOT
+from batchline.testing import processes
 from batchline.testing.loop_bugs import watched
 from batchline.testing.processes import ProcessMesh
 
 
 @pytest.fixture(autouse=True)
 def no_bug_in_a_service_loop():
-    """Fails the test during which a service loop in this process failed on a bug
-    (batchline/testing/loop_bugs.py)."""
+    """Fails the test during which a service loop failed on a bug (batchline/testing/loop_bugs.py):
+    one of a mesh in this process, or one whose log a ProcessMesh the test made holds."""
+    made = len(processes.MADE)
     with watched() as bugs:
         yield
     found = bugs.report()
+    meshes, processes.MADE[made:] = processes.MADE[made:], []
+    for mesh in meshes:
+        found = found or mesh.loop_bugs()
     if found:
         pytest.fail(found, pytrace=False)
 

@@ -2,11 +2,13 @@
 test that only looks at answers: the step is retried, and a later one does the work. The tests'
 conftest fails the test that was running when a loop of a mesh in its process failed on a
 programming error (not Redis or the network going away, which the loops are built to ride out),
-with the traceback the service logged."""
+with the traceback the service logged; and, for meshes of real processes, the test whose
+services' log files hold such a failure (`in_log`)."""
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import traceback
 from typing import Iterator
 
@@ -47,3 +49,43 @@ def watched() -> Iterator[LoopBugs]:
         yield handler
     finally:
         root.removeHandler(handler)
+
+
+# A text log's record head (batchline.logs: "<time> <service> <LEVEL> <logger>: <message>").
+_HEAD = re.compile(r" ERROR (?P<logger>[\w.]+): ")
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+_BUG_NAMES = frozenset(b.__name__ for b in BUGS)
+
+
+def in_log(text: str) -> str | None:
+    """The first loop failure on a bug in a service's text log (its head and traceback, and how
+    many there are), or None."""
+    lines = text.splitlines()
+    found: list[str] = []
+    for i, line in enumerate(lines):
+        head = _HEAD.search(line)
+        if head is None or head.group("logger") not in LOOPS:
+            continue
+        end, last = _traceback_end(lines, i + 1)
+        if last is not None and last.split(":", 1)[0].rsplit(".", 1)[-1] in _BUG_NAMES:
+            found.append("\n".join(lines[i:end]))
+    if not found:
+        return None
+    return f"{len(found)} failure(s) of a service loop on a bug in its log; the first:\n{found[0]}"
+
+
+def _traceback_end(lines: list[str], j: int) -> tuple[int, str | None]:
+    """Past the traceback that starts at line `j` (chained ones too): where it ends, and its last
+    exception's line (None: no traceback there)."""
+    last = None
+    while j < len(lines) and lines[j].startswith("Traceback (most recent call last):"):
+        j += 1
+        while j < len(lines) and lines[j].startswith(" "):
+            j += 1
+        if j >= len(lines):
+            break
+        last = lines[j]
+        j += 1
+        if j + 2 < len(lines) and not lines[j] and lines[j + 1].startswith(_CHAINED) and not lines[j + 2]:
+            j += 3
+    return j, last

@@ -26,6 +26,7 @@ import psutil
 
 from batchline.embedded_redis import EmbeddedRedis
 from batchline.testing.checkout import ROOT
+from batchline.testing.loop_bugs import in_log
 from batchline.testing.polling import MeshError, poll
 from batchline.testing.probe import MeshProbe
 
@@ -37,6 +38,9 @@ SERVICES_ROOT = pathlib.Path(os.environ.get("BATCHLINE_SERVICES_ROOT", ROOT))
 # Services started by any ProcessMesh of this interpreter, killed at exit in
 # case a test run is interrupted before its teardown.
 _LIVE: "weakref.WeakSet[ProcessMesh]" = weakref.WeakSet()
+# Every ProcessMesh made, in order: the tests' conftest reads the logs of those a test made
+# (loop_bugs.in_log) and drops them.
+MADE: "list[ProcessMesh]" = []
 
 
 @atexit.register
@@ -140,6 +144,7 @@ class ProcessMesh:
         self.services: dict[str, Service] = {}
         self.probe = MeshProbe(self)
         _LIVE.add(self)
+        MADE.append(self)
 
     # -- Redis ---------------------------------------------------------------
 
@@ -286,6 +291,17 @@ class ProcessMesh:
         for svc in self.services.values():
             if svc.proc is not None and not svc.expect_exit and svc.proc.poll() is not None:
                 raise MeshError(f"{svc.name} exited unexpectedly with code {svc.proc.returncode}:\n{svc.tail(30)}")
+
+    def loop_bugs(self) -> str | None:
+        """The first service whose log holds a loop's failure on a bug (loop_bugs.in_log), or None."""
+        for name, svc in self.services.items():
+            try:
+                found = in_log(svc.log_path.read_text(errors="replace"))
+            except FileNotFoundError:
+                continue
+            if found:
+                return f"{name} ({svc.log_path}): {found}"
+        return None
 
     def logs(self, lines: int = 60) -> str:
         parts = [f"----- {n} ({s.log_path}) -----\n{s.tail(lines)}" for n, s in self.services.items()]

@@ -1,5 +1,6 @@
-"""The tests' guard against a service loop that fails on a bug and goes on (batchline/testing/loop_bugs.py).
-Records are handed to the guard directly: logged, they would fail this test through the real one."""
+"""The tests' guard against a service loop that fails on a bug and goes on (batchline/testing/loop_bugs.py):
+in process, and in a service's log file. Records are handed to the guard directly: logged, they
+would fail this test through the real one."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +8,7 @@ import sys
 
 import redis.exceptions
 
-from batchline.testing.loop_bugs import LoopBugs
+from batchline.testing.loop_bugs import LoopBugs, in_log
 
 
 def _failed(logger: str, exc: Exception | None, level: int = logging.ERROR) -> logging.LogRecord:
@@ -38,3 +39,48 @@ def test_outages_other_loggers_and_plain_errors_are_not_bugs():
     bugs.handle(_failed("gateway.core", None))
     bugs.handle(_failed("gateway.core", KeyError("x"), level=logging.WARNING))
     assert bugs.report() is None
+
+
+# A scheduler's log as batchline.logs writes it, with a step that failed on a bug.
+_STEP_BUG = """2026-11-28 11:20:47,870 scheduler INFO scheduler.service: leading
+2026-11-28 11:20:47,876 scheduler ERROR scheduler.service: scheduling step failed
+Traceback (most recent call last):
+  File "/work/main/scheduler/service.py", line 125, in _loop
+    wake_at = await self.step() if await self._hold_lease() else None
+              ^^^^^^^^^^^^^^^^^
+  File "/work/main/batchline/contract/link.py", line 297, in execute
+    for reply in replies:
+TypeError: 'int' object is not iterable
+2026-11-28 11:20:48,001 scheduler INFO scheduler.service: dispatched"""
+
+# Redis going away, a chained failure that ends in it, and a bug in a loop the guard does not watch.
+_OUTAGES = """2026-11-28 11:21:00,000 scheduler ERROR scheduler.wakeups: waiting for events failed
+Traceback (most recent call last):
+  File "/work/main/scheduler/wakeups.py", line 70, in listen
+    raise KeyError("x")
+KeyError: 'x'
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "/work/main/scheduler/wakeups.py", line 72, in listen
+    await self.store.listen()
+redis.exceptions.ConnectionError: Error 111 connecting to 127.0.0.1:6379. Connection refused.
+2026-11-28 11:21:01,000 executor ERROR executor.batch_worker: batch b1 failed
+Traceback (most recent call last):
+  File "/work/main/executor/batch_worker.py", line 111, in _work_loop
+TypeError: a bad model's batch
+2026-11-28 11:21:02,000 gateway ERROR gateway.core: heartbeat failed"""
+
+
+def test_a_loop_failure_on_a_bug_is_found_in_a_log_with_its_traceback():
+    found = in_log(_OUTAGES + "\n" + _STEP_BUG + "\n" + _STEP_BUG)
+    assert found is not None and found.startswith("2 failure(s) of a service loop on a bug in its log; the first:")
+    assert "ERROR scheduler.service: scheduling step failed" in found
+    assert found.rstrip().endswith("TypeError: 'int' object is not iterable") and "dispatched" not in found
+
+
+def test_outages_chained_ones_and_other_loggers_in_a_log_are_not_bugs():
+    assert in_log(_OUTAGES) is None
+    assert in_log(_STEP_BUG.replace("TypeError", "redis.exceptions.TimeoutError")) is None
+    assert in_log("") is None
