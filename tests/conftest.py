@@ -7,8 +7,8 @@ import pytest
 
 from batchline.demo_models import build_repository
 from batchline.embedded_redis import EmbeddedRedis
-from batchline.testing.checkout import ROOT
 from batchline.testing import processes
+from batchline.testing.checkout import ROOT
 from batchline.testing.loop_bugs import watched
 from batchline.testing.processes import ProcessMesh
 

@@ -70,8 +70,8 @@ class Link:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._transport: asyncio.Transport | None = None
         self._opening: asyncio.Future | None = None
-        # Per command or pipeline written and not yet answered, in order: [future, replies expected,
-        # replies so far, when it times out].
+        # Per command or pipeline written and not yet answered, in order: [future, replies expected
+        # (None: one command, answered by its reply alone), replies so far, when it times out].
         self._pending: collections.deque[list] = collections.deque()
         self._watch: asyncio.TimerHandle | None = None
         self._sha: dict[str, tuple[bytes, bytes]] = {}  # script text -> (its SHA1, its bytes)
@@ -92,7 +92,7 @@ class Link:
     # -- commands -------------------------------------------------------------------------------
 
     async def execute_command(self, *args: Any) -> Any:
-        return await self._send(_pack(args), 1, self.timeout)
+        return await self._send(_pack(args), None, self.timeout)
 
     async def wait(self, timeout: float, *args: Any) -> Any:
         """A blocking command, whose reply may take up to `timeout` seconds. Cancelled, it drops the
@@ -100,7 +100,7 @@ class Link:
         What it had popped and not yet delivered is lost, as with redis-py, whose cancelled read
         drops its connection too."""
         try:
-            return await self._send(_pack(args), 1, timeout)
+            return await self._send(_pack(args), None, timeout)
         except asyncio.CancelledError:
             self._drop(redis.exceptions.ConnectionError("the wait was cancelled"))
             raise
@@ -109,9 +109,9 @@ class Link:
         """The script by its SHA1, sent whole only when this Redis does not have it (NOSCRIPT: it ran nothing)."""
         sha, text = self._script(script)
         try:
-            return await self._send(_pack(("EVALSHA", sha, numkeys, *keys_and_args)), 1, self.timeout)
+            return await self._send(_pack(("EVALSHA", sha, numkeys, *keys_and_args)), None, self.timeout)
         except redis.exceptions.NoScriptError:
-            return await self._send(_pack(("EVAL", text, numkeys, *keys_and_args)), 1, self.timeout)
+            return await self._send(_pack(("EVAL", text, numkeys, *keys_and_args)), None, self.timeout)
 
     def mget(self, names: Sequence[str]) -> Any:
         return self.execute_command("MGET", *names)
@@ -134,7 +134,7 @@ class Link:
             found = self._sha[script] = (hashlib.sha1(text).hexdigest().encode(), text)
         return found
 
-    async def _send(self, packed: bytes, replies: int, timeout: float) -> Any:
+    async def _send(self, packed: bytes, replies: int | None, timeout: float) -> Any:
         loop = asyncio.get_running_loop()
         if self._transport is None or self._loop is not loop or self._transport.is_closing():
             await self._open()
@@ -142,9 +142,10 @@ class Link:
                 raise redis.exceptions.ConnectionError(f"Connection to Redis at {self.where} lost")
         return await self._write(loop, self._transport, packed, replies, timeout)
 
-    def _write(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, packed: bytes, replies: int,
-               timeout: float) -> asyncio.Future:
-        """Send `packed`, which `replies` replies answer; the future they resolve, watched for `timeout`."""
+    def _write(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, packed: bytes,
+               replies: int | None, timeout: float) -> asyncio.Future:
+        """Send `packed`, which `replies` replies answer as a list (None: one command, whose reply
+        resolves the future alone, an error raised); the future, watched for `timeout`."""
         future = loop.create_future()
         self._pending.append([future, replies, [], time.monotonic() + timeout])
         transport.write(packed)
@@ -172,7 +173,7 @@ class Link:
                 raise redis.exceptions.ConnectionError(f"Error connecting to Redis at {self.where}: {exc}") from None
             self._protocol, self._transport, self._loop = protocol, transport, loop
             for command in self._hello:
-                await self._write(loop, transport, _pack(command), 1, self.timeout)
+                await self._write(loop, transport, _pack(command), None, self.timeout)
             self._opening.set_result(None)
         except BaseException as exc:
             if self._transport is not None:
@@ -190,7 +191,7 @@ class Link:
         if protocol is not self._protocol or not self._pending:
             return
         entry = self._pending[0]
-        if entry[1] == 1:
+        if entry[1] is None:
             self._pending.popleft()
             future = entry[0]
             if not future.done():
@@ -287,8 +288,6 @@ class Pipe:
             commands = [("MULTI",), *commands, ("EXEC",)]
         packed = b"".join(_pack(c) for c in commands)
         replies = await self._link._send(packed, len(commands), self._link.timeout)
-        if len(commands) == 1:  # one reply is answered alone (an error raised), as a lone command's is
-            replies = [replies]
         if self._transaction:
             for reply in replies[:-1]:  # MULTI's OK and QUEUED, or an error queueing a command
                 if isinstance(reply, redis.exceptions.RedisError):

@@ -63,7 +63,7 @@ if _DIR and _ROOT:
     async def link_send(self, packed, replies, timeout):
         site = _site()
         trips[site] += 1
-        commands[site] += replies
+        commands[site] += replies or 1  # None: one command
         return await _link_send(self, packed, replies, timeout)
 
     _link.Link._send = link_send
