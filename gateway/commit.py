@@ -1,14 +1,14 @@
 """The gateway's group commit: the requests that arrive while one write to Redis is in flight go
 out together in the next, in one command (contract.enqueue) with a single scheduler wake-up, so
 Redis round trips grow with time, not with the request rate. Under load a commit may wait a
-moment for company (gateway/linger.py)."""
+moment for company (gateway/linger.py); a group that reaches `max_group` requests goes at once."""
 from __future__ import annotations
 
 import asyncio
 import contextvars
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 from batchline.contract.gateway_store import GatewayStore
 
@@ -46,7 +46,7 @@ def _end_wait(fut: asyncio.Future) -> None:
 
 class GroupCommit:
     def __init__(self, store: GatewayStore, gateway_id: str, heartbeat_ttl_ms: int, linger_s: float,
-                 in_flight: Callable[[], int]) -> None:
+                 in_flight: Callable[[], int], max_group: int = 0) -> None:
         self.store = store
         self.gateway_id = gateway_id
         self.address = ""  # written with every commit: executors skip a gateway without a heartbeat key
@@ -59,6 +59,8 @@ class GroupCommit:
         self._linger = Linger(linger_s)
         self._lingering: asyncio.Future | None = None  # a commit's wait for company, while it lasts
         self._linger_until = 0.0  # when that wait ends (loop time)
+        self.max_group = max_group  # a group this large goes at once (0: no cap)
+        self._landing: set[asyncio.Task] = set()  # groups sent at once, until Redis has answered
 
     async def write(self, write: contract.QueueWrite, deadline_us: int, run_budget_s: float) -> None:
         """Queue `write` with the next commit; returns once Redis has it, or raises why not
@@ -67,6 +69,9 @@ class GroupCommit:
         waiting = _Waiting(write, deadline_us, loop.create_future())
         self._linger.arrived(now_us() / 1e6)
         self._outbox.append(waiting)
+        if self.max_group and len(self._outbox) >= self.max_group and self._send_now():
+            await waiting.done
+            return
         if self._lingering is not None and loop.time() + run_budget_s * LINGER_BUDGET_SHARE < self._linger_until:
             _end_wait(self._lingering)  # a waiting commit must not spend more than its share of this budget
         self._kick()
@@ -88,6 +93,22 @@ class GroupCommit:
             if not w.done.done():
                 w.done.set_exception(error)
 
+    def _send_now(self) -> bool:
+        """Send the waiting group from here, its last writer's turn, not the flusher's: a task, the
+        flusher runs only after every request read in this turn of the event loop, so a burst (the
+        callers of an answered batch sending again at once) would reach Redis whole, and the
+        scheduler and the executors would start on none of it until the gateway had read all of it.
+        False, with nothing sent, where the store cannot send at once."""
+        sent = self.store.enqueue_now(self.gateway_id, self.address, self.heartbeat_ttl_ms,
+                                      [w.write for w in self._outbox])
+        if sent is None:
+            return False
+        batch, self._outbox = self._outbox, []
+        landing = asyncio.get_running_loop().create_task(self._land(batch, [], [], sent), context=contextvars.Context())
+        self._landing.add(landing)
+        landing.add_done_callback(self._landing.discard)
+        return True
+
     def _kick(self) -> None:
         if self._flusher is None or self._flusher.done():
             # In a context of its own: it writes for every request, not for the one that started it
@@ -101,46 +122,54 @@ class GroupCommit:
                 wait = self._linger.wait_s(self.in_flight())
                 if wait:
                     await self._wait_for_company(wait)
+                if not self._outbox and not self._abandoned:
+                    continue  # sent meanwhile, by a writer that filled the group
             batch, self._outbox = self._outbox, []
             abandoned, self._abandoned = self._abandoned, []
             abandoning, self._abandoning = self._abandoning, []
-            try:
-                async with metrics.redis_rtt("gateway", "enqueue"):
-                    queued = await self.store.enqueue(self.gateway_id, self.address, self.heartbeat_ttl_ms,
-                                                    [w.write for w in batch], abandoned)
-            except Exception as exc:  # noqa: BLE001 - every writer must hear how its write ended
-                error = _commit_error(exc)
-                for w in batch:
-                    if not w.done.done():
-                        w.done.set_exception(error)
-                # The removals go again with the next commit: a request left in its queue would be run
-                # (a generation to its end, its cache slot held) for nobody. Its keys expire meanwhile.
-                dropped = max(0, len(abandoned) - max(0, ABANDONS_KEPT - len(self._abandoned)))
-                self._abandoned[:0], self._abandoning[:0] = abandoned[dropped:], abandoning[dropped:]
-                _settle(abandoning[:dropped], False)
-                if not self._outbox:
-                    await asyncio.sleep(ABANDON_RETRY_S)  # Redis is away: no tight loop of removals
+            sent = self.store.enqueue(self.gateway_id, self.address, self.heartbeat_ttl_ms,
+                                      [w.write for w in batch], abandoned)
+            if not await self._land(batch, abandoned, abandoning, sent) and not self._outbox:
+                await asyncio.sleep(ABANDON_RETRY_S)  # Redis is away: no tight loop of removals
+
+    async def _land(self, batch: list[_Waiting], abandoned: list[contract.Abandoned],
+                    abandoning: list[asyncio.Future], sent: Awaitable[list[int | Exception]]) -> bool:
+        """Tell each writer of a group sent to Redis how its write ended; whether Redis answered."""
+        try:
+            async with metrics.redis_rtt("gateway", "enqueue"):
+                queued = await sent
+        except Exception as exc:  # noqa: BLE001 - every writer must hear how its write ended
+            error = _commit_error(exc)
+            for w in batch:
+                if not w.done.done():
+                    w.done.set_exception(error)
+            # The removals go again with the next commit: a request left in its queue would be run
+            # (a generation to its end, its cache slot held) for nobody. Its keys expire meanwhile.
+            dropped = max(0, len(abandoned) - max(0, ABANDONS_KEPT - len(self._abandoned)))
+            self._abandoned[:0], self._abandoning[:0] = abandoned[dropped:], abandoning[dropped:]
+            _settle(abandoning[:dropped], False)
+            return False
+        # (On a cluster a model's shard may have refused its part: those removals did not land.)
+        for landed, ok in zip(abandoning, _abandon_results(abandoned, batch, queued)):
+            _settle([landed], ok)
+        refusals: dict[int, BatchlineError] = {}  # one per shard's error, logged once
+        for w, ok in zip(batch, queued):
+            if w.done.done():
                 continue
-            # (On a cluster a model's shard may have refused its part: those removals did not land.)
-            for landed, ok in zip(abandoning, _abandon_results(abandoned, batch, queued)):
-                _settle([landed], ok)
-            refusals: dict[int, BatchlineError] = {}  # one per shard's error, logged once
-            for w, ok in zip(batch, queued):
-                if w.done.done():
-                    continue
-                if isinstance(ok, Exception):  # its shard of a cluster refused it: not its neighbours
-                    if id(ok) not in refusals:
-                        refusals[id(ok)] = _commit_error(ok)
-                    w.done.set_exception(refusals[id(ok)])
-                    continue
-                if ok:
-                    w.done.set_result(None)
-                    continue
-                name, version = w.write.model
-                metrics.REJECTED.labels(name, version, "queue_full").inc()
-                w.done.set_exception(ResourceExhausted(
-                    f"the queue of model '{name}' is full ({w.write.max_queue_size} requests, its "
-                    "max_queue_size): retry later", retry_after_s=QUEUE_FULL_RETRY_S))
+            if isinstance(ok, Exception):  # its shard of a cluster refused it: not its neighbours
+                if id(ok) not in refusals:
+                    refusals[id(ok)] = _commit_error(ok)
+                w.done.set_exception(refusals[id(ok)])
+                continue
+            if ok:
+                w.done.set_result(None)
+                continue
+            name, version = w.write.model
+            metrics.REJECTED.labels(name, version, "queue_full").inc()
+            w.done.set_exception(ResourceExhausted(
+                f"the queue of model '{name}' is full ({w.write.max_queue_size} requests, its "
+                "max_queue_size): retry later", retry_after_s=QUEUE_FULL_RETRY_S))
+        return True
 
     async def _wait_for_company(self, wait: float) -> None:
         """Let more requests join the next commit for `wait` s, or the tightest waiting budget's

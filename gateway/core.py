@@ -70,7 +70,7 @@ class Gateway:
         self.draining = False
         self._heartbeat_ttl_ms = presence.heartbeat_ttl_ms(settings.heartbeat_interval_s)
         self.commit = GroupCommit(self.store, self.gateway_id, self._heartbeat_ttl_ms, settings.commit_linger_ms / 1000,
-                                  lambda: len(self.replies.waiting))
+                                  lambda: len(self.replies.waiting), settings.commit_max_group)
         self.views = LoadViews(self.store, lambda: sorted(self.catalog.registry.models), settings.load_refresh_s)
         self.ledger = AdmissionLedger(self.gateway_id, settings.admission_headroom, settings.admission_target)
         self.gateways = 1  # live gateways (from the heartbeats): each spaces only the refusals it gives itself

@@ -87,6 +87,14 @@ class GatewaySettings(CommonSettings):
         "tenth of the tightest waiting budget; under load, fewer and larger commits cost less CPU per request. "
         "0 = never wait.",
     )
+    commit_max_group: int = Field(
+        16, ge=0,
+        description="Most requests in one group commit on one plain Redis. Requests read in one turn of the "
+        "event loop (a burst, or the callers of an answered batch sending again at once) go to Redis in groups "
+        "of this many as they are read, so the scheduler and the executors start on the first group while the "
+        "gateway reads the rest. 0 = no cap: a burst goes whole, once all of it is read. Behind Sentinel, on a "
+        "cluster and over TLS, groups are not capped.",
+    )
     drain_timeout_s: float = Field(
         30.0, description="On SIGTERM: seconds to wait for admitted requests to be answered before stopping."
     )

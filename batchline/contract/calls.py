@@ -48,11 +48,18 @@ def enqueue(client: Any, gateway_id: str, address: str, heartbeat_ttl_ms: int,
     error."""
     if slots.on_cluster(client):
         return _enqueue_by_model(client, gateway_id, address, heartbeat_ttl_ms, writes, abandoned)
+    return client.eval(scripts.ENQUEUE_LUA,
+                       *enqueue_on_one_redis(gateway_id, address, heartbeat_ttl_ms, writes, abandoned))
+
+
+def enqueue_on_one_redis(gateway_id: str, address: str, heartbeat_ttl_ms: int, writes: Sequence[QueueWrite],
+                         abandoned: Sequence[Abandoned] = ()) -> list:
+    """The group commit's script arguments on one Redis: the number of keys, the keys, the arguments."""
     keys, args = _enqueue_keys_args(writes, abandoned, announce=True)
     keys.append(k.gateway(gateway_id))
     keys += (k.notify(m) for m in dict.fromkeys(w.model for w in writes))
     args[3:5] = (address, heartbeat_ttl_ms)
-    return client.eval(scripts.ENQUEUE_LUA, len(keys), *keys, *args)
+    return [len(keys), *keys, *args]
 
 
 def _enqueue_keys_args(writes: Sequence[QueueWrite], abandoned: Sequence[Abandoned],

@@ -4,12 +4,14 @@ the models served and the model repository's calls."""
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 from batchline.contract import calls
 from batchline.contract import keys as k
+from batchline.contract import scripts
 from batchline.contract.calls import Abandoned, QueueWrite
 from batchline.contract.keys import ModelKey
+from batchline.contract.link import Link
 from batchline.contract.slots import get_many
 from batchline.contract.store import Store
 
@@ -57,6 +59,15 @@ class GatewayStore(Store):
         """The group commit (contract.enqueue): per write, 1 when queued, 0 when its queue was full,
         or (on a cluster) the error of the shard that refused it."""
         return list(await calls.enqueue(self.hot, gateway_id, address, heartbeat_ttl_ms, writes, abandoned))
+
+    def enqueue_now(self, gateway_id: str, address: str, heartbeat_ttl_ms: int,
+                    writes: Sequence[QueueWrite]) -> Awaitable[list[int]] | None:
+        """`enqueue`, sent to Redis before this returns, on a connection to one plain Redis that is
+        open already (the Link's); None, with nothing sent, elsewhere: then `enqueue`."""
+        if not isinstance(self.hot, Link):
+            return None
+        return self.hot.eval_now(scripts.ENQUEUE_LUA, *calls.enqueue_on_one_redis(gateway_id, address,
+                                                                                 heartbeat_ttl_ms, writes))
 
     async def add_arrivals(self, counts: dict[ModelKey, int]) -> None:
         """Add to each model's count of requests received (the scheduler's demand forecast reads them)."""

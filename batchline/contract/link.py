@@ -21,7 +21,7 @@ import asyncio
 import collections
 import hashlib
 import time
-from typing import Any, Sequence
+from typing import Any, Awaitable, Sequence
 
 import hiredis
 import redis.asyncio as aioredis
@@ -107,9 +107,29 @@ class Link:
 
     async def eval(self, script: str, numkeys: int, *keys_and_args: Any) -> Any:
         """The script by its SHA1, sent whole only when this Redis does not have it (NOSCRIPT: it ran nothing)."""
+        sent = self.eval_now(script, numkeys, *keys_and_args)
+        if sent is None:
+            await self._connected()
+            sent = self.eval_now(script, numkeys, *keys_and_args)
+            if sent is None:
+                raise redis.exceptions.ConnectionError(f"Connection to Redis at {self.where} lost")
+        return await sent
+
+    def eval_now(self, script: str, numkeys: int, *keys_and_args: Any) -> Awaitable[Any] | None:
+        """`eval`, written to the connection before this returns; None, with nothing sent, where the
+        connection must be opened first. A caller sends in the middle of its turn of the event loop,
+        ahead of the tasks already scheduled, and awaits the reply later (or leaves that to a task)."""
+        loop = asyncio.get_running_loop()
+        transport = self._transport
+        if transport is None or self._loop is not loop or transport.is_closing():
+            return None
         sha, text = self._script(script)
+        sent = self._write(loop, transport, _pack(("EVALSHA", sha, numkeys, *keys_and_args)), None, self.timeout)
+        return self._evalsha_reply(sent, text, numkeys, keys_and_args)
+
+    async def _evalsha_reply(self, sent: asyncio.Future, text: bytes, numkeys: int, keys_and_args: tuple) -> Any:
         try:
-            return await self._send(_pack(("EVALSHA", sha, numkeys, *keys_and_args)), None, self.timeout)
+            return await sent
         except redis.exceptions.NoScriptError:
             return await self._send(_pack(("EVAL", text, numkeys, *keys_and_args)), None, self.timeout)
 
@@ -135,12 +155,16 @@ class Link:
         return found
 
     async def _send(self, packed: bytes, replies: int | None, timeout: float) -> Any:
-        loop = asyncio.get_running_loop()
-        if self._transport is None or self._loop is not loop or self._transport.is_closing():
+        transport = await self._connected()
+        return await self._write(asyncio.get_running_loop(), transport, packed, replies, timeout)
+
+    async def _connected(self) -> asyncio.Transport:
+        """The connection, opened first if it is not (on this event loop)."""
+        if self._transport is None or self._loop is not asyncio.get_running_loop() or self._transport.is_closing():
             await self._open()
             if self._transport is None:
                 raise redis.exceptions.ConnectionError(f"Connection to Redis at {self.where} lost")
-        return await self._write(loop, self._transport, packed, replies, timeout)
+        return self._transport
 
     def _write(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, packed: bytes,
                replies: int | None, timeout: float) -> asyncio.Future:

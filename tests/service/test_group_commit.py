@@ -1,9 +1,11 @@
 """The gateway's group commit on a real mesh: it waits for company only while requests arrive
 close together and many are in flight, and never spends more than a tenth of a waiting request's
 budget doing so. The scheduler stands by (its lease held by someone else) while requests arrive, so
-that they all stay in flight."""
+that they all stay in flight. And on a real Redis: a burst read in one turn of the event loop goes
+in groups as it is read."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -12,9 +14,12 @@ import prometheus_client
 import redis
 
 from batchline import contract
+from batchline.contract.gateway_store import GatewayStore
 from batchline.protocol import inference_pb2 as ipb
 from batchline.protocol import inference_pb2_grpc
+from batchline.redis_client import connect
 from batchline.testing.polling import poll
+from gateway.commit import GroupCommit
 
 
 def _commits() -> float:
@@ -92,3 +97,64 @@ def test_a_tight_budget_cuts_a_long_wait_short(mesh_factory):
         reply = stub.ModelInfer(_request(99, 500_000), timeout=30)
         assert reply.id == "r99"
         assert [c.result().id for c in patient] == [f"r{i}" for i in range(12)]
+
+
+BURST_MODEL = ("t-burst", "1")
+
+
+def _burst(url: str, max_group: int, n: int = 10, cancel: int | None = None) -> tuple[list[int], int, int]:
+    """n writes started in one turn of the event loop; per write, how many of the burst Redis held
+    when it was read, then how many group commits went and how many writes Redis holds. `cancel`:
+    that write's caller is cancelled once every write is under way."""
+    sync = redis.Redis.from_url(url)
+    sync.delete(contract.queue(BURST_MODEL))
+
+    async def run() -> list[int]:
+        client = connect(url, 2.0)
+        store = GatewayStore(client)
+        try:
+            commit = GroupCommit(store, "gw", 30_000, 0.0, lambda: 0, max_group)
+            # The Link's connection open and the script loaded: from now on a group goes at once.
+            await commit.write(contract.QueueWrite("w", ("t-warm", "1"), b"p", 1_000, b"w", 5, 0), 2**62, 1.0)
+            sync.config_resetstat()
+            seen: list[int] = []
+
+            async def write(i: int) -> None:
+                # A blocking read: the loop stands still, so what Redis holds was sent before this turn.
+                if max_group and i and i % max_group == 0:
+                    poll(lambda: sync.zcard(contract.queue(BURST_MODEL)) >= i, 5, "the groups before it in Redis")
+                seen.append(sync.zcard(contract.queue(BURST_MODEL)))
+                rid = f"r{i}"
+                await commit.write(contract.QueueWrite(rid, BURST_MODEL, b"p", 60_000, rid.encode(), 5, 0), 2**62, 1.0)
+
+            writes = [asyncio.ensure_future(write(i)) for i in range(n)]
+            if cancel is not None:
+                await asyncio.sleep(0)  # every write's first step, the groups sent (not a wait for time)
+                writes.pop(cancel).cancel()
+            await asyncio.wait_for(asyncio.gather(*writes), 10)
+            return seen
+        finally:
+            await store.aclose()
+
+    seen = asyncio.run(run())
+    commits = sync.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    held = sync.zcard(contract.queue(BURST_MODEL))
+    sync.delete(contract.queue(BURST_MODEL), *(contract.payload(BURST_MODEL, f"r{i}") for i in range(n)))
+    return seen, commits, held
+
+
+def test_a_burst_goes_to_redis_in_groups_as_it_is_read(redis_server):
+    # Groups of 4: the 5th and the 9th write are read with the groups before them in Redis already.
+    seen, commits, held = _burst(redis_server.url, 4)
+    assert (seen, commits, held) == ([0, 0, 0, 0, 4, 4, 4, 4, 8, 8], 3, 10)
+
+
+def test_without_a_cap_a_burst_goes_whole_once_read(redis_server):
+    seen, commits, held = _burst(redis_server.url, 0)
+    assert (seen, commits, held) == ([0] * 10, 1, 10)
+
+
+def test_a_group_sent_by_a_caller_that_is_cancelled_still_answers_the_others(redis_server):
+    # The 4th write sends the group of 4; its caller is cancelled, the other three are answered.
+    seen, commits, held = _burst(redis_server.url, 4, n=4, cancel=3)
+    assert (commits, held) == (1, 4)

@@ -249,3 +249,37 @@ def test_a_cancelled_connect_fails_the_callers_waiting_on_it_with_a_connection_e
         await server.wait_closed()
 
     asyncio.run(check())
+
+
+def test_eval_now_writes_its_command_before_it_returns(redis_server):
+    """What the gateway's group commit sends in the middle of a turn of the event loop must reach
+    Redis then, not when the loop next runs; before the connection is open nothing is sent."""
+    import redis as sync_redis
+
+    from batchline.testing.polling import poll
+
+    sync = sync_redis.Redis.from_url(redis_server.url)
+    sync.delete("t:now")
+
+    async def check() -> None:
+        client = connect(redis_server.url, 2.0)
+        link = Link.of(client)
+        assert link is not None
+        try:
+            assert link.eval_now(SCRIPT, 1, "t:now", b"a") is None
+            assert await link.eval(SCRIPT, 1, "t:now", b"a") == [1, b"a"]  # opened, and the script loaded
+            sent = link.eval_now(SCRIPT, 1, "t:now", b"b")
+            assert sent is not None
+            # A blocking wait: the event loop stands still, so only a command already written counts.
+            poll(lambda: sync.llen("t:now") == 2, 5, "the script to have run")
+            assert await sent == [2, b"b"]
+            sync.script_flush()  # NOSCRIPT: sent whole, as eval does
+            assert await link.eval_now(SCRIPT, 1, "t:now", b"c") == [3, b"c"]  # type: ignore[misc]
+        finally:
+            await link.aclose()
+            await client.aclose()
+
+    try:
+        asyncio.run(check())
+    finally:
+        sync.delete("t:now")
