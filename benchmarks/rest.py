@@ -8,7 +8,7 @@ flight over gRPC unary ModelInfer, over REST with Triton's binary tensor data ex
 pool of requests, `batchline bench --protocol http`), and, when the peer's virtualenv is there
 (benchmarks/vs_triton.py says how to make it), over Triton's own HTTP endpoint (pytriton, ONNX
 Runtime in its Python backend) at its best setting on this host: first vs_triton.py's sweep of
-Triton's settings for mlp (layouts, spinning, then max_queue_delay; measured over HTTP), printed,
+Triton's settings for mlp (every layout at every max_queue_delay; measured over HTTP), printed,
 then the rounds with the sweep's pick (--no-sweep: batchline's config.toml settings), the order
 rotating from round to round. It prints each round, with the CPU per request of the client, the
 server (the gateway, or Triton) and the rest of the mesh (psutil, the warm-up included at the

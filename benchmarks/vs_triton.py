@@ -9,10 +9,10 @@ numpy`), ONNX Runtime in its Python backend (benchmarks/peers/pytriton_server.py
 `batchline up` would, untuned.
 
 1. The sweep. Triton is compared at its best on this host, not with batchline's settings: for each
-   workload the script first sweeps Triton's own settings, in two passes of --sweep-duration
-   seconds a step: the layout (1 instance x 2 threads, 2 x 1, ONNX Runtime's thread spinning on
-   and off) at config.toml's queue delay, then `max_queue_delay` (0, 0.5, 1, 2, 5, 10 ms) with
-   the best layout. The best setting is the one with the most requests/s. It prints every step.
+   workload the script first sweeps Triton's own settings, --sweep-duration seconds a step: every
+   layout (1 instance x 2 threads, 2 x 1, ONNX Runtime's thread spinning on and off) at every
+   `max_queue_delay` (0, 0.5, 1, 2, 5, 10 ms). The best setting is the one with the most
+   requests/s. It prints every step.
 2. The comparison. Each round measures every workload on batchline, on Triton at its best setting
    and on Triton "as config.toml says" (its dynamic batcher and instances set from batchline's
    config.toml, as batchline's executor reads it), the order rotating from round to round, with
@@ -42,7 +42,7 @@ import sys
 import sysconfig
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import _common
 import lengths
@@ -269,7 +269,9 @@ DELAYS_MS = [0.0, 0.5, 1.0, 2.0, 5.0, 10.0]
 
 
 def sweep(peer: Triton, w: Workload, args) -> tuple[Setting, list[tuple[Setting, Run | None]]]:
-    """Triton's best setting for `w` on this host: the layout first, then the queue delay with it."""
+    """Triton's best setting for `w` on this host: every layout at every queue delay. (A layout
+    picked at one delay and the delay swept with it alone can miss: at config.toml's 10 ms the
+    layouts may tie, and at 0 ms one of them serves twice the other.)"""
     quick = argparse.Namespace(**{**vars(args), "duration": args.sweep_duration, "warmup": args.sweep_warmup})
     steps: list[tuple[Setting, Run | None]] = []
 
@@ -281,9 +283,10 @@ def sweep(peer: Triton, w: Workload, args) -> tuple[Setting, list[tuple[Setting,
             flush=True)
         return run.step.throughput_rps if run else 0.0
 
-    layout = max((Setting(i, t, spin) for i, t in LAYOUTS for spin in (False, True)), key=served)
-    for delay in DELAYS_MS:
-        served(replace(layout, delay_ms=delay))
+    for i, t in LAYOUTS:
+        for spin in (False, True):
+            for delay in DELAYS_MS:
+                served(Setting(i, t, spin, delay))
     measured = [(st, run) for st, run in steps if run is not None]
     best = max(measured, key=lambda sr: sr[1].step.throughput_rps)[0] if measured else AS_CONFIGURED
     return best, steps
