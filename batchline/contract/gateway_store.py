@@ -64,8 +64,8 @@ class GatewayStore(Store):
                     writes: Sequence[QueueWrite]) -> Awaitable[list[int]] | None:
         """`enqueue`, sent to Redis before this returns, on a connection to one plain Redis that is
         open already (the Link's); None, with nothing sent, elsewhere: then `enqueue`."""
-        if not isinstance(self.hot, Link):
-            return None
+        if not isinstance(self.hot, Link) or not self.hot.is_open():
+            return None  # (checked before the arguments are built: a growing outbox waits for a reconnect)
         return self.hot.eval_now(scripts.ENQUEUE_LUA, *calls.enqueue_on_one_redis(gateway_id, address,
                                                                                  heartbeat_ttl_ms, writes))
 

@@ -119,12 +119,12 @@ class Link:
         """`eval`, written to the connection before this returns; None, with nothing sent, where the
         connection must be opened first. A caller sends in the middle of its turn of the event loop,
         ahead of the tasks already scheduled, and awaits the reply later (or leaves that to a task)."""
-        loop = asyncio.get_running_loop()
         transport = self._transport
-        if transport is None or self._loop is not loop or transport.is_closing():
+        if transport is None or not self.is_open():
             return None
         sha, text = self._script(script)
-        sent = self._write(loop, transport, _pack(("EVALSHA", sha, numkeys, *keys_and_args)), None, self.timeout)
+        sent = self._write(asyncio.get_running_loop(), transport, _pack(("EVALSHA", sha, numkeys, *keys_and_args)),
+                           None, self.timeout)
         return self._evalsha_reply(sent, text, numkeys, keys_and_args)
 
     async def _evalsha_reply(self, sent: asyncio.Future, text: bytes, numkeys: int, keys_and_args: tuple) -> Any:
@@ -158,12 +158,17 @@ class Link:
         transport = await self._connected()
         return await self._write(asyncio.get_running_loop(), transport, packed, replies, timeout)
 
+    def is_open(self) -> bool:
+        """Whether a command can be written at once: the connection is open, on this event loop."""
+        transport = self._transport
+        return transport is not None and self._loop is asyncio.get_running_loop() and not transport.is_closing()
+
     async def _connected(self) -> asyncio.Transport:
         """The connection, opened first if it is not (on this event loop)."""
-        if self._transport is None or self._loop is not asyncio.get_running_loop() or self._transport.is_closing():
+        if not self.is_open():
             await self._open()
-            if self._transport is None:
-                raise redis.exceptions.ConnectionError(f"Connection to Redis at {self.where} lost")
+        if self._transport is None:
+            raise redis.exceptions.ConnectionError(f"Connection to Redis at {self.where} lost")
         return self._transport
 
     def _write(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, packed: bytes,
