@@ -94,11 +94,11 @@ class GroupCommit:
                 w.done.set_exception(error)
 
     def _send_now(self) -> bool:
-        """Send the waiting group from here, its last writer's turn, not the flusher's: a task, the
-        flusher runs only after every request read in this turn of the event loop, so a burst (the
-        callers of an answered batch sending again at once) would reach Redis whole, and the
-        scheduler and the executors would start on none of it until the gateway had read all of it.
-        False, with nothing sent, where the store cannot send at once."""
+        """Send the waiting group now, in the turn of the writer that filled it. The flusher is a task
+        and runs only after every request read in this turn of the event loop: a burst (the callers
+        of an answered batch sending again at once) would reach Redis whole, and the scheduler and
+        the executors would start on none of it until the gateway had read all of it. False, with
+        nothing sent, where the store cannot send at once."""
         sent = self.store.enqueue_now(self.gateway_id, self.address, self.heartbeat_ttl_ms,
                                       [w.write for w in self._outbox])
         if sent is None:
