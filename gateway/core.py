@@ -282,8 +282,9 @@ class Gateway:
             # Its responses go to the stream as they come, past the answer these would rewrite.
             raise InvalidArgument(f"model '{model.name}' is decoupled: its outputs cannot be asked for in shared "
                                   f"memory or as classifications; ask for them in the responses")
-        by_reference = not classes and (bool(targets) or self.shared_memory.in_regions(request)) and self._local(model)
-        request, payload, copied = self.shared_memory.read_inputs(request, tenant, targets, by_reference)
+        regions = self.shared_memory.in_regions(request)
+        by_reference = not classes and (bool(targets) or regions) and self._local(model)
+        request, payload, copied = self.shared_memory.read_inputs(request, tenant, targets, by_reference, regions)
         call = parse(request, model, grpc_remaining, self.settings.answer_margin_ms / 1000, payload, self.layouts)
         if copied is not None:
             call = replace(call, copied=copied)

@@ -349,6 +349,8 @@ class RestApp:
 
 
 def _once(headers: "_Headers") -> None:
+    if len(headers) == len(headers.raw):
+        return  # no name given twice
     for name in _ONCE:
         values = {v for n, v in headers.raw if n == name}
         if len(values) > 1:

@@ -301,13 +301,17 @@ class SharedMemory:
 
     def read_inputs(self, request: ipb.ModelInferRequest, tenant: str = "",
                     targets: dict[str, tuple[Region, slice]] | None = None,
-                    by_reference: bool = False) -> tuple[ipb.ModelInferRequest, bytes, Copied | None]:
+                    by_reference: bool = False,
+                    regions: bool | None = None) -> tuple[ipb.ModelInferRequest, bytes, Copied | None]:
         """The request as queued, and it serialized (b"": the request itself, as it came): the inputs
         it has in regions read into its raw_input_contents (every input raw then); or, `by_reference`,
         its fixed-size inputs and its `targets` referenced (batchline/regions.py), with how to make
-        the copied form should an executor not read the regions after all."""
-        by_reference = by_reference and (bool(targets) or self.in_regions(request))
-        if not by_reference and not self.in_regions(request):
+        the copied form should an executor not read the regions after all. `regions`: what
+        `in_regions` says of the request, where the caller has asked already."""
+        if regions is None:
+            regions = self.in_regions(request)
+        by_reference = by_reference and (bool(targets) or regions)
+        if not by_reference and not regions:
             return request, b"", None
         sent = list(request.raw_input_contents)
         in_message = [t for t in request.inputs if REGION not in t.parameters]
