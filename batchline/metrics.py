@@ -298,14 +298,16 @@ class redis_rtt:
             await pipe.execute()
     """
 
-    __slots__ = ("_child", "_start")
+    __slots__ = ("_child", "_start", "_since")
 
-    def __init__(self, service: str, op: str):
+    def __init__(self, service: str, op: str, since: float | None = None):
+        """`since`: when the command went out (time.perf_counter), where that was before the wait."""
         self._child = REDIS_ROUNDTRIP.labels(service, op)
         self._start = 0.0
+        self._since = since
 
     def __enter__(self) -> "redis_rtt":
-        self._start = time.perf_counter()
+        self._start = time.perf_counter() if self._since is None else self._since
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -99,12 +100,14 @@ class GroupCommit:
         of an answered batch sending again at once) would reach Redis whole, and the scheduler and
         the executors would start on none of it until the gateway had read all of it. False, with
         nothing sent, where the store cannot send at once."""
+        sent_at = time.perf_counter()
         sent = self.store.enqueue_now(self.gateway_id, self.address, self.heartbeat_ttl_ms,
                                       [w.write for w in self._outbox])
         if sent is None:
             return False
         batch, self._outbox = self._outbox, []
-        landing = asyncio.get_running_loop().create_task(self._land(batch, [], [], sent), context=contextvars.Context())
+        landing = asyncio.get_running_loop().create_task(self._land(batch, [], [], sent, sent_at),
+                                                         context=contextvars.Context())
         self._landing.add(landing)
         landing.add_done_callback(self._landing.discard)
         return True
@@ -133,10 +136,12 @@ class GroupCommit:
                 await asyncio.sleep(ABANDON_RETRY_S)  # Redis is away: no tight loop of removals
 
     async def _land(self, batch: list[_Waiting], abandoned: list[contract.Abandoned],
-                    abandoning: list[asyncio.Future], sent: Awaitable[list[int | Exception]]) -> bool:
-        """Tell each writer of a group sent to Redis how its write ended; whether Redis answered."""
+                    abandoning: list[asyncio.Future], sent: Awaitable[list[int | Exception]],
+                    sent_at: float | None = None) -> bool:
+        """Tell each writer of a group sent to Redis how its write ended; whether Redis answered.
+        `sent_at`: when a group sent at once went out (time.perf_counter), its round trip's start."""
         try:
-            async with metrics.redis_rtt("gateway", "enqueue"):
+            async with metrics.redis_rtt("gateway", "enqueue", sent_at):
                 queued = await sent
         except Exception as exc:  # noqa: BLE001 - every writer must hear how its write ended
             error = _commit_error(exc)

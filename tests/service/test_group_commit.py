@@ -166,3 +166,34 @@ def test_a_group_sent_by_a_caller_that_is_cancelled_still_answers_the_others(red
     # The 4th write sends the group of 4; its caller is cancelled, the other three are answered.
     seen, commits, held = _burst(redis_server.url, 4, n=4, cancel=3)
     assert (commits, held) == (1, 4)
+
+
+def test_a_group_sent_at_once_is_timed_from_when_it_went_out(redis_server):
+    """Its round trip (batchline_redis_roundtrip_seconds) counts from the send in the writer's turn,
+    not from when the task that awaits Redis's answer first runs: here the event loop is held 50 ms
+    in between, which the round trip must include."""
+    def rtt_sum() -> float:
+        return prometheus_client.REGISTRY.get_sample_value(
+            "batchline_redis_roundtrip_seconds_sum", {"service": "gateway", "op": "enqueue"}) or 0.0
+
+    async def run() -> float:
+        store = GatewayStore(connect(redis_server.url, 2.0))
+        try:
+            commit = GroupCommit(store, "gw", 30_000, 0.0, lambda: 0, 1)
+            await commit.write(contract.QueueWrite("w", WARM_MODEL, b"p", 1_000, b"w", 5, 0), 2**62, 1.0)
+            before = rtt_sum()
+
+            async def hold_the_loop() -> None:
+                time.sleep(0.05)  # blocks: the landing task runs only after this
+
+            write = commit.write(contract.QueueWrite("r", BURST_MODEL, b"p", 1_000, b"r", 5, 0), 2**62, 1.0)
+            await asyncio.gather(write, hold_the_loop())
+            return rtt_sum() - before
+        finally:
+            await store.aclose()
+
+    timed = asyncio.run(run())
+    redis.Redis.from_url(redis_server.url).delete(
+        contract.queue(BURST_MODEL), contract.payload(BURST_MODEL, "r"), contract.queue(WARM_MODEL),
+        contract.payload(WARM_MODEL, "w"))
+    assert timed >= 0.05
