@@ -301,7 +301,7 @@ class redis_rtt:
     __slots__ = ("_child", "_start", "_since")
 
     def __init__(self, service: str, op: str, since: float | None = None):
-        """`since`: when the command went out (time.perf_counter), where that was before the wait."""
+        """`since`: when the command went out (time.perf_counter), where it went out before the `with`."""
         self._child = REDIS_ROUNDTRIP.labels(service, op)
         self._start = 0.0
         self._since = since
