@@ -8,7 +8,9 @@ over a sliding window. The fit goes through the median time of each size seen, s
 neighbour, a GC pause) do not tilt it; the margin added to a prediction is a
 high quantile of the residuals, so a prediction errs late rather than early.
 Before any sample it predicts a default cost so a fresh model is not
-scheduled blind-optimistic.
+scheduled blind-optimistic. Real batches replace the warm-up runs at once
+(made-up inputs time differently), but while they have come in one size
+only, the warm-up's line still says how the cost grows with size.
 
 The margin depends on the batch's size: on a shared host a batch of 600
 units overruns its fit by tens of milliseconds when one of 30 units overruns
@@ -107,18 +109,34 @@ class LatencyProfile:
         ordered = t[order]
         sizes, starts, counts = np.unique(n[order], return_index=True, return_counts=True)
         medians = (ordered[starts + (counts - 1) // 2] + ordered[starts + counts // 2]) / 2
-        if len(sizes) < 2:
-            # One size seen: assume cost proportional to units through the median.
-            a, b = float(medians[0]) / max(float(sizes[0]), 1.0), 0.0
+        shape = _line(sizes, medians, counts, float(np.median(t)))
+        if shape is None:
+            # One size seen: the warm-up's line through sizes 1, 2, 4, ... gives the shape (how much
+            # of a batch's cost is fixed), scaled to pass through what real batches of that size
+            # took. Proportional to units through the origin otherwise: from batches of one row
+            # alone, a model whose cost is nearly all fixed would look 64 times dearer at 64 rows,
+            # and a large request be shed before running as hopeless.
+            warm = self._warm_up_line() if self._samples else None
+            size, median = max(float(sizes[0]), 1.0), float(medians[0])
+            if warm is not None and warm[0] * size + warm[1] > 0:
+                scale = median / (warm[0] * size + warm[1])
+                a, b = warm[0] * scale, warm[1] * scale
+            else:
+                a, b = median / size, 0.0
         else:
-            weights = np.sqrt(counts)
-            a, b = np.polyfit(sizes, medians, 1, w=weights)
-            a, b = float(a), float(b)
-            if a < 0:  # noise made bigger batches look cheaper: fall back to a flat cost
-                a, b = 0.0, float(np.median(t))
+            a, b = shape
         resid = t - (a * n + b)
         margin = max(0.0, float(np.quantile(resid, self._quantile)))
         return (a, b, margin), self._class_margins(n, resid, a, b, float(t.max()))
+
+    def _warm_up_line(self) -> tuple[float, float] | None:
+        if not self._warm_up:
+            return None
+        n = np.array([w[0] for w in self._warm_up], dtype=float)
+        t = np.array([w[1] for w in self._warm_up], dtype=float)
+        sizes, inverse, counts = np.unique(n, return_inverse=True, return_counts=True)
+        medians = np.array([float(np.median(t[inverse == i])) for i in range(len(sizes))])
+        return _line(sizes, medians, counts, float(np.median(t)))
 
     def _class_margins(self, n: np.ndarray, resid: np.ndarray, a: float, b: float,
                        slowest_s: float) -> tuple[float, ...]:
@@ -145,3 +163,13 @@ class LatencyProfile:
                 m = min(own[j] * typical(k) / typical(j), slowest_s)
             table.append(m)
         return tuple(table)
+
+
+def _line(sizes: np.ndarray, medians: np.ndarray, counts: np.ndarray, flat: float) -> tuple[float, float] | None:
+    """a, b of the line through each size's median time, weighted by its samples; None for one size."""
+    if len(sizes) < 2:
+        return None
+    a, b = np.polyfit(sizes, medians, 1, w=np.sqrt(counts))
+    if a < 0:  # noise made bigger batches look cheaper: fall back to a flat cost
+        return 0.0, flat
+    return float(a), float(b)

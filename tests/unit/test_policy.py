@@ -474,6 +474,24 @@ def test_warm_up_samples_steer_the_profile_only_until_a_real_batch_reports():
     assert len(prof.warm_up_samples()) == 7 and len(prof.samples()) == 2
 
 
+def test_real_batches_of_one_size_keep_the_warm_ups_shape():
+    # A model whose cost is nearly all fixed: 0.5 ms a batch and 10 us a row at warm-up.
+    prof = LatencyProfile()
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        prof.observe(n, 0.0005 + 0.00001 * n, warm_up=True)
+    # Real traffic, one row at a time, runs a fifth slower than the made-up inputs.
+    for _ in range(5):
+        prof.observe(1, 1.2 * 0.00051)
+    assert prof.expected(1) == pytest.approx(1.2 * 0.00051)
+    # 64 rows: the warm-up's shape at real traffic's scale, not 64 one-row runs.
+    assert prof.expected(64) == pytest.approx(1.2 * (0.0005 + 0.00064), rel=1e-6)
+    # Once real batches of two sizes report (and the profile refits), their own line takes over.
+    for _ in range(16):
+        prof.observe(8, 0.004)
+    a, b, _ = prof.coefficients()
+    assert a * 8 + b == pytest.approx(0.004, rel=1e-6)
+
+
 def test_profile_round_trips_its_samples():
     prof = LatencyProfile()
     for n in (1, 4, 8):
