@@ -2,7 +2,10 @@
 
 Each script starts the meshes it needs (`batchline up`'s Mesh: a private
 Redis, one executor, the scheduler and the gateway on a free port) and stops
-them; the load generator runs in the script's own process.
+them; the load generator runs in the script's own process. Importing this
+module makes SIGTERM (`timeout`, `kill`) stop a script as Ctrl-C does, so that
+the `finally` blocks that stop its meshes and peers run: by default SIGTERM
+ends the process at once and leaves them running.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import os
 import pathlib
 import platform
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -25,6 +29,16 @@ from batchline.mesh import Mesh
 from batchline.tune.layouts import set_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _interrupt(signum, frame) -> None:
+    # Once: a second SIGTERM while the meshes stop must not cut their stopping short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    signal.signal(signal.SIGTERM, _interrupt)
 # Closed-loop runs that measure what the mesh can serve give requests a budget long enough
 # that admission control and shedding never refuse them (the model default is 5 s, which a
 # saturated 2-core machine can exceed at 128 tokens): they measure capacity, not promises.
