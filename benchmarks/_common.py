@@ -39,6 +39,7 @@ def _interrupt(signum, frame) -> None:
 
 if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
     signal.signal(signal.SIGTERM, _interrupt)
+
 # Closed-loop runs that measure what the mesh can serve give requests a budget long enough
 # that admission control and shedding never refuse them (the model default is 5 s, which a
 # saturated 2-core machine can exceed at 128 tokens): they measure capacity, not promises.

@@ -113,9 +113,9 @@ class LatencyProfile:
         if shape is None:
             # One size seen: the warm-up's line through sizes 1, 2, 4, ... gives the shape (how much
             # of a batch's cost is fixed), scaled to pass through what real batches of that size
-            # took. Proportional to units through the origin otherwise: from batches of one row
-            # alone, a model whose cost is nearly all fixed would look 64 times dearer at 64 rows,
-            # and a large request be shed before running as hopeless.
+            # took; without one, proportional to units through the origin. Proportional from one-row
+            # batches would make a model whose cost is nearly all fixed look 64 times dearer at 64
+            # rows, and shed a large request as hopeless before it ran.
             warm = self._warm_up_line() if self._samples else None
             size, median = max(float(sizes[0]), 1.0), float(medians[0])
             if warm is not None and warm[0] * size + warm[1] > 0:
