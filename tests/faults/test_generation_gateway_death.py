@@ -14,11 +14,15 @@ from batchline.testing.decoder import build_gpt
 from batchline.testing.polling import poll
 from batchline.testing.processes import ProcessMesh
 
-# Sixty-four turns of one slot, each of 240 steps: streams still running or waiting when the dead
-# gateway's heartbeat (0.2 s a beat, gone after 0.6 s) lapses, even on an engine at a fraction of a
-# millisecond a step (the demo's, with its cache in place, on a quiet host).
+# Sixteen turns of four slots, each of 90 to 240 steps: streams still running or waiting when the
+# dead gateway's heartbeat (0.2 s a beat, gone after 0.6 s) lapses, even on an engine at a fraction
+# of a millisecond a step (the demo's, with its cache in place, on a quiet host). The lengths differ
+# so that the four running ones end at different times: a sequence within its last write when the
+# lapse is seen ends at that write, silently, and with one slot (or four in step) the streams after
+# it are then dropped unread, leaving none to end mid-way and say so.
 STREAMS = 64
-MAX_TOKENS = 240
+SLOTS = 4
+MAX_TOKENS = (240, 190, 140, 90)
 
 
 def sequences(mesh: ProcessMesh) -> tuple[int, int]:
@@ -32,11 +36,11 @@ def sequences(mesh: ProcessMesh) -> tuple[int, int]:
 def test_a_dead_gateways_sequences_end_at_their_next_write(tmp_path):
     repo = tmp_path / "repo"
     build_gpt(repo)
-    # One cache slot (1 MiB for gpt): the streams take turns, so that some are still to run when
-    # the gateway dies; they must not run either.
+    # Four cache slots (1 MiB each for gpt): the streams take turns, so that some are still to run
+    # when the gateway dies; they must not run either.
     with ProcessMesh(repo, tmp_path / "logs", models=("gpt",)) as mesh:
         mesh.start_redis()
-        mesh.add_executor(flags=["--generation-cache-mb", "1"])
+        mesh.add_executor(flags=["--generation-cache-mb", str(SLOTS)])
         mesh.add_scheduler()
         mesh.add_gateway(flags=["--heartbeat-interval-s", "0.2"])
         mesh.probe.wait_for_executors(1)
@@ -44,10 +48,11 @@ def test_a_dead_gateways_sequences_end_at_their_next_write(tmp_path):
         tokens = threading.Semaphore(0)
         client = grpcclient.InferenceServerClient(mesh.probe.gateway_address())
         client.start_stream(callback=lambda result, error: tokens.release() if error is None else None)
-        parameters = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0, "timeout": 120_000_000}
         for i in range(STREAMS):
             tensor = grpcclient.InferInput("text_input", [1], "BYTES")
             tensor.set_data_from_numpy(np.array([b"The"], dtype=object))
+            parameters = {"max_tokens": MAX_TOKENS[i % len(MAX_TOKENS)], "ignore_eos": True, "temperature": 0,
+                          "timeout": 120_000_000}
             client.async_stream_infer("gpt", [tensor], request_id=str(i), parameters=parameters)
         assert tokens.acquire(timeout=60), "no token came"
         poll(lambda: sequences(mesh)[0] > 0, 30, "the executor to register running sequences", check=mesh.check_alive)
