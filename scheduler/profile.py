@@ -101,14 +101,8 @@ class LatencyProfile:
         return self.cost().predict(units)
 
     def _refit(self) -> tuple[tuple[float, float, float], tuple[float, ...]]:
-        samples = self._samples or self._warm_up
-        n = np.array([s[0] for s in samples], dtype=float)
-        t = np.array([s[1] for s in samples], dtype=float)
-        # The median time of each size: sorted by size then time, the middle of each run.
-        order = np.lexsort((t, n))
-        ordered = t[order]
-        sizes, starts, counts = np.unique(n[order], return_index=True, return_counts=True)
-        medians = (ordered[starts + (counts - 1) // 2] + ordered[starts + counts // 2]) / 2
+        n, t = _arrays(self._samples or self._warm_up)
+        sizes, medians, counts = _medians(n, t)
         shape = _line(sizes, medians, counts, float(np.median(t)))
         if shape is None:
             # One size seen: the warm-up's line through sizes 1, 2, 4, ... gives the shape (how much
@@ -132,11 +126,8 @@ class LatencyProfile:
     def _warm_up_line(self) -> tuple[float, float] | None:
         if not self._warm_up:
             return None
-        n = np.array([w[0] for w in self._warm_up], dtype=float)
-        t = np.array([w[1] for w in self._warm_up], dtype=float)
-        sizes, inverse, counts = np.unique(n, return_inverse=True, return_counts=True)
-        medians = np.array([float(np.median(t[inverse == i])) for i in range(len(sizes))])
-        return _line(sizes, medians, counts, float(np.median(t)))
+        n, t = _arrays(self._warm_up)
+        return _line(*_medians(n, t), float(np.median(t)))
 
     def _class_margins(self, n: np.ndarray, resid: np.ndarray, a: float, b: float,
                        slowest_s: float) -> tuple[float, ...]:
@@ -163,6 +154,19 @@ class LatencyProfile:
                 m = min(own[j] * typical(k) / typical(j), slowest_s)
             table.append(m)
         return tuple(table)
+
+
+def _arrays(samples: deque[tuple[int, float]]) -> tuple[np.ndarray, np.ndarray]:
+    return (np.array([s[0] for s in samples], dtype=float), np.array([s[1] for s in samples], dtype=float))
+
+
+def _medians(n: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each size seen, the median time of its samples, and how many it has."""
+    # Sorted by size then time, the middle of each run.
+    order = np.lexsort((t, n))
+    ordered = t[order]
+    sizes, starts, counts = np.unique(n[order], return_index=True, return_counts=True)
+    return sizes, (ordered[starts + (counts - 1) // 2] + ordered[starts + counts // 2]) / 2, counts
 
 
 def _line(sizes: np.ndarray, medians: np.ndarray, counts: np.ndarray, flat: float) -> tuple[float, float] | None:
