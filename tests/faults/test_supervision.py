@@ -81,7 +81,10 @@ def test_killed_services_are_restarted_under_load_and_every_call_is_answered(mlp
             before = outcomes["ok"]
             os.kill(up.pid_of(service), signal.SIGKILL)
             count = kills[:n].count(service)
-            poll(lambda: _restarts(metrics_port).get(service) == count, RESTART_S,
+            # The count goes up a moment before the log line that names the new pid, which the next
+            # kill of this service reads: wait for both.
+            poll(lambda: _restarts(metrics_port).get(service) == count
+                 and len(re.findall(rf"restarted {service} \(pid", up.output)) == count, RESTART_S,
                  f"{service} restarted {count} time(s)", check=up.check_alive)
             poll(lambda: outcomes["ok"] > before + 20, RESTART_S, f"the load served again after killing {service}")
         # Enough calls that the few in flight on the killed gateway's connections weigh under 1%.
