@@ -157,6 +157,12 @@ MODEL_PROVIDER = Gauge(
     "runs on (its session's first provider: what it fell back to when a GPU provider could not be created).",
     _MV + ("provider",),
 )
+REQUESTS_DROPPED = Counter(
+    "batchline_requests_dropped",
+    "Requests an executor took in a batch and dropped unread, as nobody waited for them (reason: payload_gone, "
+    "answered elsewhere, cancelled or timed out; gateway_gone, its gateway's heartbeat lapsed).",
+    _MV + ("reason",),
+)
 INFERENCE_COUNT = Counter("batchline_inference_count", "Rows executed.", _MV)
 EXECUTION_COUNT = Counter("batchline_execution_count", "Batches executed (rows/batches = mean batch size).", _MV)
 PADDING_EFFICIENCY = Histogram(

@@ -30,6 +30,7 @@ from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS, WAIT_RETRY_S
 from batchline.redis_url import BLOCKING_WAIT_S
 from executor import decoupled, generation_batches, outcome, running, sequences, shared_memory
+from executor.awaited import awaited
 from executor.generation_serving import GenerationModel
 from executor.outcome import Timing
 from executor.running import Member
@@ -207,11 +208,8 @@ class BatchWorker:
             async with metrics.redis_rtt("executor", "fetch"):
                 payloads, beats = await self.store.fetch((batch.model_name, batch.model_version),
                                                          [e.request_id for e in entries], gateways)
-        gone = {g for g, beat in zip(gateways, beats) if beat is None} if self.heartbeats.heartbeats_tell() else ()
-        members = [running.decoded(entry, blob, model, batch, self.executor_id)
-                   for entry, blob in zip(entries, payloads)
-                   # answered, abandoned, or its gateway died: nobody is waiting
-                   if blob is not None and (not gone or entry.gateway_id not in gone)]
+        members = [running.decoded(entries[i], payloads[i], model, batch, self.executor_id)  # type: ignore[arg-type]
+                   for i in awaited(batch, entries, payloads, gateways, beats, self.heartbeats)]
         return Taken(members, start_us, t0, time.perf_counter_ns())
 
     async def _run(self, batch: pb.Batch, model: LoadedModel | None, taken: Taken, traced: bool) -> Ran:

@@ -23,6 +23,7 @@ from batchline.heartbeats import HeartbeatTrust
 from batchline.protocol import internal_pb2 as pb
 from batchline.redis_client import REDIS_ERRORS
 from executor import outcome
+from executor.awaited import awaited
 from executor.generation_requests import serve
 from executor.generation_serving import GenerationModel
 from executor.outcome import Timing
@@ -41,11 +42,8 @@ async def run_batch(store: ExecutorStore, executor_id: str, batch: pb.Batch, mod
     payloads, beats = await store.fetch(key, ids, gateways)
     sent = await store.generated_tokens(key, ids)
     fetched_ns = time.perf_counter_ns()
-    alive = {g for g, beat in zip(gateways, beats) if beat is not None or not heartbeats.heartbeats_tell()}
-    # A payload that is gone was answered, cancelled or timed out, and a dead gateway's client is
-    # gone with it: nobody waits for either.
-    live = [(entry, blob, made) for entry, blob, made in zip(batch.members, payloads, sent)
-            if blob is not None and entry.gateway_id in alive]
+    entries = list(batch.members)
+    live = [(entries[i], payloads[i], sent[i]) for i in awaited(batch, entries, payloads, gateways, beats, heartbeats)]
     results = await asyncio.gather(*(serve(store, model, entry, blob, made, heartbeats)
                                      for entry, blob, made in live), return_exceptions=True)
     ran_ns = time.perf_counter_ns()

@@ -7,6 +7,7 @@ import uuid
 
 import numpy as np
 import redis
+from prometheus_client import REGISTRY
 
 from batchline import contract
 from batchline.clock import now_us
@@ -27,6 +28,11 @@ def _enqueue(r, gateway_id: str, deadline_us: int, request: ipb.ModelInferReques
     r.zadd(contract.queue((model, "1")), {entry.SerializeToString(): contract.queue_score(1, deadline_us)})
     r.rpush(contract.notify((model, "1")), 1)
     return request_id
+
+
+def _dropped(reason: str) -> float:
+    labels = {"model": "mlp", "version": "1", "reason": reason}
+    return REGISTRY.get_sample_value("batchline_requests_dropped_total", labels) or 0.0
 
 
 def _replies(r: redis.Redis, gateway_id: str, want: int, timeout: float = 10) -> dict[str, pb.Reply]:
@@ -114,10 +120,14 @@ def test_requests_of_a_dead_gateway_are_not_executed(mesh_factory):
     m = mesh_factory(models=["mlp"])
     r = redis.Redis.from_url(m.redis_url)
     alive, dead = "gw-alive", "gw-dead"
-    with r.pipeline(transaction=True) as pipe:  # both queued at once, the dead gateway already gone
+    reasons = ("gateway_gone", "payload_gone")
+    before = {why: _dropped(why) for why in reasons}
+    with r.pipeline(transaction=True) as pipe:  # queued at once, the dead gateway already gone
         kept = _enqueue(pipe, alive, now_us() + 30_000_000, _mlp_request(np.ones((1, 32))))
         orphan = _enqueue(pipe, dead, now_us() + 30_000_000, _mlp_request(np.zeros((1, 32))))
         pipe.delete(contract.gateway(dead))  # its heartbeat key expired: nobody waits for its answers
+        cancelled = _enqueue(pipe, alive, now_us() + 30_000_000, _mlp_request(np.ones((1, 32))))
+        pipe.delete(contract.payload(("mlp", "1"), cancelled))  # answered, cancelled or timed out
         pipe.execute()
     replies = _replies(r, alive, 1)
     assert replies[kept].code == 0
@@ -128,6 +138,9 @@ def test_requests_of_a_dead_gateway_are_not_executed(mesh_factory):
     stats = r.hgetall(contract.stats(("mlp", "1")))
     assert int(stats[b"inference_count"]) == 1  # ... but never run
     assert not r.exists(contract.reply(dead))
+    # Both dropped unread, and counted with why (the in-process mesh's executors count here).
+    poll(lambda: all(_dropped(why) == before[why] + 1 for why in reasons), 10, "both drops to be counted")
+    assert int(r.hgetall(contract.stats(("mlp", "1")))[b"inference_count"]) == 1
 
 
 def test_right_after_redis_was_away_a_gateway_without_a_heartbeat_is_still_answered(mesh_factory):
