@@ -16,14 +16,15 @@ from batchline.testing.processes import ProcessMesh
 @pytest.fixture(autouse=True)
 def no_bug_in_a_service_loop():
     """Fails the test during which a service loop failed on a bug (batchline/testing/loop_bugs.py):
-    one of a mesh in this process, or one whose log a ProcessMesh the test made holds."""
-    made = len(processes.MADE)
+    one of a mesh in this process, or one whose log a ProcessMesh holds (one the test made, or a
+    module's that outlives it: what its logs gained since the last test)."""
     with watched() as bugs:
         yield
     found = bugs.report()
-    meshes, processes.MADE[made:] = processes.MADE[made:], []
-    for mesh in meshes:
-        found = found or mesh.loop_bugs()
+    for mesh in processes.MADE:
+        bug = mesh.loop_bugs()  # (each read, so that its next read starts after this test)
+        found = found or bug
+    processes.MADE[:] = [mesh for mesh in processes.MADE if not mesh.stopped]
     if found:
         pytest.fail(found, pytrace=False)
 

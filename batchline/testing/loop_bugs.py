@@ -57,6 +57,27 @@ _CHAINED = ("During handling of the above exception", "The above exception was t
 _BUG_NAMES = frozenset(b.__name__ for b in BUGS)
 
 
+# A text record's first line starts with its time; a traceback's lines, and the lines that chain
+# one to the next, follow it.
+_RECORD = re.compile(rb"^\d{4}-\d\d-\d\d ")
+_MID_TRACEBACK = (b"Traceback (most recent call last):", b" ", *(c.encode() for c in _CHAINED))
+
+
+def judged_to(log: bytes) -> int:
+    """How much of a log still being written `in_log` can judge now: its whole lines, less the last
+    record where its traceback has not reached the exception's line yet (read whole later)."""
+    end = log.rfind(b"\n") + 1
+    lines = log[:end].splitlines(keepends=True)
+    if not lines or (lines[-1].strip() and not lines[-1].startswith(_MID_TRACEBACK)):
+        return end
+    start = end
+    for line in reversed(lines):
+        start -= len(line)
+        if _RECORD.match(line):
+            return start
+    return end
+
+
 def in_log(text: str) -> str | None:
     """The first loop failure on a bug in a service's text log (its head and traceback, and how
     many there are), or None."""

@@ -26,7 +26,7 @@ import psutil
 
 from batchline.embedded_redis import EmbeddedRedis
 from batchline.testing.checkout import ROOT
-from batchline.testing.loop_bugs import in_log
+from batchline.testing.loop_bugs import in_log, judged_to
 from batchline.testing.polling import MeshError, poll
 from batchline.testing.probe import MeshProbe
 
@@ -38,8 +38,8 @@ SERVICES_ROOT = pathlib.Path(os.environ.get("BATCHLINE_SERVICES_ROOT", ROOT))
 # Services started by any ProcessMesh of this interpreter, killed at exit in
 # case a test run is interrupted before its teardown.
 _LIVE: "weakref.WeakSet[ProcessMesh]" = weakref.WeakSet()
-# Every ProcessMesh made, in order: the tests' conftest reads the logs of those a test made
-# (loop_bugs.in_log) and drops them.
+# Every ProcessMesh made, in order: the tests' conftest reads the logs of those a test made or
+# used (loop_bugs.in_log) after it, and drops each once it is stopped.
 MADE: "list[ProcessMesh]" = []
 
 
@@ -143,6 +143,7 @@ class ProcessMesh:
         self.redis_server = redis_server or EmbeddedRedis()
         self.services: dict[str, Service] = {}
         self.probe = MeshProbe(self)
+        self._bugs_read_to: dict[str, int] = {}  # per service: how far loop_bugs has read its log
         _LIVE.add(self)
         MADE.append(self)
 
@@ -293,15 +294,27 @@ class ProcessMesh:
                 raise MeshError(f"{svc.name} exited unexpectedly with code {svc.proc.returncode}:\n{svc.tail(30)}")
 
     def loop_bugs(self) -> str | None:
-        """The first service whose log holds a loop's failure on a bug (loop_bugs.in_log), or None."""
+        """The first service whose log holds a loop's failure on a bug (loop_bugs.in_log), or None.
+        Each call reads only what the logs gained since the last one: a mesh that outlives a test
+        (a module's) is read after each, and a failure is reported once, by the test it came in."""
+        found = None
         for name, svc in self.services.items():
             try:
-                found = in_log(svc.log_path.read_text(errors="replace"))
+                with open(svc.log_path, "rb") as log:
+                    log.seek(self._bugs_read_to.get(name, 0))
+                    text = log.read()
             except FileNotFoundError:
                 continue
-            if found:
-                return f"{name} ({svc.log_path}): {found}"
-        return None
+            judged = judged_to(text)
+            self._bugs_read_to[name] = self._bugs_read_to.get(name, 0) + judged
+            bug = in_log(text[:judged].decode(errors="replace"))
+            if bug and found is None:
+                found = f"{name} ({svc.log_path}): {bug}"
+        return found
+
+    @property
+    def stopped(self) -> bool:
+        return self not in _LIVE
 
     def logs(self, lines: int = 60) -> str:
         parts = [f"----- {n} ({s.log_path}) -----\n{s.tail(lines)}" for n, s in self.services.items()]

@@ -84,3 +84,28 @@ def test_outages_chained_ones_and_other_loggers_in_a_log_are_not_bugs():
     assert in_log(_OUTAGES) is None
     assert in_log(_STEP_BUG.replace("TypeError", "redis.exceptions.TimeoutError")) is None
     assert in_log("") is None
+
+
+def test_a_mesh_that_outlives_a_test_has_each_failure_read_once(tmp_path):
+    """A module's ProcessMesh is read after every test: each read takes only what its logs gained
+    (a failure fails the test it came in, not the module's next ones), and a traceback still being
+    written is read whole the next time."""
+    from batchline.testing.processes import ProcessMesh, Service
+
+    mesh = ProcessMesh(tmp_path / "repo", tmp_path / "logs", models=())
+    try:
+        log = tmp_path / "logs" / "scheduler.log"
+        mesh.services["scheduler"] = Service("scheduler", "scheduler", [], {}, log)  # its log alone
+        log.write_text(_STEP_BUG + "\n")
+        assert "TypeError: 'int' object is not iterable" in (mesh.loop_bugs() or "")
+        assert mesh.loop_bugs() is None  # read already
+        head, _, tail = _STEP_BUG.partition("  File")
+        with log.open("a") as f:
+            f.write(head + "  File")  # the traceback's first lines, as the service writes them
+        assert mesh.loop_bugs() is None
+        with log.open("a") as f:
+            f.write(tail + "\n")
+        assert "TypeError: 'int' object is not iterable" in (mesh.loop_bugs() or "")
+    finally:
+        mesh.stop()
+    assert mesh.stopped
