@@ -23,25 +23,16 @@ def awaited(batch: pb.Batch, entries: Sequence[pb.QueueEntry], payloads: Sequenc
     """The indices in `entries` of the members still awaited. `payloads` are the members' (None
     where gone), `beats` the heartbeats of the sorted distinct `gateways` (None where gone)."""
     gone = {g for g, beat in zip(gateways, beats) if beat is None} if trust.heartbeats_tell() else set()
-    if not gone:
-        kept = [i for i, blob in enumerate(payloads) if blob is not None]
-        if len(kept) < len(entries):
-            metrics.REQUESTS_DROPPED.labels(batch.model_name, batch.model_version, "payload_gone").inc(
-                len(entries) - len(kept))
-        return kept
-    kept, unawaited, orphans = [], 0, 0
-    for i, (entry, blob) in enumerate(zip(entries, payloads)):
-        if blob is None:
-            unawaited += 1
-        elif entry.gateway_id in gone:
-            orphans += 1
-        else:
-            kept.append(i)
-    if unawaited:
-        metrics.REQUESTS_DROPPED.labels(batch.model_name, batch.model_version, "payload_gone").inc(unawaited)
-    if orphans:
-        metrics.REQUESTS_DROPPED.labels(batch.model_name, batch.model_version, "gateway_gone").inc(orphans)
-        log.debug("batch %s: %d request(s) of model '%s' version '%s' dropped unread: gateway(s) %s gone "
-                  "(no heartbeat)", batch.batch_id, orphans, batch.model_name, batch.model_version,
-                  ", ".join(sorted(gone)))
+    kept = [i for i, (entry, blob) in enumerate(zip(entries, payloads))
+            if blob is not None and entry.gateway_id not in gone]
+    if len(kept) < len(entries):  # (rare: counted apart, off the common path)
+        unawaited = sum(blob is None for blob in payloads)
+        orphans = len(entries) - len(kept) - unawaited
+        for reason, count in (("payload_gone", unawaited), ("gateway_gone", orphans)):
+            if count:
+                metrics.REQUESTS_DROPPED.labels(batch.model_name, batch.model_version, reason).inc(count)
+        if orphans:
+            log.debug("batch %s: %d request(s) of model '%s' version '%s' dropped unread: gateway(s) %s gone "
+                      "(no heartbeat)", batch.batch_id, orphans, batch.model_name, batch.model_version,
+                      ", ".join(sorted(gone)))
     return kept
